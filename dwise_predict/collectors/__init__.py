@@ -1,0 +1,1 @@
+"""Decoding with instrumentation, model backends, workloads and the trace store."""

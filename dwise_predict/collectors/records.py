@@ -1,0 +1,82 @@
+"""What goes into and comes out of the instrumented decoder, shared by every backend."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from dwise_predict.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DecodingConfig:
+    """How requests are decoded; recorded in every trace manifest and every bundle.
+
+    threshold : a masked position is unmasked in a round when its top-1 probability is at least this
+        (and each round unmasks at least the single most confident position).
+    block_size : tokens per block; ``None`` means the model's own.
+    budget : output budget in tokens (generation stops at the block that reaches it).
+    """
+
+    algorithm: str = "threshold"
+    threshold: float = 0.9
+    block_size: int | None = None
+    budget: int = 256
+    dtype: str = "float32"
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0.0 < self.threshold <= 1.0:
+            problems.append(f"--threshold must be in (0, 1], got {self.threshold}")
+        if self.block_size is not None and self.block_size <= 0:
+            problems.append(f"--block-size must be positive, got {self.block_size}")
+        if self.budget <= 0:
+            problems.append(f"--budget must be positive, got {self.budget}")
+        if self.batch_size <= 0:
+            problems.append(f"--batch-size must be positive, got {self.batch_size}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DecodeRequest:
+    """One request for the decoder: its id, its prompt ids after the chat template, its budget."""
+
+    request_id: str
+    prompt_ids: list[int]
+    budget: int
+
+
+@dataclass
+class DecodeResult:
+    """Everything the decoder measured for one request (one row of contract 1 plus hidden rows)."""
+
+    request_id: str
+    prompt_tokens: int
+    prompt_blocks: int
+    block_size: int
+    rounds_per_block: list[int]
+    output_ids: list[int]
+    finish: str  # "eos" | "budget"
+    frac_over_threshold: float
+    mean_confidence: float
+    mean_entropy: float
+    wall_s: float
+    first_round_hidden: np.ndarray  # (H,) mean of the final-layer rows of the first output block, first round
+    prompt_last_hidden: np.ndarray  # (H,) mean of the final-layer rows of the last prompt block
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def total_rounds(self) -> int:
+        return int(sum(self.rounds_per_block))
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_ids)

@@ -1,0 +1,1 @@
+"""Contract 2: predictor bundles (export, verify, zoo)."""

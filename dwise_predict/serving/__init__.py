@@ -1,0 +1,1 @@
+"""Serving side: bundle loader, DWISE policy, SGLang adapter, simulator (no training stack)."""

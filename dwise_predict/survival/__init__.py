@@ -1,0 +1,1 @@
+"""Discrete-time survival refinement: network, label transform, loss, ensemble, calibration."""

@@ -1,0 +1,129 @@
+"""The refinement predictor as a torch module: the piece training, export and serving share.
+
+Imports only torch, so the serving hook can rebuild it from ``refine.safetensors`` without the
+training stack. The same arrays define the TorchScript and ONNX graphs.
+
+Remaining rounds ``T`` (after the first denoising round) take values ``0..K``. Each member emits
+``K`` hazard logits, ``h_j = P(T = j | T >= j)`` for ``j < K`` (``T = K`` closes the support), so
+
+    S(j) = P(T > j) = prod_{i <= j} (1 - h_i)    and    E[T] = sum_{j < K} S(j).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class HazardMLP(nn.Module):
+    """Two-layer MLP: standardised input (D) -> width -> K hazard logits (GELU, dropout)."""
+
+    def __init__(self, in_features: int, num_rounds: int, width: int = 256, dropout: float = 0.2):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, width)
+        self.drop = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(width, num_rounds)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, K)
+        return self.fc2(self.drop(F.gelu(self.fc1(x))))
+
+
+def survival_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, K) hazard logits -> (B, K) survival S(j) = P(T > j).
+
+    1 - sigmoid(l) = sigmoid(-l), and the product becomes a sum of logs: numerically stable, no
+    epsilon needed, and exportable (ONNX has no cumprod).
+    """
+    return torch.exp(torch.cumsum(F.logsigmoid(-logits), dim=1))
+
+
+def expected_remaining(logits: torch.Tensor) -> torch.Tensor:
+    """(B, K) hazard logits -> (B,) mean remaining rounds, sum_j S(j)."""
+    return survival_from_logits(logits).sum(dim=1)
+
+
+def isotonic_interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear map through increasing knots (xp, fp), clamped at both ends (= np.interp).
+
+    The bucket is found by a comparison count rather than searchsorted, which ONNX cannot export.
+    """
+    if xp.numel() == 1:
+        return fp.expand_as(x).clone()
+    xc = torch.clamp(x, xp[0], xp[-1])
+    idx = (xc.unsqueeze(-1) >= xp[1:-1]).sum(dim=-1)  # (B,) in [0, n-2]
+    x0, x1 = xp[idx], xp[idx + 1]
+    y0, y1 = fp[idx], fp[idx + 1]
+    span = torch.where(x1 > x0, x1 - x0, torch.ones_like(x1))
+    return y0 + (y1 - y0) * (xc - x0) / span
+
+
+class RefineGraph(nn.Module):
+    """Calibrated ensemble in one graph: raw inputs in, calibrated remaining rounds out.
+
+    Inputs: ``first_round`` (B, H) pooled hidden state (raw), ``prompt_tokens`` (B,), ``budget`` (B,).
+    Output: (B,) remaining denoising rounds on the scale of actual rounds.
+    """
+
+    def __init__(
+        self,
+        members: list[HazardMLP],
+        input_mean: torch.Tensor,
+        input_std: torch.Tensor,
+        prompt_norm: float,
+        budget_norm: float,
+        calib_x: torch.Tensor,
+        calib_y: torch.Tensor,
+    ):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.register_buffer("input_mean", input_mean.float())
+        self.register_buffer("input_std", input_std.float())
+        self.register_buffer("calib_x", calib_x.float())
+        self.register_buffer("calib_y", calib_y.float())
+        self.prompt_norm = float(prompt_norm)
+        self.budget_norm = float(budget_norm)
+
+    def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        """(B,) ensemble mean of expected remaining rounds, before calibration."""
+        x = torch.cat(
+            [first_round, (prompt_tokens / self.prompt_norm).unsqueeze(1), (budget / self.budget_norm).unsqueeze(1)],
+            dim=1,
+        )  # (B, H + 2)
+        x = (x - self.input_mean) / self.input_std
+        estimates = [expected_remaining(m(x)) for m in self.members]
+        return torch.stack(estimates, dim=0).mean(dim=0)
+
+    def forward(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+        return isotonic_interp(self.raw(first_round, prompt_tokens, budget), self.calib_x, self.calib_y)
+
+
+def build_refine_graph(weights: dict[str, torch.Tensor], spec: dict, calibration: dict) -> RefineGraph:
+    """Rebuild the calibrated ensemble from plain arrays: the run directory's (and bundle's)
+    ``refine.safetensors`` (``member{i}.fc1.weight`` ..., ``input_mean``, ``input_std``), the
+    ``refine.json`` spec (``in_features``, ``num_rounds``, ``width``, ``members``, ``prompt_norm``,
+    ``budget_norm``) and ``calibration.json`` (``x``, ``y``: increasing isotonic knots)."""
+    members = []
+    for i in range(int(spec["members"])):
+        member = HazardMLP(int(spec["in_features"]), int(spec["num_rounds"]), int(spec["width"]), 0.0)
+        member.load_state_dict({k.split(".", 1)[1]: v for k, v in weights.items() if k.startswith(f"member{i}.")})
+        members.append(member)
+    graph = RefineGraph(
+        members,
+        weights["input_mean"],
+        weights["input_std"],
+        spec["prompt_norm"],
+        spec["budget_norm"],
+        torch.tensor(calibration["x"], dtype=torch.float32),
+        torch.tensor(calibration["y"], dtype=torch.float32),
+    )
+    return graph.eval()
+
+
+def refine_state(members: list[HazardMLP], input_mean: torch.Tensor, input_std: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The flat tensor dict written to ``refine.safetensors`` (inverse of :func:`build_refine_graph`)."""
+    state = {"input_mean": input_mean.float().contiguous(), "input_std": input_std.float().contiguous()}
+    for i, member in enumerate(members):
+        for name, tensor in member.state_dict().items():
+            state[f"member{i}.{name}"] = tensor.detach().float().contiguous()
+    return state

@@ -1,0 +1,229 @@
+"""Contract 1 — the consolidated trace dataset every stage after `collect` reads.
+
+A directory holding
+
+- ``manifest.json``: schema version, model fingerprint, decoding config, workload, versions, counts;
+- ``requests.parquet``: one row per request with the columns in :data:`REQUEST_COLUMNS`
+  (more may follow; these keep their names and meaning);
+- ``hidden.safetensors``: ``first_round`` ``[N, H]`` and ``prompt_last`` ``[N, H]``, row i belonging to
+  row i of ``requests.parquet``.
+
+Outside tools read these files directly (``pd.read_parquet(dir / "requests.parquet")``), so the
+names here are a public interface: change one only with a schema-version bump.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.errors import TraceError
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+REQUESTS_FILE = "requests.parquet"
+HIDDEN_FILE = "hidden.safetensors"
+HIDDEN_TENSORS = ("first_round", "prompt_last")
+
+# name -> meaning; the order is the column order we write.
+REQUEST_COLUMNS: dict[str, str] = {
+    "request_id": "unique id of the request",
+    "split": "'train' (fits) or 'eval' (reported)",
+    "category": "request family (chat, code, math, ...)",
+    "source": "where the prompt came from",
+    "prompt": "prompt text before the chat template",
+    "prompt_tokens": "prompt tokens after the chat template",
+    "words": "whitespace-separated words in the prompt",
+    "newlines": "newline characters in the prompt",
+    "budget": "output budget in tokens",
+    "block_size": "tokens per block",
+    "prompt_blocks": "ceil(prompt_tokens / block_size)",
+    "total_rounds": "denoising rounds over all output blocks",
+    "rounds_per_block": "denoising rounds of each output block (list)",
+    "output_tokens": "generated tokens up to and including EOS",
+    "finish": "'eos' or 'budget'",
+    "frac_over_threshold": "first round: fraction of masked positions whose top-1 prob clears the threshold",
+    "mean_confidence": "first round: mean top-1 probability over the block",
+    "mean_entropy": "first round: mean predictive entropy over the block (nats)",
+    "wall_s": "wall-clock seconds from the request's first prompt block to its last round",
+}
+NUMERIC_COLUMNS = (
+    "prompt_tokens", "words", "newlines", "budget", "block_size", "prompt_blocks", "total_rounds",
+    "output_tokens", "frac_over_threshold", "mean_confidence", "mean_entropy", "wall_s",
+)
+
+
+@dataclass
+class TraceDataset:
+    """A loaded trace dataset: the request table, the two hidden-state matrices and the manifest."""
+
+    requests: pd.DataFrame
+    first_round: np.ndarray  # (N, H) float32, pooled final-layer rows of the first denoising round
+    prompt_last: np.ndarray  # (N, H) float32, pooled final-layer rows of the last prompt block
+    manifest: dict = field(default_factory=dict)
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.first_round.shape[1])
+
+    @property
+    def model_fingerprint(self) -> dict:
+        return self.manifest.get("model", {})
+
+    @property
+    def decoding(self) -> dict:
+        return self.manifest.get("decoding", {})
+
+    def subset(self, mask: np.ndarray | pd.Series) -> "TraceDataset":
+        """Rows where ``mask`` is true, hidden states kept aligned."""
+        mask = np.asarray(mask, dtype=bool)
+        return TraceDataset(
+            self.requests[mask].reset_index(drop=True),
+            self.first_round[mask],
+            self.prompt_last[mask],
+            self.manifest,
+            self.path,
+        )
+
+    def split(self, name: str) -> "TraceDataset":
+        return self.subset(self.requests["split"].to_numpy() == name)
+
+    def fingerprint(self) -> str:
+        """sha256 over the request table's contract columns and the hidden states: identifies the data."""
+        h = hashlib.sha256()
+        table = self.requests[list(REQUEST_COLUMNS)].copy()
+        table["rounds_per_block"] = table["rounds_per_block"].map(lambda v: ",".join(map(str, v)))
+        h.update(pd.util.hash_pandas_object(table, index=False).to_numpy().tobytes())
+        h.update(np.ascontiguousarray(self.first_round, dtype=np.float32).tobytes())
+        h.update(np.ascontiguousarray(self.prompt_last, dtype=np.float32).tobytes())
+        return h.hexdigest()
+
+
+def validate(ds: TraceDataset) -> None:
+    """Check contract 1 once; raise :class:`TraceError` naming the first problem and the fix."""
+    where = f" in {ds.path}" if ds.path else ""
+    missing = [c for c in REQUEST_COLUMNS if c not in ds.requests.columns]
+    if missing:
+        raise TraceError(
+            f"traces{where} lack columns {', '.join(missing)}: re-collect them or add the columns "
+            "(see REQUEST_COLUMNS in dwise_predict/traces/dataset.py)"
+        )
+    n = len(ds.requests)
+    for name in HIDDEN_TENSORS:
+        arr = getattr(ds, name)
+        if arr.ndim != 2 or arr.shape[0] != n:
+            raise TraceError(
+                f"hidden state '{name}'{where} has shape {tuple(arr.shape)} but the table has {n} rows: "
+                "the two files come from different collections; re-run `dwise-predict traces merge`"
+            )
+    if ds.first_round.shape[1] != ds.prompt_last.shape[1]:
+        raise TraceError(f"first_round and prompt_last{where} differ in hidden size")
+    if ds.requests["request_id"].duplicated().any():
+        dup = ds.requests.loc[ds.requests["request_id"].duplicated(), "request_id"].iloc[0]
+        raise TraceError(f"request_id '{dup}' appears twice{where}: request ids must be unique")
+    bad_split = set(ds.requests["split"].unique()) - {"train", "eval"}
+    if bad_split:
+        raise TraceError(f"split{where} must be 'train' or 'eval', found {sorted(bad_split)}")
+    for col in NUMERIC_COLUMNS:
+        values = pd.to_numeric(ds.requests[col], errors="coerce").to_numpy(dtype=float)
+        if not np.isfinite(values).all():
+            raise TraceError(f"column '{col}'{where} holds NaN, inf or non-numbers: drop or fix those rows")
+    for name in HIDDEN_TENSORS:
+        if not np.isfinite(getattr(ds, name)).all():
+            raise TraceError(f"hidden state '{name}'{where} holds NaN or inf: drop those requests")
+
+
+def load_traces(path: str | os.PathLike) -> TraceDataset:
+    """Read a consolidated trace directory (contract 1) and validate it."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not path.is_dir():
+        raise TraceError(f"no trace directory at {path}: run `dwise-predict collect --out {path}` first")
+    for name in (MANIFEST_FILE, REQUESTS_FILE, HIDDEN_FILE):
+        if not (path / name).is_file():
+            hint = (
+                "run `dwise-predict traces merge` to consolidate its shards"
+                if (path / "shards").is_dir()
+                else "it is not a complete trace dataset"
+            )
+            raise TraceError(f"{path} has no {name}: {hint}")
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise TraceError(f"{path / MANIFEST_FILE} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    version = manifest.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise TraceError(
+            f"{path} has trace schema version {version!r}; this dwise-predict reads up to "
+            f"{SCHEMA_VERSION}: upgrade dwise-predict"
+        )
+    try:
+        requests = pd.read_parquet(path / REQUESTS_FILE)
+        tensors = load_file(str(path / HIDDEN_FILE))
+    except Exception as err:  # pyarrow / safetensors raise many types for a corrupt file
+        raise TraceError(f"cannot read traces in {path}: {err}") from None
+    missing = [t for t in HIDDEN_TENSORS if t not in tensors]
+    if missing:
+        raise TraceError(f"{path / HIDDEN_FILE} lacks tensors {', '.join(missing)}")
+    return TraceDataset(
+        requests,
+        tensors["first_round"].astype(np.float32, copy=False),
+        tensors["prompt_last"].astype(np.float32, copy=False),
+        manifest,
+        path,
+    )
+
+
+def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
+    """Write a consolidated trace directory; each file lands atomically (temp file + rename)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    manifest = dict(ds.manifest)
+    manifest["schema_version"] = SCHEMA_VERSION
+    manifest.setdefault("counts", {})
+    manifest["counts"].update(
+        requests=len(ds),
+        **{f"split_{k}": int(v) for k, v in ds.requests["split"].value_counts().items()},
+    )
+    manifest["hidden_size"] = ds.hidden_size
+    columns = list(REQUEST_COLUMNS) + [c for c in ds.requests.columns if c not in REQUEST_COLUMNS]
+    _atomic(path / REQUESTS_FILE, lambda tmp: ds.requests[columns].to_parquet(tmp, index=False))
+    _atomic(
+        path / HIDDEN_FILE,
+        lambda tmp: save_file(
+            {
+                "first_round": np.ascontiguousarray(ds.first_round, dtype=np.float32),
+                "prompt_last": np.ascontiguousarray(ds.prompt_last, dtype=np.float32),
+            },
+            str(tmp),
+        ),
+    )
+    # The manifest goes last: its presence marks a complete dataset.
+    _atomic(path / MANIFEST_FILE, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
+    return path
+
+
+def _atomic(target: Path, write) -> None:
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
