@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine (see README): `make quickstart` and `make test`.
+# Both create .venv first, installing the CPU build of torch before anything else: a bare `torch`
+# requirement can pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+OUT    ?= out/quickstart
+
+.PHONY: quickstart test install clean
+
+$(BIN)/dwise-predict: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	@touch $@
+
+install: $(BIN)/dwise-predict
+
+quickstart: install
+	$(BIN)/dwise-predict quickstart --out $(OUT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,127 @@
+"""Prompt features of the admission predictor: word count, newline count, prompt tokens.
+
+``collect`` fills the ``words`` and ``newlines`` columns of contract 1 with :func:`count_words` and
+:func:`count_newlines`, and ``prompt_tokens`` with the token count after the chat template; the
+admission model reads them back in the order of :data:`FEATURE_NAMES`. :class:`PromptFeaturizer`
+computes the same three numbers from raw text at admission time, fast enough for one request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.errors import TraceError
+
+FEATURE_NAMES = ("words", "newlines", "prompt_tokens")
+
+
+def count_words(text: str) -> int:
+    """Whitespace-separated words in ``text`` (``str.split()`` with no argument)."""
+    return len(text.split())
+
+
+def count_newlines(text: str) -> int:
+    """Newline characters (``\\n``) in ``text``."""
+    return text.count("\n")
+
+
+def prompt_features(requests: pd.DataFrame) -> np.ndarray:
+    """The admission features of every request in a contract-1 request table.
+
+    Parameters
+    ----------
+    requests : DataFrame with the columns ``words``, ``newlines`` and ``prompt_tokens``.
+
+    Returns
+    -------
+    array of shape (n_requests, 3), float32: words, newlines, prompt tokens (in that order).
+
+    Raises
+    ------
+    TraceError
+        A column is missing, or holds NaN, inf or non-numbers.
+    """
+    missing = [c for c in FEATURE_NAMES if c not in requests.columns]
+    if missing:
+        raise TraceError(f"request table lacks feature columns {', '.join(missing)}: re-collect the traces")
+    values = np.column_stack(
+        [pd.to_numeric(requests[c], errors="coerce").to_numpy(dtype=np.float64) for c in FEATURE_NAMES]
+    ) if len(requests) else np.zeros((0, len(FEATURE_NAMES)))
+    bad = ~np.isfinite(values)
+    if bad.any():
+        column = FEATURE_NAMES[int(np.nonzero(bad.any(axis=0))[0][0])]
+        raise TraceError(f"feature column '{column}' holds NaN, inf or non-numbers: drop or fix those rows")
+    return values.astype(np.float32)
+
+
+class PromptFeaturizer:
+    """Raw prompt text -> the three admission features, for one request at a time.
+
+    The chat template is rendered once around a placeholder at construction; a call then tokenises
+    only the user text and adds the template's fixed token count. This equals
+    ``len(apply_chat_template(...))`` whenever the template wraps the message between special tokens
+    (so no merge crosses the boundary), which holds for the chat templates of the dLLMs we target;
+    ``tests/test_train_admission.py`` checks it on the built-in tokenizer.
+
+    Parameters
+    ----------
+    tokenizer : a transformers tokenizer with a chat template, or None for a whitespace tokeniser
+        (tokens = words; say so wherever its timings are reported).
+    """
+
+    _PLACEHOLDER = "\u2063PROMPT\u2063"
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.template_tokens_ = 0
+        # the Rust tokenizer directly where there is one: skips the Python wrapper's overhead
+        self._encode = getattr(getattr(tokenizer, "backend_tokenizer", None), "encode", None)
+        if tokenizer is not None:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": self._PLACEHOLDER}], tokenize=False, add_generation_prompt=True
+            )
+            prefix, _, suffix = rendered.partition(self._PLACEHOLDER)
+            self.template_tokens_ = self._count(prefix) + self._count(suffix)
+
+    def _count(self, text: str) -> int:
+        if not text:
+            return 0
+        if self._encode is not None:
+            return len(self._encode(text, add_special_tokens=False).ids)
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_tokens(self, text: str) -> int:
+        """Tokens of ``text`` after the chat template (words when no tokenizer was given)."""
+        if self.tokenizer is None:
+            return count_words(text)
+        return self.template_tokens_ + self._count(text)
+
+    def __call__(self, text: str) -> tuple[float, float, float]:
+        """(words, newlines, prompt tokens) of one raw prompt."""
+        return float(count_words(text)), float(count_newlines(text)), float(self.prompt_tokens(text))
+
+
+def load_tokenizer(model: dict):
+    """The tokenizer a trace manifest's model fingerprint names, or None when none is available.
+
+    Looks at the fingerprint's ``path`` (a local model directory), then at the built-in tiny model's
+    weights directory when the fingerprint names it. Never downloads.
+    """
+    from pathlib import Path
+
+    candidates = []
+    if model.get("path"):
+        candidates.append(Path(model["path"]))
+    builtin = Path(__file__).resolve().parent.parent / "dllm" / "weights"
+    if str(model.get("name", "")).startswith("dwise-tiny") or model.get("builtin"):
+        candidates.append(builtin)
+    for directory in candidates:
+        if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            try:
+                return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            except Exception:  # a broken or foreign tokenizer: fall back to whitespace, the caller says so
+                return None
+    return None

@@ -1,0 +1,40 @@
+"""Every command is registered in one place, has help with an example, and answers --help."""
+
+import subprocess
+import sys
+
+import click
+import pytest
+import typer.main
+
+from dwise_predict import __version__
+from dwise_predict.cli import app, main
+
+
+def _commands(group: click.Group, prefix=()):
+    for name, cmd in sorted(group.commands.items()):
+        yield prefix + (name,), cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, prefix + (name,))
+
+
+COMMANDS = list(_commands(typer.main.get_command(app)))
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"dwise-predict {__version__}"
+
+
+@pytest.mark.parametrize("path,cmd", COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
+def test_command_has_help_with_example(path, cmd, capsys):
+    assert cmd.help, f"{' '.join(path)} has no help"
+    if not isinstance(cmd, click.Group):
+        assert "Example" in cmd.help, f"{' '.join(path)}: help lacks an Examples section"
+    assert main([*path, "--help"]) == 0
+    assert "Usage" in capsys.readouterr().out
+
+
+def test_console_script_runs_in_a_fresh_process():
+    out = subprocess.run([sys.executable, "-m", "dwise_predict.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and __version__ in out.stdout
