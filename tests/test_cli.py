@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import click
 import pytest
 import typer.main
 
@@ -11,10 +10,15 @@ from dwise_predict import __version__
 from dwise_predict.cli import app, main
 
 
-def _commands(group: click.Group, prefix=()):
+def _is_group(cmd) -> bool:
+    # typer bundles its own click, so duck-type instead of isinstance(click.Group)
+    return hasattr(cmd, "commands")
+
+
+def _commands(group, prefix=()):
     for name, cmd in sorted(group.commands.items()):
         yield prefix + (name,), cmd
-        if isinstance(cmd, click.Group):
+        if _is_group(cmd):
             yield from _commands(cmd, prefix + (name,))
 
 
@@ -29,7 +33,7 @@ def test_version(capsys):
 @pytest.mark.parametrize("path,cmd", COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
 def test_command_has_help_with_example(path, cmd, capsys):
     assert cmd.help, f"{' '.join(path)} has no help"
-    if not isinstance(cmd, click.Group):
+    if not _is_group(cmd):
         assert "Example" in cmd.help, f"{' '.join(path)}: help lacks an Examples section"
     assert main([*path, "--help"]) == 0
     assert "Usage" in capsys.readouterr().out
