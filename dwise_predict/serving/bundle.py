@@ -1,0 +1,273 @@
+"""Load a predictor bundle (contract 2) for a scheduler: admission and refinement, batched.
+
+Imports only the standard library and NumPy at module level; onnxruntime (``backend="onnx"``) or
+torch (``backend="torch"``) is imported when a bundle is loaded. Never imports LightGBM,
+scikit-learn or the training code, so a serving process stays lean.
+
+Loading refuses, with a :class:`~dwise_predict.errors.BundleError` that names the problem:
+
+- a bundle whose model fingerprint (``weights_sha256``, ``config_hash``, ``hidden_size``) or
+  decoding config (``threshold``, ``block_size``) differs from what the caller serves;
+- any file listed in ``bundle.json`` that is missing or fails its size/sha256 check (this runs
+  before anything is deserialised, so a tampered ``refine.pt`` is never loaded).
+
+The torch backend rebuilds the refinement graph from ``refine.safetensors`` + ``calibration.json``
+by default (plain arrays: nothing executable is read); ``torchscript=True`` loads ``refine.pt``
+instead, after its hash has been checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from dwise_predict.errors import BundleError, InputError
+from dwise_predict.exports.manifest import check_files, read_bundle_manifest
+
+FINGERPRINT_KEYS = ("weights_sha256", "config_hash", "hidden_size")
+DECODING_KEYS = ("threshold", "block_size")
+BACKENDS = ("onnx", "torch")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
+def check_compatible(manifest: dict, expect_model: dict | None, expect_decoding: dict | None, where: str) -> None:
+    """Refuse a bundle trained for another model or decoding config.
+
+    Only keys the caller gives (non-None) are compared, so a server that knows its config hash but
+    not its weights hash can still check what it knows.
+    """
+    for section, expected, keys in (("model", expect_model, FINGERPRINT_KEYS), ("decoding", expect_decoding, DECODING_KEYS)):
+        if not expected:
+            continue
+        have = manifest.get(section) or {}
+        for key in keys:
+            want = expected.get(key)
+            if want is None:
+                continue
+            if not _same(have.get(key), want):
+                name = (manifest.get("model") or {}).get("name", "?")
+                raise BundleError(
+                    f"bundle {where} was built for another {section} ({section}.{key} = {have.get(key)!r}, "
+                    f"model '{name}') but the served one has {key} = {want!r}: export a bundle for this "
+                    f"model and decoding config (`dwise-predict export`)"
+                )
+
+
+class LoadedBundle:
+    """A bundle ready for the scheduler: ``admission`` on the CPU, ``refine`` on ``device``.
+
+    Attributes
+    ----------
+    manifest : the parsed ``bundle.json``.
+    hidden_size : H, the width of ``first_round`` that :meth:`refine` expects.
+    """
+
+    def __init__(self, path: Path, manifest: dict, device: str, backend: str, torchscript: bool):
+        self.path = path
+        self.manifest = manifest
+        self.device = device
+        self.backend = backend
+        refine_spec = (manifest.get("inputs") or {}).get("refine") or {}
+        self.hidden_size = int(refine_spec.get("hidden_size") or (manifest.get("model") or {}).get("hidden_size") or 0)
+        self._admission = _ort_session(path / "admission.onnx", "cpu")
+        if backend == "onnx":
+            self._refine = _ort_session(path / "refine.onnx", device)
+        else:
+            self._refine = _torch_refine(path, refine_spec, device, torchscript)
+
+    # --- admission -----------------------------------------------------------------------------
+
+    def admission(self, prompts, prompt_tokens=None, tokenizer=None) -> np.ndarray:
+        """Estimated total denoising rounds of each request, from its prompt.
+
+        Parameters
+        ----------
+        prompts : list of prompt strings, or an array (B, 3) of features (words, newlines, prompt
+            tokens after the chat template).
+        prompt_tokens : array-like (B,), tokens after the chat template of each prompt string.
+        tokenizer : callable ``text -> int | list[int]`` giving those tokens, when
+            ``prompt_tokens`` is not given.
+
+        Returns
+        -------
+        float32 array (B,), total denoising rounds.
+        """
+        if len(prompts) and isinstance(prompts[0], str):
+            features = self.prompt_features(list(prompts), prompt_tokens, tokenizer)
+        else:
+            features = np.asarray(prompts, dtype=np.float32)
+        if features.ndim != 2 or features.shape[1] != 3:
+            raise InputError(f"admission features must have shape (B, 3) (words, newlines, prompt tokens), got {features.shape}")
+        if features.shape[0] == 0:
+            return np.zeros(0, dtype=np.float32)
+        out = self._admission.run(None, {"features": np.ascontiguousarray(features, dtype=np.float32)})[0]
+        return np.asarray(out, dtype=np.float32).reshape(-1)
+
+    @staticmethod
+    def prompt_features(prompts: list[str], prompt_tokens=None, tokenizer=None) -> np.ndarray:
+        """(B, 3) float32 admission features of raw prompt strings."""
+        from dwise_predict.features.prompt import count_newlines, count_words
+
+        if prompt_tokens is None:
+            if tokenizer is None:
+                raise InputError(
+                    "admission from prompt text needs the prompt token counts after the chat template: "
+                    "pass prompt_tokens=[...] or tokenizer=callable"
+                )
+            counts = []
+            for text in prompts:
+                n = tokenizer(text)
+                counts.append(n if isinstance(n, (int, np.integer)) else len(n))
+            prompt_tokens = counts
+        tokens = np.asarray(prompt_tokens, dtype=np.float32).reshape(-1)
+        if len(tokens) != len(prompts):
+            raise InputError(f"got {len(prompts)} prompts but {len(tokens)} prompt token counts")
+        words = np.fromiter((count_words(t) for t in prompts), dtype=np.float32, count=len(prompts))
+        newlines = np.fromiter((count_newlines(t) for t in prompts), dtype=np.float32, count=len(prompts))
+        return np.stack([words, newlines, tokens], axis=1)
+
+    # --- refinement ----------------------------------------------------------------------------
+
+    def refine(self, first_round, prompt_tokens, budget):
+        """Calibrated remaining denoising rounds after the first denoising round.
+
+        Parameters
+        ----------
+        first_round : (B, L, H) final-layer hidden rows of the first output block in its first
+            denoising round (mean-pooled here), or (B, H) already pooled. A torch tensor stays on
+            its device and the result is a tensor there: pure tensor ops on the current stream,
+            no host synchronisation (CUDA-graph friendly with the torch backend).
+        prompt_tokens : (B,) or scalar, prompt tokens after the chat template.
+        budget : (B,) or scalar, output budget in tokens.
+
+        Returns
+        -------
+        (B,) float32 remaining rounds: a NumPy array for NumPy input, a tensor for tensor input.
+        """
+        shape = tuple(first_round.shape)
+        if len(shape) not in (2, 3) or (self.hidden_size and shape[-1] != self.hidden_size):
+            raise InputError(
+                f"first_round must be (B, H) or (B, L, H) with H = {self.hidden_size} (this bundle's "
+                f"hidden size), got shape {shape}: is the bundle for this model?"
+            )
+        if self.backend == "torch":
+            return self._refine_torch(first_round, prompt_tokens, budget)
+        h = np.asarray(first_round.detach().cpu() if hasattr(first_round, "detach") else first_round, dtype=np.float32)
+        if h.ndim == 3:
+            h = h.mean(axis=1)
+        b = h.shape[0]
+        feeds = {
+            "first_round": np.ascontiguousarray(h),
+            "prompt_tokens": np.broadcast_to(np.asarray(prompt_tokens, dtype=np.float32), (b,)).copy(),
+            "budget": np.broadcast_to(np.asarray(budget, dtype=np.float32), (b,)).copy(),
+        }
+        out = np.asarray(self._refine.run(None, feeds)[0], dtype=np.float32).reshape(-1)
+        if hasattr(first_round, "detach"):
+            import torch
+
+            return torch.from_numpy(out).to(first_round.device)
+        return out
+
+    def _refine_torch(self, first_round, prompt_tokens, budget):
+        import torch
+
+        as_numpy = not isinstance(first_round, torch.Tensor)
+        device = torch.device(self.device) if as_numpy else first_round.device
+        h = torch.as_tensor(first_round, dtype=torch.float32, device=device)
+        if h.dim() == 3:
+            h = h.mean(dim=1)  # (B, H): mean over the block's L rows
+        b = h.shape[0]
+        pt = torch.as_tensor(prompt_tokens, dtype=torch.float32, device=device).reshape(-1).expand(b)
+        bu = torch.as_tensor(budget, dtype=torch.float32, device=device).reshape(-1).expand(b)
+        with torch.inference_mode():
+            out = self._refine(h, pt, bu)
+        return out.cpu().numpy() if as_numpy else out
+
+
+def _ort_session(path: Path, device: str):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise BundleError("loading a bundle's ONNX graphs needs onnxruntime: pip install onnxruntime") from None
+    options = ort.SessionOptions()
+    # A scheduler calls this on its own thread with small batches: one intra-op thread avoids
+    # oversubscribing the cores the server needs.
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    providers = ["CPUExecutionProvider"]
+    if str(device).startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    try:
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as err:  # onnxruntime raises its own exception types for a corrupt graph
+        raise BundleError(f"{path} is not a loadable ONNX graph ({err}): re-export the bundle") from None
+
+
+def _torch_refine(path: Path, spec: dict, device: str, torchscript: bool):
+    import torch
+
+    if torchscript:
+        module = torch.jit.load(str(path / "refine.pt"), map_location=device)
+        return module.eval()
+    from safetensors.torch import load_file
+
+    from dwise_predict.survival.network import build_refine_graph
+
+    try:
+        calibration = json.loads((path / "calibration.json").read_text())
+        weights = load_file(str(path / "refine.safetensors"), device="cpu")
+        graph = build_refine_graph(weights, spec, calibration)
+    except (KeyError, RuntimeError, ValueError, json.JSONDecodeError) as err:
+        raise BundleError(
+            f"{path}: refine.safetensors, calibration.json and bundle.json inputs.refine do not fit together "
+            f"({type(err).__name__}: {err}): re-export the bundle"
+        ) from None
+    return graph.to(device)
+
+
+def load_bundle(
+    path,
+    device: str = "cpu",
+    backend: str = "onnx",
+    expect_model: dict | None = None,
+    expect_decoding: dict | None = None,
+    torchscript: bool = False,
+) -> LoadedBundle:
+    """Open a bundle directory for serving.
+
+    Parameters
+    ----------
+    path : bundle directory (``bundle.json`` and the files it lists).
+    device : ``"cpu"`` or a torch device string (``"cuda"``, ``"cuda:1"``) for refinement.
+    backend : ``"onnx"`` (onnxruntime) or ``"torch"`` (rebuilt from safetensors; GPU path).
+    expect_model : the served model's fingerprint (``weights_sha256``, ``config_hash``,
+        ``hidden_size``; any subset); a bundle for another model is refused.
+    expect_decoding : the served decoding config (``threshold``, ``block_size``; any subset).
+    torchscript : with ``backend="torch"``, load ``refine.pt`` instead of rebuilding.
+
+    Raises
+    ------
+    BundleError
+        Missing/corrupt manifest, a file failing its hash, a fingerprint or decoding mismatch.
+    InputError
+        Unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    path = Path(path)
+    manifest = read_bundle_manifest(path)
+    check_compatible(manifest, expect_model, expect_decoding, str(path))
+    needed = ["admission.onnx"] + (["refine.onnx"] if backend == "onnx" else ["refine.safetensors", "calibration.json"])
+    if backend == "torch" and torchscript:
+        needed.append("refine.pt")
+    listed = manifest.get("files") or {}
+    check_files(path, manifest, sorted(set(listed) | set(needed)))
+    return LoadedBundle(path, manifest, device, backend, torchscript)

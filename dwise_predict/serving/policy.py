@@ -1,0 +1,401 @@
+"""The DWISE per-round scheduling policy (seed 000, Algorithm 1) as a class any server can drive.
+
+A server calls, every serving round,
+
+1. :meth:`DwisePolicy.add` (or :meth:`~DwisePolicy.add_many`) for each newly arrived request;
+2. :meth:`DwisePolicy.schedule` -> a :class:`RoundPlan`: which waiting requests become resident
+   (admission) and which ``B`` resident requests run this round (the rest are paused, KV kept);
+3. after the forward pass, :meth:`DwisePolicy.complete_round` (vectorised) or
+   :meth:`DwisePolicy.complete` (one request at a time, in the pass the server already makes over
+   the batch): a prompt block lowers ``P``; the first denoising round sets ``r̂`` to the refined
+   estimate (once); any other denoising round lowers ``r̂`` by one (not below zero); finished
+   requests leave and free their KV reservation.
+
+Remaining work is ``R = P + r̂`` (prompt blocks and denoising rounds each take one slot of one round,
+so they share one scale). Ties are broken by arrival sequence, which is the order requests were
+added (within one :meth:`add_many` call given ``arrival`` times: by time, then by request id), so a
+fixed input gives a fixed schedule.
+
+The two FCFS baselines of the simulator are the same class with ``ranking="arrival"`` (rank by
+arrival sequence instead of ``R``) and, for SGLang's default, ``prefill_first=True`` (a round runs
+only prompt blocks while any resident request has one left). Keeping one implementation means the
+baselines and DWISE differ only where the policies do.
+
+State lives in flat NumPy arrays indexed by a slot number, so a round costs a few vectorised
+operations over the resident set (at most ``k * B`` requests) plus a walk over at most ``B``
+waiting candidates kept in a sorted list.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from dwise_predict.errors import ConfigError, InputError
+
+WAITING, RUNNING, PAUSED, FREE = 0, 1, 2, 3
+RANKINGS = ("remaining", "arrival")
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What one round does, in policy slot numbers (see :meth:`DwisePolicy.ids` for request ids).
+
+    run : int64 array (n_run,), the slots that process one block this round, best rank first.
+    prompt : bool array (n_run,), True where that slot processes a prompt block (else denoising).
+    admitted : int64 array, slots that moved from waiting to resident this round.
+    paused : int64 array, resident slots that do not run this round (KV kept).
+    preempted : int64 array, slots that ran last round, still have work, and are paused now.
+    """
+
+    run: np.ndarray
+    prompt: np.ndarray
+    admitted: np.ndarray
+    paused: np.ndarray
+    preempted: np.ndarray
+
+
+class DwisePolicy:
+    """Preemptive SRPT over block slots with KV-safe admission (seed 000, Algorithm 1).
+
+    Parameters
+    ----------
+    slots : ``B``, blocks processed per round (one per selected request).
+    k : resident-set multiplier: at most ``k * B`` requests hold KV at once.
+    kv_budget : KV pool available for reservations, in the unit of the per-request reservations
+        passed to :meth:`add` (tokens or blocks); ``None`` means unlimited.
+    ranking : ``"remaining"`` ranks by ``R = P + r̂`` (DWISE); ``"arrival"`` by arrival (FCFS).
+    prefill_first : run only prompt blocks while any resident request has one left (SGLang's
+        default phase barrier); DWISE mixes prompt and denoising blocks (``False``).
+
+    Raises
+    ------
+    ConfigError
+        ``slots < 1``, ``k < 1``, a non-positive KV budget or an unknown ranking.
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        k: float = 8,
+        kv_budget: float | None = None,
+        ranking: str = "remaining",
+        prefill_first: bool = False,
+    ):
+        problems = []
+        if not isinstance(slots, (int, np.integer)) or slots < 1:
+            problems.append(f"slots (B) must be a positive integer, got {slots!r}")
+        if not k >= 1:
+            problems.append(f"k (resident-set multiplier) must be at least 1, got {k!r}")
+        if kv_budget is not None and not kv_budget > 0:
+            problems.append(f"KV budget must be positive, got {kv_budget!r}")
+        if ranking not in RANKINGS:
+            problems.append(f"ranking must be one of {', '.join(RANKINGS)}, got {ranking!r}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.slots = int(slots)
+        self.k = k
+        self.max_resident = int(math.floor(k * slots))
+        self.kv_budget = math.inf if kv_budget is None else float(kv_budget)
+        self.ranking = ranking
+        self.prefill_first = bool(prefill_first)
+
+        self.kv_used = 0.0
+        self._seq_next = 0
+        self._ids: list = []
+        self._slot_of: dict = {}
+        self._free: list[int] = []
+        self._waiting: list[tuple[float, int, int]] = []  # sorted (key, seq, slot)
+        self._resident = np.zeros(0, dtype=np.int64)
+        self._alloc(64)
+
+    # --- storage -------------------------------------------------------------------------------
+
+    def _alloc(self, capacity: int) -> None:
+        old = getattr(self, "_P", None)
+        n_old = 0 if old is None else len(old)
+
+        def grow(name, dtype, fill):
+            arr = np.full(capacity, fill, dtype=dtype)
+            if n_old:
+                arr[:n_old] = getattr(self, name)
+            setattr(self, name, arr)
+
+        grow("_P", np.int64, 0)  # unprocessed prompt blocks
+        grow("_rhat", np.float64, 0.0)  # estimated remaining denoising rounds
+        grow("_rounds", np.int64, 0)  # denoising rounds done
+        grow("_seq", np.int64, 0)  # arrival sequence (tie-break)
+        grow("_kv", np.float64, 0.0)  # KV reservation
+        grow("_state", np.int8, FREE)
+        grow("_preemptions", np.int64, 0)
+        self._ids.extend([None] * (capacity - n_old))
+        self._free.extend(range(capacity - 1, n_old - 1, -1))  # pop() hands out low slots first
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        while len(self._free) < n:
+            self._alloc(2 * len(self._P))
+        taken = [self._free.pop() for _ in range(n)]
+        return np.asarray(taken, dtype=np.int64)
+
+    # --- arrivals ------------------------------------------------------------------------------
+
+    def add(self, request_id, prompt_blocks: int, estimate: float = 0.0, kv_reservation: float = 0.0) -> int:
+        """Queue one arrived request; returns its slot. See :meth:`add_many`."""
+        return int(self.add_many([request_id], [prompt_blocks], [estimate], [kv_reservation])[0])
+
+    def add_many(self, request_ids, prompt_blocks, estimates=None, kv_reservations=None, arrival=None) -> np.ndarray:
+        """Queue arrived requests as waiting.
+
+        Parameters
+        ----------
+        request_ids : sequence of hashable ids (unique among requests in the policy).
+        prompt_blocks : array-like (n,), ``P``: prompt blocks still to process.
+        estimates : array-like (n,), ``r̂``: estimated total denoising rounds (admission
+            predictor), default 0 (the ``r̂ = 0`` variant).
+        kv_reservations : array-like (n,), worst-case KV footprint to reserve (unit of ``kv_budget``).
+        arrival : optional array-like (n,) of arrival times; the arrival sequence (the tie-break)
+            follows (arrival, request id). Without it, the order given is the arrival order.
+
+        Returns
+        -------
+        int64 array (n,): the slot of each request, in the order given.
+
+        Raises
+        ------
+        InputError
+            Negative prompt blocks, non-finite or negative estimates, a duplicate id.
+        ConfigError
+            A reservation larger than the whole KV budget (the request could never be admitted).
+        """
+        ids = list(request_ids)
+        n = len(ids)
+        P = np.asarray(prompt_blocks, dtype=np.int64).reshape(-1)
+        est = np.zeros(n) if estimates is None else np.asarray(estimates, dtype=np.float64).reshape(-1)
+        kv = np.zeros(n) if kv_reservations is None else np.asarray(kv_reservations, dtype=np.float64).reshape(-1)
+        if not (len(P) == len(est) == len(kv) == n):
+            raise InputError(f"add_many got {n} ids but {len(P)} prompt_blocks, {len(est)} estimates, {len(kv)} reservations")
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        if (P < 0).any():
+            raise InputError(f"request {ids[int(np.argmax(P < 0))]!r} has negative prompt blocks")
+        if not np.isfinite(est).all() or (est < 0).any():
+            bad = int(np.argmax(~np.isfinite(est) | (est < 0)))
+            raise InputError(f"request {ids[bad]!r} has estimate {est[bad]}: estimates must be finite and >= 0")
+        if (kv > self.kv_budget).any():
+            bad = int(np.argmax(kv > self.kv_budget))
+            raise ConfigError(
+                f"KV budget {self.kv_budget:g} is smaller than request {ids[bad]!r}'s worst-case reservation "
+                f"{kv[bad]:g}: raise the KV budget (it must hold at least one request)"
+            )
+        seen: set = set()
+        dup = next((i for i in ids if i in self._slot_of or i in seen or seen.add(i)), None)
+        if dup is not None:
+            raise InputError(f"request id {dup!r} is already queued: ids must be unique")
+
+        order = np.arange(n) if arrival is None else np.lexsort((np.array([str(i) for i in ids]), np.asarray(arrival, dtype=np.float64)))
+        slots = self._take_slots(n)
+        seq = np.empty(n, dtype=np.int64)
+        seq[order] = self._seq_next + np.arange(n)
+        self._seq_next += n
+        self._P[slots], self._rhat[slots], self._kv[slots], self._seq[slots] = P, est, kv, seq
+        self._rounds[slots] = 0
+        self._preemptions[slots] = 0
+        self._state[slots] = WAITING
+        for slot, rid in zip(slots.tolist(), ids):
+            self._ids[slot] = rid
+            self._slot_of[rid] = slot
+        keys = self._keys(slots)
+        entries = sorted(zip(keys.tolist(), seq.tolist(), slots.tolist()))
+        if self._waiting and entries[0] < self._waiting[-1]:
+            for entry in entries:
+                bisect.insort(self._waiting, entry)
+        else:
+            self._waiting.extend(entries)
+        return slots
+
+    # --- the round -----------------------------------------------------------------------------
+
+    def _keys(self, slots: np.ndarray) -> np.ndarray:
+        """Rank key of the given slots: ``R = P + r̂`` or the arrival sequence."""
+        if self.ranking == "remaining":
+            return self._P[slots] + self._rhat[slots]
+        return self._seq[slots].astype(np.float64)
+
+    def schedule(self) -> RoundPlan:
+        """Admit waiting requests and pick this round's ``B`` requests (Algorithm 1, lines 2-9).
+
+        Ranks waiting ∪ resident by (key, arrival sequence). A waiting request is admitted when it
+        ranks in the top ``B``, fewer than ``k * B`` requests are resident and its reservation fits
+        the free KV budget; then the ``B`` best-ranked resident requests run (with
+        ``prefill_first``: the best-ranked ones that still have prompt blocks, if any do).
+        """
+        res = self._resident
+        keys = self._keys(res)
+        admitted: list[int] = []
+        if self._waiting and len(res) < self.max_resident:
+            head = self._waiting[: self.slots]
+            thr = self._threshold(keys, self._seq[res], head)
+            kept = []
+            n_res = len(res)
+            for pos, entry in enumerate(head):
+                if entry > thr or n_res >= self.max_resident:
+                    kept.extend(head[pos:])
+                    break
+                slot = entry[2]
+                if self.kv_used + self._kv[slot] <= self.kv_budget:
+                    admitted.append(slot)
+                    self.kv_used += self._kv[slot]
+                    n_res += 1
+                else:
+                    kept.append(entry)
+            if admitted:
+                self._waiting[: len(head)] = kept
+                adm = np.asarray(admitted, dtype=np.int64)
+                res = np.concatenate([res, adm])
+                keys = np.concatenate([keys, self._keys(adm)])
+                self._resident = res
+        pool, pool_keys = res, keys
+        if self.prefill_first:
+            prefill = self._P[res] > 0
+            if prefill.any():
+                pool, pool_keys = res[prefill], keys[prefill]
+        rank = np.lexsort((self._seq[pool], pool_keys))
+        run = pool[rank[: self.slots]]
+
+        # A preemption is a request displaced by ranking: one that ran last round and is still a
+        # candidate now. Decoders held back by the prefill-first barrier are stalled, not preempted.
+        was_running = pool[self._state[pool] == RUNNING]
+        self._state[res] = PAUSED
+        self._state[run] = RUNNING
+        preempted = was_running[self._state[was_running] == PAUSED]
+        self._preemptions[preempted] += 1
+        paused = res[self._state[res] == PAUSED]
+        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64), paused, preempted)
+
+    def _threshold(self, res_keys: np.ndarray, res_seq: np.ndarray, head: list) -> tuple:
+        """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off)."""
+        if len(res_keys) + len(head) <= self.slots:
+            return (math.inf, 0, 0)
+        head_keys = np.fromiter((e[0] for e in head), dtype=np.float64, count=len(head))
+        head_seq = np.fromiter((e[1] for e in head), dtype=np.int64, count=len(head))
+        all_keys = np.concatenate([res_keys, head_keys])
+        all_seq = np.concatenate([res_seq, head_seq])
+        i = np.lexsort((all_seq, all_keys))[self.slots - 1]
+        return (float(all_keys[i]), int(all_seq[i]), math.inf)
+
+    def complete_round(self, plan: RoundPlan, finished=None, refined=None, repeat: int = 1) -> np.ndarray:
+        """Update the fields of the requests that ran (Algorithm 1, lines 11-20).
+
+        Parameters
+        ----------
+        plan : the :class:`RoundPlan` this round ran.
+        finished : bool array (n_run,), True where that request produced its last block.
+        refined : float array (n_run,), the refined remaining-rounds estimate of requests whose
+            first denoising round this was (NaN or absent: no refinement, ``r̂`` is decremented).
+        repeat : the same plan ran this many rounds in a row (a simulator shortcut; valid only while
+            no request changes phase, finishes, arrives or is refined in between, which the caller
+            guarantees; ``refined`` is then ignored).
+
+        Returns
+        -------
+        int64 array: the slots that finished and were freed (their slots may be reused).
+        """
+        run, prompt = plan.run, plan.prompt
+        self._P[run[prompt]] -= repeat
+        dn_pos = np.flatnonzero(~prompt)
+        dn = run[dn_pos]
+        self._rounds[dn] += repeat
+        decremented = np.maximum(self._rhat[dn] - float(repeat), 0.0)
+        if refined is not None and repeat == 1:
+            ref = np.asarray(refined, dtype=np.float64)[dn_pos]
+            use = (self._rounds[dn] == 1) & np.isfinite(ref)
+            decremented = np.where(use, np.maximum(ref, 0.0), decremented)
+        self._rhat[dn] = decremented
+        if finished is None:
+            return np.zeros(0, dtype=np.int64)
+        done = run[np.asarray(finished, dtype=bool)]
+        self._release(done)
+        return done
+
+    def complete(self, request_id, refined: float | None = None, finished: bool = False, prompt: bool | None = None) -> None:
+        """Per-request form of :meth:`complete_round` for a server walking its batch.
+
+        ``prompt`` says whether the request processed a prompt block this round; by default it is
+        inferred from ``P > 0`` (the policy's own record, which is exact).
+        """
+        slot = self._slot(request_id)
+        if prompt is None:
+            prompt = self._P[slot] > 0
+        if prompt:
+            self._P[slot] = max(self._P[slot] - 1, 0)
+        else:
+            self._rounds[slot] += 1
+            if self._rounds[slot] == 1 and refined is not None and math.isfinite(refined):
+                self._rhat[slot] = max(float(refined), 0.0)
+            else:
+                self._rhat[slot] = max(self._rhat[slot] - 1.0, 0.0)
+        if finished:
+            self._release(np.array([slot], dtype=np.int64))
+
+    def remove(self, request_id) -> None:
+        """Drop a request in any state (abort), freeing its KV reservation."""
+        slot = self._slot(request_id)
+        if self._state[slot] == WAITING:
+            self._waiting = [e for e in self._waiting if e[2] != slot]
+            self._state[slot] = FREE
+            self._free_slot(slot)
+        else:
+            self._release(np.array([slot], dtype=np.int64))
+
+    def _release(self, slots: np.ndarray) -> None:
+        if len(slots) == 0:
+            return
+        self.kv_used = max(self.kv_used - float(self._kv[slots].sum()), 0.0)
+        self._state[slots] = FREE
+        self._resident = self._resident[self._state[self._resident] != FREE]
+        for slot in slots.tolist():
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        del self._slot_of[self._ids[slot]]
+        self._ids[slot] = None
+        self._free.append(slot)
+
+    def _slot(self, request_id) -> int:
+        try:
+            return self._slot_of[request_id]
+        except KeyError:
+            raise InputError(f"request {request_id!r} is not in the policy (never added, or already finished)") from None
+
+    # --- views ---------------------------------------------------------------------------------
+
+    def ids(self, slots) -> list:
+        """Request ids of the given slots."""
+        return [self._ids[s] for s in np.asarray(slots).tolist()]
+
+    def remaining_work(self, request_id) -> float:
+        """``R = P + r̂`` of one request."""
+        slot = self._slot(request_id)
+        return float(self._P[slot] + self._rhat[slot])
+
+    def fields(self, request_id) -> dict:
+        """The three per-request fields: ``P``, ``r_hat`` and ``state`` (waiting, running, paused)."""
+        slot = self._slot(request_id)
+        state = {WAITING: "waiting", RUNNING: "running", PAUSED: "paused"}[int(self._state[slot])]
+        return {"P": int(self._P[slot]), "r_hat": float(self._rhat[slot]), "state": state,
+                "denoising_rounds": int(self._rounds[slot]), "preemptions": int(self._preemptions[slot])}
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def n_resident(self) -> int:
+        return len(self._resident)
+
+    def preemptions(self, slots) -> np.ndarray:
+        """Times each slot's request was paused after running (before it is freed)."""
+        return self._preemptions[np.asarray(slots, dtype=np.int64)]

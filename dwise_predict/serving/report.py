@@ -1,0 +1,105 @@
+"""Simulator output: the comparison table (rich), CSV, JSON and bar / sweep plots, written atomically."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+
+TABLE_COLUMNS = (
+    ("arrival", "arrival", "{}"),
+    ("policy", "policy", "{}"),
+    ("mean_latency_s", "mean s", "{:.2f}"),
+    ("p50_latency_s", "p50 s", "{:.2f}"),
+    ("p99_latency_s", "p99 s", "{:.2f}"),
+    ("mean_latency_rounds", "mean rounds", "{:.1f}"),
+    ("mean_ttfb_s", "TTFB s", "{:.2f}"),
+    ("throughput_rps", "req/s", "{:.2f}"),
+    ("prefill_only_rounds_pct", "prefill-only %", "{:.1f}"),
+    ("idle_slots_pct", "idle slots %", "{:.1f}"),
+    ("preemptions_per_request", "preempt/req", "{:.2f}"),
+    ("speedup_vs_default", "speedup", "{:.2f}x"),
+)
+
+
+def add_speedups(rows: list[dict], group_key: str) -> None:
+    """Add ``speedup_vs_default``: sglang-default's mean latency over each row's, per group."""
+    base = {r[group_key]: r["mean_latency_s"] for r in rows if r["policy"] == "sglang-default"}
+    for r in rows:
+        ref = base.get(r[group_key])
+        r["speedup_vs_default"] = ref / r["mean_latency_s"] if ref and r["mean_latency_s"] > 0 else float("nan")
+
+
+def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arrival", "{}")):
+    from rich.table import Table
+
+    columns = (first,) + TABLE_COLUMNS[1:]
+    table = Table(title=title)
+    for _, header, _ in columns:
+        table.add_column(header, justify="left" if header in ("arrival", "policy", "rate req/s") else "right")
+    for r in rows:
+        table.add_row(*[fmt.format(r[key]) if key in r else "" for key, _, fmt in columns])
+    return table
+
+
+def _atomic_write(target: Path, data: bytes) -> None:
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict) -> list[Path]:
+    """``<stem>.csv``, ``<stem>.json`` (rows + settings) and ``<stem>.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    writer = csv.DictWriter(buf, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
+    _atomic_write(paths[0], buf.getvalue().encode())
+    _atomic_write(paths[1], json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
+    _atomic_write(paths[2], _plot(rows, stem == "sweep"))
+    return paths
+
+
+def _plot(rows: list[dict], sweep: bool) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    if sweep:
+        for policy in policies:
+            sub = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate_rps"])
+            for ax, key in zip(axes, ("mean_latency_s", "p99_latency_s")):
+                ax.plot([r["rate_rps"] for r in sub], [r[key] for r in sub], marker="o", label=policy)
+        for ax, name in zip(axes, ("mean latency (s)", "p99 latency (s)")):
+            ax.set_xlabel("Poisson arrival rate (req/s)")
+            ax.set_ylabel(name)
+            ax.set_yscale("log")
+    else:
+        groups = list(dict.fromkeys(r["arrival"] for r in rows))
+        width = 0.8 / max(len(policies), 1)
+        for i, policy in enumerate(policies):
+            for ax, key in zip(axes, ("mean_latency_s", "p99_latency_s")):
+                values = [next((r[key] for r in rows if r["policy"] == policy and r["arrival"] == g), 0.0) for g in groups]
+                ax.bar([j + i * width for j in range(len(groups))], values, width, label=policy)
+        for ax, name in zip(axes, ("mean latency (s)", "p99 latency (s)")):
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups)
+            ax.set_ylabel(name)
+            ax.set_yscale("log")  # the default scheduler is often an order of magnitude off
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()

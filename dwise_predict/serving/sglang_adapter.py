@@ -1,0 +1,401 @@
+"""Install the DWISE policy in SGLang's dLLM scheduler at run time (no edits to SGLang's source).
+
+Pinned release: ``sglang==0.5.23``. Everything this module touches in SGLang is listed in
+:data:`SURFACE` (module, ``Class.member``, what we do with it, expected parameters);
+``tests/test_sglang_surface.py`` checks that table against the real source when it is available and
+against the committed snapshot ``tests/fakes/sglang_surface.json`` always.
+
+What the patch does, at the four points of seed 000 §5.1:
+
+- **admission** — ``SchedulerDllmMixin._fetch_waiting_reqs`` is replaced: new requests in the
+  scheduler's waiting queue are registered with a :class:`~dwise_predict.serving.policy.DwisePolicy`
+  (``P`` = full prompt blocks, ``r̂`` = the bundle's admission estimate, KV reservation = prompt +
+  output budget + slack blocks), the policy ranks waiting ∪ resident, and the admitted requests move
+  into the dLLM manager's queue (SGLang's resident set);
+- **batch formation** — ``SchedulerDllmMixin._process_dllm_batches`` is replaced: the ``B`` resident
+  requests the policy picked go to SGLang's own ``_process_batch_by_phase``, prompt and denoising
+  blocks in one ``DLLM_EXTEND`` batch (no prefill-first barrier). Models that encode the prompt in a
+  separate pass (``requires_separate_context_encoding``) cannot mix phases: there the resident queue
+  is only reordered and SGLang's own batch former runs;
+- **result processing** — ``SchedulerDllmMixin.process_batch_result_dllm`` is wrapped: after SGLang
+  commits outputs, the policy's fields are updated for every request of the batch, with the refined
+  estimate for requests whose first denoising round this was;
+- **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped to mean-pool the block's
+  final-layer hidden rows into a static buffer (a device copy, CUDA-graph capturable), and
+  ``DllmAlgorithm.run`` is wrapped to snapshot that buffer after the step's first forward pass.
+
+Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
+synchronisation, as one batched call of the bundle's torch graph on the rows' device.
+
+A scheduler step is one round only with ``--dllm-fdfo`` (one forward per step); without it SGLang
+runs every denoising round of a block inside one step, and the policy is advanced by the number of
+forwards the step ran (its ranking then changes per block, not per round). Use FDFO with DWISE.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.serving.policy import DwisePolicy
+
+SGLANG_VERSION = "0.5.23"
+
+
+@dataclass(frozen=True)
+class Touch:
+    """One thing in SGLang this adapter depends on.
+
+    kind : ``patch`` (replaced or wrapped), ``call`` (called with these parameters) or
+        ``attribute`` (read or written: an instance attribute set in the class, a class attribute
+        or an enum member).
+    params : expected parameter names of a patched or called function, in order.
+    """
+
+    module: str
+    qualname: str
+    kind: str
+    params: tuple[str, ...] = ()
+
+
+_SCHED = "sglang.srt.dllm.mixin.scheduler"
+SURFACE: tuple[Touch, ...] = (
+    Touch(_SCHED, "SchedulerDllmMixin._fetch_waiting_reqs", "patch", ("self",)),
+    Touch(_SCHED, "SchedulerDllmMixin._process_dllm_batches", "patch", ("self", "adder", "running_batch")),
+    Touch(_SCHED, "SchedulerDllmMixin.process_batch_result_dllm", "patch", ("self", "batch", "result")),
+    Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.run", "patch", ("self", "model_runner", "forward_batch", "algo_states")),
+    Touch("sglang.srt.layers.logits_processor", "LogitsProcessor._get_dllm_logits", "patch",
+          ("self", "hidden_states", "lm_head", "logits_metadata")),
+    Touch(_SCHED, "SchedulerDllmMixin._process_batch_by_phase", "call",
+          ("self", "adder", "batch", "staging_phase", "incoming_phase", "running_batch")),
+    Touch(_SCHED, "SchedulerDllmMixin.init_diffusion_llm", "call", ("self",)),
+    Touch(_SCHED, "DllmManager.add_waiting_reqs", "call", ("self", "reqs")),
+    Touch(_SCHED, "DllmManager.waiting_queue", "attribute"),
+    Touch(_SCHED, "SchedulerDllmMixin.dllm_manager", "attribute"),
+    Touch(_SCHED, "SchedulerDllmMixin.dllm_config", "attribute"),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.waiting_queue", "attribute"),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.max_total_num_tokens", "attribute"),
+    Touch("sglang.srt.dllm.config", "DllmConfig.block_size", "attribute"),
+    Touch("sglang.srt.dllm.config", "DllmConfig.max_running_requests", "attribute"),
+    Touch("sglang.srt.dllm.config", "DllmConfig.requires_separate_context_encoding", "attribute"),
+    Touch("sglang.srt.dllm.config", "DllmConfig.first_done_first_out_mode", "attribute"),
+    Touch("sglang.srt.dllm.mixin.req", "ReqDllmMixin.is_dllm_prefill", "call", ("self",)),
+    Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.STAGING_PREFILL", "attribute"),
+    Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.INCOMING_PREFILL", "attribute"),
+    Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.STAGING_DECODE", "attribute"),
+    Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.INCOMING_DECODE", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.rid", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.origin_input_ids", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.sampling_params", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.finished", "call", ("self",)),
+    Touch("sglang.srt.model_executor.forward_batch_info", "ForwardMode.DLLM_EXTEND", "attribute"),
+    Touch("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "call",
+          ("self", "forward_batch", "skip_attn_backend_init", "pp_proxy_tensors")),
+)
+
+
+# --- checking the surface against source (ast only: SGLang is never imported here) --------------
+
+
+def read_surface(source_root: str | Path) -> dict[str, dict]:
+    """What the pinned source holds for each :data:`SURFACE` entry, parsed with ``ast``.
+
+    Parameters
+    ----------
+    source_root : directory that contains the ``sglang`` package (an unpacked wheel).
+
+    Returns
+    -------
+    ``{"module:Class.member": {"kind", "exists", "params"}}``; ``params`` lists a function's
+    parameter names (for ``patch``/``call`` entries) or is empty.
+    """
+    root = Path(source_root)
+    trees: dict[str, ast.Module] = {}
+    out = {}
+    for touch in SURFACE:
+        if touch.module not in trees:
+            path = root / (touch.module.replace(".", "/") + ".py")
+            trees[touch.module] = ast.parse(path.read_text()) if path.is_file() else ast.Module(body=[], type_ignores=[])
+        cls_name, member = touch.qualname.split(".", 1)
+        cls = next((n for n in trees[touch.module].body if isinstance(n, ast.ClassDef) and n.name == cls_name), None)
+        entry = {"kind": touch.kind, "exists": False, "params": []}
+        if cls is not None:
+            if touch.kind == "attribute":
+                entry["exists"] = member in _class_attributes(cls)
+            else:
+                fn = next((n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == member), None)
+                if fn is not None:
+                    entry["exists"] = True
+                    entry["params"] = [a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs]
+        out[f"{touch.module}:{touch.qualname}"] = entry
+    return out
+
+
+def _class_attributes(cls: ast.ClassDef) -> set[str]:
+    """Names a class defines: class-level assignments (enum members) and ``self.X = ...`` anywhere."""
+    names = set()
+    for node in ast.walk(cls):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for target in targets:
+            for leaf in ast.walk(target):
+                if isinstance(leaf, ast.Name) and node in cls.body:
+                    names.add(leaf.id)
+                elif isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
+                    names.add(leaf.attr)
+    return names
+
+
+def surface_problems(found: dict[str, dict]) -> list[str]:
+    """Entries of :data:`SURFACE` that ``found`` (from :func:`read_surface`) lacks or disagrees with."""
+    problems = []
+    for touch in SURFACE:
+        entry = found.get(f"{touch.module}:{touch.qualname}")
+        where = f"{touch.module}:{touch.qualname}"
+        if not entry or not entry["exists"]:
+            problems.append(f"{where} is missing")
+        elif touch.params and tuple(entry["params"][: len(touch.params)]) != touch.params:
+            problems.append(f"{where} takes {entry['params']}, expected {list(touch.params)} first")
+    return problems
+
+
+# --- the runtime patch ----------------------------------------------------------------------------
+
+
+class _State:
+    """What the patched functions share: the policy, the bundle and the refinement buffers."""
+
+    def __init__(self, bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device):
+        self.bundle = bundle
+        self.slots, self.k = slots, k
+        self.kv_budget_tokens, self.kv_fraction, self.slack_blocks = kv_budget_tokens, kv_fraction, slack_blocks
+        self.features = features
+        self.device = device
+        self.policy: DwisePolicy | None = None
+        self.block_size = 0
+        self.reqs: dict = {}  # rid -> Req, for requests the policy holds
+        self.run_rids: list = []  # this round's picks, best rank first
+        self.batch_prompt: dict = {}  # rid -> processed a prompt block in the batch being run
+        self.pooled = None  # (max_rows, H) static buffer written inside the forward
+        self.first_pooled = None  # (B, H) snapshot after a step's first forward
+        self.forwards = 0  # forwards in the current step
+
+    def bind(self, scheduler) -> None:
+        """Create the policy from the scheduler's dLLM config on first use."""
+        config = scheduler.dllm_config
+        self.block_size = int(config.block_size)
+        if self.slots * self.k > config.max_running_requests:
+            raise ConfigError(
+                f"DWISE keeps up to k*B = {self.slots * self.k:g} requests resident but SGLang's "
+                f"--max-running-requests is {config.max_running_requests}: raise it to at least k*B"
+            )
+        if self.bundle is not None:
+            bundle_bs = (self.bundle.manifest.get("decoding") or {}).get("block_size")
+            if bundle_bs is not None and int(bundle_bs) != self.block_size:
+                raise BundleError(
+                    f"bundle was trained with block_size {bundle_bs} but SGLang runs {self.block_size}: "
+                    "export a bundle for this decoding config"
+                )
+        budget = self.kv_budget_tokens
+        if budget is None:
+            budget = self.kv_fraction * float(scheduler.max_total_num_tokens)
+        self.policy = DwisePolicy(self.slots, self.k, kv_budget=budget)
+
+    def register(self, reqs: list) -> None:
+        """Add newly arrived requests to the policy, with admission estimates in one batch."""
+        bs = self.block_size
+        prompt_len = [len(r.origin_input_ids) for r in reqs]
+        # SGLang prefills whole blocks only; a partial last block rides with the first output block.
+        P = [n // bs for n in prompt_len]
+        if self.bundle is not None:
+            import numpy as np
+
+            estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32)).tolist()
+        else:
+            estimates = [0.0] * len(reqs)
+        kv = [
+            (math.ceil((n + r.sampling_params.max_new_tokens) / bs) + self.slack_blocks) * bs
+            for n, r in zip(prompt_len, reqs)
+        ]
+        self.policy.add_many([r.rid for r in reqs], P, [max(float(e), 0.0) for e in estimates], kv)
+        for r in reqs:
+            self.reqs[r.rid] = r
+
+
+@dataclass
+class Installed:
+    """Handle on an installed patch: its shared state and ``uninstall()``."""
+
+    state: _State
+    originals: list
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self.originals):
+            setattr(owner, name, original)
+        self.originals.clear()
+
+
+def install(
+    bundle=None,
+    slots: int = 128,
+    k: float = 8,
+    kv_budget_tokens: float | None = None,
+    kv_fraction: float = 0.9,
+    slack_blocks: int = 2,
+    features=None,
+    device=None,
+    resolve=importlib.import_module,
+) -> Installed:
+    """Patch SGLang's dLLM scheduler (classes, so every scheduler in the process) with DWISE.
+
+    Call once in the scheduler process before the server starts serving (before CUDA-graph capture,
+    so the pooling copy is captured with the forward).
+
+    Parameters
+    ----------
+    bundle : a :class:`~dwise_predict.serving.bundle.LoadedBundle` (torch backend on the model's
+        device) or None for ``r̂ = 0`` (rank by prompt blocks only).
+    slots : ``B``, requests per round; match SGLang's batch capacity.
+    k : resident-set multiplier; SGLang's ``--max-running-requests`` must be at least ``k * B``.
+    kv_budget_tokens : KV tokens available for reservations; default ``kv_fraction`` of the
+        scheduler's ``max_total_num_tokens``.
+    slack_blocks : extra blocks reserved per resident request.
+    features : callable ``req -> (words, newlines, prompt_tokens)`` for admission; SGLang's ``Req``
+        keeps token ids, not text, so pass e.g. ``lambda r: featurize(tokenizer.decode(r.origin_input_ids))``.
+        Required with a bundle.
+    device : torch device of the model; with it, the pooling buffer is allocated now (needed when
+        the forward is captured in a CUDA graph).
+    resolve : module resolver (tests pass a fake SGLang here).
+    """
+    if bundle is not None and features is None:
+        raise ConfigError("the admission predictor needs prompt features: pass features=callable(req) -> (words, newlines, prompt_tokens)")
+    state = _State(bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device)
+    if device is not None and bundle is not None:
+        import torch
+
+        state.pooled = torch.zeros(int(slots * k), bundle.hidden_size, device=device)
+
+    sched_mod = resolve(_SCHED)
+    req_mod = resolve("sglang.srt.dllm.mixin.req")
+    fb_mod = resolve("sglang.srt.model_executor.forward_batch_info")
+    mixin = sched_mod.SchedulerDllmMixin
+    algorithm = resolve("sglang.srt.dllm.algorithm.base").DllmAlgorithm
+    logits = resolve("sglang.srt.layers.logits_processor").LogitsProcessor
+    phase = req_mod.DllmReqPhase
+    originals = []
+
+    def patch(owner, name, fn):
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, fn)
+
+    def fetch_waiting_reqs(self):
+        if state.policy is None:
+            state.bind(self)
+        new = [r for r in self.waiting_queue if r.rid not in state.reqs]
+        if new:
+            state.register(new)
+        plan = state.policy.schedule()
+        if len(plan.admitted):
+            admitted = set(state.policy.ids(plan.admitted))
+            moving = [r for r in self.waiting_queue if r.rid in admitted]
+            self.waiting_queue = [r for r in self.waiting_queue if r.rid not in admitted]
+            self.dllm_manager.add_waiting_reqs(moving)
+        state.run_rids = state.policy.ids(plan.run)
+
+    original_batches = mixin._process_dllm_batches
+
+    def process_dllm_batches(self, adder, running_batch):
+        resident = {r.rid: r for r in self.dllm_manager.waiting_queue}
+        if self.dllm_config.requires_separate_context_encoding:
+            # phases cannot share a forward here: keep SGLang's batch former, in DWISE order
+            rank = {rid: i for i, rid in enumerate(state.run_rids)}
+            self.dllm_manager.waiting_queue.sort(key=lambda r: rank.get(r.rid, len(rank)))
+            mode = original_batches(self, adder, running_batch)
+        else:
+            run = [resident[rid] for rid in state.run_rids if rid in resident]
+            prefill = [r for r in run if r.is_dllm_prefill()]
+            decode = [r for r in run if not r.is_dllm_prefill()]
+            self._process_batch_by_phase(adder, prefill, phase.STAGING_PREFILL, phase.INCOMING_PREFILL, running_batch)
+            self._process_batch_by_phase(adder, decode, phase.STAGING_DECODE, phase.INCOMING_DECODE, running_batch)
+            mode = fb_mod.ForwardMode.DLLM_EXTEND
+        state.batch_prompt = {rid: r.is_dllm_prefill() for rid, r in resident.items()}
+        return mode
+
+    original_result = mixin.process_batch_result_dllm
+
+    def process_batch_result_dllm(self, batch, result):
+        original_result(self, batch, result)
+        if state.policy is None:
+            return
+        reqs = [r for r in batch.reqs if r.rid in state.reqs]
+        prompt = [state.batch_prompt.get(r.rid, False) for r in reqs]
+        first = [i for i, r in enumerate(reqs) if not prompt[i] and state.policy.fields(r.rid)["denoising_rounds"] == 0]
+        refined = {}
+        if first and state.bundle is not None and state.first_pooled is not None:
+            import torch
+
+            rows = [batch.reqs.index(reqs[i]) for i in first]
+            pooled = state.first_pooled[torch.tensor(rows, device=state.first_pooled.device)]
+            tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
+            budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
+            values = state.bundle.refine(pooled.float(), tokens, budget).tolist()  # after SGLang's own sync
+            refined = {reqs[i].rid: v for i, v in zip(first, values)}
+        steps = max(state.forwards, 1)
+        for r, is_prompt in zip(reqs, prompt):
+            rounds = 1 if is_prompt else steps
+            for j in range(rounds):
+                last = j == rounds - 1
+                state.policy.complete(r.rid, refined=refined.get(r.rid) if j == 0 else None,
+                                      finished=last and r.finished(), prompt=is_prompt)
+            if r.finished():
+                del state.reqs[r.rid]
+
+    original_run = algorithm.run
+
+    def run(self, model_runner, forward_batch, algo_states=None):
+        state.first_pooled, state.forwards = None, 0
+        forward = model_runner.forward
+
+        def counted_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            if state.forwards == 0 and state.pooled is not None:
+                state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
+            state.forwards += 1
+            return out
+
+        own = vars(model_runner).get("forward")
+        model_runner.forward = counted_forward
+        try:
+            return original_run(self, model_runner, forward_batch, algo_states)
+        finally:
+            if own is None:
+                del model_runner.forward  # back to the class method
+            else:
+                model_runner.forward = own
+
+    original_logits = logits._get_dllm_logits
+
+    def get_dllm_logits(self, hidden_states, lm_head, logits_metadata):
+        if state.block_size and state.bundle is not None:
+            pooled = hidden_states.view(-1, state.block_size, hidden_states.shape[-1]).mean(dim=1)  # (B, H)
+            if state.pooled is None or state.pooled.shape[0] < pooled.shape[0]:
+                import torch
+
+                state.pooled = torch.zeros(max(pooled.shape[0], int(state.slots * state.k)), pooled.shape[1],
+                                           device=hidden_states.device)
+            state.pooled[: pooled.shape[0]].copy_(pooled)
+        return original_logits(self, hidden_states, lm_head, logits_metadata)
+
+    patch(mixin, "_fetch_waiting_reqs", fetch_waiting_reqs)
+    patch(mixin, "_process_dllm_batches", process_dllm_batches)
+    patch(mixin, "process_batch_result_dllm", process_batch_result_dllm)
+    patch(algorithm, "run", run)
+    patch(logits, "_get_dllm_logits", get_dllm_logits)
+    return Installed(state, originals)

@@ -1,0 +1,130 @@
+"""Serving-side bundle loader: parity of backends, input forms, refusals, and a lean import."""
+
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dwise_predict.errors import BundleError, InputError
+from dwise_predict.serving.bundle import load_bundle
+from fakes.serving_bundle import HIDDEN, served_bundle
+
+
+@pytest.fixture(scope="module")
+def bundle_and_traces():
+    return served_bundle()
+
+
+@pytest.fixture(scope="module")
+def inputs(bundle_and_traces):
+    _, ds = bundle_and_traces
+    r = ds.requests.iloc[:40]
+    return (ds.first_round[:40], r["prompt_tokens"].to_numpy(np.float32), r["budget"].to_numpy(np.float32),
+            r[["words", "newlines", "prompt_tokens"]].to_numpy(np.float32), r["prompt"].tolist())
+
+
+def test_admission_matches_the_lightgbm_text_model(bundle_and_traces, inputs):
+    import lightgbm
+
+    path, _ = bundle_and_traces
+    b = load_bundle(path, expect_model={"config_hash": "synthetic-0", "hidden_size": HIDDEN},
+                    expect_decoding={"threshold": 0.9, "block_size": 8})
+    features = inputs[3]
+    expected = np.expm1(lightgbm.Booster(model_file=str(path / "admission.txt")).predict(features.astype(float)))
+    got = b.admission(features)
+    assert got.shape == (40,) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-4)
+
+
+def test_admission_from_text_needs_token_counts(bundle_and_traces, inputs):
+    b = load_bundle(bundle_and_traces[0])
+    _, prompt_tokens, _, _, prompts = inputs
+    prompts = [p + "\n" * (i % 3) for i, p in enumerate(prompts)]
+    features = np.array([[len(p.split()), p.count("\n"), t] for p, t in zip(prompts, prompt_tokens)], np.float32)
+    expected = b.admission(features)
+    np.testing.assert_allclose(b.admission(prompts, prompt_tokens=prompt_tokens), expected)
+    ids = iter(prompt_tokens.tolist())  # the tokenizer is called once per prompt, in order
+    np.testing.assert_allclose(b.admission(prompts, tokenizer=lambda t: [0] * int(next(ids))), expected)
+    counts = iter(prompt_tokens.tolist())
+    np.testing.assert_allclose(b.admission(prompts, tokenizer=lambda t: int(next(counts))), expected)
+    with pytest.raises(InputError, match="pass prompt_tokens"):
+        b.admission(prompts)
+
+
+def test_refine_backends_agree_and_pool_block_rows(bundle_and_traces, inputs):
+    path, _ = bundle_and_traces
+    h, pt, bu = inputs[:3]
+    onnx = load_bundle(path).refine(h, pt, bu)
+    rebuilt = load_bundle(path, backend="torch")
+    eager = rebuilt.refine(h, pt, bu)
+    scripted = load_bundle(path, backend="torch", torchscript=True).refine(h, pt, bu)
+    assert onnx.shape == (40,) and (onnx >= 0).all() and np.ptp(onnx) > 0
+    np.testing.assert_allclose(eager, onnx, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(scripted, onnx, rtol=1e-4, atol=1e-3)
+    # (B, L, H) rows are mean-pooled: rows spread symmetrically around h pool back to h
+    rows = np.stack([h - 1.0, h + 1.0, h], axis=1)  # (B, 3, H)
+    np.testing.assert_allclose(rebuilt.refine(rows, pt, bu), eager, rtol=1e-5, atol=1e-4)
+    # tensors in -> tensor out on the same device, no numpy round trip; scalar budget broadcasts
+    out = rebuilt.refine(torch.from_numpy(h), torch.from_numpy(pt), 256.0)
+    assert isinstance(out, torch.Tensor) and out.shape == (40,)
+    np.testing.assert_allclose(out.numpy(), eager, rtol=1e-5, atol=1e-4)
+
+
+def test_refine_rejects_the_wrong_hidden_size(bundle_and_traces):
+    b = load_bundle(bundle_and_traces[0])
+    with pytest.raises(InputError, match=f"H = {HIDDEN}.*got shape \\(2, 16\\)"):
+        b.refine(np.zeros((2, 16), np.float32), [1, 2], [8, 8])
+
+
+@pytest.mark.parametrize(
+    "expect_model,expect_decoding,field",
+    [
+        ({"config_hash": "llada2-abc"}, None, "model.config_hash"),
+        ({"hidden_size": 4096}, None, "model.hidden_size"),
+        ({"weights_sha256": "f" * 64}, None, "model.weights_sha256"),
+        (None, {"threshold": 0.95}, "decoding.threshold"),
+        (None, {"block_size": 32}, "decoding.block_size"),
+    ],
+)
+def test_refuses_a_bundle_for_another_model_or_decoding(bundle_and_traces, expect_model, expect_decoding, field):
+    with pytest.raises(BundleError, match=f"built for another .*{field}") as err:
+        load_bundle(bundle_and_traces[0], expect_model=expect_model, expect_decoding=expect_decoding)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["refine.onnx", "refine.pt", "README.md"])
+def test_refuses_a_tampered_file_naming_it(bundle_and_traces, tmp_path, name):
+    copy = tmp_path / "b"
+    shutil.copytree(bundle_and_traces[0], copy)
+    data = bytearray((copy / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (copy / name).write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=f"{name} does not match its sha256"):
+        load_bundle(copy, backend="torch", torchscript=True)
+
+
+def test_refuses_a_missing_manifest_and_unknown_backend(tmp_path, bundle_and_traces):
+    with pytest.raises(BundleError, match="is not a bundle"):
+        load_bundle(tmp_path)
+    with pytest.raises(InputError, match="backend must be one of onnx, torch"):
+        load_bundle(bundle_and_traces[0], backend="tensorrt")
+
+
+def test_serving_imports_without_the_training_stack(bundle_and_traces):
+    code = f"""
+import sys, numpy as np
+import dwise_predict.serving
+from dwise_predict.serving.bundle import load_bundle
+from dwise_predict.serving.policy import DwisePolicy
+from dwise_predict.serving import sglang_adapter
+b = load_bundle({str(bundle_and_traces[0])!r}, backend="torch")
+b.admission(np.ones((2, 3), np.float32)); b.refine(np.zeros((2, {HIDDEN}), np.float32), [5, 6], [64, 64])
+heavy = [m for m in ("lightgbm", "sklearn", "xgboost", "pandas", "dwise_predict.training", "dwise_predict.evaluation") if m in sys.modules]
+print(",".join(heavy))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "", f"serving imported {out.stdout.strip()}"

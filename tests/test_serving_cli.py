@@ -1,0 +1,91 @@
+"""`dwise-predict simulate`: outputs on disk, the load sweep, and one-line refusals."""
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dwise_predict.cli import main
+from dwise_predict.traces import write_traces
+from fakes.serving_bundle import served_bundle
+
+
+@pytest.fixture(scope="module")
+def traces_and_bundle(tmp_path_factory):
+    bundle, traces = served_bundle()
+    path = write_traces(traces, tmp_path_factory.mktemp("traces") / "tr")
+    return path, bundle, traces
+
+
+def test_simulate_writes_table_csv_json_and_plot(traces_and_bundle, tmp_path, capsys):
+    traces, bundle, _ = traces_and_bundle
+    out = tmp_path / "sim"
+    assert main(["simulate", str(traces), "--bundle", str(bundle), "--slots", "8", "--out", str(out), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 12 and {r["arrival"] for r in rows} == {"burst", "burst-poisson"}
+    assert {r["policy"] for r in rows} >= {"sglang-default", "dwise-refined", "dwise-oracle"}
+    default = [r for r in rows if r["policy"] == "sglang-default"]
+    assert all(r["speedup_vs_default"] == pytest.approx(1.0) for r in default)
+    assert (out / "simulate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "simulate.csv").read_text().count("\n") == 13
+    saved = json.loads((out / "simulate.json").read_text())
+    assert saved["rows"] == rows and saved["settings"]["slots"] == 8
+
+
+def test_without_a_bundle_only_policies_that_need_none(traces_and_bundle, capsys):
+    traces, _, _ = traces_and_bundle
+    assert main(["simulate", str(traces), "--arrival", "burst", "--slots", "8", "--json"]) == 0
+    policies = [r["policy"] for r in json.loads(capsys.readouterr().out)]
+    assert policies == ["sglang-default", "fcfs-mixed", "dwise-zero", "dwise-oracle"]
+
+
+def test_rate_sweep(traces_and_bundle, tmp_path, capsys):
+    traces, _, _ = traces_and_bundle
+    args = ["simulate", str(traces), "--rates", "0.25x,4x", "--policies", "sglang-default,dwise-oracle",
+            "--slots", "8", "--out", str(tmp_path), "--json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 4 and (tmp_path / "sweep.png").is_file()
+    by = {(r["policy"], r["rate_rps"]): r["mean_latency_s"] for r in rows}
+    low, high = sorted({r["rate_rps"] for r in rows})
+    assert by[("sglang-default", high)] > by[("sglang-default", low)]  # queueing grows with load
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--slots", "0"], "--slots (B) must be a positive integer, got 0"),
+        (["--k", "0.5"], "--k must be at least 1"),
+        (["--kv-budget", "10"], "--kv-budget 10 blocks cannot hold request"),
+        (["--policies", "lifo"], "--policies: unknown lifo"),
+        (["--policies", "dwise-refined"], "need predictions: pass --bundle"),
+    ],
+)
+def test_bad_options_one_line_exit_1(traces_and_bundle, capsys, extra, message):
+    traces, _, _ = traces_and_bundle
+    assert main(["simulate", str(traces), *extra]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_bundle_for_another_model_is_refused(traces_and_bundle, tmp_path, capsys):
+    _, bundle, traces = traces_and_bundle
+    other = traces.subset(np.ones(len(traces), bool))
+    other.manifest = {**traces.manifest, "model": {**traces.manifest["model"], "config_hash": "llada2-mini"}}
+    path = write_traces(other, tmp_path / "other")
+    assert main(["simulate", str(path), "--bundle", str(bundle)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "built for another model (model.config_hash = 'synthetic-0'" in err and len(err.splitlines()) == 1
+
+
+def test_traces_without_prompt_blocks_are_refused(traces_and_bundle, tmp_path, capsys):
+    traces, _, _ = traces_and_bundle
+    copy = tmp_path / "tr"
+    shutil.copytree(traces, copy)
+    table = pd.read_parquet(copy / "requests.parquet").drop(columns=["prompt_blocks"])
+    table.to_parquet(copy / "requests.parquet", index=False)
+    assert main(["simulate", str(copy)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "prompt_blocks" in err and len(err.splitlines()) == 1
