@@ -1,18 +1,48 @@
-"""Reading and checking a bundle's ``bundle.json`` with the standard library alone.
+"""Reading, writing and checking a bundle's ``bundle.json`` with the standard library alone.
 
-The serving hook imports this module, so it must not import torch, lightgbm or the training code.
+The serving hook and ``verify``'s fresh-process worker import this module, so it must not import
+torch, lightgbm or the training code.
+
+``bundle.json`` lists every other file of the bundle with its sha256 and size, and seals itself:
+``manifest_sha256`` is the sha256 of the canonical JSON (sorted keys, two-space indent) of the
+manifest without that key, and the file must be exactly the canonical JSON of the sealed manifest.
+So a change to any byte of any bundle file, ``bundle.json`` included, is refused, naming the file.
+(This detects corruption and tampering in transit; it is not a signature — trust comes from where
+you pulled the bundle, and its hashes match the zoo index.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FILE = "bundle.json"
+SEAL_KEY = "manifest_sha256"
+
+
+def canonical_json(manifest: dict) -> bytes:
+    """The one byte form of a manifest: sorted keys, two-space indent, trailing newline."""
+    return (json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
+def seal_manifest(manifest: dict) -> bytes:
+    """Add ``manifest_sha256`` (hash of the manifest without it) and return the file's bytes."""
+    body = {k: v for k, v in manifest.items() if k != SEAL_KEY}
+    return canonical_json({**body, SEAL_KEY: hashlib.sha256(canonical_json(body)).hexdigest()})
+
+
+def write_bundle_manifest(bundle: str | Path, manifest: dict) -> Path:
+    """Write the sealed ``bundle.json`` into ``bundle`` atomically (temp file + rename)."""
+    path = Path(bundle) / BUNDLE_FILE
+    tmp = path.with_name(f".{BUNDLE_FILE}.tmp")
+    tmp.write_bytes(seal_manifest(manifest))
+    os.replace(tmp, path)
+    return path
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -28,19 +58,39 @@ def read_bundle_manifest(bundle: str | Path) -> dict:
     path = Path(bundle) / BUNDLE_FILE
     if not path.is_file():
         raise BundleError(f"{bundle} is not a bundle: it has no {BUNDLE_FILE} (create one with `dwise-predict export`)")
+    raw = path.read_bytes()
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(raw.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise BundleError(f"{path} is not valid JSON ({err}): the bundle is corrupt; re-export or re-pull it") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{path} does not hold a JSON object: the bundle is corrupt; re-export or re-pull it")
     version = manifest.get("schema_version")
     if not isinstance(version, int):
         raise BundleError(f"{path} has no integer schema_version: the bundle is corrupt")
     if version > BUNDLE_SCHEMA_VERSION:
         raise BundleError(
-            f"{bundle} has bundle schema {version}, newer than this dwise-predict reads "
+            f"{path} has bundle schema {version}, newer than this dwise-predict reads "
             f"({BUNDLE_SCHEMA_VERSION}): upgrade dwise-predict"
         )
+    if SEAL_KEY not in manifest:
+        raise BundleError(
+            f"{path} has no {SEAL_KEY} seal: write it with dwise_predict.exports.manifest.write_bundle_manifest "
+            "(or re-export the bundle)"
+        )
+    try:
+        sealed = seal_manifest(manifest)
+    except ValueError:  # NaN/inf smuggled in: not canonical JSON
+        sealed = b""
+    if raw != sealed:
+        raise BundleError(f"{path} does not match its {SEAL_KEY} seal: the file was modified or corrupted")
     return manifest
+
+
+def unlisted_files(bundle: str | Path, manifest: dict) -> list[str]:
+    """Files in the bundle directory that ``bundle.json`` does not list (it should list all)."""
+    listed = set(manifest.get("files", {})) | {BUNDLE_FILE}
+    return sorted(p.name for p in Path(bundle).iterdir() if p.name not in listed)
 
 
 def check_files(bundle: str | Path, manifest: dict, names: list[str] | None = None) -> None:
@@ -54,6 +104,10 @@ def check_files(bundle: str | Path, manifest: dict, names: list[str] | None = No
         entry = files.get(name)
         if entry is None:
             raise BundleError(f"{bundle}/{BUNDLE_FILE} lists no '{name}': the bundle is incomplete; re-export it")
+        if Path(name).name != name or name in (".", ".."):
+            raise BundleError(
+                f"{bundle}/{BUNDLE_FILE} lists '{name}', which is not a plain file name: the bundle is unsafe"
+            )
         path = bundle / name
         if not path.is_file():
             raise BundleError(f"{path} is missing: the bundle is incomplete; re-export or re-pull it")

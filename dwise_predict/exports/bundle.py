@@ -1,0 +1,302 @@
+"""``dwise-predict export``: turn a training run directory into a predictor bundle (contract 2).
+
+Everything is written into a temporary sibling directory and renamed into place at the end, so a
+failed export leaves nothing behind and an existing bundle is never half-overwritten.
+
+Bundle files (all listed with sha256 and size in the sealed ``bundle.json``):
+
+===================  ============================================================  ======
+file                 what                                                          pickle
+===================  ============================================================  ======
+refine.safetensors   the run's weights, unchanged (rebuild with build_refine_graph)  no
+calibration.json     the isotonic knots                                              no
+refine.onnx          calibrated ensemble, one graph, dynamic batch (opset 18)        no
+refine.pt            the same graph as TorchScript                                   yes
+refine.pt2           the same graph as a torch.export program                        yes
+refine.int8.onnx     refine.onnx with int8 weights, kept only if it ranks like fp32   no
+admission.txt        LightGBM text model (log1p target)                              no
+admission.onnx       the same trees, output mapped back to total rounds              no
+probes.safetensors   probe inputs with eager / LightGBM outputs, for ``verify``       no
+README.md            model card (Hugging Face front matter)                          no
+===================  ============================================================  ======
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import shutil
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dwise_predict.errors import BundleError, InputError
+from dwise_predict.exports.admission_export import (
+    ADMISSION_FEATURES,
+    ONNX_OPSET as ADMISSION_OPSET,
+    admission_to_onnx,
+    load_booster,
+    predict_total_rounds,
+)
+from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, sha256_file, write_bundle_manifest
+from dwise_predict.exports.model_card import model_card
+from dwise_predict.exports.refine_export import (
+    ONNX_OPSET as REFINE_OPSET,
+    INT8_MIN_SPEARMAN,
+    FusedRefineGraph,
+    export_onnx,
+    export_program,
+    export_torchscript,
+    quantize_int8,
+)
+from dwise_predict.exports.run_files import RunFiles, load_run
+
+PROBES_FILE = "probes.safetensors"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# What each artifact is, for loaders choosing a path: pickle-bearing files load only after their hash matches.
+ARTIFACTS = {
+    "refine.safetensors": {"role": "refine weights", "format": "safetensors", "pickle": False},
+    "calibration.json": {"role": "refine calibration", "format": "json", "pickle": False},
+    "refine.onnx": {"role": "refine graph", "format": "onnx", "opset": REFINE_OPSET, "pickle": False},
+    "refine.pt": {"role": "refine graph", "format": "torchscript", "pickle": True},
+    "refine.pt2": {"role": "refine graph", "format": "torch.export", "pickle": True},
+    "refine.int8.onnx": {"role": "refine graph, int8 weights (faster, approximate)", "format": "onnx",
+                         "opset": REFINE_OPSET, "pickle": False, "min_spearman": INT8_MIN_SPEARMAN},
+    "admission.txt": {"role": "admission model", "format": "lightgbm-text", "pickle": False},
+    "admission.onnx": {"role": "admission model", "format": "onnx", "opset": ADMISSION_OPSET, "pickle": False},
+    PROBES_FILE: {"role": "verification probes", "format": "safetensors", "pickle": False},
+    "README.md": {"role": "model card", "format": "markdown", "pickle": False},
+}
+VERSIONED_PACKAGES = ("dwise-predict", "torch", "onnx", "onnxruntime", "onnxscript", "onnxmltools", "lightgbm",
+                      "numpy", "safetensors")
+
+
+def export_bundle(
+    run: str | Path,
+    out: str | Path,
+    *,
+    name: str | None = None,
+    created: str | None = None,
+    force: bool = False,
+    n_probes: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Export run directory ``run`` as a bundle directory ``out``; return ``out``.
+
+    Parameters
+    ----------
+    name : bundle name for the zoo (default: the run directory's name); letters, digits, ``._-``.
+    created : ISO-8601 creation time recorded in ``bundle.json`` (default: now, UTC). Pass a fixed
+        value for byte-identical ``bundle.json`` files across exports of the same run.
+    force : replace an existing ``out`` (the old bundle stays intact until the new one is complete).
+    n_probes, seed : how many probe rows ``verify`` compares on, drawn from the run's input
+        statistics with this seed.
+    """
+    out = Path(out)
+    name = name or _sanitise(Path(run).resolve().name)
+    if not NAME_PATTERN.match(name):
+        raise InputError(f"--name '{name}' must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    if out.exists() and not force:
+        raise InputError(f"{out} already exists: choose another --out or pass --force to replace it")
+    if created is None:
+        created = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
+    else:
+        try:
+            dt.datetime.fromisoformat(created)
+        except ValueError:
+            raise InputError(f"--created '{created}' is not an ISO-8601 time (e.g. 2026-01-01T00:00:00+00:00)") from None
+    run_files = load_run(run)
+    graph = _rebuild_graph(run_files)
+    fused = FusedRefineGraph(graph).eval()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        for file in ("refine.safetensors", "calibration.json", "admission.txt"):
+            shutil.copyfile(run_files.path / file, tmp / file)
+        admission_to_onnx(tmp / "admission.txt", tmp / "admission.onnx")
+        hidden = int(run_files.refine_spec["hidden_size"])
+        export_torchscript(fused, tmp / "refine.pt")
+        export_program(fused, hidden, tmp / "refine.pt2")
+        export_onnx(fused, hidden, tmp / "refine.onnx")
+        _write_probes(graph, fused, load_booster(tmp / "admission.txt"), run_files, tmp / PROBES_FILE, n_probes, seed)
+        int8 = {"probe_spearman": _quantise_if_ranking_holds(tmp), "min_spearman": INT8_MIN_SPEARMAN,
+                "kept": (tmp / "refine.int8.onnx").exists()}
+        artifacts = {k: v for k, v in ARTIFACTS.items() if (tmp / k).exists() or k == "README.md"}
+        manifest = _manifest(run_files, name, created, artifacts, int8)
+        (tmp / "README.md").write_text(model_card(manifest, artifacts))
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # some writers create 0600 files; a bundle is meant to be shared
+        manifest["files"] = {
+            p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())
+        }
+        write_bundle_manifest(tmp, manifest)
+        _move_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _rebuild_graph(run: RunFiles):
+    """The run's calibrated ensemble as eager :class:`RefineGraph`, shapes checked against the spec."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from dwise_predict.survival.network import build_refine_graph
+
+    path = run.path / "refine.safetensors"
+    try:
+        weights = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise InputError(f"{path} is not a readable safetensors file ({err}): re-run `dwise-predict train`") from None
+    spec = run.refine_spec
+    hidden = int(spec["hidden_size"])
+    traces_hidden = run.traces.get("hidden_size", hidden)
+    if int(spec["in_features"]) != hidden + 2 or int(traces_hidden) != hidden:
+        raise InputError(
+            f"{run.path}: refine.json says hidden size {hidden} / in_features {spec['in_features']} but the traces "
+            f"had hidden size {traces_hidden}; the run is inconsistent, re-run `dwise-predict train`"
+        )
+    if tuple(weights.get("input_mean", torch.empty(0)).shape) != (hidden + 2,):
+        raise InputError(f"{path} lacks input_mean of shape ({hidden + 2},): re-run `dwise-predict train`")
+    try:
+        return build_refine_graph(weights, spec, run.calibration)
+    except (RuntimeError, KeyError) as err:
+        first_line = str(err).splitlines()[0]
+        raise InputError(f"{path} does not fit refine.json ({first_line}): re-run `dwise-predict train`") from None
+
+
+def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed: int) -> None:
+    """Probe inputs drawn around the run's input statistics, with the eager and LightGBM outputs.
+
+    The exported graph (fused) must agree with the eager ensemble before anything is written: a
+    disagreement here is a bug in the exporter, not in the user's run.
+    """
+    from safetensors.numpy import save_file
+
+    spec = run.refine_spec
+    hidden = int(spec["hidden_size"])
+    gen = torch.Generator().manual_seed(seed)
+    x = graph.input_mean + graph.input_std * torch.randn(n, hidden + 2, generator=gen)
+    first_round = x[:, :hidden].contiguous()
+    prompt_tokens = (x[:, hidden] * float(spec["prompt_norm"])).clamp(min=1).round()
+    budget = (x[:, hidden + 1] * float(spec["budget_norm"])).clamp(min=1).round()
+    with torch.no_grad():
+        expected = graph(first_round, prompt_tokens, budget)
+        fused_out = fused(first_round, prompt_tokens, budget)
+    error = ((fused_out - expected).abs() / expected.abs().clamp(min=1e-3)).max().item()
+    if error > 1e-5:
+        raise BundleError(f"internal error: the fused refinement graph differs from the eager one by {error:.2e}")
+    words = (prompt_tokens * (0.6 + 0.2 * torch.rand(n, generator=gen))).round()
+    newlines = (prompt_tokens * 0.1 * torch.rand(n, generator=gen)).round()
+    features = torch.stack([words, newlines, prompt_tokens], dim=1).numpy().astype(np.float32)
+    tensors = {
+        "refine.first_round": first_round.numpy(),
+        "refine.prompt_tokens": prompt_tokens.numpy(),
+        "refine.budget": budget.numpy(),
+        "refine.remaining_rounds": expected.numpy(),
+        "admission.features": features,
+        "admission.total_rounds": predict_total_rounds(booster, features).astype(np.float32),
+    }
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, str(path))
+
+
+def _quantise_if_ranking_holds(bundle: Path) -> float:
+    """Write ``refine.int8.onnx`` when its Spearman rho against the eager probe outputs is at least
+    :data:`INT8_MIN_SPEARMAN`; return that rho (the file is removed when it falls short)."""
+    import onnxruntime as ort
+    from safetensors.numpy import load_file
+
+    from dwise_predict.exports.probe_worker import spearman
+
+    quantize_int8(bundle / "refine.onnx", bundle / "refine.int8.onnx")
+    probes = load_file(str(bundle / PROBES_FILE))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(bundle / "refine.int8.onnx"), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {n: probes[f"refine.{n}"] for n in ("first_round", "prompt_tokens", "budget")})[0]
+    rho = spearman(probes["refine.remaining_rounds"], got)
+    if not rho >= INT8_MIN_SPEARMAN:
+        (bundle / "refine.int8.onnx").unlink()
+    return round(rho, 6) if np.isfinite(rho) else None
+
+
+def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dict) -> dict:
+    """``bundle.json`` content without ``files`` (added once every file is written) and the seal
+    (added by :func:`write_bundle_manifest`)."""
+    spec = {k: v for k, v in run.refine_spec.items()}
+    hidden = int(spec["hidden_size"])
+    metrics = dict(run.metrics)
+    if run.loco is not None:
+        metrics["loco"] = run.loco
+    return {
+        "schema_version": BUNDLE_SCHEMA_VERSION,
+        "name": name,
+        "created": created,
+        "model": run.traces["model"],
+        "decoding": run.traces.get("decoding", {}),
+        "inputs": {
+            "admission": {"features": list(ADMISSION_FEATURES), "dtype": "float32", "shape": ["B", 3],
+                          "output": {"total_rounds": ["B"]}},
+            "refine": {
+                **spec,
+                "dtype": "float32",
+                "tensors": {"first_round": ["B", hidden], "prompt_tokens": ["B"], "budget": ["B"]},
+                "output": {"remaining_rounds": ["B"]},
+            },
+        },
+        "K": int(spec["num_rounds"]),
+        "metrics": _json_safe(metrics),
+        "training_data": {"fingerprint": run.traces.get("fingerprint"), "path": run.traces.get("path")},
+        "artifacts": artifacts,
+        "int8": int8,
+        "versions": {"export": _versions(), "train": run.config.get("versions", {})},
+        "probes": PROBES_FILE,
+    }
+
+
+def _json_safe(value):
+    """NaN and inf (which strict JSON cannot hold) become null, as metrics.json uses for "n/a"."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def _versions() -> dict:
+    found = {}
+    for package in VERSIONED_PACKAGES:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def _sanitise(text: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")
+    return cleaned[:100] or "bundle"
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished bundle to ``out``; an old ``out`` is removed only after the rename."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,193 @@
+"""Typer commands for bundles: ``export``, ``verify``, ``publish`` and the ``zoo`` group.
+
+Each command validates its options, calls one library function and prints a summary (stdout);
+heavy imports stay inside the bodies so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+ZooOption = Annotated[Path, typer.Option("--zoo", envvar="DWISE_ZOO", help="Zoo directory (or $DWISE_ZOO).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print a JSON summary instead of a table.")]
+
+
+def export_command(
+    run: Annotated[Path, typer.Argument(help="Run directory written by `dwise-predict train`.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Bundle directory to create.")],
+    name: Annotated[Optional[str], typer.Option(help="Bundle name (default: the run directory's name).")] = None,
+    created: Annotated[
+        Optional[str],
+        typer.Option(help="ISO time to record as 'created' (default: now); fix it for byte-identical bundles."),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle at --out.")] = False,
+    probes: Annotated[int, typer.Option(min=8, help="Probe rows stored for `verify`.")] = 64,
+    as_json: JsonOption = False,
+) -> None:
+    """Export a training run as a predictor bundle (contract 2): ONNX, TorchScript, torch.export,
+    safetensors, LightGBM, probes, a sealed bundle.json and a model card.
+
+    Examples:
+
+        dwise-predict export runs/tiny --out bundles/tiny
+
+        dwise-predict export runs/llada --out bundles/llada --name llada2-mini --created 2026-01-01T00:00:00Z
+    """
+    from dwise_predict.exports.bundle import export_bundle
+    from dwise_predict.exports.manifest import read_bundle_manifest
+
+    path = export_bundle(run, out, name=name, created=created, force=force, n_probes=probes)
+    manifest = read_bundle_manifest(path)
+    if as_json:
+        typer.echo(json.dumps({"bundle": str(path), "name": manifest["name"], "files": manifest["files"]}, indent=2))
+        return
+    table = _table(f"bundle {path}", ("file", "bytes", "sha256"))
+    for file, entry in sorted(manifest["files"].items()):
+        table.add_row(file, f"{entry['bytes']:,}", entry["sha256"][:16] + "…")
+    _print(table)
+    typer.echo(f"next: dwise-predict verify {path}")
+
+
+def verify_command(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory.")],
+    as_json: JsonOption = False,
+) -> None:
+    """Check every hash of a bundle, then load each artifact in a fresh process (without the
+    training stack) and compare TorchScript, torch.export and ONNX with the stored eager outputs
+    (max relative error 1e-4, identical ranking) and ONNX admission with LightGBM. Exit 1 on any
+    failure.
+
+    Examples:
+
+        dwise-predict verify bundles/tiny
+
+        dwise-predict verify bundles/tiny --json | jq '.rows[] | select(.ok | not)'
+    """
+    from dwise_predict.exports.verify import verify_bundle
+
+    report = verify_bundle(bundle)
+    if as_json:
+        typer.echo(json.dumps({"bundle": str(bundle), "ok": report.ok, "rows": report.rows}, indent=2))
+    else:
+        table = _table(f"verify {bundle}", ("artifact", "check", "result", "detail"))
+        for row in report.rows:
+            table.add_row(row["artifact"], row["check"], "[green]pass[/]" if row["ok"] else "[red]FAIL[/]", row["detail"])
+        _print(table)
+        if report.ok:
+            typer.echo("all checks passed")
+    if not report.ok:
+        from dwise_predict.errors import BundleError
+
+        raise BundleError(f"{bundle} failed {len(report.failures())} check(s): {report.failed_artifacts()}; do not load it")
+
+
+def publish_command(
+    bundle: Annotated[Path, typer.Argument(help="Bundle directory (verified before publishing).")],
+    zoo: ZooOption,
+    name: Annotated[Optional[str], typer.Option(help="Name in the zoo (default: the bundle's name).")] = None,
+    version: Annotated[Optional[str], typer.Option(help="Version (default: next integer). Never overwritten.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Verify a bundle and publish it into a zoo directory as a .tar with an index entry.
+
+    Examples:
+
+        dwise-predict publish bundles/tiny --zoo /shared/zoo
+
+        dwise-predict publish bundles/llada --zoo /shared/zoo --name llada2-mini --version 2026.01
+    """
+    from dwise_predict.exports.zoo import publish
+
+    entry = publish(bundle, zoo, name=name, version=version)
+    if as_json:
+        typer.echo(json.dumps(entry, indent=2))
+        return
+    typer.echo(f"published {entry['name']}@{entry['version']} -> {zoo / entry['file']} (sha256 {entry['sha256'][:16]}…)")
+
+
+zoo_app = typer.Typer(help="Browse and pull bundles from a zoo directory.", no_args_is_help=True)
+
+
+@zoo_app.command("list")
+def zoo_list_command(zoo: ZooOption, as_json: JsonOption = False) -> None:
+    """List every published bundle.
+
+    Examples:
+
+        dwise-predict zoo list --zoo /shared/zoo
+    """
+    from dwise_predict.exports.zoo import list_entries
+
+    entries = list_entries(zoo)
+    if as_json:
+        typer.echo(json.dumps(entries, indent=2))
+        return
+    table = _table(f"zoo {zoo}", ("name", "version", "model", "hidden", "ρ admission", "ρ refined", "published"))
+    for e in entries:
+        metrics = e.get("metrics") or {}
+        table.add_row(
+            e["name"], e["version"], str((e.get("model") or {}).get("name")), str(e.get("hidden_size")),
+            _rho(metrics.get("admission")), _rho(metrics.get("refined")), e.get("published", ""),
+        )
+    _print(table)
+
+
+@zoo_app.command("show")
+def zoo_show_command(
+    ref: Annotated[str, typer.Argument(help="NAME or NAME@VERSION (default: latest version).")],
+    zoo: ZooOption,
+) -> None:
+    """Print one index entry as JSON (model fingerprint, metrics, tar sha256).
+
+    Examples:
+
+        dwise-predict zoo show tiny@1 --zoo /shared/zoo
+    """
+    from dwise_predict.exports.zoo import find_entry
+
+    typer.echo(json.dumps(find_entry(zoo, ref), indent=2, sort_keys=True))
+
+
+@zoo_app.command("pull")
+def zoo_pull_command(
+    ref: Annotated[str, typer.Argument(help="NAME or NAME@VERSION (default: latest version).")],
+    zoo: ZooOption,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="New directory (default: ./NAME-VERSION).")] = None,
+) -> None:
+    """Fetch a bundle: check the tar's sha256, extract it safely, check every file's hash.
+
+    Examples:
+
+        dwise-predict zoo pull tiny --zoo /shared/zoo --out bundles/tiny
+
+        dwise-predict zoo pull tiny@1 --zoo /shared/zoo
+    """
+    from dwise_predict.exports.zoo import pull
+
+    path = pull(zoo, ref, out)
+    typer.echo(f"pulled {ref} -> {path}")
+    typer.echo(f"next: dwise-predict verify {path}")
+
+
+def _table(title: str, columns: tuple[str, ...]):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    return table
+
+
+def _print(table) -> None:
+    from rich.console import Console
+
+    Console(soft_wrap=True).print(table)
+
+
+def _rho(block) -> str:
+    value = (block or {}).get("spearman")
+    return "n/a" if value is None else f"{value:.3f}"

@@ -1,0 +1,141 @@
+"""The bundle's ``README.md``: a model card with Hugging Face front matter.
+
+The YAML front matter follows the Hub's model-card metadata (``library_name``, ``tags``,
+``base_model``, ``metrics``, ``model-index``); values are written as JSON scalars, which YAML reads
+unchanged, so no YAML library is needed.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def model_card(manifest: dict, artifacts: dict) -> str:
+    """Markdown model card for a bundle manifest (``files`` may still be empty when it is written)."""
+    model, decoding, metrics = manifest["model"], manifest["decoding"], manifest["metrics"]
+    refine = manifest["inputs"]["refine"]
+    base_model = model.get("repo_id") or model.get("name") or "unknown"
+    admission_rho = metrics.get("admission", {}).get("spearman")
+    refined_rho = metrics.get("refined", {}).get("spearman")
+    front = [
+        "---",
+        "library_name: onnx",
+        f"base_model: {json.dumps(base_model)}",
+        "tags:",
+        *(f"- {t}" for t in ("dwise-predict", "diffusion-llm", "block-diffusion", "llm-serving", "scheduling",
+                             "survival-analysis", "lightgbm", "onnx", "torchscript")),
+        "metrics:",
+        "- spearmanr",
+        "model-index:",
+        f"- name: {json.dumps(manifest['name'])}",
+        "  results:",
+        "  - task:",
+        "      type: tabular-regression",
+        "      name: denoising-round prediction",
+        "    dataset:",
+        f"      name: {json.dumps('traces of ' + base_model + ' (eval split)')}",
+        "      type: dwise-predict-traces",
+        f"      revision: {json.dumps(manifest['training_data'].get('fingerprint') or 'unknown')}",
+        "    metrics:",
+        "    - type: spearmanr",
+        "      name: admission Spearman rho (total rounds)",
+        f"      value: {json.dumps(admission_rho)}",
+        "    - type: spearmanr",
+        "      name: refined Spearman rho (remaining rounds)",
+        f"      value: {json.dumps(refined_rho)}",
+        "---",
+        "",
+    ]
+    calibration = metrics.get("calibration", {})
+    body = [
+        f"# {manifest['name']}: workload predictors for {base_model}",
+        "",
+        "Two predictors for a block-diffusion LLM scheduler, exported by dwise-predict (after DWISE, §3–§4):",
+        "",
+        "- **admission** — LightGBM (`admission.txt`, `admission.onnx`) on three prompt features "
+        "(`words`, `newlines`, `prompt_tokens` after the chat template) → predicted total denoising rounds;",
+        f"- **refinement** — a {refine['members']}-seed ensemble of discrete-time survival MLPs "
+        f"(width {refine['width']}, K = {manifest['K']}) on the pooled first-denoising-round hidden state "
+        f"(H = {refine['hidden_size']}), prompt tokens and budget, isotonic-calibrated → remaining denoising "
+        "rounds (`refine.onnx`, `refine.pt`, `refine.pt2`, weights in `refine.safetensors`).",
+        "",
+        *_int8_lines(manifest.get("int8") or {}),
+        "## Trained for",
+        "",
+        "The predictions are only meaningful for this model and decoding configuration; the serving hook "
+        "refuses a bundle whose fingerprint or hidden size differs from the model it serves.",
+        "",
+        "```json",
+        json.dumps({"model": model, "decoding": decoding}, indent=2, sort_keys=True),
+        "```",
+        "",
+        f"Training traces: fingerprint `{manifest['training_data'].get('fingerprint')}`"
+        f" ({metrics.get('n_train', '?')} train / {metrics.get('n_eval', '?')} eval requests).",
+        "",
+        "## Metrics (eval split)",
+        "",
+        "| predictor | Spearman ρ | within-category ρ (mean) |",
+        "|---|---|---|",
+        f"| admission | {_fmt(admission_rho)} | {_fmt(metrics.get('admission', {}).get('within_category_mean'))} |",
+        f"| refined (calibrated) | {_fmt(refined_rho)} | {_fmt(metrics.get('refined', {}).get('within_category_mean'))} |",
+        "",
+        f"Median predicted/actual ratio: admission {_fmt(calibration.get('median_ratio_admission'))}, "
+        f"refined raw {_fmt(calibration.get('median_ratio_raw'))}, "
+        f"calibrated {_fmt(calibration.get('median_ratio_calibrated'))}.",
+        "",
+        "## Inputs and outputs",
+        "",
+        "| graph | inputs (float32) | output (float32) |",
+        "|---|---|---|",
+        "| `admission.onnx` | `features` [B, 3] = words, newlines, prompt_tokens | `total_rounds` [B] |",
+        f"| `refine.onnx` | `first_round` [B, {refine['hidden_size']}] (raw, standardised inside), "
+        "`prompt_tokens` [B], `budget` [B] | `remaining_rounds` [B] (calibrated) |",
+        "",
+        "## Load",
+        "",
+        "Check the bundle first — every file's sha256 is in the sealed `bundle.json`:",
+        "",
+        "```bash",
+        "dwise-predict verify BUNDLE",
+        "```",
+        "",
+        "With onnxruntime and numpy only:",
+        "",
+        "```python",
+        "import numpy as np, onnxruntime as ort",
+        "refine = ort.InferenceSession('BUNDLE/refine.onnx', providers=['CPUExecutionProvider'])",
+        "rounds = refine.run(None, {'first_round': h1, 'prompt_tokens': tokens, 'budget': budget})[0]",
+        "```",
+        "",
+        "Or rebuild the PyTorch module from the safetensors weights (no pickle):",
+        "`dwise_predict.survival.network.build_refine_graph(safetensors.torch.load_file('refine.safetensors'), "
+        "bundle['inputs']['refine'], json.load(open('calibration.json')))`.",
+        "",
+        "## Safety",
+        "",
+        "`refine.pt` (TorchScript) and `refine.pt2` (torch.export) are zip archives that contain Python "
+        "pickles; unpickling runs code. Load them only from a bundle you trust and only after "
+        "`dwise-predict verify` (or `check_files` of `dwise_predict.exports.manifest`) has matched their sha256. "
+        "For bundles from others use the default paths: ONNX or the safetensors weights.",
+        "",
+        "## Files",
+        "",
+        "| file | role | format | contains pickle |",
+        "|---|---|---|---|",
+        *(f"| `{f}` | {a['role']} | {a['format']} | {'yes' if a['pickle'] else 'no'} |" for f, a in artifacts.items()),
+        "",
+    ]
+    return "\n".join(front + body)
+
+
+def _int8_lines(int8: dict) -> list[str]:
+    if int8.get("kept"):
+        return [f"`refine.int8.onnx` has int8 weights (about twice as fast on CPUs with VNNI); its Spearman ρ "
+                f"against fp32 on the probe inputs is {_fmt(int8.get('probe_spearman'))} (kept only at >= "
+                f"{int8.get('min_spearman')}). `refine.onnx` stays the exact reference.", ""]
+    return [f"An int8 version was not kept: its ranking fell short of fp32 (ρ {_fmt(int8.get('probe_spearman'))}"
+            f" < {int8.get('min_spearman')}).", ""] if int8 else []
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)

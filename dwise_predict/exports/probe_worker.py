@@ -1,0 +1,157 @@
+"""Load every artifact of a bundle and compare it with the stored probes — in a fresh process.
+
+Run as ``python -I -m dwise_predict.exports.probe_worker BUNDLE`` by ``verify``; prints one JSON
+object on stdout: ``{"rows": [...], "modules": [...]}``. It imports only numpy, safetensors,
+onnxruntime, torch, the stdlib manifest module and the torch-only ``survival/network.py`` — never
+lightgbm, scikit-learn, pandas or the training code — so a pass shows the bundle loads on a serving
+host without the training stack. Hashes are checked here again before anything is deserialised:
+pickle-bearing files (TorchScript, torch.export) are opened only after their sha256 matches.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dwise_predict.exports.manifest import check_files, read_bundle_manifest
+
+TOLERANCE = 1e-4  # max relative error against the eager outputs
+# modules whose presence would mean the bundle needs the training stack to load
+FORBIDDEN_MODULES = ("lightgbm", "sklearn", "pandas", "xgboost", "dwise_predict.training", "dwise_predict.admission")
+BATCHES = (1, 7, None)  # None: all probes; 1 and 7 exercise the dynamic batch axis
+
+
+def relative_error(expected: np.ndarray, got: np.ndarray) -> float:
+    """max |got - expected| / max(|expected|, 1e-3): relative, with a floor for values near zero."""
+    expected, got = np.asarray(expected, np.float64), np.asarray(got, np.float64).reshape(expected.shape)
+    return float((np.abs(got - expected) / np.maximum(np.abs(expected), 1e-3)).max())
+
+
+def same_ranking(expected: np.ndarray, got: np.ndarray, tolerance: float = TOLERANCE) -> bool:
+    """No pair is ordered the other way round, except pairs the tolerance cannot tell apart."""
+    expected, got = np.asarray(expected, np.float64), np.asarray(got, np.float64).reshape(expected.shape)
+    scale = max(float(np.abs(expected).max()), 1e-3)
+    de = expected[:, None] - expected[None, :]
+    dg = got[:, None] - got[None, :]
+    distinct = np.abs(de) > 2 * tolerance * scale
+    return bool(np.all(np.sign(de[distinct]) == np.sign(dg[distinct])))
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rho with average ranks for ties (NumPy only: the worker has no scipy)."""
+
+    def ranks(x):
+        x = np.asarray(x, np.float64).ravel()
+        order = np.argsort(x, kind="mergesort")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=np.float64)
+        _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+        return (np.bincount(inverse, weights=r) / counts)[inverse]
+
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def compare(artifact: str, check: str, expected: np.ndarray, load, min_spearman: float | None = None) -> dict:
+    """``load()`` returns ``run(rows) -> outputs``; run it on prefixes of the probes, compare with
+    ``expected`` and return one result row (a load or run failure is a failed row, not an exception).
+
+    Exact artifacts need max relative error <= :data:`TOLERANCE` and identical ranking; a quantised
+    one (``min_spearman`` given) needs Spearman rho >= ``min_spearman`` on all probes instead.
+    """
+    try:
+        run = load()
+        worst, ranked = 0.0, True
+        for size in BATCHES:
+            rows = slice(0, size)
+            got = np.asarray(run(rows))
+            if got.shape != expected[rows].shape:
+                raise ValueError(f"output shape {got.shape}, expected {expected[rows].shape}")
+            worst = max(worst, relative_error(expected[rows], got))
+            ranked = ranked and same_ranking(expected[rows], got)
+        if min_spearman is None:
+            ok = worst <= TOLERANCE and ranked
+            detail = f"max rel err {worst:.1e}, ranking {'identical' if ranked else 'DIFFERS'}, batch 1/7/{len(expected)}"
+        else:
+            rho = spearman(expected, got)
+            ok = rho >= min_spearman
+            detail = f"Spearman rho {rho:.6f} (needs >= {min_spearman}), max rel err {worst:.1e}, batch 1/7/{len(expected)}"
+    except Exception as err:
+        ok, detail = False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return {"artifact": artifact, "check": check, "ok": ok, "detail": detail}
+
+
+def main(bundle: str) -> dict:
+    import onnxruntime as ort
+    import torch
+    from safetensors.numpy import load_file
+
+    torch.set_num_threads(1)
+    manifest = read_bundle_manifest(bundle)
+    check_files(bundle, manifest)  # again, in this process, before deserialising anything
+    root = Path(bundle)
+    probes = load_file(str(root / manifest["probes"]))
+    inputs = [probes[f"refine.{name}"] for name in ("first_round", "prompt_tokens", "budget")]
+    expected = probes["refine.remaining_rounds"]
+    files = manifest["files"]
+    rows = []
+
+    def torch_run(module):
+        def run(part):
+            with torch.no_grad():
+                return module(*(torch.from_numpy(x[part]) for x in inputs)).numpy()
+
+        return run
+
+    def onnx_session(name):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        return ort.InferenceSession(str(root / name), options, providers=["CPUExecutionProvider"])
+
+    def rebuild():
+        from safetensors.torch import load_file as load_tensors
+
+        from dwise_predict.survival.network import build_refine_graph
+
+        calibration = json.loads((root / "calibration.json").read_text())
+        return build_refine_graph(load_tensors(str(root / "refine.safetensors")), manifest["inputs"]["refine"], calibration)
+
+    def onnx_run(name, output, feeds):
+        session = onnx_session(name)
+        return lambda part: session.run([output], {n: x[part] for n, x in feeds.items()})[0]
+
+    rows.append(compare("refine.safetensors", "rebuilt eager module vs probes", expected, lambda: torch_run(rebuild())))
+    if "refine.pt" in files:
+        rows.append(compare("refine.pt", "TorchScript vs eager", expected,
+                            lambda: torch_run(torch.jit.load(str(root / "refine.pt")))))
+    if "refine.pt2" in files:
+        rows.append(compare("refine.pt2", "torch.export vs eager", expected,
+                            lambda: torch_run(torch.export.load(str(root / "refine.pt2")).module())))
+    refine_feeds = dict(zip(("first_round", "prompt_tokens", "budget"), inputs))
+    rows.append(compare("refine.onnx", "onnxruntime vs eager", expected,
+                        lambda: onnx_run("refine.onnx", "remaining_rounds", refine_feeds)))
+    if "refine.int8.onnx" in files:
+        rows.append(compare("refine.int8.onnx", "int8 onnxruntime ranks like eager", expected,
+                            lambda: onnx_run("refine.int8.onnx", "remaining_rounds", refine_feeds),
+                            min_spearman=manifest["artifacts"]["refine.int8.onnx"]["min_spearman"]))
+    rows.append(compare("admission.onnx", "onnxruntime vs LightGBM", probes["admission.total_rounds"],
+                        lambda: onnx_run("admission.onnx", "total_rounds", {"features": probes["admission.features"]})))
+    loaded = [m for m in FORBIDDEN_MODULES if m in sys.modules]
+    rows.append({"artifact": "(process)", "check": "loads without the training stack", "ok": not loaded,
+                 "detail": f"imported {', '.join(loaded)}" if loaded else "no lightgbm, sklearn, pandas, training code"})
+    return {"rows": rows, "modules": sorted(sys.modules)}
+
+
+if __name__ == "__main__":
+    from dwise_predict.errors import DwiseError
+
+    try:
+        result = main(sys.argv[1])
+    except DwiseError as err:
+        result = {"error": str(err)}
+    json.dump(result, sys.stdout)

@@ -1,0 +1,241 @@
+"""A model zoo on a plain directory (local disk or a shared mount): publish, list, show, pull.
+
+Layout::
+
+    ZOO/index.json                          {"schema_version": 1, "bundles": [entry, ...]}
+    ZOO/bundles/NAME/NAME-VERSION.tar       one bundle, flat, deterministic tar (mtime 0, root-owned)
+
+An entry holds ``name``, ``version``, ``file``, ``sha256`` and ``bytes`` of the tar, ``published``,
+and from the bundle: ``model`` fingerprint, ``decoding``, ``hidden_size``, ``K``, ``metrics``.
+A published (name, version) is never overwritten. ``publish`` verifies the bundle first, holds
+``ZOO/.lock`` while it writes, moves the finished tar into place and only then replaces the index
+(temp file + rename), so an interrupted publish leaves the index as it was. ``pull`` checks the
+tar's sha256 against the index, extracts only plain files with plain names (no absolute paths, no
+``..``, no links) into a temporary directory, checks every hash of the bundle and renames it into
+place.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+from pathlib import Path
+
+from dwise_predict.errors import BundleError, InputError, StoreError
+from dwise_predict.exports.manifest import BUNDLE_FILE, check_files, read_bundle_manifest, sha256_file, unlisted_files
+
+INDEX_FILE = "index.json"
+LOCK_FILE = ".lock"
+ZOO_SCHEMA_VERSION = 1
+PART_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, version: str | None = None,
+            verify: bool = True) -> dict:
+    """Publish ``bundle`` into ``zoo`` as ``name@version``; return the new index entry.
+
+    ``name`` defaults to the bundle's name, ``version`` to one more than the largest integer
+    version published under that name (``1`` for a new name). ``verify`` runs the full
+    ``dwise-predict verify`` first; a bundle that fails is not published.
+    """
+    bundle, zoo = Path(bundle), Path(zoo)
+    manifest = read_bundle_manifest(bundle)
+    name = name or manifest.get("name", "")
+    for flag, value in (("--name", name), ("--version", version)):
+        if value is not None and not PART_PATTERN.match(value):
+            raise InputError(
+                f"{flag} '{value}' must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
+    if verify:
+        from dwise_predict.exports.verify import require_verified
+
+        require_verified(bundle)
+    else:
+        check_files(bundle, manifest)
+    zoo.mkdir(parents=True, exist_ok=True)
+    with _ZooLock(zoo):
+        index = read_index(zoo, missing_ok=True)
+        taken = [e["version"] for e in index["bundles"] if e["name"] == name]
+        version = version or str(max([int(v) for v in taken if v.isdigit()], default=0) + 1)
+        if version in taken:
+            raise StoreError(
+                f"{name}@{version} is already in the zoo {zoo}: published versions are never overwritten; "
+                "pass another --version"
+            )
+        relative = Path("bundles") / name / f"{name}-{version}.tar"
+        target = zoo / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        try:
+            _write_tar(bundle, manifest, tmp)
+            entry = {
+                "name": name,
+                "version": version,
+                "file": relative.as_posix(),
+                "sha256": sha256_file(tmp),
+                "bytes": tmp.stat().st_size,
+                "published": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+                "created": manifest.get("created"),
+                "bundle_schema_version": manifest["schema_version"],
+                "model": manifest.get("model"),
+                "decoding": manifest.get("decoding"),
+                "hidden_size": manifest.get("inputs", {}).get("refine", {}).get("hidden_size"),
+                "K": manifest.get("K"),
+                "metrics": manifest.get("metrics"),
+            }
+            # an unindexed tar at the target is debris of an interrupted publish: replacing it is safe
+            os.replace(tmp, target)
+            try:
+                _write_index(zoo, {**index, "bundles": index["bundles"] + [entry]})
+            except BaseException:
+                target.unlink(missing_ok=True)
+                raise
+        finally:
+            tmp.unlink(missing_ok=True)
+    return entry
+
+
+def read_index(zoo: str | Path, missing_ok: bool = False) -> dict:
+    """The zoo's ``index.json``; a missing zoo, invalid JSON or newer schema is a :class:`StoreError`."""
+    zoo = Path(zoo)
+    path = zoo / INDEX_FILE
+    if not path.is_file():
+        if missing_ok:
+            return {"schema_version": ZOO_SCHEMA_VERSION, "bundles": []}
+        raise StoreError(f"no zoo at {zoo} (no {INDEX_FILE}): publish a bundle there first with `dwise-predict publish`")
+    try:
+        index = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise StoreError(
+            f"zoo index {path} is not valid JSON ({err}): restore it from a backup; nothing was changed"
+        ) from None
+    if not isinstance(index, dict) or not isinstance(index.get("bundles"), list):
+        raise StoreError(f"zoo index {path} has no 'bundles' list: restore it from a backup; nothing was changed")
+    if not isinstance(index.get("schema_version"), int) or index["schema_version"] > ZOO_SCHEMA_VERSION:
+        raise StoreError(f"zoo index {path} has schema {index.get('schema_version')!r}, newer than this "
+                         f"dwise-predict reads ({ZOO_SCHEMA_VERSION}): upgrade dwise-predict")
+    return index
+
+
+def list_entries(zoo: str | Path) -> list[dict]:
+    """Every published bundle, in publication order."""
+    return list(read_index(zoo)["bundles"])
+
+
+def find_entry(zoo: str | Path, ref: str) -> dict:
+    """Entry for ``NAME@VERSION``, or the latest published version of ``NAME``."""
+    name, _, version = ref.partition("@")
+    entries = [e for e in list_entries(zoo) if e["name"] == name]
+    if not entries:
+        raise InputError(f"no bundle named '{name}' in the zoo {zoo}: see `dwise-predict zoo list --zoo {zoo}`")
+    if not version:
+        return entries[-1]
+    for entry in entries:
+        if entry["version"] == version:
+            return entry
+    versions = ", ".join(e["version"] for e in entries)
+    raise InputError(f"'{name}' has no version '{version}' in the zoo {zoo} (published: {versions})")
+
+
+def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
+    """Fetch ``NAME[@VERSION]`` from the zoo into the new directory ``out`` (default ``./NAME-VERSION``)."""
+    zoo = Path(zoo)
+    entry = find_entry(zoo, ref)
+    out = Path(out) if out is not None else Path(f"{entry['name']}-{entry['version']}")
+    if out.exists():
+        raise InputError(f"{out} already exists: pull into a new directory with --out")
+    tar_path = zoo / entry["file"]
+    if not tar_path.is_file():
+        raise StoreError(
+            f"{tar_path} is missing from the zoo: the index lists it; re-publish {entry['name']}@{entry['version']}"
+        )
+    if sha256_file(tar_path) != entry["sha256"]:
+        raise BundleError(
+            f"{tar_path} does not match its sha256 in {zoo / INDEX_FILE}: the tar is truncated or corrupted; "
+            "re-publish it"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.pull-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _extract_flat(tar_path, tmp)
+        manifest = read_bundle_manifest(tmp)
+        check_files(tmp, manifest)
+        extra = unlisted_files(tmp, manifest)
+        if extra:
+            raise BundleError(f"{tar_path} holds files that its bundle.json does not list ({', '.join(extra)})")
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_tar(bundle: Path, manifest: dict, path: Path) -> None:
+    """A flat tar of bundle.json and the files it lists, byte-identical for identical bundles."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name in [BUNDLE_FILE, *sorted(manifest["files"])]:
+            data = (bundle / name).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _extract_flat(tar_path: Path, dest: Path) -> None:
+    """Extract only regular files with plain names; refuse anything else, naming the member."""
+    try:
+        with tarfile.open(tar_path, "r:") as tar:
+            for member in tar:
+                name = member.name
+                if not member.isfile() or Path(name).name != name or name in ("", ".", "..") or name.startswith("/"):
+                    raise BundleError(
+                        f"{tar_path} holds '{name}', which is not a plain file at the top level: refusing to extract"
+                    )
+                target = dest / name
+                if target.exists():
+                    raise BundleError(f"{tar_path} holds '{name}' twice: refusing to extract")
+                source = tar.extractfile(member)
+                with open(target, "wb") as f:
+                    shutil.copyfileobj(source, f)
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise BundleError(
+            f"{tar_path} is not a readable tar ({err}): it is truncated or corrupted; re-publish it"
+        ) from None
+
+
+def _write_index(zoo: Path, index: dict) -> None:
+    path = zoo / INDEX_FILE
+    tmp = path.with_name(f".{INDEX_FILE}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class _ZooLock:
+    """``ZOO/.lock``, created exclusively: one publish at a time."""
+
+    def __init__(self, zoo: Path):
+        self.path = zoo / LOCK_FILE
+
+    def __enter__(self) -> "_ZooLock":
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            raise StoreError(
+                f"the zoo is locked by another publish ({self.path}); if none is running, delete that file"
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,176 @@
+"""export: a run directory becomes a bundle with the contract-2 files, signature and manifest."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from export_helpers import HIDDEN, make_run
+
+from dwise_predict.cli import main
+from dwise_predict.errors import BundleError, InputError
+from dwise_predict.exports.bundle import export_bundle
+from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, read_bundle_manifest, sha256_file
+from dwise_predict.exports.refine_export import FusedRefineGraph
+from dwise_predict.survival.network import HazardMLP, build_refine_graph, refine_state
+
+CREATED = "2026-01-01T00:00:00+00:00"
+FILES = {"README.md", "admission.onnx", "admission.txt", "calibration.json", "probes.safetensors", "refine.onnx",
+         "refine.pt", "refine.pt2", "refine.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("run") / "tiny-run")
+
+
+@pytest.fixture(scope="module")
+def bundle(run, tmp_path_factory):
+    return export_bundle(run, tmp_path_factory.mktemp("b") / "bundle", created=CREATED)
+
+
+def test_bundle_holds_every_file_with_its_hash(bundle):
+    manifest = read_bundle_manifest(bundle)
+    int8 = manifest["int8"]
+    assert int8["kept"] == (int8["probe_spearman"] >= int8["min_spearman"] == 0.999)
+    expected = FILES | ({"refine.int8.onnx"} if int8["kept"] else set())
+    assert set(manifest["files"]) == expected == set(manifest["artifacts"])
+    assert {p.name for p in bundle.iterdir()} == expected | {"bundle.json"}
+    for name, entry in manifest["files"].items():
+        assert entry["sha256"] == sha256_file(bundle / name)
+        assert entry["bytes"] == (bundle / name).stat().st_size > 0
+    assert not list(bundle.parent.glob(".bundle.*")), "temporary directory left behind"
+
+
+def test_manifest_shape_follows_contract(bundle, run):
+    m = read_bundle_manifest(bundle)
+    spec = json.loads((run / "refine.json").read_text())
+    config = json.loads((run / "config.json").read_text())
+    assert m["schema_version"] == BUNDLE_SCHEMA_VERSION and m["name"] == "tiny-run" and m["created"] == CREATED
+    assert m["model"] == config["traces"]["model"] and m["decoding"] == config["traces"]["decoding"]
+    assert m["inputs"]["admission"] == {"features": ["words", "newlines", "prompt_tokens"], "dtype": "float32",
+                                        "shape": ["B", 3], "output": {"total_rounds": ["B"]}}
+    refine = m["inputs"]["refine"]
+    for key in ("hidden_size", "in_features", "num_rounds", "width", "dropout", "members", "seeds", "prompt_norm",
+                "budget_norm"):
+        assert refine[key] == spec[key]
+    assert refine["tensors"] == {"first_round": ["B", HIDDEN], "prompt_tokens": ["B"], "budget": ["B"]}
+    assert refine["output"] == {"remaining_rounds": ["B"]}
+    assert m["K"] == spec["num_rounds"]
+    assert m["metrics"] == json.loads((run / "metrics.json").read_text())
+    assert m["training_data"] == {"fingerprint": config["traces"]["fingerprint"], "path": "synthetic"}
+    assert m["probes"] == "probes.safetensors"
+    assert m["artifacts"]["refine.pt"]["pickle"] and not m["artifacts"]["refine.onnx"]["pickle"]
+    assert m["versions"]["export"]["onnxruntime"] == ort.__version__
+    # the weights and calibration are the run's, byte for byte
+    for name in ("refine.safetensors", "calibration.json", "admission.txt"):
+        assert (bundle / name).read_bytes() == (run / name).read_bytes()
+
+
+def test_onnx_signatures_have_dynamic_batch_and_contract_names(bundle):
+    refine = ort.InferenceSession(str(bundle / "refine.onnx"), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.shape, i.type) for i in refine.get_inputs()] == [
+        ("first_round", ["B", HIDDEN], "tensor(float)"),
+        ("prompt_tokens", ["B"], "tensor(float)"),
+        ("budget", ["B"], "tensor(float)"),
+    ]
+    assert [(o.name, o.shape, o.type) for o in refine.get_outputs()] == [("remaining_rounds", ["B"], "tensor(float)")]
+    admission = ort.InferenceSession(str(bundle / "admission.onnx"), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.shape) for i in admission.get_inputs()] == [("features", ["B", 3])]
+    assert [(o.name, o.shape, o.type) for o in admission.get_outputs()] == [("total_rounds", ["B"], "tensor(float)")]
+    import onnx
+
+    opset = {o.domain: o.version for o in onnx.load(str(bundle / "refine.onnx")).opset_import}
+    assert opset[""] >= 17
+
+
+def test_admission_onnx_matches_lightgbm_in_rounds_not_log_space(bundle):
+    import lightgbm
+
+    booster = lightgbm.Booster(model_file=str(bundle / "admission.txt"))
+    x = np.array([[10, 0, 14], [70, 3, 100], [300, 40, 900], [1, 0, 4]], dtype=np.float32)
+    session = ort.InferenceSession(str(bundle / "admission.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"features": x})[0]
+    expected = np.expm1(booster.predict(x.astype(np.float64)))
+    assert got.shape == (4,) and expected.min() > 1.0  # total rounds, not log1p
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_fused_graph_equals_member_by_member_graph():
+    torch.manual_seed(3)
+    members = [HazardMLP(10, 9, width=16, dropout=0.0).eval() for _ in range(3)]
+    spec = dict(in_features=10, num_rounds=9, width=16, members=3, prompt_norm=50.0, budget_norm=64.0)
+    graph = build_refine_graph(refine_state(members, torch.randn(10), torch.rand(10) + 0.5), spec,
+                               {"x": [0.5, 2.0, 4.0, 8.0], "y": [0.0, 1.0, 3.0, 9.0]})
+    fused = FusedRefineGraph(graph)
+    h, p, b = torch.randn(33, 8), torch.rand(33) * 200, torch.full((33,), 64.0)
+    with torch.no_grad():
+        torch.testing.assert_close(fused.raw(h, p, b), graph.raw(h, p, b), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused(h, p, b), graph(h, p, b), rtol=1e-6, atol=1e-6)
+    assert fused.w1.shape == (48, 10) and fused.w2.shape == (3, 16, 9)
+
+
+def test_model_card_has_hugging_face_front_matter(bundle):
+    card = (bundle / "README.md").read_text()
+    front, body = card.split("---\n")[1], card.split("---\n", 2)[2]
+    assert "library_name: onnx" in front and 'base_model: "synthetic"' in front
+    assert "- spearmanr" in front and "model-index:" in front
+    m = read_bundle_manifest(bundle)
+    assert f"{m['metrics']['refined']['spearman']}" in front
+    assert "pickle" in body and "refine.onnx" in body and "dwise-predict verify" in body
+
+
+def test_same_run_and_created_time_give_identical_bytes(run, bundle, tmp_path):
+    again = export_bundle(run, tmp_path / "again", created=CREATED, name="tiny-run")
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in bundle.iterdir())
+    for path in bundle.iterdir():
+        assert (again / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_existing_out_is_refused_and_kept(run, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(InputError, match="already exists.*--force"):
+        export_bundle(run, out)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("missing", ["calibration.json", "refine.safetensors", "metrics.json", "admission.txt"])
+def test_incomplete_run_is_refused_in_one_line_and_nothing_written(run, tmp_path, missing, capsys):
+    import shutil
+
+    broken = tmp_path / "run"
+    shutil.copytree(run, broken)
+    (broken / missing).unlink()
+    assert main(["export", str(broken), "--out", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and missing in err
+    if missing == "calibration.json":
+        assert "uncalibrated" in err
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+
+
+def test_failed_export_leaves_nothing(run, tmp_path, monkeypatch):
+    import dwise_predict.exports.bundle as bundle_module
+
+    def boom(*args, **kwargs):
+        raise BundleError("ONNX export of the refinement graph failed: simulated")
+
+    monkeypatch.setattr(bundle_module, "export_onnx", boom)
+    with pytest.raises(BundleError, match="simulated"):
+        export_bundle(run, tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_with_other_hidden_size_is_refused(run, tmp_path):
+    import shutil
+
+    broken = tmp_path / "run"
+    shutil.copytree(run, broken)
+    spec = json.loads((broken / "refine.json").read_text())
+    spec["hidden_size"] = HIDDEN + 1
+    (broken / "refine.json").write_text(json.dumps(spec))
+    with pytest.raises(InputError, match="hidden size"):
+        export_bundle(broken, tmp_path / "b")
