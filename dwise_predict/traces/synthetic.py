@@ -7,8 +7,8 @@ discrete-time survival law with a constant per-round hazard
 
     hazard = sigmoid(-(base_log_rounds[category] + difficulty_scale * z + length_scale * log(tokens)))
 
-so ``remaining ~ Geometric`` (right-skewed: its mean sits above its median) and the oracle's expected
-remaining rounds, ``(1 - hazard) / hazard``, is stored in the extra column ``oracle_remaining``. Tests
+so ``remaining ~ Geometric`` (right-skewed: its mean sits above its median), capped where the budget
+stops generation, and the oracle's expected remaining rounds under that law is stored in the extra column ``oracle_remaining``. Tests
 use this to check that a predictor recovers what the hidden state holds and that prompt features
 cannot see it.
 """
@@ -117,7 +117,8 @@ def make_synthetic_traces(
             "mean_confidence": rng.uniform(0.3, 1.0, n_requests),
             "mean_entropy": rng.uniform(0.0, 2.0, n_requests),
             "wall_s": total_rounds * 0.01,
-            "oracle_remaining": (1.0 - hazard) / hazard,
+            # mean of min(Geometric, cap): sum_{j<cap} (1-h)^(j+1)
+            "oracle_remaining": (1.0 - hazard) * (1.0 - (1.0 - hazard) ** (max_rounds - 1)) / hazard,
             "difficulty": z,
         }
     )

@@ -1,0 +1,207 @@
+"""Workload characterization of trace datasets: the measurements of seed 001 on any model.
+
+For the denoising rounds of each request (the work a scheduler must rank) it reports
+
+- the spread: p25 / p50 / p90 / max, max-to-min ratio and coefficient of variation (CV = std / mean);
+- discreteness: how many distinct round counts occur and the dominant spacing between consecutive
+  distinct values. Seed 001 found counts on fixed "tiers" (``offset + spacing * k``); a dominant
+  spacing above one shared by most gaps is that structure, a spacing of one means counts are dense;
+- round count versus wall time: Pearson r and Spearman rho (seed 001 found r > 0.99 on one GPU);
+- the share of requests truncated by the output budget (``finish == 'budget'``);
+
+over all requests and per category. Given requests at several output budgets (one or more trace
+directories of the same model), it also tabulates CV and truncation per budget: seed 001 found that
+short budgets hide the spread because truncated requests all look alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.evaluation.inputs import check_same_model, model_label
+from dwise_predict.evaluation.metrics import spearman
+from dwise_predict.traces import TraceDataset
+
+# A spacing counts as "tiers" when it is larger than one round and at least this share of the gaps
+# between consecutive distinct round counts equal it.
+TIER_SHARE = 0.5
+
+
+def rounds_distribution(rounds: np.ndarray) -> dict:
+    """Spread of a set of round counts.
+
+    Parameters
+    ----------
+    rounds : array of shape (n,), denoising rounds per request (n >= 1).
+
+    Returns
+    -------
+    dict with ``n``, ``mean``, ``std``, ``min``, ``p25``, ``p50``, ``p90``, ``max``, ``max_min_ratio``
+    (None when the minimum is 0) and ``cv`` (std / mean, population std; None when the mean is 0).
+    """
+    r = np.asarray(rounds, dtype=float)
+    mean, std = float(r.mean()), float(r.std())
+    lo, hi = float(r.min()), float(r.max())
+    p25, p50, p90 = (float(v) for v in np.percentile(r, [25, 50, 90]))
+    return {
+        "n": int(r.size),
+        "mean": mean,
+        "std": std,
+        "min": lo,
+        "p25": p25,
+        "p50": p50,
+        "p90": p90,
+        "max": hi,
+        "max_min_ratio": hi / lo if lo > 0 else None,
+        "cv": std / mean if mean > 0 else None,
+    }
+
+
+def discreteness(rounds: np.ndarray) -> dict:
+    """How the round counts sit on the integer line.
+
+    Returns
+    -------
+    dict with ``distinct`` (number of distinct counts), ``dominant_spacing`` (most common gap between
+    consecutive distinct counts; None with one distinct count), ``spacing_share`` (share of gaps equal
+    to it), ``top10_share`` (share of requests on the ten most common counts), ``tiered`` (spacing > 1
+    on at least :data:`TIER_SHARE` of the gaps) and ``tiers`` (``"offset + spacing*k"`` when tiered).
+    """
+    r = np.asarray(rounds).astype(int)
+    values, counts = np.unique(r, return_counts=True)
+    out = {
+        "distinct": int(values.size),
+        "dominant_spacing": None,
+        "spacing_share": None,
+        "top10_share": float(np.sort(counts)[::-1][:10].sum() / r.size),
+        "tiered": False,
+        "tiers": None,
+    }
+    if values.size < 2:
+        return out
+    gaps, gap_counts = np.unique(np.diff(values), return_counts=True)
+    spacing = int(gaps[np.argmax(gap_counts)])
+    share = float(gap_counts.max() / gap_counts.sum())
+    tiered = spacing > 1 and share >= TIER_SHARE
+    out.update(dominant_spacing=spacing, spacing_share=share, tiered=tiered)
+    if tiered:
+        out["tiers"] = f"{int(values[0])} + {spacing}k"
+    return out
+
+
+def rounds_vs_wall(rounds: np.ndarray, wall_s: np.ndarray) -> dict:
+    """Pearson r and Spearman rho between round counts and wall seconds (None where either is constant)."""
+    r = np.asarray(rounds, dtype=float)
+    w = np.asarray(wall_s, dtype=float)
+    pearson = None
+    if r.size >= 2 and r.std() > 0 and w.std() > 0:
+        pearson = float(np.corrcoef(r, w)[0, 1])
+    return {"pearson": pearson, "spearman": spearman(r, w)}
+
+
+def describe(requests: pd.DataFrame) -> dict:
+    """All single-set measurements of one request table (rounds, tiers, wall time, truncation)."""
+    rounds = requests["total_rounds"].to_numpy()
+    return {
+        "rounds": rounds_distribution(rounds),
+        "discreteness": discreteness(rounds),
+        "wall_time": rounds_vs_wall(rounds, requests["wall_s"].to_numpy()),
+        "truncated_share": float((requests["finish"] == "budget").mean()),
+        "mean_output_tokens": float(requests["output_tokens"].mean()),
+    }
+
+
+def budget_sweep(requests: pd.DataFrame) -> list[dict]:
+    """CV, truncation and spread of rounds per output budget, in increasing budget order."""
+    rows = []
+    for budget, group in requests.groupby("budget", sort=True):
+        stats = describe(group)
+        rows.append(
+            {
+                "budget": int(budget),
+                "n": int(len(group)),
+                "cv": stats["rounds"]["cv"],
+                "truncated_share": stats["truncated_share"],
+                "p50": stats["rounds"]["p50"],
+                "p90": stats["rounds"]["p90"],
+                "max_min_ratio": stats["rounds"]["max_min_ratio"],
+                "mean_output_tokens": stats["mean_output_tokens"],
+            }
+        )
+    return rows
+
+
+def characterize(datasets: Sequence[TraceDataset]) -> dict:
+    """Characterize one model's traces (one or more directories, e.g. one per output budget).
+
+    Parameters
+    ----------
+    datasets : trace datasets of the same model (checked; :class:`InputError` otherwise).
+
+    Returns
+    -------
+    dict with ``model``, ``traces`` (paths), ``overall`` and ``per_category`` (see :func:`describe`),
+    ``per_trace`` (one :func:`describe` per input) and ``budget_sweep`` (see :func:`budget_sweep`).
+    """
+    check_same_model(datasets)
+    # Only the request tables: collections at several budgets often reuse request ids.
+    requests = pd.concat([d.requests for d in datasets], ignore_index=True)
+    return {
+        "model": model_label(datasets[0]),
+        "traces": [str(d.path) if d.path else None for d in datasets],
+        "overall": describe(requests),
+        "per_category": {str(c): describe(g) for c, g in requests.groupby("category", sort=True)},
+        "per_trace": [describe(d.requests) for d in datasets],
+        "budget_sweep": budget_sweep(requests),
+    }
+
+
+def output_vs_work(requests: pd.DataFrame) -> dict:
+    """How output length and work diverge, overall and per category (seed 000, Table 12 and §11).
+
+    Work is ``prompt_blocks + total_rounds`` (DESIGN.md). Per group: requests and share of all work,
+    mean output tokens and rounds, Spearman ρ between output tokens and rounds (and work), rounds per
+    output token (mean, p10, p50, p90), the share that hit the budget and the p10-p90 of work among
+    those (same output length, different work: seed 000 found 38-184). Output-length rankers order
+    requests by tokens; where ρ(tokens, rounds) is low or categories swap order, they misorder work.
+
+    Returns
+    -------
+    dict with ``overall`` (one row) and ``per_category`` (rows sorted by category).
+    """
+    work_all = float((requests["prompt_blocks"] + requests["total_rounds"]).sum())
+
+    def row(group: pd.DataFrame) -> dict:
+        tokens = group["output_tokens"].to_numpy(dtype=float)
+        rounds = group["total_rounds"].to_numpy(dtype=float)
+        work = rounds + group["prompt_blocks"].to_numpy(dtype=float)
+        per_token = rounds / np.maximum(tokens, 1.0)
+        p10, p50, p90 = (float(v) for v in np.percentile(per_token, [10, 50, 90]))
+        at_budget = (group["finish"] == "budget").to_numpy()
+        work_lo = work_hi = None
+        if at_budget.any():
+            work_lo, work_hi = (float(v) for v in np.percentile(work[at_budget], [10, 90]))
+        return {
+            "n": int(len(group)),
+            "request_share": len(group) / len(requests),
+            "work_share": float(work.sum()) / work_all if work_all > 0 else None,
+            "mean_output_tokens": float(tokens.mean()),
+            "mean_rounds": float(rounds.mean()),
+            "spearman_tokens_rounds": spearman(tokens, rounds),
+            "spearman_tokens_work": spearman(tokens, work),
+            "rounds_per_token_mean": float(per_token.mean()),
+            "rounds_per_token_p10": p10,
+            "rounds_per_token_p50": p50,
+            "rounds_per_token_p90": p90,
+            "budget_share": float(at_budget.mean()),
+            "work_at_budget_p10": work_lo,
+            "work_at_budget_p90": work_hi,
+        }
+
+    return {
+        "overall": row(requests),
+        "per_category": [{"category": str(c), **row(g)} for c, g in requests.groupby("category", sort=True)],
+    }

@@ -1,0 +1,167 @@
+"""A small report document rendered two ways: self-contained HTML and Markdown with PNGs beside it.
+
+The HTML file carries its images as base64 ``data:`` URIs and its CSS inline, so it opens in a
+browser with no network and can be mailed as one file. The Markdown file links ``plots/NAME.png``
+written next to it (the same bytes), for reading on a code host.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dwise_predict.evaluation.files import atomic_write
+
+PLOTS_DIR = "plots"
+# Cells that read as numbers (right-aligned): 0.123, -0.1 → 0.2, 12.5%, [0.1, 0.3], n/a.
+_NUMERIC = re.compile(r"^(n/a|[-+\[\d.][\d.,%\s\]\[→–n/a+-]*)$")
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 70rem;
+       padding: 0 1rem; color: #222; line-height: 1.45; }
+h1 { font-size: 1.6rem; margin-bottom: 0.2rem; } h2 { font-size: 1.25rem; margin-top: 2rem;
+     border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; }
+p.meta { color: #666; font-size: 0.9rem; margin: 0.1rem 0; }
+table { border-collapse: collapse; margin: 0.6rem 0 1rem; font-size: 0.88rem; }
+th, td { border: 1px solid #ccc; padding: 0.25rem 0.55rem; text-align: left; }
+th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+caption { caption-side: top; text-align: left; font-weight: 600; padding-bottom: 0.3rem; }
+figure { display: inline-block; margin: 0.5rem 1rem 1rem 0; vertical-align: top; }
+figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { font-size: 0.85rem; color: #555; max-width: 40rem; }
+"""
+
+
+@dataclass
+class Table:
+    """A table of already formatted cells (strings)."""
+
+    columns: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+
+
+@dataclass
+class Figure:
+    """A PNG image; ``name`` becomes ``plots/<name>.png`` beside the Markdown file."""
+
+    name: str
+    png: bytes
+    caption: str = ""
+
+
+@dataclass
+class Section:
+    title: str
+    text: str = ""
+    blocks: list[Table | Figure | str] = field(default_factory=list)  # str = a paragraph
+
+
+@dataclass
+class Document:
+    title: str
+    meta: list[str] = field(default_factory=list)  # provenance lines under the title
+    sections: list[Section] = field(default_factory=list)
+
+    def figures(self) -> list[Figure]:
+        return [b for s in self.sections for b in s.blocks if isinstance(b, Figure)]
+
+
+def fmt(value, digits: int = 3) -> str:
+    """A table cell: None → "n/a", floats to ``digits`` decimals, the rest as text."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _html_cells(row: list[str]) -> str:
+    return "".join(
+        f'<td class="num">{html.escape(c)}</td>' if _NUMERIC.match(c) else f"<td>{html.escape(c)}</td>" for c in row
+    )
+
+
+def to_html(doc: Document) -> str:
+    """The whole document as one HTML string (images inline as data URIs)."""
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(doc.title)}</title>",
+        f"<style>{CSS}</style></head><body>",
+        f"<h1>{e(doc.title)}</h1>",
+    ]
+    parts += [f'<p class="meta">{e(line)}</p>' for line in doc.meta]
+    for section in doc.sections:
+        parts.append(f"<h2>{e(section.title)}</h2>")
+        if section.text:
+            parts.append(f"<p>{e(section.text)}</p>")
+        for block in section.blocks:
+            if isinstance(block, str):
+                parts.append(f"<p>{e(block)}</p>")
+            elif isinstance(block, Table):
+                head = "".join(f"<th>{e(c)}</th>" for c in block.columns)
+                body = "".join(f"<tr>{_html_cells(row)}</tr>" for row in block.rows)
+                caption = f"<caption>{e(block.caption)}</caption>" if block.caption else ""
+                parts.append(f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+            else:
+                data = base64.b64encode(block.png).decode("ascii")
+                parts.append(
+                    f'<figure><img src="data:image/png;base64,{data}" alt="{e(block.caption or block.name)}">'
+                    f"<figcaption>{e(block.caption)}</figcaption></figure>"
+                )
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(doc: Document) -> str:
+    """The document as Markdown; figures link ``plots/<name>.png``."""
+    lines = [f"# {doc.title}", ""]
+    lines += [f"{line}  " for line in doc.meta]
+    for section in doc.sections:
+        lines += ["", f"## {section.title}", ""]
+        if section.text:
+            lines += [section.text, ""]
+        for block in section.blocks:
+            if isinstance(block, str):
+                lines += [block, ""]
+            elif isinstance(block, Table):
+                if block.caption:
+                    lines += [f"**{block.caption}**", ""]
+                lines.append("| " + " | ".join(_md_cell(c) for c in block.columns) + " |")
+                lines.append("|" + "|".join(["---"] * len(block.columns)) + "|")
+                lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in block.rows]
+                lines.append("")
+            else:
+                lines += [f"![{block.name}]({PLOTS_DIR}/{block.name}.png)", ""]
+                if block.caption:
+                    lines += [f"*{block.caption}*", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_document(doc: Document, out_dir: str | os.PathLike, stem: str = "report") -> tuple[Path, Path]:
+    """Write ``<stem>.html``, ``<stem>.md`` and ``plots/*.png`` into ``out_dir`` (each atomically).
+
+    Returns
+    -------
+    (html_path, markdown_path)
+    """
+    out = Path(out_dir)
+    (out / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
+    for figure in doc.figures():
+        atomic_write(out / PLOTS_DIR / f"{figure.name}.png", lambda tmp, png=figure.png: tmp.write_bytes(png))
+    html_path, md_path = out / f"{stem}.html", out / f"{stem}.md"
+    atomic_write(html_path, lambda tmp: tmp.write_text(to_html(doc), encoding="utf-8"))
+    atomic_write(md_path, lambda tmp: tmp.write_text(to_markdown(doc), encoding="utf-8"))
+    return html_path, md_path

@@ -1,0 +1,256 @@
+"""One evaluation: the main split, calibration, baselines, leave-one-category-out, output vs work.
+
+:func:`evaluate` computes everything and returns an :class:`Evaluation` (a JSON-ready result dict
+plus the prediction arrays the plots need); :func:`write_evaluation` writes it to a directory:
+
+- ``metrics.json`` — the predictors on the evaluation split (the run directory's metrics.json keys);
+- ``calibration.json`` — seed 000's Table 5: admission only, raw refinement, calibrated;
+- ``baselines.json`` — every baseline's ρ, τ, R², within-category ρ (see :mod:`.baselines`);
+- ``loco.json`` — leave-one-category-out (when asked; see :mod:`.loco`);
+- ``output_vs_work.json`` — seed 000's Table 12 (see :func:`.characterize.output_vs_work`);
+- ``characterization.json`` — the workload's round statistics (see :mod:`.characterize`);
+- ``evaluation.json`` — all of the above with provenance (traces, fingerprint, run, versions);
+- ``predictions.parquet`` — per evaluation request: id, category, actual and predicted rounds;
+- ``report.html`` (self-contained), ``report.md`` and ``plots/*.png``.
+
+The predictors come from a run directory (refused when it was trained on other traces: the
+fingerprints must match) or are trained here on the training split. Every retraining (one per
+held-out category, one for the prompt-hidden-state baseline) runs in a process pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.errors import InputError
+from dwise_predict.evaluation import loco as loco_mod
+from dwise_predict.evaluation.baselines import baseline_table
+from dwise_predict.evaluation.characterize import characterize, output_vs_work
+from dwise_predict.evaluation.files import atomic_write, write_json
+from dwise_predict.evaluation.inputs import concat, load_many, model_label
+from dwise_predict.evaluation.pool import RetrainTask, fit, run_tasks
+from dwise_predict.evaluation.report import survival_examples
+from dwise_predict.traces import TraceDataset
+
+PROMPT_HIDDEN_TASK = "__prompt_hidden_state__"  # not a category name: categories are plain words
+SURVIVAL_EXAMPLES = 4
+
+
+@dataclass
+class Evaluation:
+    """The result dict (JSON-ready) and the arrays behind the plots."""
+
+    result: dict
+    arrays: dict
+
+
+def _fail_fast(ds: TraceDataset, train: TraceDataset, eval_ds: TraceDataset) -> None:
+    """Both splits are needed even with a run: the baselines and LOCO retrain on the train split."""
+    problems = []
+    if len(eval_ds) < 2:
+        problems.append(f"the traces hold {len(eval_ds)} evaluation requests (split == 'eval'); at least 2 are needed")
+    if len(train) < 2:
+        problems.append(f"the traces hold {len(train)} training requests (split == 'train'); at least 2 are needed")
+    if problems:
+        where = f" in {ds.path}" if ds.path else ""
+        raise InputError("; ".join(problems) + f"{where}: collect traces with both splits")
+
+
+def _check_run_matches(run_config: dict, ds: TraceDataset, run: Path) -> None:
+    """Refuse a run directory whose config.json names other traces than the ones evaluated."""
+    recorded = run_config.get("traces", {}).get("fingerprint")
+    if recorded is None:
+        raise InputError(f"{run / 'config.json'} records no traces.fingerprint: re-run `dwise-predict train`")
+    if recorded != ds.fingerprint():
+        trained_on = run_config.get("traces", {}).get("path") or "other traces"
+        raise InputError(
+            f"run {run} was trained on {trained_on} (fingerprint {recorded[:12]}), not on these traces "
+            f"({ds.fingerprint()[:12]}): pass the traces it was trained on, or drop --run to train here"
+        )
+
+
+def _with_prompt_state(ds: TraceDataset) -> TraceDataset:
+    """The same requests with the prompt hidden state in the refinement input's place."""
+    return dataclasses.replace(ds, first_round=ds.prompt_last)
+
+
+def _calibration_rows(metrics: dict) -> list[dict]:
+    cal = metrics["calibration"]
+    return [
+        {"predictor": "admission only", "median_ratio": cal["median_ratio_admission"],
+         "spearman": metrics["admission"]["spearman"]},
+        {"predictor": "raw refinement", "median_ratio": cal["median_ratio_raw"],
+         "spearman": metrics["refined_raw"]["spearman"]},
+        {"predictor": "calibrated refinement", "median_ratio": cal["median_ratio_calibrated"],
+         "spearman": metrics["refined"]["spearman"]},
+    ]
+
+
+def evaluate(
+    traces: Sequence[str | os.PathLike],
+    run: str | os.PathLike | None = None,
+    loco: bool = False,
+    hold_out: str | None = None,
+    jobs: int | None = None,
+    min_requests: int = loco_mod.MIN_REQUESTS,
+    config=None,
+    log: Callable[[str], None] | None = None,
+) -> Evaluation:
+    """Evaluate the predictors on the traces' evaluation split.
+
+    Parameters
+    ----------
+    traces : one or more trace directories of the same model (their requests are pooled).
+    run : a training run directory; None trains both predictors here on the training split.
+    loco : hold out every category in turn (retraining both predictors each time).
+    hold_out : a category whose all-request ρ with it held out is singled out; with ``loco`` False
+        only that category is retrained. Default: "mcq" when present (see :func:`.loco.table`).
+    jobs : worker processes for the retrainings (None: cores / ``config.num_threads``).
+    min_requests : fewest evaluation and training requests of a category evaluated in LOCO.
+    config : a ``TrainConfig`` for every (re)training; default: the run's recorded config, else
+        ``TrainConfig()``.
+    log : progress messages (to stderr in the CLI).
+
+    Raises
+    ------
+    InputError
+        mixed models, an empty split, an unknown category, or a run trained on other traces.
+    """
+    # training's package-version record, so a run and its evaluation list the same packages
+    from dwise_predict.training import Targets, TrainConfig, _versions, evaluate_predictors, load_predictors
+
+    log = log or (lambda message: None)
+    started = time.monotonic()
+    datasets = load_many(traces)
+    ds = concat(datasets)
+    train, eval_ds = ds.split("train"), ds.split("eval")
+    _fail_fast(ds, train, eval_ds)
+    if hold_out is not None:
+        loco_mod.check_categories(train, eval_ds, [hold_out])
+
+    if run is not None:
+        from dwise_predict.exports.run_files import load_run
+
+        run_files = load_run(run)
+        _check_run_matches(run_files.config, ds, Path(run))
+        predictors = load_predictors(run)
+        config = config or TrainConfig.from_dict(run_files.config)
+        log(f"loaded predictors from {run}")
+    else:
+        config = config or TrainConfig()
+        log(f"training both predictors on {len(train)} requests")
+        predictors = fit(train, config)
+
+    metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
+    # Rank tables use finished requests, as metrics.json does: a request whose collection was cut
+    # short (`censored`) has only a lower bound on its rounds. The retrainings still see all of them.
+    scored = eval_ds.subset(Targets.of(eval_ds).events)
+    preds = {
+        "admission": np.asarray(predictors.admission_total(scored), dtype=float),
+        "refined": np.asarray(predictors.refined_remaining(scored), dtype=float),
+        "refined_raw": np.asarray(predictors.refined_raw(scored), dtype=float),
+    }
+
+    # Every retraining goes to one pool: LOCO categories and the prompt-hidden-state baseline.
+    loco_tasks, skipped = [], []
+    if loco or hold_out is not None:
+        loco_tasks, skipped = loco_mod.plan(train, scored, config, None if loco else [hold_out], min_requests)
+        if not loco and skipped:
+            raise InputError(f"cannot hold out {hold_out!r}: {skipped[0]['reason']}")
+    prompt_task = RetrainTask(PROMPT_HIDDEN_TASK, _with_prompt_state(train), _with_prompt_state(scored), config)
+    tasks = loco_tasks + [prompt_task]
+    log(f"retraining {len(tasks)} times ({len(loco_tasks)} held-out categories + prompt-hidden-state baseline)")
+    retrained = run_tasks(tasks, jobs, on_done=lambda name: log(
+        f"  done: {'prompt hidden state' if name == PROMPT_HIDDEN_TASK else 'without ' + name}"))
+
+    loco_result = None
+    if loco_tasks or skipped:
+        held = {t.name: retrained[t.name] for t in loco_tasks}
+        loco_result = loco_mod.table(scored, preds, held, skipped, hold_out, min_requests)
+
+    log("fitting baselines")
+    finished_train = train.subset(Targets.of(train).events)
+    baselines = baseline_table(finished_train, scored, preds["admission"], preds["refined"],
+                               retrained[PROMPT_HIDDEN_TASK]["refined"], seed=config.seed)
+
+    arrays = {"eval_requests": scored.requests, "all_requests": ds.requests, **preds}
+    arrays["survival"] = survival_examples(
+        predictors.predict_survival(scored),
+        preds["refined"],
+        scored.requests["total_rounds"].to_numpy(dtype=float) - 1,
+        scored.requests["request_id"].to_numpy(),
+        SURVIVAL_EXAMPLES,
+    )
+
+    result = {
+        "traces": {
+            "paths": [str(d.path) for d in datasets],
+            "fingerprint": ds.fingerprint(),
+            "model": model_label(ds),
+            "decoding": ds.decoding,
+            "n_requests": len(ds),
+            "n_train": len(train),
+            "n_eval": len(eval_ds),
+            "n_eval_finished": len(scored),
+        },
+        "run": str(run) if run is not None else None,
+        "config": config.to_dict(),
+        "metrics": metrics,
+        "calibration": _calibration_rows(metrics),
+        "baselines": baselines,
+        "loco": loco_result,
+        "output_vs_work": output_vs_work(ds.requests),
+        "characterization": characterize([ds]),
+        "versions": _versions(),
+        "elapsed_s": round(time.monotonic() - started, 2),
+    }
+    return Evaluation(result, arrays)
+
+
+def prepare_out(out: str | os.PathLike) -> Path:
+    """Create the output directory (refusing a path that is a file)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: give a directory for the report")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def write_evaluation(evaluation: Evaluation, out: str | os.PathLike) -> dict[str, Path]:
+    """Write the JSON files, predictions and report of ``evaluation`` into ``out``; returns name -> path."""
+    from dwise_predict.evaluation.document import write_document
+    from dwise_predict.evaluation.report import evaluation_document
+
+    out = prepare_out(out)
+    result, arrays = evaluation.result, evaluation.arrays
+    written = {}
+    sections = {"metrics": result["metrics"], "calibration": result["calibration"], "baselines": result["baselines"],
+                "output_vs_work": result["output_vs_work"], "characterization": result["characterization"]}
+    if result["loco"] is not None:
+        sections["loco"] = result["loco"]
+    for name, value in {**sections, "evaluation": result}.items():
+        written[name] = out / f"{name}.json"
+        write_json(written[name], value)
+
+    ev = arrays["eval_requests"]
+    table = pd.DataFrame({
+        "request_id": ev["request_id"].to_numpy(),
+        "category": ev["category"].astype(str).to_numpy(),
+        "total_rounds": ev["total_rounds"].to_numpy(),
+        "remaining_rounds": ev["total_rounds"].to_numpy() - 1,
+        "admission_total": arrays["admission"],
+        "refined_raw": arrays["refined_raw"],
+        "refined": arrays["refined"],
+    })
+    written["predictions"] = atomic_write(out / "predictions.parquet", lambda tmp: table.to_parquet(tmp, index=False))
+
+    written["report_html"], written["report_md"] = write_document(evaluation_document(result, arrays), out)
+    return written

@@ -1,0 +1,104 @@
+"""Retraining both predictors on a subset of the training split, in parallel where cores allow.
+
+Leave-one-category-out and the prompt-hidden-state baseline each need the full training recipe run
+again on different inputs. Each such run is a :class:`RetrainTask`; :func:`run_tasks` runs them in a
+process pool and returns only the evaluation-split predictions, which is all the tables need. Every
+task trains with its config's ``num_threads`` torch threads (as ``train`` does), so results do not
+depend on ``jobs``.
+
+Workers are started with ``spawn``: a forked child of a process whose OpenMP pool is already running
+(LightGBM, torch) can hang, and spawn behaves the same on every platform. As with any spawn pool, a
+Python script that calls this with ``jobs > 1`` needs the ``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dwise_predict.traces import TraceDataset
+
+
+@dataclass
+class RetrainTask:
+    """Fit both predictors on ``train`` with ``config`` and predict ``eval``.
+
+    ``name`` identifies the task in results (a held-out category, or a baseline's name).
+    """
+
+    name: str
+    train: TraceDataset
+    eval: TraceDataset
+    config: Any
+
+
+def fit(train: TraceDataset, config):
+    """``fit_predictors(train, config)`` with torch on ``config.num_threads`` threads, as ``train``
+    runs it, so a retraining gives the same predictors whichever process or pool runs it."""
+    import torch
+
+    from dwise_predict.training import fit_predictors
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(config.num_threads)
+    try:
+        return fit_predictors(train, config)
+    finally:
+        torch.set_num_threads(before)
+
+
+def fit_predict(task: RetrainTask) -> dict[str, np.ndarray]:
+    """Run one task: ``{"admission": total rounds, "refined": calibrated remaining, "refined_raw": ...}``,
+    each an array of shape (n_eval,)."""
+    predictors = fit(task.train, task.config)
+    return {
+        "admission": np.asarray(predictors.admission_total(task.eval), dtype=float),
+        "refined": np.asarray(predictors.refined_remaining(task.eval), dtype=float),
+        "refined_raw": np.asarray(predictors.refined_raw(task.eval), dtype=float),
+    }
+
+
+def default_jobs(n_tasks: int, threads_per_task: int) -> int:
+    """Workers used when the caller does not say: as many as the cores hold at ``threads_per_task``
+    threads each, never more than tasks."""
+    return max(1, min(n_tasks, (os.cpu_count() or 1) // max(1, threads_per_task)))
+
+
+def run_tasks(
+    tasks: Sequence[RetrainTask],
+    jobs: int | None = None,
+    on_done: Callable[[str], None] | None = None,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Run every task and return ``{task.name: fit_predict(task)}``.
+
+    Parameters
+    ----------
+    jobs : worker processes; None picks :func:`default_jobs`; 1 runs in this process (no pool).
+        Each task uses its config's ``num_threads``, whatever ``jobs`` is, so results do not depend on it.
+    on_done : called with a task's name when it finishes (progress reporting).
+    """
+    if jobs is None:
+        jobs = default_jobs(len(tasks), max((t.config.num_threads for t in tasks), default=1))
+    jobs = max(1, int(jobs))
+    results: dict[str, dict[str, np.ndarray]] = {}
+    if jobs == 1 or len(tasks) <= 1:
+        for task in tasks:
+            results[task.name] = fit_predict(task)
+            if on_done:
+                on_done(task.name)
+        return results
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context) as pool:
+        futures = {pool.submit(fit_predict, task): task.name for task in tasks}
+        for future in as_completed(futures):
+            name = futures[future]
+            results[name] = future.result()
+            if on_done:
+                on_done(name)
+    return {task.name: results[task.name] for task in tasks}

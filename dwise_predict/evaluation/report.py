@@ -1,0 +1,300 @@
+"""The evaluation and characterization reports: result dicts (+ prediction arrays) → a Document.
+
+Tables mirror the JSON files written beside the report; "n/a" marks an undefined rank correlation
+(a constant side), as in the paper. Plots come from :mod:`dwise_predict.evaluation.plots`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.evaluation import plots
+from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
+
+
+def _arrow(pair: dict) -> str:
+    return f"{fmt(pair['in_training'])} → {fmt(pair['held_out'])}"
+
+
+def rounds_table(characterization: dict) -> Table:
+    """Per-category spread, tiers, wall-time correlation and truncation (seed 001's measurements)."""
+    rows = []
+    for name, stats in [("all", characterization["overall"]), *characterization["per_category"].items()]:
+        r, d = stats["rounds"], stats["discreteness"]
+        rows.append([
+            name, fmt(r["n"]), fmt(r["p25"], 1), fmt(r["p50"], 1), fmt(r["p90"], 1), fmt(r["max"], 0),
+            fmt(r["max_min_ratio"], 1), fmt(r["cv"], 3), fmt(d["distinct"]), fmt(d["dominant_spacing"]),
+            d["tiers"] or "-", fmt(stats["wall_time"]["pearson"]), f"{100 * stats['truncated_share']:.1f}%",
+        ])
+    return Table(
+        ["category", "n", "p25", "p50", "p90", "max", "max/min", "CV", "distinct", "spacing", "tiers",
+         "r(rounds, wall)", "truncated"],
+        rows,
+        "Denoising rounds per request",
+    )
+
+
+def budget_table(sweep: list[dict]) -> Table:
+    return Table(
+        ["budget", "n", "CV", "truncated", "p50", "p90", "max/min", "mean output tokens"],
+        [[fmt(r["budget"]), fmt(r["n"]), fmt(r["cv"]), f"{100 * r['truncated_share']:.1f}%", fmt(r["p50"], 1),
+          fmt(r["p90"], 1), fmt(r["max_min_ratio"], 1), fmt(r["mean_output_tokens"], 1)] for r in sweep],
+        "Rounds versus output budget",
+    )
+
+
+def characterization_document(result: dict, requests: pd.DataFrame) -> Document:
+    """Report of :func:`dwise_predict.evaluation.characterize.characterize`.
+
+    Parameters
+    ----------
+    requests : the request tables of all inputs, concatenated (for the histograms).
+    """
+    blocks: list = [rounds_table(result), histogram_figure(requests, "characterization_round_histograms")]
+    sections = [Section("Rounds distribution", "", blocks)]
+    sweep = result["budget_sweep"]
+    budget_blocks: list = [budget_table(sweep)]
+    if len(sweep) > 1:
+        budget_blocks.append(Figure("characterization_budget_sweep", plots.budget_sweep(sweep),
+                                    "CV of rounds and share truncated versus the output budget."))
+    else:
+        budget_blocks.append("One output budget in these traces: give traces collected at several budgets "
+                             "to see how truncation hides the spread.")
+    sections.append(Section("Output budget", "", budget_blocks))
+    return Document(
+        "dwise-predict: workload characterization",
+        [f"model: {result['model']}", f"traces: {', '.join(str(t) for t in result['traces'])}"],
+        sections,
+    )
+
+
+def histogram_figure(requests: pd.DataFrame, name: str = "round_histograms") -> Figure:
+    return Figure(
+        name,
+        plots.round_histograms(requests["total_rounds"].to_numpy(), requests["category"].astype(str).to_numpy()),
+        "Denoising rounds per request, one panel per category.",
+    )
+
+
+def _split_table(metrics: dict) -> Table:
+    rows = []
+    for key, label in (("admission", "admission (prompt features)"), ("refined", "refined (calibrated ensemble)")):
+        block = metrics[key]
+        ci = block.get("spearman_ci")
+        rows.append([
+            label, fmt(block["spearman"]), f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a", fmt(block["kendall"]),
+            fmt(block["within_category_mean"]), fmt(block.get("concordance_td")), fmt(block.get("integrated_brier")),
+        ])
+    return Table(["predictor", "Spearman ρ", "95% CI", "Kendall τ", "within-category ρ (mean)",
+                  "C-td", "integrated Brier"], rows, "Evaluation split")
+
+
+def _per_category_table(metrics: dict) -> Table:
+    cats = sorted(set(metrics["admission"]["per_category"]) | set(metrics["refined"]["per_category"]))
+    return Table(
+        ["category", "admission ρ", "refined ρ"],
+        [[c, fmt(metrics["admission"]["per_category"].get(c)), fmt(metrics["refined"]["per_category"].get(c))]
+         for c in cats],
+        "Within-category Spearman ρ",
+    )
+
+
+def _calibration_table(rows: list[dict]) -> Table:
+    return Table(
+        ["predictor", "median predicted / actual", "Spearman ρ"],
+        [[r["predictor"], fmt(r["median_ratio"]), fmt(r["spearman"])] for r in rows],
+        "Calibration (seed 000, Table 5)",
+    )
+
+
+def loco_tables(loco: dict) -> list:
+    """The LOCO table (in training → held out), the held-out category's all-request ρ and the skipped."""
+    blocks: list = [
+        Table(
+            ["held-out category", "n eval", "admission ρ (in training → held out)",
+             "refined ρ (in training → held out)", "notes"],
+            [[r["category"], fmt(r["n_eval"]), _arrow(r["admission"]), _arrow(r["refined"]),
+              "; ".join(r["notes"]) or "-"] for r in loco["rows"]]
+            + [["mean", "", _arrow(loco["mean"]["admission"]), _arrow(loco["mean"]["refined"]), "defined values only"]],
+            "Within-category ρ with the category in training → held out (seed 000, Tables 7 and 17)",
+        )
+    ]
+    chosen = loco.get("hold_out")
+    if chosen:
+        blocks.append(Table(
+            ["predictor", f"ρ over all requests, {chosen['category']} in training → held out"],
+            [["admission", _arrow(chosen["admission"])], ["refined", _arrow(chosen["refined"])]],
+            f"All evaluation requests with {chosen['category']} held out",
+        ))
+    if loco["skipped"]:
+        blocks.append(Table(["skipped category", "reason"], [[s["category"], s["reason"]] for s in loco["skipped"]],
+                            f"Not evaluated (minimum {loco['min_requests']} requests)"))
+    return blocks
+
+
+def _baseline_table(rows: list[dict]) -> Table:
+    return Table(
+        ["predictor", "input", "Spearman ρ", "Kendall τ", "R²", "within-category ρ"],
+        [[r["name"], r["input"], fmt(r["spearman"]), fmt(r["kendall"]), fmt(r["r2"]), fmt(r["within_category_mean"])]
+         for r in rows],
+        "Remaining rounds on the evaluation split",
+    )
+
+
+def _output_work_table(table: dict) -> Table:
+    rows = []
+    for r in [{"category": "all", **table["overall"]}, *table["per_category"]]:
+        rows.append([
+            r["category"], fmt(r["n"]), f"{100 * r['work_share']:.1f}%" if r["work_share"] is not None else "n/a",
+            fmt(r["mean_output_tokens"], 1), fmt(r["mean_rounds"], 1), fmt(r["spearman_tokens_rounds"]),
+            fmt(r["rounds_per_token_p50"], 3),
+            f"{fmt(r['rounds_per_token_p10'], 3)}–{fmt(r['rounds_per_token_p90'], 3)}",
+            f"{100 * r['budget_share']:.1f}%",
+            "-" if r["work_at_budget_p10"] is None
+            else f"{fmt(r['work_at_budget_p10'], 0)}–{fmt(r['work_at_budget_p90'], 0)}",
+        ])
+    return Table(
+        ["category", "n", "share of work", "mean output tokens", "mean rounds", "ρ(tokens, rounds)",
+         "rounds/token p50", "rounds/token p10–p90", "at budget", "work p10–p90 at budget"],
+        rows,
+        "Output length versus work (seed 000, Table 12)",
+    )
+
+
+def summary(result: dict) -> list[str]:
+    """The report's opening paragraphs: the figures a reader deciding on deployment looks for first."""
+    m = result["metrics"]
+    adm, ref = m["admission"], m["refined"]
+    lines = [
+        f"On {result['traces']['n_eval']} evaluation requests, the admission predictor (prompt features only) ranks "
+        f"work with Spearman ρ = {fmt(adm['spearman'])} (mean within a category {fmt(adm['within_category_mean'])}); "
+        f"after the first denoising round the refined predictor reaches ρ = {fmt(ref['spearman'])} "
+        f"(within a category {fmt(ref['within_category_mean'])}).",
+        f"Calibration brings the refined estimate's median predicted/actual ratio from "
+        f"{fmt(m['calibration']['median_ratio_raw'])} (raw) to {fmt(m['calibration']['median_ratio_calibrated'])}; "
+        f"the admission estimate's is {fmt(m['calibration']['median_ratio_admission'])}.",
+    ]
+    loco = result.get("loco")
+    if loco and loco["rows"]:
+        mean = loco["mean"]
+        text = (f"With its category held out of training, a category's requests are ranked with mean ρ "
+                f"{fmt(mean['refined']['held_out'])} by the refined predictor (in training: "
+                f"{fmt(mean['refined']['in_training'])}) and {fmt(mean['admission']['held_out'])} by the admission "
+                f"predictor (in training: {fmt(mean['admission']['in_training'])}).")
+        if loco["hold_out"]:
+            h = loco["hold_out"]
+            text += (f" Over all requests with {h['category']} held out: admission ρ {_arrow(h['admission'])}, "
+                     f"refined ρ {_arrow(h['refined'])}.")
+        lines.append(text)
+    contenders = [r for r in result["baselines"] if not r["name"].startswith("oracle") and r["spearman"] is not None]
+    if contenders:
+        best = max(contenders, key=lambda r: r["spearman"])
+        early = next((r for r in result["baselines"] if r["name"] == "early signal: all four"), None)
+        text = f"Best non-oracle row of the baseline table: {best['name']} (ρ = {fmt(best['spearman'])})."
+        if early:
+            text += (f" Seed 001's four early signals together: ρ = {fmt(early['spearman'])}, "
+                     f"R² = {fmt(early['r2'])}.")
+        lines.append(text)
+    overall = result["output_vs_work"]["overall"]
+    if overall["spearman_tokens_rounds"] is None:
+        lines.append(f"Output tokens and denoising rounds have no rank correlation here (one side is constant; "
+                     f"{100 * overall['budget_share']:.0f}% of requests hit the output budget): output length "
+                     "cannot order this work at all.")
+    else:
+        lines.append(f"Output tokens and denoising rounds correlate with ρ = {fmt(overall['spearman_tokens_rounds'])} "
+                     "over all requests: where this is low, output-length rankers misorder work.")
+    return lines
+
+
+def evaluation_document(result: dict, arrays: dict) -> Document:
+    """Report of one evaluation.
+
+    Parameters
+    ----------
+    result : the evaluation result (see :func:`dwise_predict.evaluation.evaluate.evaluate`).
+    arrays : ``eval_requests`` and ``all_requests`` (DataFrames), ``admission`` / ``refined`` /
+        ``refined_raw`` predictions on the evaluation split (n_eval,), and optionally ``survival``
+        ``{"curves": (n, K), "true": (n,), "labels": [...]}``.
+    """
+    ev = arrays["eval_requests"]
+    every = arrays["all_requests"]
+    cats = ev["category"].astype(str).to_numpy()
+    total = ev["total_rounds"].to_numpy(dtype=float)
+    metrics = result["metrics"]
+
+    split_blocks: list = [
+        _split_table(metrics),
+        _per_category_table(metrics),
+        Figure("scatter_admission",
+               plots.scatter_pred_true(arrays["admission"], total, cats, "Admission", metrics["admission"]["spearman"]),
+               "Admission estimate of total rounds against actual total rounds."),
+        Figure("scatter_refined",
+               plots.scatter_pred_true(arrays["refined"], total - 1, cats, "Refined", metrics["refined"]["spearman"]),
+               "Calibrated refined estimate of remaining rounds against actual remaining rounds."),
+    ]
+    survival = arrays.get("survival")
+    if survival is not None:
+        split_blocks.append(Figure("survival_curves",
+                                   plots.survival_curves(survival["curves"], survival["true"], survival["labels"]),
+                                   "Ensemble survival curves of evaluation requests spread over the estimate's range; "
+                                   "dotted lines mark each request's actual remaining rounds."))
+    sections = [
+        Section("Summary", "", summary(result)),
+        Section("Predictors on the evaluation split", "", split_blocks),
+    ]
+
+    sections.append(Section("Calibration", "", [
+        _calibration_table(result["calibration"]),
+        Figure("calibration",
+               plots.calibration_curve(total - 1, {"admission (total − 1)": arrays["admission"] - 1,
+                                                   "raw refinement": arrays["refined_raw"],
+                                                   "calibrated": arrays["refined"]}),
+               "Median actual remaining rounds per decile of each estimate; "
+               "the dashed diagonal is perfect calibration."),
+    ]))
+
+    if result.get("loco"):
+        loco = result["loco"]
+        blocks = loco_tables(loco)
+        if loco["rows"]:
+            blocks.insert(1, Figure("loco", plots.loco_bars(loco["rows"]),
+                                    "Within-category ρ: light = category in training, dark = held out; "
+                                    "n/a = undefined."))
+        sections.append(Section("Leave one category out", "", blocks))
+
+    sections.append(Section("Baselines", "", [
+        _baseline_table(result["baselines"]),
+        Figure("baselines", plots.baseline_bars(result["baselines"]), "Rank correlation of each baseline."),
+    ]))
+    sections.append(Section("Output length versus work", "", [
+        _output_work_table(result["output_vs_work"]),
+        Figure("output_vs_rounds",
+               plots.output_vs_rounds(every["output_tokens"].to_numpy(), every["total_rounds"].to_numpy(),
+                                      every["category"].astype(str).to_numpy()),
+               "Output tokens against denoising rounds, all requests."),
+    ]))
+    sections.append(Section("Workload", "", [rounds_table(result["characterization"]), histogram_figure(every)]))
+
+    traces = result["traces"]
+    meta = [
+        f"model: {traces['model']}",
+        f"traces: {', '.join(traces['paths'])} (fingerprint {traces['fingerprint'][:16]}…)",
+        f"requests: {traces['n_train']} train, {traces['n_eval']} eval",
+        "predictors: "
+        + (f"run {result['run']}" if result.get("run") else "trained on the train split by this evaluation"),
+    ]
+    return Document("dwise-predict: evaluation report", meta, sections)
+
+
+def survival_examples(curves: np.ndarray, estimate: np.ndarray, true: np.ndarray, ids, n: int = 4) -> dict:
+    """Pick ``n`` requests spread over the estimate's range (by rank) for the survival plot.
+
+    Parameters
+    ----------
+    curves : array of shape (n_eval, K), survival of every evaluation request.
+    estimate : array of shape (n_eval,), the estimate used to spread the picks.
+    """
+    order = np.argsort(estimate, kind="stable")
+    picks = order[np.unique(np.linspace(0, len(order) - 1, min(n, len(order))).round().astype(int))]
+    return {"curves": curves[picks], "true": true[picks], "labels": [str(ids[i]) for i in picks]}
