@@ -8,9 +8,9 @@ discrete-time survival law with a constant per-round hazard
     hazard = sigmoid(-(base_log_rounds[category] + difficulty_scale * z + length_scale * log(tokens)))
 
 so ``remaining ~ Geometric`` (right-skewed: its mean sits above its median), capped where the budget
-stops generation, and the oracle's expected remaining rounds under that law is stored in the extra column ``oracle_remaining``. Tests
-use this to check that a predictor recovers what the hidden state holds and that prompt features
-cannot see it.
+stops generation. The oracle's expected remaining rounds under that law is stored in the extra
+column ``oracle_remaining``. Tests use this to check that a predictor recovers what the hidden state
+holds and that prompt features cannot see it.
 """
 
 from __future__ import annotations
