@@ -66,8 +66,8 @@ class PromptFeaturizer:
 
     Parameters
     ----------
-    tokenizer : a transformers tokenizer with a chat template, or None for a whitespace tokeniser
-        (tokens = words; say so wherever its timings are reported).
+    tokenizer : a transformers tokenizer, or None for a whitespace tokeniser (tokens = words; say so
+        wherever its timings are reported). Without a chat template the text's own tokens count.
     """
 
     _PLACEHOLDER = "\u2063PROMPT\u2063"
@@ -77,7 +77,7 @@ class PromptFeaturizer:
         self.template_tokens_ = 0
         # the Rust tokenizer directly where there is one: skips the Python wrapper's overhead
         self._encode = getattr(getattr(tokenizer, "backend_tokenizer", None), "encode", None)
-        if tokenizer is not None:
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": self._PLACEHOLDER}], tokenize=False, add_generation_prompt=True
             )

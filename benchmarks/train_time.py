@@ -1,0 +1,42 @@
+"""Wall time of a full `train` (both predictors, calibration, evaluation, run directory) on 2,048
+synthetic requests with hidden size 2,048 (the LLaDA2 shape). Target: <= 60 s on 2 cores (default: 1 thread, see TrainConfig.num_threads).
+
+Usage: python benchmarks/train_time.py [--requests 2048] [--hidden 2048] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from dwise_predict.traces.synthetic import make_synthetic_traces
+from dwise_predict.training import TrainConfig, train_run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    ds = make_synthetic_traces(args.requests, args.hidden, seed=0)
+    epochs: dict[int, int] = {}
+    config = TrainConfig(num_threads=args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        metrics = train_run(ds, Path(tmp) / "run", config,
+                            progress=lambda member, epoch, *_: epochs.__setitem__(member, epoch + 1))
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    print(f"requests {args.requests} (train {metrics['n_train']}, eval {metrics['n_eval']}), hidden {args.hidden}, "
+          f"threads {args.threads}")
+    print(f"epochs per member: {[epochs[m] for m in sorted(epochs)]} (max {config.max_epochs}, patience {config.patience})")
+    print(f"full train wall time: {elapsed:.1f} s (target <= 60 s); CPU time {cpu:.1f} s")
+    print(f"refined rho {metrics['refined']['spearman']:.3f}, admission rho {metrics['admission']['spearman']:.3f}, "
+          f"calibrated median ratio {metrics['calibration']['median_ratio_calibrated']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Isotonic calibration: the ensemble's raw estimate -> actual remaining rounds.
+
+The survival ensemble reports the *mean* of a right-skewed distribution, so it sits above what a
+typical request actually runs (on geometric remaining rounds the median predicted/actual ratio is
+about 1.3). The scheduler ranks refined estimates together with admission estimates, so we map the
+raw estimate to the scale where the median predicted/actual ratio is 1: an isotonic **median**
+regression (pool-adjacent-violators with block medians, the L1 isotonic fit) of actual remaining
+rounds on the raw estimate, over requests that have any rounds left (the requests
+:func:`~dwise_predict.evaluation.metrics.median_ratio` is defined on). ``statistic="mean"`` gives the
+squared-error fit (conditional mean, what scikit-learn's ``IsotonicRegression`` computes) instead.
+The fit is centred (one knot per pooled block, see :func:`_centered_isotonic`), so calibration keeps
+the raw estimate's ranking: ρ does not change, apart from ties among requests beyond the end knots.
+
+Fitted state is two increasing knot arrays ``x_`` (raw estimates) and ``y_`` (remaining rounds);
+a prediction is ``np.interp(raw, x_, y_)``, clipped to the end values outside the fitted range,
+which is exactly what ``network.isotonic_interp`` computes inside the exported graph.
+
+References
+----------
+Robertson, Wright & Dykstra (1988), *Order Restricted Statistical Inference*, ch. 1 (PAVA, L1 case).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from dwise_predict.errors import InputError
+
+
+class IsotonicCalibrator:
+    """Monotone map raw estimate -> remaining rounds.
+
+    Parameters
+    ----------
+    statistic : "median" (L1 isotonic fit, the default) or "mean" (squared-error fit: the block
+        values of scikit-learn's ``IsotonicRegression``).
+    positive_only : fit only on requests with actual > 0 (the population of the median ratio).
+    fitted_on : which requests the caller fits on, recorded in :meth:`to_json`.
+    """
+
+    def __init__(
+        self, statistic: Literal["median", "mean"] = "median", positive_only: bool = True, fitted_on: str = "train"
+    ):
+        self.statistic = statistic
+        self.positive_only = positive_only
+        self.fitted_on = fitted_on
+
+    def fit(self, raw, actual) -> "IsotonicCalibrator":
+        """Fit on raw estimates (N,) and actual remaining rounds (N,) of the training split."""
+        raw = np.asarray(raw, dtype=np.float64).ravel()
+        actual = np.asarray(actual, dtype=np.float64).ravel()
+        if raw.shape != actual.shape:
+            raise InputError(f"{raw.size} raw estimates but {actual.size} actual counts")
+        if not (np.isfinite(raw).all() and np.isfinite(actual).all()):
+            raise InputError("calibration inputs hold NaN or inf")
+        if self.statistic not in ("median", "mean"):
+            raise InputError(f"statistic must be 'median' or 'mean', not {self.statistic!r}")
+        if self.positive_only and (actual > 0).any():
+            raw, actual = raw[actual > 0], actual[actual > 0]
+        if raw.size == 0:
+            raise InputError("no requests to fit the calibration on")
+        self.x_, self.y_ = _centered_isotonic(raw, actual, np.median if self.statistic == "median" else np.mean)
+        return self
+
+    def predict(self, raw) -> np.ndarray:
+        """Calibrated remaining rounds, ``np.interp(raw, x_, y_)`` (clipped outside the knots)."""
+        return np.interp(np.asarray(raw, dtype=np.float64), self.x_, self.y_)
+
+    def to_json(self) -> dict:
+        """``{"x": [...], "y": [...], "fitted_on": ..., "statistic": ...}`` (calibration.json)."""
+        return {"x": self.x_.tolist(), "y": self.y_.tolist(), "fitted_on": self.fitted_on, "statistic": self.statistic}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "IsotonicCalibrator":
+        """Rebuild from :meth:`to_json`'s dict; knots must be finite, of equal length, x increasing."""
+        x = np.asarray(data.get("x", []), dtype=np.float64)
+        y = np.asarray(data.get("y", []), dtype=np.float64)
+        if x.ndim != 1 or x.size == 0 or x.shape != y.shape or not (np.isfinite(x).all() and np.isfinite(y).all()):
+            raise InputError("calibration needs equal-length, finite, non-empty 'x' and 'y' knot lists")
+        if (np.diff(x) <= 0).any() or (np.diff(y) < 0).any():
+            raise InputError("calibration knots must have increasing 'x' and non-decreasing 'y'")
+        calibrator = cls(statistic=data.get("statistic", "median"), fitted_on=data.get("fitted_on", "train"))
+        calibrator.x_, calibrator.y_ = x, y
+        return calibrator
+
+
+def _centered_isotonic(x: np.ndarray, y: np.ndarray, statistic) -> tuple[np.ndarray, np.ndarray]:
+    """Centred isotonic regression: pool-adjacent-violators, then one knot per pooled block.
+
+    PAVA pools adjacent blocks while their values (``statistic`` of the block's y: the median gives
+    the L1 isotonic fit, the mean the L2 one) fail to increase; points with equal x start in one
+    block. Each block then becomes one knot at (mean x of the block, block value), so the knots
+    increase strictly in both coordinates and the interpolated map is strictly increasing between
+    the first and last knot: it keeps the ranking of the raw estimates instead of tying every
+    request of a block (Oron & Flournoy 2017, "Centered isotonic regression").
+    """
+    order = np.lexsort((y, x))
+    x, y = x[order], y[order]
+    starts = np.flatnonzero(np.r_[True, np.diff(x) > 0])
+    blocks_x: list[np.ndarray] = []
+    blocks_y: list[np.ndarray] = []
+    values: list[float] = []
+    for start, stop in zip(starts, np.r_[starts[1:], x.size]):
+        bx, by = x[start:stop], y[start:stop]
+        value = float(statistic(by))
+        while values and values[-1] >= value:  # violator (or tie): pool with the previous block
+            bx, by = np.concatenate([blocks_x.pop(), bx]), np.concatenate([blocks_y.pop(), by])
+            values.pop()
+            value = float(statistic(by))
+        blocks_x.append(bx)
+        blocks_y.append(by)
+        values.append(value)
+    return np.asarray([bx.mean() for bx in blocks_x], dtype=np.float64), np.asarray(values, dtype=np.float64)

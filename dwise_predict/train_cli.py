@@ -1,0 +1,242 @@
+"""Typer commands `train` and `compare-regressors` (thin: validate, call the library, print)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dwise_predict.errors import ConfigError
+
+TracesArgument = Annotated[Path, typer.Argument(help="Trace directory from `dwise-predict collect`.")]
+SeedOption = Annotated[int, typer.Option("--seed", help="Seed of every random choice (members use seed, seed+1, ...).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")]
+
+
+def _log(message: str) -> None:
+    typer.echo(message, err=True)
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def train_command(
+    traces: TracesArgument,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Run directory to create (must not exist unless --overwrite).")],
+    seed: SeedOption = 0,
+    max_epochs: Annotated[int, typer.Option(help="Most epochs per ensemble member (early stopping usually ends sooner).")] = 100,
+    patience: Annotated[int, typer.Option(help="Epochs without a better validation loss before a member stops.")] = 10,
+    members: Annotated[int, typer.Option(help="Survival MLPs in the seed ensemble.")] = 3,
+    width: Annotated[int, typer.Option(help="Hidden units of each survival MLP.")] = 256,
+    lr: Annotated[float, typer.Option(help="Adam learning rate of the survival MLPs.")] = 1e-3,
+    batch_size: Annotated[int, typer.Option(help="Requests per optimisation step.")] = 256,
+    val_fraction: Annotated[float, typer.Option(help="Share of the train split held out for early stopping.")] = 0.2,
+    threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = 1,
+    config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json) instead of the flags above.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory (only once the new run is complete).")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    """Train the admission (LightGBM) and refinement (calibrated survival ensemble) predictors.
+
+    Fits on the traces' train split, reports on their eval split, and writes the run directory
+    (config.json, metrics.json, admission.txt/.json, refine.safetensors/.json, calibration.json,
+    curves.json/.png). The directory appears only when complete; after an interruption, rerun the
+    same command.
+
+    Examples:
+
+        dwise-predict train traces/ --out run/
+
+        dwise-predict train traces/ --out run/ --seed 1 --max-epochs 50 --json
+
+        dwise-predict train traces/ --out run/ --config other_run/config.json --overwrite
+    """
+    from dwise_predict.training import TrainConfig, train_run
+
+    flags = {"--seed": ("seed", seed), "--max-epochs": ("max_epochs", max_epochs), "--patience": ("patience", patience),
+             "--members": ("members", members), "--width": ("width", width), "--lr": ("lr", lr),
+             "--batch-size": ("batch_size", batch_size), "--val-fraction": ("val_fraction", val_fraction),
+             "--threads": ("num_threads", threads)}
+    defaults = TrainConfig()
+    problems = []
+    if config is not None and not config.is_file():
+        problems.append(f"--config {config} is not a file")
+    changed = [flag for flag, (name, value) in flags.items() if value != getattr(defaults, name)]
+    if config is not None and changed:
+        problems.append(f"--config sets every option: drop {', '.join(changed)} or edit the file")
+    if out.exists() and not out.is_dir():
+        problems.append(f"--out {out} is a file: give a directory")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if config is not None:
+        try:
+            options = json.loads(config.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--config {config} is not valid JSON ({err})") from None
+        if not isinstance(options, dict):
+            raise ConfigError(f"--config {config} must hold a JSON object of training options")
+        train_config = TrainConfig.from_dict(options)
+    else:
+        train_config = TrainConfig(**dict(flags.values()))
+    train_config.check()
+
+    with _EpochProgress(train_config) as progress:
+        metrics = train_run(traces, out, train_config, overwrite=overwrite, progress=progress)
+    _log(f"wrote run directory {out}")
+    if json_out:
+        typer.echo(json.dumps(metrics, indent=2))
+    else:
+        _print_summary(metrics)
+
+
+class _EpochProgress:
+    """A rich progress bar over members x epochs on a terminal (stderr); a no-op callback otherwise."""
+
+    def __init__(self, config):
+        self.config = config
+        self.bar = None
+
+    def __enter__(self):
+        if not sys.stderr.isatty():
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[loss]}"), TimeElapsedColumn(),
+            console=Console(stderr=True), transient=True,
+        )
+        self.bar.start()
+        self.tasks = [
+            self.bar.add_task(f"member {m} (seed {s})", total=self.config.max_epochs, loss="")
+            for m, s in enumerate(self.config.seeds)
+        ]
+        return self.update
+
+    def update(self, member: int, epoch: int, train_loss: float, val_loss: float) -> None:
+        self.bar.update(self.tasks[member], completed=epoch + 1, loss=f"train {train_loss:.3f} val {val_loss:.3f}")
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
+
+
+def _print_summary(metrics: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Eval split: {metrics['n_eval']} requests (trained on {metrics['n_train']})")
+    table.add_column("predictor")
+    table.add_column("ρ overall", justify="right")
+    table.add_column("95% CI", justify="right")
+    table.add_column("ρ within category", justify="right")
+    table.add_column("Kendall τ", justify="right")
+    table.add_column("median pred/actual", justify="right")
+    cal = metrics["calibration"]
+    for label, key, ratio in (
+        ("admission (prompt features)", "admission", cal["median_ratio_admission"]),
+        ("refined, raw", "refined_raw", cal["median_ratio_raw"]),
+        ("refined, calibrated", "refined", cal["median_ratio_calibrated"]),
+    ):
+        block = metrics[key]
+        ci = block.get("spearman_ci")
+        table.add_row(
+            label, _fmt(block["spearman"]), f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "",
+            _fmt(block["within_category_mean"]), _fmt(block.get("kendall")) if "kendall" in block else "", _fmt(ratio, 2),
+        )
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    console.print(table)
+    per = Table(title="ρ within category (eval split)")
+    per.add_column("category")
+    per.add_column("admission", justify="right")
+    per.add_column("refined", justify="right")
+    for cat, rho in metrics["admission"]["per_category"].items():
+        per.add_row(cat, _fmt(rho), _fmt(metrics["refined"]["per_category"].get(cat)))
+    console.print(per)
+    refined = metrics["refined"]
+    console.print(
+        f"time-dependent concordance {_fmt(refined['concordance_td'])}, "
+        f"integrated Brier score {_fmt(refined['integrated_brier'], 4)}"
+    )
+
+
+def compare_regressors_command(
+    traces: TracesArgument,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory for regressors.csv and regressors.md (default: print only).")] = None,
+    folds: Annotated[int, typer.Option(help="Cross-validation folds on the train split.")] = 5,
+    seed: SeedOption = 0,
+    repeats: Annotated[int, typer.Option(help="Single-request timings per model (median reported).")] = 300,
+    json_out: JsonOption = False,
+) -> None:
+    """Compare admission regressors (seed 000, Table 9): K-fold CV ρ and single-request time.
+
+    Ridge, MLP (256-256), XGBoost (100, depth 6), LightGBM (500, 31), LightGBM (1,000, 63),
+    ExtraTrees (100) and LightGBM (100, 15) on words, newlines and prompt tokens; time per request
+    from raw prompt text (tokenisation with the traces' model tokenizer when available locally,
+    whitespace words otherwise) and model-only, one thread.
+
+    Examples:
+
+        dwise-predict compare-regressors traces/
+
+        dwise-predict compare-regressors traces/ --out compare/ --folds 5 --json
+    """
+    import os
+
+    from dwise_predict.admission.compare import compare_regressors, to_markdown
+    from dwise_predict.features.prompt import PromptFeaturizer, load_tokenizer
+    from dwise_predict.traces import load_traces
+
+    problems = []
+    if folds < 2:
+        problems.append(f"--folds must be at least 2, got {folds}")
+    if repeats < 1:
+        problems.append(f"--repeats must be at least 1, got {repeats}")
+    if out is not None and out.exists() and not out.is_dir():
+        problems.append(f"--out {out} is a file: give a directory")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+    ds = load_traces(traces)
+    train = ds.split("train")
+    model = ds.model_fingerprint
+    tokenizer = load_tokenizer(model)
+    note = (
+        f"tokenizer of {model.get('name', 'the traces model')} with its chat template"
+        if tokenizer is not None
+        else f"whitespace words (no local tokenizer for model {model.get('name', '?')!r})"
+    )
+    _log(f"comparing 7 regressors on {len(train)} training requests, {folds}-fold CV; tokenisation: {note}")
+    rows = compare_regressors(train, folds, seed, PromptFeaturizer(tokenizer), repeats, progress=lambda n: _log(f"  {n}"))
+
+    if out is not None:
+        import csv
+        import io
+
+        out.mkdir(parents=True, exist_ok=True)
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        for name, text in (("regressors.csv", buffer.getvalue()), ("regressors.md", to_markdown(rows, folds, note))):
+            tmp = out / f".{name}.tmp-{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
+        _log(f"wrote {out / 'regressors.csv'} and {out / 'regressors.md'}")
+    if json_out:
+        typer.echo(json.dumps({"tokenisation": note, "folds": folds, "rows": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Admission regressors ({len(train)} train requests, {folds}-fold CV)", caption=f"tokenisation: {note}")
+    for col, justify in (("predictor", "left"), ("ρ", "right"), ("± sd", "right"), ("from text (ms)", "right"), ("model only (µs)", "right")):
+        table.add_column(col, justify=justify)
+    for r in rows:
+        table.add_row(r["name"], _fmt(r["rho"]), _fmt(r["rho_std"]), f"{r['ms_from_text']:.3f}", f"{r['us_model_only']:.1f}")
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
