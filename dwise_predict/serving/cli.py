@@ -62,12 +62,12 @@ def simulate_command(
 
     from rich.console import Console
 
-    from dwise_predict.serving.report import add_speedups, render_table, write_outputs
+    from dwise_predict.serving.report import render_table, write_outputs
     from dwise_predict.serving.simulator import (
         POLICIES,
         SimConfig,
         available_policies,
-        compare,
+        compare_arrivals,
         kv_reservations,
         parse_rates,
         sweep,
@@ -112,18 +112,11 @@ def simulate_command(
     if rates:
         rate_values = parse_rates(rates, workload, config)
         rows = sweep(workload, config, rate_values, chosen)
-        add_speedups(rows, "rate_rps")
         stem, first = "sweep", ("rate_rps", "rate req/s", "{:.2f}")
         title = f"Load sweep, Poisson arrivals, B={slots}, k={k:g}"
     else:
         patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
-        poisson_rate = parse_rates(rate or "1.5x", workload, config)[0]
-        rows = []
-        for pattern in patterns:
-            cfg = SimConfig(**{**base, "arrival": pattern, "rate": poisson_rate if pattern == "burst-poisson" else None})
-            for result in compare(workload, cfg, chosen):
-                rows.append({"arrival": pattern, "rate_rps": cfg.rate, **result.metrics})
-        add_speedups(rows, "arrival")
+        rows = compare_arrivals(workload, config, patterns, rate or "1.5x", chosen)
         stem, first = "simulate", ("arrival", "arrival", "{}")
         title = f"Simulated serving, {len(workload)} requests, B={slots}, k={k:g}"
     if out is not None:

@@ -24,14 +24,6 @@ TABLE_COLUMNS = (
 )
 
 
-def add_speedups(rows: list[dict], group_key: str) -> None:
-    """Add ``speedup_vs_default``: sglang-default's mean latency over each row's, per group."""
-    base = {r[group_key]: r["mean_latency_s"] for r in rows if r["policy"] == "sglang-default"}
-    for r in rows:
-        ref = base.get(r[group_key])
-        r["speedup_vs_default"] = ref / r["mean_latency_s"] if ref and r["mean_latency_s"] > 0 else float("nan")
-
-
 def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arrival", "{}")):
     from rich.table import Table
 

@@ -28,7 +28,7 @@ round-time model); time to first block (TTFB) is when the first output block is 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -394,6 +394,33 @@ def compare(workload: Workload, config: SimConfig, policies: list[str] | None = 
     return [simulate(workload, p, config, arrivals) for p in policies]
 
 
+def compare_arrivals(
+    workload: Workload, config: SimConfig, patterns: list[str], rate: str = "1.5x", policies: list[str] | None = None
+) -> list[dict]:
+    """Compare policies under each arrival pattern; one metrics row per (pattern, policy).
+
+    ``rate`` is the Poisson rate of the non-burst patterns: req/s, or a multiple of SGLang-default's
+    service rate such as ``1.5x``. Rows carry ``arrival``, ``rate_rps``, the policy's metrics and
+    ``speedup_vs_default`` (SGLang-default's mean latency over the row's, per pattern).
+    """
+    poisson_rate = parse_rates(rate, workload, config)[0]
+    rows = []
+    for pattern in patterns:
+        cfg = replace(config, arrival=pattern, rate=None if pattern == "burst" else poisson_rate)
+        for result in compare(workload, cfg, policies):
+            rows.append({"arrival": pattern, "rate_rps": cfg.rate, **result.metrics})
+    add_speedups(rows, "arrival")
+    return rows
+
+
+def add_speedups(rows: list[dict], group_key: str) -> None:
+    """Add ``speedup_vs_default``: sglang-default's mean latency over each row's, per group."""
+    base = {r[group_key]: r["mean_latency_s"] for r in rows if r["policy"] == "sglang-default"}
+    for r in rows:
+        ref = base.get(r[group_key])
+        r["speedup_vs_default"] = ref / r["mean_latency_s"] if ref and r["mean_latency_s"] > 0 else float("nan")
+
+
 def service_rate(workload: Workload, config: SimConfig) -> float:
     """SGLang's default policy's service rate on this workload, req/s: its throughput when backlogged.
 
@@ -401,7 +428,7 @@ def service_rate(workload: Workload, config: SimConfig) -> float:
     ``--rate`` / ``--rates`` multiples (``2x``) are relative to it: below ``1x`` the default keeps up
     and ranking has little to reorder; above it the queue grows and ranking pays (seed 000 Fig. 9).
     """
-    backlogged = SimConfig(**{**asdict(config), "arrival": "burst", "rate": None})
+    backlogged = replace(config, arrival="burst", rate=None)
     return simulate(workload, "sglang-default", backlogged).metrics["throughput_rps"]
 
 
@@ -431,7 +458,8 @@ def sweep(workload: Workload, config: SimConfig, rates: list[float], policies: l
     """Every policy at each Poisson arrival rate (``poisson`` arrivals; seed 000 Figure 9)."""
     rows = []
     for rate in rates:
-        cfg = SimConfig(**{**asdict(config), "arrival": "poisson", "rate": rate})
+        cfg = replace(config, arrival="poisson", rate=rate)
         for result in compare(workload, cfg, policies):
             rows.append({"rate_rps": rate, **result.metrics})
+    add_speedups(rows, "rate_rps")
     return rows
