@@ -1,0 +1,164 @@
+"""A generic ``BlockBackend`` for mask-token dLLMs loaded with ``AutoModel*.from_pretrained``.
+
+For LLaDA2.x, SDAR, Dream and similar models that ship as remote code (``--trust-remote-code``): the
+threshold decoder (:mod:`dwise_predict.collectors.decoder`) drives them through this backend exactly
+as it drives the tiny model. The backend keeps, per slot, the committed tokens and their block ids,
+and answers each ``step`` by running the model over ``committed + row`` with an explicit 4-D
+block-causal attention mask (a token sees every committed token of an earlier or its own block, and
+its own row part); it reads the final-layer hidden state as the input of the LM head (a forward
+pre-hook on ``get_output_embeddings()``), which is the post-norm state for every HF causal LM.
+
+Verified versus untested (see also ``docs/backends.md``):
+
+- verified here: the mechanics (masking, commits, windows, hidden capture, resume/merge through
+  `collect`) on a randomly initialised small Llama-architecture model given a ``mask_token_id``;
+- untested on real weights: LLaDA2.x (block 32), SDAR (block 4), Dream. They load through
+  ``trust_remote_code`` and must accept a 4-D additive float ``attention_mask`` and ``position_ids``
+  in ``forward`` (LLaDA2's and SDAR's own generate loops pass such masks). Dream was trained with
+  full bidirectional attention, not block-causal; decoding it block by block is a choice, recorded
+  in the manifest as the decoding config.
+- cost: there is no KV cache — every round recomputes the committed prefix, O(T^2) per row. Right for
+  correctness checks and small collections; a serving-grade collection belongs in an engine hook
+  (NOTES.md: SGLang's ``_run_sync`` first forward is the first denoising round).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dwise_predict.collectors.backends.base import StepBatch, StepOutput, directory_fingerprint
+from dwise_predict.errors import ModelError
+
+# Block sizes of known architectures (SGLang's DllmConfig); a config's own block_size wins.
+KNOWN_BLOCK_SIZES = {"LLaDA2MoeModelLM": 32, "SDARForCausalLM": 4, "SDARMoeForCausalLM": 4}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BlockLoopBackend:
+    """``BlockBackend`` over any HF model whose forward takes a 4-D attention mask (see module doc)."""
+
+    def __init__(self, model, tokenizer, path: Path, block_size: int, mask_token_id: int, eos_token_id: int,
+                 pad_token_id: int) -> None:
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.path = path
+        self.name = path.name
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 4096))
+        self.device = next(model.parameters()).device
+        self._tokens: list[list[int]] = []
+        self._blocks: list[list[int]] = []
+        self._hidden: torch.Tensor | None = None
+        model.get_output_embeddings().register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args) -> None:
+        self._hidden = args[0]
+
+    def fingerprint(self) -> dict:
+        config = self.model.config.to_dict()
+        config.pop("transformers_version", None)
+        return directory_fingerprint(self.path, self.name, config, self.hidden_size, self.vocab_size)
+
+    def allocate(self, n_slots: int) -> None:
+        self._tokens = [[] for _ in range(n_slots)]
+        self._blocks = [[] for _ in range(n_slots)]
+
+    def reset_slot(self, slot: int) -> None:
+        self._tokens[slot], self._blocks[slot] = [], []
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        seqs, blocks, starts = [], [], []
+        for r, slot in enumerate(batch.slots.tolist()):
+            n, commit = int(batch.n_valid[r]), int(batch.commit_len[r])
+            row = batch.input_ids[r, :n].tolist()
+            first = self._blocks[slot][-1] + 1 if self._blocks[slot] else 0
+            # the committed part of a row is one block, the rest the next one (a prefill row is all commit)
+            row_blocks = [first] * commit + [first + (commit > 0)] * (n - commit)
+            seqs.append(self._tokens[slot] + row)
+            blocks.append(self._blocks[slot] + row_blocks)
+            starts.append(len(self._tokens[slot]) + int(batch.out_start[r]))
+            self._tokens[slot] += row[:commit]
+            self._blocks[slot] += row_blocks[:commit]
+        logits, hidden = self._forward(seqs, blocks)
+        window = batch.window
+        out_logits = torch.zeros(len(seqs), window, logits.shape[-1])
+        out_hidden = torch.zeros(len(seqs), window, hidden.shape[-1])
+        for r, (seq, start) in enumerate(zip(seqs, starts)):
+            stop = min(start + window, len(seq))  # a short prefill row leaves the tail of its window empty
+            out_logits[r, : stop - start] = logits[r, start:stop].float().cpu()
+            out_hidden[r, : stop - start] = hidden[r, start:stop].float().cpu()
+        return StepOutput(logits=out_logits, hidden=out_hidden)
+
+    @torch.no_grad()
+    def _forward(self, seqs: list[list[int]], blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One padded forward; a position sees valid keys of its own or an earlier block."""
+        length = max(map(len, seqs))
+        n = len(seqs)
+        ids = torch.full((n, length), self.pad_token_id, dtype=torch.long)
+        block_ids = torch.full((n, length), 1 << 30, dtype=torch.long)  # padding: a block after everything
+        for r, (seq, blk) in enumerate(zip(seqs, blocks)):
+            ids[r, : len(seq)] = torch.tensor(seq)
+            block_ids[r, : len(blk)] = torch.tensor(blk)
+        valid = block_ids < (1 << 30)
+        allowed = (block_ids[:, None, :] <= block_ids[:, :, None]) & valid[:, None, :]  # (n, T, T)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(n, 1, length, length, dtype=dtype)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)  # additive: 0 attend, min blocked
+        positions = torch.arange(length).expand(n, length)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), use_cache=False)
+        return out.logits, self._hidden
+
+
+def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = False, dtype: str = "float32",
+                            device: str = "cpu", block_size: int | None = None) -> BlockLoopBackend:
+    """Load a mask-token dLLM directory for the threshold decoder; refuse what cannot be one.
+
+    Raises
+    ------
+    ModelError : no mask token (an autoregressive model), no known block size, remote code needed
+        but not allowed, or a load failure.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+
+    if config.get("auto_map") and not trust_remote_code:
+        raise ModelError(f"{path} ships its own model code (auto_map in config.json): pass --trust-remote-code "
+                         "if you trust it")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load the tokenizer in {path}: {err}") from None
+    mask_id = config.get("mask_token_id", getattr(tokenizer, "mask_token_id", None))
+    if mask_id is None:
+        raise ModelError(f"{path} is not a block-diffusion LM: neither config.json nor the tokenizer has a mask "
+                         "token (autoregressive models cannot be collected)")
+    architecture = (config.get("architectures") or [""])[0]
+    block = config.get("block_size") or config.get("block_length") or KNOWN_BLOCK_SIZES.get(architecture) or block_size
+    if block is None:
+        raise ModelError(f"{path}: unknown block size for {architecture or config.get('model_type')}: "
+                         "pass --block-size")
+    eos = config.get("eos_token_id", tokenizer.eos_token_id)
+    eos = eos[0] if isinstance(eos, list) else eos
+    pad = config.get("pad_token_id")
+    pad = tokenizer.pad_token_id if pad is None else pad
+    last_error = None
+    for auto in (AutoModelForCausalLM, AutoModelForMaskedLM):
+        try:
+            model = auto.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+            break
+        except (OSError, ValueError) as err:
+            last_error = err
+    else:
+        raise ModelError(f"cannot load the model in {path}: {last_error}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ModelError(f"the tokenizer in {path} has no chat template: add chat_template.jinja")
+    return BlockLoopBackend(model.to(device), tokenizer, path, int(block), int(mask_id),
+                            int(eos if eos is not None else pad or 0), int(pad or 0))

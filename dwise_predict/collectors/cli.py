@@ -1,0 +1,207 @@
+"""Typer commands `collect`, `traces merge` and `traces show` (thin: parse, call the library, print)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dwise_predict.collectors.records import DecodingConfig
+from dwise_predict.errors import ConfigError, DwiseError
+
+_DEFAULT = DecodingConfig()
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+OutOption = Annotated[Path, typer.Option("--out", "-o", help="Output trace directory (created, or resumed).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")]
+
+
+def collect_command(
+    out: OutOption,
+    model: Annotated[str, typer.Option(help="`tiny` (built-in dLLM) or a local model directory.")] = "tiny",
+    workload: Annotated[str, typer.Option(help="Preset (tiny-default, dwise-paper) or a workload spec file.")] = "tiny-default",
+    limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests (a quick try).")] = None,
+    seed: Annotated[int, typer.Option(help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = _DEFAULT.batch_size,
+    threshold: Annotated[float, typer.Option(help="Unmask positions whose top-1 probability reaches this.")] = _DEFAULT.threshold,
+    block_size: Annotated[Optional[int], typer.Option(help="Tokens per block [default: the model's].")] = None,
+    budget: Annotated[int, typer.Option(help="Output budget in tokens (unless the workload sets one).")] = _DEFAULT.budget,
+    dtype: Annotated[Dtype, typer.Option(help="Model dtype.")] = Dtype(_DEFAULT.dtype),
+    device: Annotated[str, typer.Option(help="torch device (cpu, cuda, cuda:1, ...).")] = "cpu",
+    shard: Annotated[Optional[str], typer.Option(help="i/N: decode only part i of N (merge with `traces merge`).")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow the model directory's own Python code (LLaDA2, SDAR, Dream).")] = False,
+    requests_per_shard: Annotated[Optional[int], typer.Option(help="Requests per committed shard [default: 8 x batch size].")] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Decode a workload with an instrumented dLLM into a trace dataset (resumable).
+
+    Rerunning the same command resumes: finished requests are kept, only missing ones are decoded.
+
+    Examples:
+
+        dwise-predict collect --out traces/
+
+        dwise-predict collect --model ./my-llada --trust-remote-code --workload dwise-paper --device cuda --out traces/
+
+        dwise-predict collect --out part0/ --shard 0/2   # and --shard 1/2, then: dwise-predict traces merge part0 part1 --out traces/
+    """
+    from dwise_predict.collectors.collect import collect, parse_shard
+
+    problems = []
+    try:
+        decoding = DecodingConfig(threshold=threshold, block_size=block_size, budget=budget, dtype=dtype.value,
+                                  batch_size=batch_size)
+    except ConfigError as err:
+        problems.append(str(err))
+    try:
+        parse_shard(shard)
+    except ConfigError as err:
+        problems.append(str(err))
+    if limit is not None and limit <= 0:
+        problems.append(f"--limit must be positive, got {limit}")
+    if requests_per_shard is not None and requests_per_shard <= 0:
+        problems.append(f"--requests-per-shard must be positive, got {requests_per_shard}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+    with _ProgressBar() as bar:
+        path = collect(model, workload, out, decoding, seed=seed, limit=limit, shard=shard, progress=bar.update,
+                       device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard)
+    _print_summary(path, json_out)
+
+
+def merge_command(
+    dirs: Annotated[list[Path], typer.Argument(help="Collection directories (e.g. one per --shard).")],
+    out: OutOption,
+    json_out: JsonOption = False,
+) -> None:
+    """Combine collection directories into one trace dataset (same model and decoding config only).
+
+    Examples:
+
+        dwise-predict traces merge part0/ part1/ --out traces/
+    """
+    from dwise_predict.collectors.store import merge
+
+    _print_summary(merge(dirs, out), json_out)
+
+
+def show_command(
+    path: Annotated[Path, typer.Argument(help="A trace directory (consolidated, or still collecting).")],
+    json_out: JsonOption = False,
+) -> None:
+    """Summarise a trace dataset per category: rounds, output tokens, finish reasons, accuracy.
+
+    Examples:
+
+        dwise-predict traces show traces/
+
+        dwise-predict traces show traces/ --json | jq '.categories[-1]'
+    """
+    _print_summary(path, json_out)
+
+
+traces_app = typer.Typer(help="Inspect and combine trace datasets.", no_args_is_help=True)
+traces_app.command("merge")(merge_command)
+traces_app.command("show")(show_command)
+
+
+def _print_summary(path: Path, json_out: bool) -> None:
+    from dwise_predict.collectors.summary import summarize
+
+    requests, manifest, complete = _read_for_summary(Path(path))
+    rows = summarize(requests)
+    model = manifest.get("model", {})
+    decoding = manifest.get("decoding", {})
+    if json_out:
+        typer.echo(json.dumps({"path": str(path), "complete": complete, "model": model, "decoding": decoding,
+                               "categories": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    algorithm = decoding.get("algorithm")
+    rule = f"threshold {decoding.get('threshold')}" if algorithm == "threshold" else algorithm
+    title = (f"{path}: {len(requests)} requests, model {model.get('name')}, "
+             f"{rule}, block {decoding.get('block_size')}, "
+             f"budget {decoding.get('budget')}" + ("" if complete else " (still collecting: shards only)"))
+    table = Table(title=title, title_justify="left")
+    for name in ("category", "count", "train/eval", "rounds p10", "p50", "p90", "max", "out tokens", "eos/budget", "accuracy"):
+        table.add_column(name, justify="left" if name == "category" else "right")
+    for r in rows:
+        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.1%} ({r['checked']})"
+        table.add_row(r["category"], str(r["count"]), f"{r['train']}/{r['eval']}", f"{r['rounds_p10']:.0f}",
+                      f"{r['rounds_p50']:.0f}", f"{r['rounds_p90']:.0f}", str(r["rounds_max"]),
+                      f"{r['output_tokens_mean']:.1f}", f"{r['eos']}/{r['budget']}", accuracy,
+                      end_section=r is rows[-2])
+    Console(width=max(120, Console().width)).print(table)
+
+
+def _read_for_summary(path: Path):
+    """The request table and manifest of a trace directory; shards when it is not consolidated yet."""
+    from dwise_predict.traces import MANIFEST_FILE, REQUESTS_FILE, load_traces
+
+    if (path / REQUESTS_FILE).is_file():
+        ds = load_traces(path)
+        return ds.requests, ds.manifest, True
+    from dwise_predict.collectors.store import read_shards
+
+    shards = read_shards(path) if (path / MANIFEST_FILE).is_file() else []
+    if not shards:
+        raise DwiseError(f"{path} holds no traces: run `dwise-predict collect --out {path}` first")
+    import pandas as pd
+
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    return pd.concat([s.requests for s in shards], ignore_index=True), manifest, False
+
+
+class _ProgressBar:
+    """A rich progress bar on stderr (requests/s, rounds/s, ETA), drawn only when stderr is a terminal."""
+
+    def __enter__(self) -> "_ProgressBar":
+        self.progress = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.progress = Progress(
+                TextColumn("collect"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[rates]}"), console=Console(stderr=True), transient=False,
+            )
+            self.progress.start()
+            self.task = None
+        return self
+
+    def update(self, state) -> None:
+        if self.progress is None:
+            return
+        fresh = state.done - state.resumed
+        rate = fresh / state.elapsed_s if state.elapsed_s > 0 else 0.0
+        eta = (state.total - state.done) / rate if rate > 0 else None
+        rates = (f"{rate:.2f} req/s  {state.rounds / max(state.elapsed_s, 1e-9):.1f} rounds/s  "
+                 f"ETA {_clock(eta)}" + (f"  ({state.resumed} resumed)" if state.resumed else ""))
+        if self.task is None:
+            self.task = self.progress.add_task("collect", total=state.total, completed=state.done, rates=rates)
+        else:
+            self.progress.update(self.task, completed=state.done, rates=rates)
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--:--"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -1,0 +1,254 @@
+"""`collect` as a library call: a workload through an instrumented dLLM into a trace dataset.
+
+    from dwise_predict.collectors.collect import collect
+    from dwise_predict.collectors.records import DecodingConfig
+    collect("tiny", "tiny-default", "traces/", DecodingConfig(batch_size=16), limit=64)
+
+Work is planned in **shards**: the (limited) workload is cut, in workload order, into consecutive
+runs of ``requests_per_shard`` requests; shard k belongs to ``--shard i/N`` when ``k % N == i``. Each
+shard is decoded as one group and committed as one store shard, so a rerun after a crash decodes the
+missing shards in exactly the batches the uninterrupted run used (results are then bit-identical even
+where float reductions depend on batch composition), and ``--shard`` runs merged equal the unsharded
+run. A crash loses at most the shard in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.collectors.scoring import score_answer
+from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
+from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
+from dwise_predict.errors import ConfigError, ModelError
+
+SHARD_REQUESTS_PER_SLOT = 8  # default requests_per_shard = 8 x batch size: short tails, little loss on a crash
+
+
+@dataclass
+class CollectProgress:
+    """What a progress display needs; passed to the ``progress`` callback after every request.
+
+    total : requests this run owns (after ``--limit`` and ``--shard``).
+    done : of those, finished (including ``resumed``).
+    resumed : finished by an earlier run and found in the store.
+    rounds : denoising rounds of the requests finished by this run.
+    elapsed_s : seconds since this run started decoding.
+    """
+
+    total: int
+    done: int = 0
+    resumed: int = 0
+    rounds: int = 0
+    elapsed_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter, repr=False)
+
+
+def parse_shard(shard: str | tuple[int, int] | None) -> tuple[int, int] | None:
+    """``"i/N"`` → ``(i, N)``; raise :class:`ConfigError` unless ``0 <= i < N``."""
+    if shard is None or isinstance(shard, tuple):
+        parsed = shard
+    else:
+        try:
+            i, n = (int(part) for part in str(shard).split("/"))
+        except ValueError:
+            raise ConfigError(f"--shard must look like i/N (e.g. 0/4), got {shard!r}") from None
+        parsed = (i, n)
+    if parsed is not None and not (parsed[1] >= 1 and 0 <= parsed[0] < parsed[1]):
+        raise ConfigError(f"--shard i/N needs 0 <= i < N, got {parsed[0]}/{parsed[1]}")
+    return parsed
+
+
+def plan_shards(n_requests: int, requests_per_shard: int, shard: tuple[int, int] | None) -> list[range]:
+    """Workload positions of every shard this run owns, in workload order."""
+    runs = [range(s, min(s + requests_per_shard, n_requests)) for s in range(0, n_requests, requests_per_shard)]
+    if shard is None:
+        return runs
+    i, n = shard
+    return [r for k, r in enumerate(runs) if k % n == i]
+
+
+def collect(
+    model: str = "tiny",
+    workload: str | os.PathLike = "tiny-default",
+    out: str | os.PathLike = "traces",
+    decoding: DecodingConfig | None = None,
+    seed: int = 0,
+    limit: int | None = None,
+    shard: str | tuple[int, int] | None = None,
+    progress: Callable[[CollectProgress], None] | None = None,
+    *,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    requests_per_shard: int | None = None,
+) -> Path:
+    """Decode a workload with an instrumented dLLM into contract 1's trace dataset at ``out``.
+
+    Resumes: requests already in ``out``'s shards are not decoded again. On completion the shards are
+    consolidated into ``requests.parquet`` + ``hidden.safetensors`` (rows in workload order).
+
+    Parameters
+    ----------
+    model : ``tiny`` or a local model directory (see :func:`dwise_predict.collectors.backends.load_backend`).
+    workload : a preset name (``tiny-default``, ``dwise-paper``) or a workload spec file.
+    out : output directory; created if missing, resumed if it holds this model's and config's traces.
+    decoding : threshold, block size, budget, dtype, batch size (default :class:`DecodingConfig`).
+    seed : workload sampling and split seed (also seeds backends that sample).
+    limit : take only the first ``limit`` requests of the workload.
+    shard : ``"i/N"``: decode only the i-th of N deterministic parts (merge them with `traces merge`).
+    progress : called with a :class:`CollectProgress` at start and after every finished request.
+    requests_per_shard : requests per committed shard (default 8 x batch size).
+
+    Returns
+    -------
+    ``out`` as a :class:`Path`.
+    """
+    from dwise_predict.collectors.backends import load_backend
+    from dwise_predict.collectors.workloads import load_workload
+
+    decoding = decoding or DecodingConfig()
+    shard = parse_shard(shard)
+    per_shard = requests_per_shard or SHARD_REQUESTS_PER_SLOT * decoding.batch_size
+    if per_shard <= 0:
+        raise ConfigError(f"requests per shard must be positive, got {per_shard}")
+
+    plan_workload = load_workload(workload, seed=seed, limit=limit)  # raises on an empty or broken workload
+    requests = plan_workload.requests
+    owned = plan_shards(len(requests), per_shard, shard)
+    source_types = {name: entry.get("type") for name, entry in plan_workload.sources.items()}
+    with TraceStore(out) as store:  # locked before the (possibly slow) model load
+        backend = load_backend(model, trust_remote_code=trust_remote_code, dtype=decoding.dtype, device=device,
+                               block_size=decoding.block_size)
+        if getattr(backend, "tokenizer", None) is None:
+            raise ModelError(f"{model} has no tokenizer (tokenizer.json): collect needs its chat template")
+        store.begin(_manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device,
+                              [requests[i] for run in owned for i in run]))
+        done = store.finished_ids()
+        state = CollectProgress(total=sum(len(run) for run in owned))
+        state.resumed = state.done = sum(requests[i].request_id in done for run in owned for i in run)
+        _report(progress, state)
+        for run in owned:
+            todo = [i for i in run if requests[i].request_id not in done]
+            if not todo:
+                continue
+            decode_requests = [_decode_request(backend, requests[i], decoding) for i in todo]
+            results = _decode(backend, decode_requests, decoding, seed, lambda result: _advance(progress, state, result))
+            rows = [_row(backend, requests[i], i, d.budget, r, source_types.get(requests[i].source))
+                    for i, d, r in zip(todo, decode_requests, results)]
+            store.write_shard(
+                pd.DataFrame(rows),
+                np.stack([r.first_round_hidden for r in results]),
+                np.stack([r.prompt_last_hidden for r in results]),
+            )
+        store.consolidate({"requests": state.total, "resumed": state.resumed})
+    return Path(out)
+
+
+def _decode(backend, decode_requests: list[DecodeRequest], decoding: DecodingConfig, seed: int,
+            on_result: Callable[[DecodeResult], None]) -> list[DecodeResult]:
+    """Decode one shard's requests with the backend's own loop or the threshold decoder, in input order."""
+    if getattr(backend, "runs_own_loop", False):
+        stream: Iterator[DecodeResult] = backend.decode_requests(decode_requests, decoding, seed=seed, on_result=on_result)
+    else:
+        from dwise_predict.collectors.decoder import decode
+
+        stream = decode(backend, decode_requests, decoding, on_result=on_result)
+    by_id = {r.request_id: r for r in stream}
+    return [by_id[r.request_id] for r in decode_requests]
+
+
+def _decode_request(backend, request, decoding: DecodingConfig) -> DecodeRequest:
+    # transformers 5.x returns a BatchEncoding unless return_dict=False.
+    ids = backend.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    budget = request.budget if request.budget is not None else decoding.budget
+    return DecodeRequest(request.request_id, [int(t) for t in ids], int(budget))
+
+
+def _row(backend, request, index: int, budget: int, result: DecodeResult, source_type: str | None) -> dict:
+    """One contract-1 row (plus output text, correctness where a reference exists, backend extras)."""
+
+    text = backend.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    row = {
+        "request_id": request.request_id,
+        "split": request.split,
+        "category": request.category,
+        "source": request.source,
+        "prompt": request.prompt,
+        "prompt_tokens": result.prompt_tokens,
+        "words": len(request.prompt.split()),
+        "newlines": request.prompt.count("\n"),
+        "budget": budget,
+        "block_size": result.block_size,
+        "prompt_blocks": result.prompt_blocks,
+        "total_rounds": result.total_rounds,
+        "rounds_per_block": list(map(int, result.rounds_per_block)),
+        "output_tokens": result.output_tokens,
+        "finish": result.finish,
+        "frac_over_threshold": float(result.frac_over_threshold),
+        "mean_confidence": float(result.mean_confidence),
+        "mean_entropy": float(result.mean_entropy),
+        "wall_s": float(result.wall_s),
+        "output_text": text,
+        "correct": score_answer(request, text, source_type),
+        ORDER_COLUMN: index,
+    }
+    row.update({k: v for k, v in result.extra.items() if isinstance(v, (bool, int, float, str)) and k not in row})
+    return row
+
+
+def _advance(progress, state: CollectProgress, result: DecodeResult) -> None:
+    state.done += 1
+    state.rounds += result.total_rounds
+    _report(progress, state)
+
+
+def _report(progress, state: CollectProgress) -> None:
+    if progress is not None:
+        state.elapsed_s = time.perf_counter() - state.started
+        progress(replace(state))
+
+
+def _manifest(backend, decoding, plan_workload, spec, limit, shard, per_shard, device, owned) -> dict:
+    composition: dict[str, dict[str, int]] = {}
+    for r in owned:
+        composition.setdefault(r.category, {}).setdefault(r.split, 0)
+        composition[r.category][r.split] += 1
+    return {
+        "model": backend.fingerprint(),
+        "decoding": {
+            **decoding.to_dict(),
+            "algorithm": getattr(backend, "algorithm", decoding.algorithm),
+            "block_size": int(decoding.block_size or backend.block_size),
+            "params": backend.decoding_params() if hasattr(backend, "decoding_params") else {},
+        },
+        "workload": {
+            "name": plan_workload.name,
+            "spec": str(spec),
+            "seed": plan_workload.seed,
+            "limit": limit,
+            "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+            "composition": composition,
+            "plan": plan_workload.composition(),
+        },
+        "collection": {"requests_per_shard": per_shard, "device": device},
+        "versions": _versions(),
+    }
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for name in ("dwise-predict", "torch", "transformers", "numpy", "pandas", "pyarrow", "safetensors"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found

@@ -1,0 +1,416 @@
+"""The shard store behind `collect` and `traces merge` (contract 1 while collecting).
+
+Layout of an output directory ``OUT``::
+
+    OUT/.lock                     fcntl lock: one writer at a time
+    OUT/manifest.json             written at start: model fingerprint, decoding config, workload, versions
+    OUT/shards/shard-000000.safetensors   first_round + prompt_last rows of one shard
+    OUT/shards/shard-000000.parquet       the shard's request rows (its presence commits the shard)
+    OUT/requests.parquet + OUT/hidden.safetensors   consolidated on completion (contract 1)
+
+Commit protocol: a shard's safetensors file lands first (temp + fsync + rename), then its Parquet file
+(the same way). A shard counts only when its Parquet file exists and both files agree on the request
+ids, so a kill at any moment leaves either a whole shard or an orphan safetensors file that is ignored
+and overwritten by the next shard. Shards are never rewritten: a finished request is never lost, and
+:meth:`TraceStore.missing` makes a rerun decode only what no shard holds, so none is duplicated.
+
+Identity: a directory belongs to one model (weights sha256 + config hash) and one decoding config
+(algorithm, threshold, block size, budget, dtype and backend parameters). The batch size is recorded
+but not part of the identity, so a run can resume with another ``--batch-size``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.errors import StoreError, TraceError
+from dwise_predict.traces.dataset import (
+    MANIFEST_FILE,
+    REQUESTS_FILE,
+    SCHEMA_VERSION,
+    TraceDataset,
+    load_traces,
+    write_traces,
+)
+
+SHARDS_DIR = "shards"
+LOCK_FILE = ".lock"
+ORDER_COLUMN = "workload_index"  # position of the request in its workload: consolidation sorts by it
+MODEL_IDENTITY = ("weights_sha256", "config_hash")
+DECODING_IDENTITY = ("algorithm", "threshold", "block_size", "budget", "dtype", "params")
+
+
+def model_identity(manifest: dict) -> dict:
+    """The fingerprint fields that decide whether two collections come from the same model."""
+    model = manifest.get("model", {})
+    return {k: model.get(k) for k in MODEL_IDENTITY}
+
+
+def decoding_identity(manifest: dict) -> dict:
+    """The decoding fields that change results (everything but the batch size)."""
+    decoding = manifest.get("decoding", {})
+    return {k: decoding.get(k) for k in DECODING_IDENTITY}
+
+
+def check_compatible(theirs: dict, ours: dict, where: str, fix: str) -> None:
+    """Raise :class:`StoreError` when two manifests differ in model or decoding identity.
+
+    ``where`` names the directory holding ``theirs``; ``fix`` says what the user can do.
+    """
+    if model_identity(theirs) != model_identity(ours):
+        a, b = theirs.get("model", {}), ours.get("model", {})
+        raise StoreError(
+            f"{where} holds traces of another model ({a.get('name')}, weights {str(a.get('weights_sha256'))[:12]}) "
+            f"than this one ({b.get('name')}, weights {str(b.get('weights_sha256'))[:12]}): {fix}"
+        )
+    if decoding_identity(theirs) != decoding_identity(ours):
+        a, b = decoding_identity(theirs), decoding_identity(ours)
+        diff = ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in DECODING_IDENTITY if a[k] != b[k])
+        raise StoreError(f"{where} holds traces decoded with another config ({diff}): {fix}")
+
+
+@dataclass
+class Shard:
+    """One committed shard: its request rows and the hidden rows aligned with them."""
+
+    requests: pd.DataFrame
+    first_round: np.ndarray  # (n, H) float32
+    prompt_last: np.ndarray  # (n, H) float32
+    path: Path
+
+
+def read_shards(out: Path) -> list[Shard]:
+    """Every committed shard under ``out/shards``, in write order (orphans from a crash are skipped)."""
+    from safetensors import safe_open
+
+    shards = []
+    for table in sorted((out / SHARDS_DIR).glob("shard-*.parquet")):
+        tensors = table.with_suffix(".safetensors")
+        try:
+            requests = pd.read_parquet(table)
+            with safe_open(str(tensors), framework="numpy") as f:
+                ids = json.loads(f.metadata()["request_ids"])
+                first_round = f.get_tensor("first_round")
+                prompt_last = f.get_tensor("prompt_last")
+        except Exception as err:  # pyarrow / safetensors / json raise many types for a damaged file
+            raise StoreError(
+                f"shard {table} cannot be read ({err}): delete {table.name} and {tensors.name} and rerun to "
+                "decode those requests again"
+            ) from None
+        if ids != requests["request_id"].tolist() or len(first_round) != len(requests):
+            raise StoreError(
+                f"shard {table} and {tensors.name} disagree on their requests: delete both and rerun to decode "
+                "those requests again"
+            )
+        shards.append(Shard(requests, first_round, prompt_last, table))
+    return shards
+
+
+def concat_shards(shards: list[Shard], manifest: dict, sort_keys: list[str] | None = None) -> TraceDataset:
+    """Stack shards into one :class:`TraceDataset`, rows sorted by ``sort_keys`` (default: workload order)."""
+    return TraceDataset(*_stack(shards, sort_keys or [ORDER_COLUMN]), manifest)
+
+
+def _stack(shards: list[Shard], sort_keys: list[str]) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+    if not shards:
+        raise StoreError("no finished requests to consolidate: run `dwise-predict collect` first")
+    requests = pd.concat([s.requests for s in shards], ignore_index=True)
+    first_round = np.concatenate([s.first_round for s in shards])
+    prompt_last = np.concatenate([s.prompt_last for s in shards])
+    order = np.lexsort([requests[k].to_numpy() for k in reversed(sort_keys)])
+    return requests.iloc[order].reset_index(drop=True), first_round[order], prompt_last[order]
+
+
+class TraceStore:
+    """The single writer of one output directory: lock, manifest, append-only shards, consolidation.
+
+    Use as a context manager; the lock is taken on entry and held until exit, so a second writer is
+    refused before it loads a model.
+
+    Parameters
+    ----------
+    out : output directory (created if missing).
+    manifest : the run's manifest (``model``, ``decoding``, ``workload``, ``versions`` ...), or
+        ``None`` to pass it later to :meth:`begin`.
+    """
+
+    def __init__(self, out: str | os.PathLike, manifest: dict | None = None) -> None:
+        self.out = Path(out)
+        self.manifest = manifest
+        self._lock_fd: int | None = None
+
+    # -- opening -----------------------------------------------------------------------------------
+
+    def __enter__(self) -> "TraceStore":
+        with _store_errors(self.out):
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._lock()
+        try:
+            if self.manifest is not None:
+                self.begin(self.manifest)
+        except BaseException:
+            self._unlock()
+            raise
+        return self
+
+    def begin(self, manifest: dict) -> None:
+        """Check ``manifest`` against what ``out`` holds, then write it (atomically).
+
+        Raises :class:`StoreError` when ``out`` holds shards of another model or decoding config, or of
+        another workload name, seed or ``--shard`` selection.
+        """
+        self.manifest = dict(manifest, schema_version=SCHEMA_VERSION)
+        self._check_existing()
+        with _store_errors(self.out):
+            _atomic_write(self.out / MANIFEST_FILE, json.dumps(self.manifest, indent=2, sort_keys=True).encode())
+
+    def __exit__(self, *exc) -> None:
+        self._unlock()
+
+    def _lock(self) -> None:
+        fd = os.open(self.out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise StoreError(
+                f"{self.out} is being written by another dwise-predict process (pid {holder}): wait for it to "
+                "finish, or give this run another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _check_existing(self) -> None:
+        path = self.out / MANIFEST_FILE
+        has_shards = any((self.out / SHARDS_DIR).glob("shard-*.parquet"))
+        if not path.is_file():
+            if has_shards:
+                raise StoreError(
+                    f"{self.out} has shards but no {MANIFEST_FILE}: it was not written by this version of "
+                    "dwise-predict; choose another --out"
+                )
+            return
+        if not has_shards and not (self.out / REQUESTS_FILE).is_file():
+            return  # a run that stopped before its first shard binds nothing
+        try:
+            theirs = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise StoreError(f"{path} is not valid JSON ({err}): choose another --out") from None
+        fix = "choose another --out (or delete that directory to start over)"
+        check_compatible(theirs, self.manifest, str(self.out), fix)
+        for key in ("name", "seed", "shard"):
+            a, b = theirs.get("workload", {}).get(key), self.manifest.get("workload", {}).get(key)
+            if a != b:
+                raise StoreError(
+                    f"{self.out} holds traces of workload {key} {a!r}, this run asks for {b!r}: {fix}"
+                    + ("; collect each --shard into its own --out and combine them with `dwise-predict traces merge`"
+                       if key == "shard" else "")
+                )
+
+    # -- shards ------------------------------------------------------------------------------------
+
+    def finished_ids(self) -> set[str]:
+        """Request ids that a committed shard already holds."""
+        return {rid for shard in read_shards(self.out) for rid in shard.requests["request_id"]}
+
+    def missing(self, request_ids: Iterable[str]) -> list[str]:
+        """The ids of ``request_ids`` that no committed shard holds, in the given order."""
+        done = self.finished_ids()
+        return [rid for rid in request_ids if rid not in done]
+
+    def write_shard(self, requests: pd.DataFrame, first_round: np.ndarray, prompt_last: np.ndarray) -> Path:
+        """Commit one shard atomically and return its Parquet path.
+
+        Parameters
+        ----------
+        requests : one row per finished request; must hold ``request_id`` and ``workload_index``.
+        first_round, prompt_last : arrays of shape (n, H), float32, row i belonging to row i of ``requests``.
+        """
+        if ORDER_COLUMN not in requests.columns or len(first_round) != len(requests) != len(prompt_last):
+            raise ValueError("a shard needs workload_index and hidden rows aligned with its requests")
+        from safetensors.numpy import save
+
+        shards = self.out / SHARDS_DIR
+        with _store_errors(self.out):
+            shards.mkdir(exist_ok=True)
+        taken = [int(p.stem.split("-")[1]) for p in shards.glob("shard-*.parquet")]
+        stem = shards / f"shard-{max(taken, default=-1) + 1:06d}"
+        blob = save(
+            {
+                "first_round": np.ascontiguousarray(first_round, dtype=np.float32),
+                "prompt_last": np.ascontiguousarray(prompt_last, dtype=np.float32),
+            },
+            metadata={"request_ids": json.dumps(requests["request_id"].tolist())},
+        )
+        table = io.BytesIO()
+        requests.reset_index(drop=True).to_parquet(table, index=False)
+        with _store_errors(self.out):
+            # safetensors first: the Parquet file's arrival is what commits the shard.
+            _atomic_write(stem.with_suffix(".safetensors"), blob)
+            _atomic_write(stem.with_suffix(".parquet"), table.getvalue())
+        return stem.with_suffix(".parquet")
+
+    # -- consolidation -----------------------------------------------------------------------------
+
+    def consolidate(self, counts: dict | None = None) -> Path:
+        """Write ``requests.parquet`` + ``hidden.safetensors`` + the final manifest from every shard."""
+        manifest = dict(self.manifest)
+        manifest["counts"] = dict(counts or {})
+        dataset = concat_shards(read_shards(self.out), manifest)
+        with _store_errors(self.out):
+            write_traces(dataset, self.out)
+        return self.out
+
+
+def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
+    """Combine the shards of several collection directories into one consolidated trace dataset.
+
+    Inputs must share model and decoding identity; request ids must not repeat with different results
+    (an identical repeat, e.g. the same directory given twice, is kept once). Rows follow workload
+    order, so ``--shard 0/2`` and ``--shard 1/2`` merged equal the unsharded collection. A directory
+    without shards is read through its consolidated files.
+
+    Returns
+    -------
+    The output directory, holding contract 1's three files.
+    """
+    if not dirs:
+        raise StoreError("traces merge needs at least one input directory")
+    inputs = []
+    for d in map(Path, dirs):
+        if not (d / MANIFEST_FILE).is_file():
+            raise StoreError(f"{d} is not a collection directory (no {MANIFEST_FILE}): check the path")
+        try:
+            manifest = json.loads((d / MANIFEST_FILE).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise StoreError(f"{d / MANIFEST_FILE} is not valid JSON ({err}): that directory is damaged") from None
+        shards = read_shards(d) if (d / SHARDS_DIR).is_dir() else []
+        if not shards:
+            try:
+                ds = load_traces(d)
+            except TraceError as err:
+                raise StoreError(f"{d} holds no shards and no readable traces: {err}") from None
+            shards = [Shard(ds.requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE)]
+        inputs.append((d, manifest, shards))
+    first_dir, first, _ = inputs[0]
+    for d, manifest, _ in inputs[1:]:
+        check_compatible(manifest, first, str(d), f"merge only directories collected with the same model and decoding config as {first_dir}")
+
+    # Collections of one workload interleave by workload order; different workloads follow input order.
+    workloads: list[tuple] = []
+    parts = []
+    for d, manifest, shards in inputs:
+        key = (manifest.get("workload", {}).get("name"), manifest.get("workload", {}).get("seed"))
+        if key not in workloads:
+            workloads.append(key)
+        for s in shards:
+            parts.append(Shard(s.requests.assign(_workload=workloads.index(key)), s.first_round, s.prompt_last, s.path))
+    requests, first_round, prompt_last = _stack(parts, ["_workload", ORDER_COLUMN])
+    keep = _unique_rows(requests)
+    requests = requests[keep].drop(columns="_workload").reset_index(drop=True)
+    merged_manifest = {
+        **first,
+        "workload": _merged_workload([m for _, m, _ in inputs], requests),
+        "merged_from": [str(d) for d, _, _ in inputs],
+    }
+    dataset = TraceDataset(requests, first_round[keep], prompt_last[keep], merged_manifest)
+    out = Path(out)
+    if any((out / SHARDS_DIR).glob("shard-*.parquet")):
+        raise StoreError(f"{out} holds shards of a collection: merge into a fresh --out")
+    with TraceStore(out, merged_manifest) as store:
+        with _store_errors(out):
+            write_traces(dataset, store.out)
+    return out
+
+
+def _merged_workload(manifests: list[dict], requests: pd.DataFrame) -> dict:
+    workloads = [m.get("workload", {}) for m in manifests]
+    names = sorted({str(w.get("name")) for w in workloads})
+    seeds = sorted({w.get("seed") for w in workloads}, key=str)
+    composition = requests.groupby(["category", "split"]).size()
+    return {
+        "name": names[0] if len(names) == 1 else names,
+        "seed": seeds[0] if len(seeds) == 1 else seeds,
+        "shard": None,
+        "composition": {c: {s: int(n) for (c2, s), n in composition.items() if c2 == c}
+                        for c in composition.index.get_level_values(0).unique()},
+        "shards": [w.get("shard") for w in workloads],
+    }
+
+
+def _unique_rows(requests: pd.DataFrame) -> np.ndarray:
+    """Mask keeping the first of identical repeats of a request id; refuse repeats whose results differ."""
+    dup = requests["request_id"].duplicated(keep="first").to_numpy()
+    rounds = requests["rounds_per_block"].map(lambda v: ",".join(map(str, v)))
+    result = rounds + "|" + requests["output_tokens"].astype(str)
+    first = dict(zip(requests["request_id"][~dup], result[~dup]))
+    for rid, res in zip(requests["request_id"][dup], result[dup]):
+        if first[rid] != res:
+            raise StoreError(
+                f"request '{rid}' appears in more than one input with different results: "
+                "merge directories of disjoint --shard runs only"
+            )
+    return ~dup
+
+
+class _store_errors:
+    """Turn an OSError while writing ``out`` into one clear :class:`StoreError` line."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, OSError):
+            return False
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            what = "the disk is full"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            what = "it is not writable"
+        elif exc.errno in (errno.ENOTDIR, errno.EEXIST):
+            what = "a file is in the way of the directory"
+        else:
+            what = exc.strerror or str(exc)
+        raise StoreError(
+            f"cannot write to {self.out} ({what}: {exc.filename or self.out}); shards already written stay "
+            "readable: free space or fix permissions and rerun the same command to resume, or choose another --out"
+        ) from None
+
+
+def _atomic_write(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` via a temp file, fsync and rename: readers see all or nothing."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -1,0 +1,76 @@
+"""The generic block loop over an HF model (random Llama with a mask token): masks, batching, collect."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from collect_helpers import make_masked_llama_dir
+from dwise_predict.cli import main
+from dwise_predict.collectors.backends import load_backend
+from dwise_predict.collectors.decoder import decode
+from dwise_predict.collectors.records import DecodeRequest, DecodingConfig
+from dwise_predict.traces import load_traces
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_masked_llama_dir(tmp_path_factory.mktemp("llama") / "model")
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    return load_backend(str(model_dir))
+
+
+def test_attention_is_block_causal(backend):
+    base, changed = [5, 6, 7, 8, 9], [5, 6, 7, 40, 9]  # position 3 changes
+    # blocks [0 0 1 1 2]: position 2 shares position 3's block and sees it; block 0 never does
+    _, h = backend._forward([base, changed], [[0, 0, 1, 1, 2]] * 2)
+    torch.testing.assert_close(h[0, :2], h[1, :2], rtol=0, atol=0)
+    assert not torch.allclose(h[0, 2], h[1, 2]) and not torch.allclose(h[0, 4], h[1, 4])
+    # blocks [0 0 1 2 3]: position 2 is in an earlier block than position 3 and cannot see it
+    _, h = backend._forward([base, changed], [[0, 0, 1, 2, 3]] * 2)
+    torch.testing.assert_close(h[0, :3], h[1, :3], rtol=0, atol=0)
+    assert not torch.allclose(h[0, 4], h[1, 4])
+
+
+def test_batched_rounds_match_one_at_a_time(backend):
+    prompts = ["what is 2 + 2 ?", "name three colors .", "hi", "write a function total ."]
+    requests = [
+        DecodeRequest(str(i), backend.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False), 12)
+        for i, p in enumerate(prompts)
+    ]
+    one = {r.request_id: r for r in decode(backend, requests, DecodingConfig(batch_size=1))}
+    four = {r.request_id: r for r in decode(backend, requests, DecodingConfig(batch_size=4))}
+    for rid in one:
+        assert one[rid].rounds_per_block == four[rid].rounds_per_block
+        assert one[rid].output_ids == four[rid].output_ids
+        np.testing.assert_allclose(one[rid].first_round_hidden, four[rid].first_round_hidden, atol=1e-5)
+        np.testing.assert_allclose(one[rid].prompt_last_hidden, four[rid].prompt_last_hidden, atol=1e-5)
+
+
+def test_collect_through_the_block_loop(model_dir, tmp_path):
+    out = tmp_path / "traces"
+    assert main(["collect", "--model", str(model_dir), "--limit", "4", "--budget", "8", "--batch-size", "2",
+                 "--out", str(out)]) == 0
+    ds = load_traces(out)
+    assert len(ds) == 4 and ds.first_round.shape == (4, 32)
+    assert (ds.requests["block_size"] == 4).all() and ds.manifest["model"]["name"] == "model"
+    assert (ds.requests["total_rounds"] == ds.requests["rounds_per_block"].map(sum)).all()
+
+
+def test_autoregressive_model_is_refused(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    from dwise_predict.dllm.corpus import vocabulary
+    from dwise_predict.dllm.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(vocabulary()[:50])
+    tok.mask_token = None
+    tok.save_pretrained(tmp_path / "gpt2")
+    assert main(["collect", "--model", str(tmp_path / "gpt2"), "--limit", "2", "--out", str(tmp_path / "o")]) == 1
+    assert "not a block-diffusion LM" in capsys.readouterr().err

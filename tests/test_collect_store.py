@@ -1,0 +1,192 @@
+"""The shard store: atomic shards, resume bookkeeping, locking, identity checks, merge, disk errors."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dwise_predict.collectors import store as store_mod
+from dwise_predict.collectors.store import SHARDS_DIR, TraceStore, merge, read_shards
+from dwise_predict.errors import StoreError
+from dwise_predict.traces import load_traces
+
+H = 6
+
+
+def _manifest(weights="w0", threshold=0.9, batch_size=4, shard=None):
+    return {
+        "model": {"name": "m", "weights_sha256": weights, "config_hash": "c0", "hidden_size": H},
+        "decoding": {"algorithm": "threshold", "threshold": threshold, "block_size": 4, "budget": 16,
+                     "dtype": "float32", "batch_size": batch_size, "params": {}},
+        "workload": {"name": "wl", "seed": 0, "shard": shard, "composition": {}},
+    }
+
+
+def _rows(indices):
+    """Contract-1 rows whose values are functions of the workload index (so order is checkable)."""
+    rows = pd.DataFrame({
+        "request_id": [f"r{i:03d}" for i in indices],
+        "split": ["train" if i % 3 else "eval" for i in indices],
+        "category": ["math" if i % 2 else "code" for i in indices],
+        "source": "src", "prompt": [f"prompt {i}" for i in indices],
+        "prompt_tokens": [10 + i for i in indices], "words": 2, "newlines": 0, "budget": 16, "block_size": 4,
+        "prompt_blocks": 3, "total_rounds": [4 + i % 5 for i in indices],
+        "rounds_per_block": [[2, 2 + i % 5] for i in indices], "output_tokens": [8 for _ in indices],
+        "finish": "eos", "frac_over_threshold": 0.5, "mean_confidence": 0.7, "mean_entropy": 1.0, "wall_s": 0.1,
+        "workload_index": list(indices),
+    })
+    hidden = np.array([[i + k / 10 for k in range(H)] for i in indices], dtype=np.float32)
+    return rows, hidden, -hidden
+
+
+def test_shards_consolidate_in_workload_order_and_load(tmp_path):
+    with TraceStore(tmp_path, _manifest()) as store:
+        store.write_shard(*_rows([4, 5, 6, 7]))
+        store.write_shard(*_rows([0, 1, 2, 3]))
+        assert store.finished_ids() == {f"r{i:03d}" for i in range(8)}
+        assert store.missing([f"r{i:03d}" for i in range(10)]) == ["r008", "r009"]
+        store.consolidate({"requests": 8})
+    ds = load_traces(tmp_path)
+    assert ds.requests["workload_index"].tolist() == list(range(8))
+    assert ds.first_round[:, 0].tolist() == list(range(8))  # hidden rows follow their request rows
+    np.testing.assert_array_equal(ds.prompt_last, -ds.first_round)
+    assert ds.manifest["counts"]["requests"] == 8 and ds.manifest["model"]["weights_sha256"] == "w0"
+    assert sorted(p.name for p in (tmp_path / SHARDS_DIR).iterdir()) == [
+        "shard-000000.parquet", "shard-000000.safetensors", "shard-000001.parquet", "shard-000001.safetensors"]
+
+
+def test_manifest_is_written_at_start(tmp_path):
+    with TraceStore(tmp_path, _manifest()):
+        manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["decoding"]["threshold"] == 0.9 and manifest["schema_version"] == 1
+
+
+def test_crash_between_the_two_files_leaves_no_half_shard(tmp_path):
+    with TraceStore(tmp_path, _manifest()) as store:
+        store.write_shard(*_rows([0, 1]))
+        # a kill after the safetensors file landed and before the Parquet file did:
+        orphan = (tmp_path / SHARDS_DIR / "shard-000000.safetensors").read_bytes()
+        (tmp_path / SHARDS_DIR / "shard-000001.safetensors").write_bytes(orphan)
+        (tmp_path / SHARDS_DIR / ".shard-000002.parquet.tmp-123").write_bytes(b"partial")
+        assert store.finished_ids() == {"r000", "r001"}
+        store.write_shard(*_rows([2, 3]))  # takes the orphan's name and replaces it
+        assert [len(s.requests) for s in read_shards(tmp_path)] == [2, 2]
+        assert store.finished_ids() == {"r000", "r001", "r002", "r003"}
+
+
+def test_mismatched_shard_pair_is_refused_naming_the_files(tmp_path):
+    with TraceStore(tmp_path, _manifest()) as store:
+        store.write_shard(*_rows([0, 1]))
+        store.write_shard(*_rows([2, 3]))
+    shards = tmp_path / SHARDS_DIR
+    (shards / "shard-000001.safetensors").write_bytes((shards / "shard-000000.safetensors").read_bytes())
+    with pytest.raises(StoreError, match="shard-000001.parquet and shard-000001.safetensors disagree"):
+        read_shards(tmp_path)
+
+
+def test_second_writer_is_refused_with_one_line(tmp_path):
+    with TraceStore(tmp_path, _manifest()):
+        with pytest.raises(StoreError) as err:
+            TraceStore(tmp_path, _manifest()).__enter__()
+    assert "being written by another dwise-predict process" in str(err.value) and "\n" not in str(err.value)
+    with TraceStore(tmp_path, _manifest()):  # released on exit
+        pass
+
+
+def test_other_model_or_decoding_config_is_refused_and_batch_size_is_not(tmp_path):
+    with TraceStore(tmp_path, _manifest()) as store:
+        store.write_shard(*_rows([0, 1]))
+    before = (tmp_path / "manifest.json").read_text()
+    with pytest.raises(StoreError, match="another model"):
+        TraceStore(tmp_path, _manifest(weights="w1")).__enter__()
+    with pytest.raises(StoreError, match=r"another config \(threshold 0.9 vs 0.5\)"):
+        TraceStore(tmp_path, _manifest(threshold=0.5)).__enter__()
+    with pytest.raises(StoreError, match="workload shard None, this run asks for '0/2'"):
+        TraceStore(tmp_path, _manifest(shard="0/2")).__enter__()
+    assert (tmp_path / "manifest.json").read_text() == before  # nothing was touched
+    with TraceStore(tmp_path, _manifest(batch_size=32)) as store:
+        assert store.finished_ids() == {"r000", "r001"}
+
+
+def test_disk_full_is_one_line_and_earlier_shards_stay_readable(tmp_path, monkeypatch):
+    with TraceStore(tmp_path, _manifest()) as store:
+        store.write_shard(*_rows([0, 1]))
+        real = store_mod._atomic_write
+
+        def full(target, data):
+            if target.suffix == ".parquet":
+                raise OSError(errno.ENOSPC, "No space left on device", str(target))
+            real(target, data)
+
+        monkeypatch.setattr(store_mod, "_atomic_write", full)
+        with pytest.raises(StoreError, match="disk is full") as err:
+            store.write_shard(*_rows([2, 3]))
+        assert "rerun the same command to resume" in str(err.value)
+        monkeypatch.setattr(store_mod, "_atomic_write", real)
+        assert store.finished_ids() == {"r000", "r001"}  # the half-written shard does not count
+        store.write_shard(*_rows([2, 3]))
+        assert store.finished_ids() == {"r000", "r001", "r002", "r003"}
+
+
+def test_unwritable_out_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreError, match="cannot write to .*file/out"):
+        TraceStore(blocker / "out", _manifest()).__enter__()
+
+
+def _collection(path, indices, **manifest):
+    with TraceStore(path, _manifest(**manifest)) as store:
+        for chunk in np.array_split(np.array(indices), 2):
+            store.write_shard(*_rows(chunk.tolist()))
+    return path
+
+
+def test_merge_interleaves_disjoint_shards_into_workload_order(tmp_path):
+    whole = _collection(tmp_path / "whole", list(range(12)))
+    with TraceStore(whole, _manifest()) as store:
+        store.consolidate()
+    a = _collection(tmp_path / "a", [0, 1, 2, 6, 7, 8], shard="0/2")
+    b = _collection(tmp_path / "b", [3, 4, 5, 9, 10, 11], shard="1/2")
+    merged = load_traces(merge([a, b], tmp_path / "merged"))
+    expected = load_traces(whole)
+    pd.testing.assert_frame_equal(merged.requests, expected.requests)
+    np.testing.assert_array_equal(merged.first_round, expected.first_round)
+    assert merged.fingerprint() == expected.fingerprint()
+    assert merged.manifest["workload"]["shards"] == ["0/2", "1/2"]
+    # the same directory twice: identical repeats are kept once
+    assert len(load_traces(merge([a, a, b], tmp_path / "again"))) == 12
+
+
+def test_merge_refuses_another_model_or_config(tmp_path):
+    a = _collection(tmp_path / "a", [0, 1])
+    other_model = _collection(tmp_path / "b", [2, 3], weights="w9")
+    other_config = _collection(tmp_path / "c", [2, 3], threshold=0.5)
+    with pytest.raises(StoreError, match="another model"):
+        merge([a, other_model], tmp_path / "m1")
+    with pytest.raises(StoreError, match="another config"):
+        merge([a, other_config], tmp_path / "m2")
+    assert not (tmp_path / "m1" / "requests.parquet").exists()
+
+
+def test_merge_refuses_conflicting_repeats(tmp_path):
+    a = _collection(tmp_path / "a", [0, 1])
+    b = tmp_path / "b"
+    with TraceStore(b, _manifest()) as store:
+        rows, h1, h2 = _rows([1])
+        rows.at[0, "rounds_per_block"] = [9, 9]
+        store.write_shard(rows, h1, h2)
+    with pytest.raises(StoreError, match="'r001' appears in more than one input with different results"):
+        merge([a, b], tmp_path / "m")
+
+
+def test_a_run_that_wrote_no_shard_binds_nothing(tmp_path):
+    with TraceStore(tmp_path, _manifest(threshold=0.5)):
+        pass  # e.g. stopped by a bad option before decoding anything
+    with TraceStore(tmp_path, _manifest()) as store:
+        store.write_shard(*_rows([0]))
+    assert json.loads((tmp_path / "manifest.json").read_text())["decoding"]["threshold"] == 0.9
