@@ -1,0 +1,138 @@
+"""The whole pipeline on the built-in tiny dLLM, in one call: the newcomer's first five minutes.
+
+collect → train → evaluate (with leave-one-category-out) → export → verify → simulate, each stage
+writing into its own folder under ``out``. Every stage finishes by renaming its output into place,
+so an interrupted quickstart resumes at the first stage whose output is missing (and ``collect``
+itself resumes mid-stage from its shards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dwise_predict.errors import BundleError
+
+STAGES = ("collect", "train", "evaluate", "export", "verify", "simulate")
+
+
+@dataclass(frozen=True)
+class QuickstartConfig:
+    """What the quickstart runs; the defaults are the README's first command.
+
+    limit : requests of the ``tiny-default`` workload to collect (None: all of it).
+    max_epochs : cap on each survival member's epochs (None: the training default).
+    loco : evaluate leave-one-category-out (the slowest stage after collect).
+    slots, k : simulated server, B block slots and resident multiplier k (Algorithm 1).
+    """
+
+    limit: int | None = None
+    seed: int = 0
+    max_epochs: int | None = None
+    loco: bool = True
+    jobs: int | None = None
+    slots: int = 16
+    k: float = 4.0
+
+
+def stage_paths(out: Path) -> dict[str, Path]:
+    return {
+        "traces": out / "traces",
+        "run": out / "run",
+        "report": out / "report",
+        "bundle": out / "bundle",
+        "simulate": out / "simulate",
+    }
+
+
+def run_quickstart(
+    out: str | os.PathLike,
+    config: QuickstartConfig | None = None,
+    log: Callable[[str], None] | None = None,
+    collect_progress=None,
+) -> dict:
+    """Run every stage that has no finished output yet; return the summary (also ``out/summary.json``).
+
+    Parameters
+    ----------
+    out : folder receiving ``traces/``, ``run/``, ``report/``, ``bundle/``, ``simulate/``.
+    log : called with one line as each stage starts (the CLI sends them to stderr).
+    collect_progress : per-request callback of :func:`dwise_predict.collectors.collect.collect`.
+    """
+    from dwise_predict.collectors.collect import collect
+    from dwise_predict.collectors.records import DecodingConfig
+    from dwise_predict.evaluation.evaluate import evaluate, write_evaluation
+    from dwise_predict.exports.bundle import export_bundle
+    from dwise_predict.exports.verify import verify_bundle
+    from dwise_predict.serving.bundle import load_bundle
+    from dwise_predict.serving.report import write_outputs
+    from dwise_predict.serving.simulator import SimConfig, compare_arrivals, workload_from_traces
+    from dwise_predict.traces import load_traces
+    from dwise_predict.training import TrainConfig, train_run
+
+    config = config or QuickstartConfig()
+    log = log or (lambda line: None)
+    out = Path(out)
+    paths = stage_paths(out)
+    step = iter(f"[{i}/{len(STAGES)}] {name}" for i, name in enumerate(STAGES, 1))
+
+    log(f"{next(step)}: tiny dLLM on the tiny-default workload → {paths['traces']}")
+    collect("tiny", "tiny-default", paths["traces"], DecodingConfig(), seed=config.seed, limit=config.limit,
+            progress=collect_progress)
+
+    epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}
+    train_config = TrainConfig(seed=config.seed, **epochs)
+    log(f"{next(step)}: admission LightGBM + calibrated survival ensemble → {paths['run']}")
+    if not (paths["run"] / "metrics.json").is_file():
+        train_run(paths["traces"], paths["run"], train_config)
+    metrics = json.loads((paths["run"] / "metrics.json").read_text())
+
+    log(f"{next(step)}: held-out categories, baselines, report → {paths['report']}")
+    if not (paths["report"] / "evaluation.json").is_file():
+        evaluation = evaluate([paths["traces"]], run=paths["run"], loco=config.loco, jobs=config.jobs,
+                              config=train_config, log=lambda line: log(f"    {line}"))
+        write_evaluation(evaluation, paths["report"])
+    evaluation = json.loads((paths["report"] / "evaluation.json").read_text())
+
+    log(f"{next(step)}: ONNX + TorchScript bundle → {paths['bundle']}")
+    if not (paths["bundle"] / "bundle.json").is_file():
+        export_bundle(paths["run"], paths["bundle"])
+
+    log(f"{next(step)}: hashes and parity in a fresh process")
+    report = verify_bundle(paths["bundle"])
+    if not report.ok:
+        raise BundleError(f"{paths['bundle']} failed verification ({report.failed_artifacts()}): "
+                          f"run `dwise-predict verify {paths['bundle']}` for the table")
+
+    log(f"{next(step)}: replay the eval split under six scheduling policies → {paths['simulate']}")
+    ds = load_traces(paths["traces"])
+    bundle = load_bundle(paths["bundle"], expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
+    sim_config = SimConfig(slots=config.slots, k=config.k, seed=config.seed)
+    rows = compare_arrivals(workload_from_traces(ds, "eval", bundle), sim_config, ["burst", "burst-poisson"])
+    write_outputs(rows, paths["simulate"], "simulate", {"slots": config.slots, "k": config.k, "seed": config.seed})
+
+    summary = _summary(paths, metrics, evaluation, rows, report.ok)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary(paths: dict[str, Path], metrics: dict, evaluation: dict, rows: list[dict], verified: bool) -> dict:
+    loco = evaluation.get("loco") or {}
+    speedup = {r["arrival"]: r["speedup_vs_default"] for r in rows if r["policy"] == "dwise-refined"}
+    return {
+        "n_train": metrics["n_train"],
+        "n_eval": metrics["n_eval"],
+        "admission_rho": metrics["admission"]["spearman"],
+        "refined_rho": metrics["refined"]["spearman"],
+        "admission_within_category": metrics["admission"]["within_category_mean"],
+        "refined_within_category": metrics["refined"]["within_category_mean"],
+        "held_out": loco.get("mean"),
+        "calibration": metrics["calibration"],
+        "speedup_vs_sglang_default": speedup,
+        "verified": verified,
+        "paths": {name: str(path) for name, path in paths.items()},
+        "report": str(paths["report"] / "report.html"),
+    }
