@@ -52,6 +52,7 @@ from dwise_predict.features.prompt import prompt_features
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import TraceDataset, load_traces
+from dwise_predict.versions import package_versions
 
 CENSORED_COLUMN = "censored"
 _RECORD_KEYS = {"seeds", "versions", "traces"}  # what config.json records besides the options
@@ -358,7 +359,7 @@ def _write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dic
         run / "config.json",
         {
             **config.to_dict(),
-            "versions": _versions(),
+            "versions": package_versions(),
             "traces": {
                 "path": str(ds.path) if ds.path else None,
                 "fingerprint": ds.fingerprint(),
@@ -392,18 +393,6 @@ def _plot_curves(history: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("dwise-predict", "torch", "lightgbm", "numpy", "scikit-learn", "scipy", "pandas", "safetensors"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "not installed"
-    return found
 
 
 def _fresh_tmp_dir(out: Path) -> Path:

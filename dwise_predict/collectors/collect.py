@@ -15,7 +15,6 @@ run. A crash loses at most the shard in flight.
 from __future__ import annotations
 
 import os
-import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -28,6 +27,7 @@ from dwise_predict.collectors.scoring import score_answer
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
 from dwise_predict.errors import ConfigError, ModelError
+from dwise_predict.versions import package_versions
 
 SHARD_REQUESTS_PER_SLOT = 8  # default requests_per_shard = 8 x batch size: short tails, little loss on a crash
 
@@ -238,17 +238,5 @@ def _manifest(backend, decoding, plan_workload, spec, limit, shard, per_shard, d
             "plan": plan_workload.composition(),
         },
         "collection": {"requests_per_shard": per_shard, "device": device},
-        "versions": _versions(),
+        "versions": package_versions(),
     }
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"python": platform.python_version()}
-    for name in ("dwise-predict", "torch", "transformers", "numpy", "pandas", "pyarrow", "safetensors"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found

@@ -39,6 +39,7 @@ from dwise_predict.evaluation.inputs import concat, load_many, model_label
 from dwise_predict.evaluation.pool import RetrainTask, fit, run_tasks
 from dwise_predict.evaluation.report import survival_examples
 from dwise_predict.traces import TraceDataset
+from dwise_predict.versions import package_versions
 
 PROMPT_HIDDEN_TASK = "__prompt_hidden_state__"  # not a category name: categories are plain words
 SURVIVAL_EXAMPLES = 4
@@ -125,7 +126,7 @@ def evaluate(
         mixed models, an empty split, an unknown category, or a run trained on other traces.
     """
     # training's package-version record, so a run and its evaluation list the same packages
-    from dwise_predict.training import Targets, TrainConfig, _versions, evaluate_predictors, load_predictors
+    from dwise_predict.training import Targets, TrainConfig, evaluate_predictors, load_predictors
 
     log = log or (lambda message: None)
     started = time.monotonic()
@@ -209,7 +210,7 @@ def evaluate(
         "loco": loco_result,
         "output_vs_work": output_vs_work(ds.requests),
         "characterization": characterize([ds]),
-        "versions": _versions(),
+        "versions": package_versions(),
         "elapsed_s": round(time.monotonic() - started, 2),
     }
     return Evaluation(result, arrays)

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +53,7 @@ from dwise_predict.exports.refine_export import (
     quantize_int8,
 )
 from dwise_predict.exports.run_files import RunFiles, load_run
+from dwise_predict.versions import package_versions
 
 PROBES_FILE = "probes.safetensors"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -71,9 +71,6 @@ ARTIFACTS = {
     PROBES_FILE: {"role": "verification probes", "format": "safetensors", "pickle": False},
     "README.md": {"role": "model card", "format": "markdown", "pickle": False},
 }
-VERSIONED_PACKAGES = ("dwise-predict", "torch", "onnx", "onnxruntime", "onnxscript", "onnxmltools", "lightgbm",
-                      "numpy", "safetensors")
-
 
 def export_bundle(
     run: str | Path,
@@ -256,7 +253,7 @@ def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dic
         "training_data": {"fingerprint": run.traces.get("fingerprint"), "path": run.traces.get("path")},
         "artifacts": artifacts,
         "int8": int8,
-        "versions": {"export": _versions(), "train": run.config.get("versions", {})},
+        "versions": {"export": package_versions(), "train": run.config.get("versions", {})},
         "probes": PROBES_FILE,
     }
 
@@ -270,16 +267,6 @@ def _json_safe(value):
     if isinstance(value, float) and not np.isfinite(value):
         return None
     return value
-
-
-def _versions() -> dict:
-    found = {}
-    for package in VERSIONED_PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    return found
 
 
 def _sanitise(text: str) -> str:
