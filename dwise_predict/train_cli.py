@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from dwise_predict.errors import ConfigError
+from dwise_predict.files import atomic_write_text
 
 TracesArgument = Annotated[Path, typer.Argument(help="Trace directory from `dwise-predict collect`.")]
 SeedOption = Annotated[int, typer.Option("--seed", help="Seed of every random choice (members use seed, seed+1, ...).")]
@@ -186,7 +187,6 @@ def compare_regressors_command(
 
         dwise-predict compare-regressors traces/ --out compare/ --folds 5 --json
     """
-    import os
 
     from dwise_predict.admission.compare import compare_regressors, to_markdown
     from dwise_predict.features.prompt import PromptFeaturizer, load_tokenizer
@@ -224,9 +224,7 @@ def compare_regressors_command(
         writer.writeheader()
         writer.writerows(rows)
         for name, text in (("regressors.csv", buffer.getvalue()), ("regressors.md", to_markdown(rows, folds, note))):
-            tmp = out / f".{name}.tmp-{os.getpid()}"
-            tmp.write_text(text)
-            os.replace(tmp, out / name)
+            atomic_write_text(out / name, text)
         _log(f"wrote {out / 'regressors.csv'} and {out / 'regressors.md'}")
     if json_out:
         typer.echo(json.dumps({"tokenisation": note, "folds": folds, "rows": rows}, indent=2))

@@ -115,18 +115,18 @@ def test_other_model_or_decoding_config_is_refused_and_batch_size_is_not(tmp_pat
 def test_disk_full_is_one_line_and_earlier_shards_stay_readable(tmp_path, monkeypatch):
     with TraceStore(tmp_path, _manifest()) as store:
         store.write_shard(*_rows([0, 1]))
-        real = store_mod._atomic_write
+        real = store_mod.atomic_write_bytes
 
-        def full(target, data):
+        def full(target, data, durable=False):
             if target.suffix == ".parquet":
                 raise OSError(errno.ENOSPC, "No space left on device", str(target))
-            real(target, data)
+            real(target, data, durable)
 
-        monkeypatch.setattr(store_mod, "_atomic_write", full)
+        monkeypatch.setattr(store_mod, "atomic_write_bytes", full)
         with pytest.raises(StoreError, match="disk is full") as err:
             store.write_shard(*_rows([2, 3]))
         assert "rerun the same command to resume" in str(err.value)
-        monkeypatch.setattr(store_mod, "_atomic_write", real)
+        monkeypatch.setattr(store_mod, "atomic_write_bytes", real)
         assert store.finished_ids() == {"r000", "r001"}  # the half-written shard does not count
         store.write_shard(*_rows([2, 3]))
         assert store.finished_ids() == {"r000", "r001", "r002", "r003"}

@@ -18,6 +18,7 @@ import numpy as np
 
 from dwise_predict.errors import InputError
 from dwise_predict.features.prompt import FEATURE_NAMES
+from dwise_predict.files import atomic_write_text
 
 MODEL_FILE = "admission.txt"
 SPEC_FILE = "admission.json"
@@ -99,13 +100,13 @@ class AdmissionModel:
         """Write ``admission.txt`` (LightGBM text) and ``admission.json`` atomically into ``directory``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        _atomic_write(directory / MODEL_FILE, self.booster_.model_to_string())
+        atomic_write_text(directory / MODEL_FILE, self.booster_.model_to_string())
         spec = {
             "features": list(FEATURE_NAMES),
             "target": TARGET,
             "params": {"n_estimators": self.n_estimators, **self.params()},
         }
-        _atomic_write(directory / SPEC_FILE, json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(directory / SPEC_FILE, json.dumps(spec, indent=2, sort_keys=True) + "\n")
         return directory
 
     @classmethod
@@ -226,13 +227,3 @@ def _check_features(features) -> np.ndarray:
     if not np.isfinite(x).all():
         raise InputError("admission features hold NaN or inf: drop or fix those requests")
     return x
-
-
-def _atomic_write(target: Path, text: str) -> None:
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

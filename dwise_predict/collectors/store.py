@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import StoreError, TraceError
+from dwise_predict.files import atomic_write_bytes
 from dwise_predict.traces.dataset import (
     MANIFEST_FILE,
     REQUESTS_FILE,
@@ -172,7 +173,7 @@ class TraceStore:
         self.manifest = dict(manifest, schema_version=SCHEMA_VERSION)
         self._check_existing()
         with _store_errors(self.out):
-            _atomic_write(self.out / MANIFEST_FILE, json.dumps(self.manifest, indent=2, sort_keys=True).encode())
+            atomic_write_bytes(self.out / MANIFEST_FILE, json.dumps(self.manifest, indent=2, sort_keys=True).encode(), durable=True)
 
     def __exit__(self, *exc) -> None:
         self._unlock()
@@ -264,8 +265,8 @@ class TraceStore:
         requests.reset_index(drop=True).to_parquet(table, index=False)
         with _store_errors(self.out):
             # safetensors first: the Parquet file's arrival is what commits the shard.
-            _atomic_write(stem.with_suffix(".safetensors"), blob)
-            _atomic_write(stem.with_suffix(".parquet"), table.getvalue())
+            atomic_write_bytes(stem.with_suffix(".safetensors"), blob, durable=True)
+            atomic_write_bytes(stem.with_suffix(".parquet"), table.getvalue(), durable=True)
         return stem.with_suffix(".parquet")
 
     # -- consolidation -----------------------------------------------------------------------------
@@ -395,22 +396,3 @@ class _store_errors:
             f"cannot write to {self.out} ({what}: {exc.filename or self.out}); shards already written stay "
             "readable: free space or fix permissions and rerun the same command to resume, or choose another --out"
         ) from None
-
-
-def _atomic_write(target: Path, data: bytes) -> None:
-    """Write ``data`` to ``target`` via a temp file, fsync and rename: readers see all or nothing."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

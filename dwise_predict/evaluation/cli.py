@@ -167,7 +167,7 @@ def characterize_command(
     if out is not None:
         from dwise_predict.evaluation.document import write_document
         from dwise_predict.evaluation.evaluate import prepare_out
-        from dwise_predict.evaluation.files import write_json
+        from dwise_predict.files import write_json
         from dwise_predict.evaluation.report import characterization_document
 
         prepare_out(out)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dwise_predict.evaluation.files import atomic_write
+from dwise_predict.files import atomic_write
 
 PLOTS_DIR = "plots"
 # Cells that read as numbers (right-aligned): 0.123, -0.1 → 0.2, 12.5%, [0.1, 0.3], n/a.

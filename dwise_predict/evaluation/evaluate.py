@@ -34,7 +34,7 @@ from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco as loco_mod
 from dwise_predict.evaluation.baselines import baseline_table
 from dwise_predict.evaluation.characterize import characterize, output_vs_work
-from dwise_predict.evaluation.files import atomic_write, write_json
+from dwise_predict.files import atomic_write, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
 from dwise_predict.evaluation.pool import RetrainTask, fit, run_tasks
 from dwise_predict.evaluation.report import survival_examples

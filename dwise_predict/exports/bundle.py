@@ -24,7 +24,6 @@ README.md            model card (Hugging Face front matter)                     
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import re
 import shutil

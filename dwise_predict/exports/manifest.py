@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
+from dwise_predict.files import atomic_write_bytes
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FILE = "bundle.json"
@@ -38,11 +38,7 @@ def seal_manifest(manifest: dict) -> bytes:
 
 def write_bundle_manifest(bundle: str | Path, manifest: dict) -> Path:
     """Write the sealed ``bundle.json`` into ``bundle`` atomically (temp file + rename)."""
-    path = Path(bundle) / BUNDLE_FILE
-    tmp = path.with_name(f".{BUNDLE_FILE}.tmp")
-    tmp.write_bytes(seal_manifest(manifest))
-    os.replace(tmp, path)
-    return path
+    return atomic_write_bytes(Path(bundle) / BUNDLE_FILE, seal_manifest(manifest))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
+
+from dwise_predict.files import atomic_write_bytes
 
 TABLE_COLUMNS = (
     ("arrival", "arrival", "{}"),
@@ -36,16 +37,6 @@ def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arriv
     return table
 
 
-def _atomic_write(target: Path, data: bytes) -> None:
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict) -> list[Path]:
     """``<stem>.csv``, ``<stem>.json`` (rows + settings) and ``<stem>.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -55,9 +46,9 @@ def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict) -> lis
     writer.writeheader()
     writer.writerows(rows)
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
-    _atomic_write(paths[0], buf.getvalue().encode())
-    _atomic_write(paths[1], json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
-    _atomic_write(paths[2], _plot(rows, stem == "sweep"))
+    atomic_write_bytes(paths[0], buf.getvalue().encode())
+    atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
+    atomic_write_bytes(paths[2], _plot(rows, stem == "sweep"))
     return paths
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import TraceError
+from dwise_predict.files import atomic_write
 
 SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -203,8 +204,8 @@ def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
     )
     manifest["hidden_size"] = ds.hidden_size
     columns = list(REQUEST_COLUMNS) + [c for c in ds.requests.columns if c not in REQUEST_COLUMNS]
-    _atomic(path / REQUESTS_FILE, lambda tmp: ds.requests[columns].to_parquet(tmp, index=False))
-    _atomic(
+    atomic_write(path / REQUESTS_FILE, lambda tmp: ds.requests[columns].to_parquet(tmp, index=False))
+    atomic_write(
         path / HIDDEN_FILE,
         lambda tmp: save_file(
             {
@@ -215,15 +216,5 @@ def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
         ),
     )
     # The manifest goes last: its presence marks a complete dataset.
-    _atomic(path / MANIFEST_FILE, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
+    atomic_write(path / MANIFEST_FILE, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
     return path
-
-
-def _atomic(target: Path, write) -> None:
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
