@@ -11,22 +11,15 @@ Usage: python benchmarks/admission_latency.py [--repeats 20000]
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 
 
 def median_us(fn, inputs, repeats: int) -> float:
-    for item in inputs[:50]:
-        fn(item)
-    times = np.empty(repeats)
-    for i in range(repeats):
-        item = inputs[i % len(inputs)]
-        start = time.perf_counter()
-        fn(item)
-        times[i] = time.perf_counter() - start
-    return float(np.median(times) * 1e6)
+    from dwise_predict.admission.compare import median_time
+
+    return median_time(fn, inputs, repeats) * 1e6
 
 
 def tiny_tokenizer():

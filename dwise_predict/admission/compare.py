@@ -142,8 +142,8 @@ def _compare(train, folds, seed, featurizer, repeats, progress) -> list[dict]:
                 "name": cand.name,
                 "rho": float(np.mean(rhos)) if rhos else None,
                 "rho_std": float(np.std(rhos)) if rhos else None,
-                "ms_from_text": _median_time(lambda text: cand.predict_row(model, row_of(text)), prompts, repeats) * 1e3,
-                "us_model_only": _median_time(lambda row: cand.predict_row(model, row), [x[:1]], repeats) * 1e6,
+                "ms_from_text": median_time(lambda text: cand.predict_row(model, row_of(text)), prompts, repeats) * 1e3,
+                "us_model_only": median_time(lambda row: cand.predict_row(model, row), [x[:1]], repeats) * 1e6,
             }
         )
         if cand.name == "LightGBM (100, 15 leaves)":
@@ -161,12 +161,12 @@ def _compiled_row(x, y, seed, featurizer, prompts, repeats, reference: dict) -> 
         "name": COMPILED,
         "rho": reference["rho"],
         "rho_std": reference["rho_std"],
-        "ms_from_text": _median_time(lambda text: model.predict_one(*featurizer(text)), prompts, repeats) * 1e3,
-        "us_model_only": _median_time(lambda _: model.predict_one(w, nl, t), [None], repeats) * 1e6,
+        "ms_from_text": median_time(lambda text: model.predict_one(*featurizer(text)), prompts, repeats) * 1e3,
+        "us_model_only": median_time(lambda _: model.predict_one(w, nl, t), [None], repeats) * 1e6,
     }
 
 
-def _median_time(fn: Callable, inputs: list, repeats: int) -> float:
+def median_time(fn: Callable, inputs: list, repeats: int) -> float:
     """Median seconds of ``fn(input)`` over ``repeats`` calls cycling through ``inputs`` (after warm-up)."""
     for item in inputs[:5]:
         fn(item)
