@@ -1,0 +1,107 @@
+"""The decoding interface for the built-in tiny dLLM, loaded the way a real model is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dwise_predict.collectors.backends.base import StepBatch, StepOutput, directory_fingerprint
+from dwise_predict.errors import ModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TinyBackend:
+    """``BlockBackend`` over a ``TinyDllmForBlockDiffusion`` (in memory, or loaded from a directory)."""
+
+    def __init__(self, model, tokenizer=None, path: Path | None = None, name: str = "dwise-tiny-dllm") -> None:
+        config = model.config
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.path = path
+        self.name = name
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.eos_token_id = config.eos_token_id
+        self.pad_token_id = config.pad_token_id
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_context = config.max_position_embeddings
+        self.cache = None
+
+    @property
+    def device(self):
+        """The model's device (read live: callers may move the model after loading)."""
+        return self.model.device
+
+    def fingerprint(self) -> dict:
+        config = self.model.config.to_dict()
+        for key in ("transformers_version", "dtype"):  # the library version and load dtype are not the model
+            config.pop(key, None)
+        return directory_fingerprint(self.path, self.name, config, self.hidden_size, self.vocab_size)
+
+    def allocate(self, n_slots: int) -> None:
+        # room for a two-block chunk written past the longest allowed context
+        self.cache = self.model.allocate_cache(n_slots, self.max_context + 2 * self.block_size)
+
+    def reset_slot(self, slot: int) -> None:
+        self.cache.reset(slot)
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        logits, hidden = self.model.forward_step(
+            self.cache, batch.slots, batch.input_ids, batch.n_valid, batch.commit_len,
+            batch.out_start, window=batch.window)
+        return StepOutput(logits=logits, hidden=hidden)
+
+
+def load_tiny_backend(path: str | Path | None = None, dtype: str = "float32") -> TinyBackend:
+    """Load the tiny dLLM from ``path`` (default: the shipped weights) via ``AutoModel.from_pretrained``.
+
+    Raises
+    ------
+    ModelError
+        The directory is missing, has no ``config.json``, or holds a model that is not a tiny dLLM
+        (another architecture, or no mask token).
+    """
+    from transformers import AutoModel, AutoTokenizer
+
+    from dwise_predict.dllm import TINY_MODEL_DIR, register
+
+    model_dir = Path(path) if path is not None else TINY_MODEL_DIR
+    config_file = model_dir / "config.json"
+    if not model_dir.is_dir():
+        hint = ("the built-in weights are not installed: run `dwise-predict dllm train-tiny`"
+                if path is None else "pass a directory holding config.json and model.safetensors")
+        raise ModelError(f"model directory {model_dir} does not exist; {hint}")
+    if not config_file.is_file():
+        raise ModelError(f"{model_dir} has no config.json: pass a directory saved with save_pretrained")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{config_file} is not readable JSON ({exc}): re-save the model") from exc
+    if config.get("mask_token_id") is None:
+        raise ModelError(f"{model_dir} is not a block-diffusion LM: its config has no mask_token_id")
+    if config.get("model_type") != "dwise_tiny_dllm":
+        raise ModelError(f"{model_dir} holds a {config.get('model_type')!r} model, not the tiny dLLM "
+                         "(model_type 'dwise_tiny_dllm'): use the backend for that architecture")
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    from transformers.utils import logging as hf_logging
+
+    register()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a 27-tensor model needs no "Loading weights" bar on stderr
+    try:
+        model = AutoModel.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the model in {model_dir}: {exc}") from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    if tokenizer is not None and tokenizer.mask_token_id != model.config.mask_token_id:
+        raise ModelError(f"{model_dir}: tokenizer mask token {tokenizer.mask_token_id} differs from the "
+                         f"config's mask_token_id {model.config.mask_token_id}: re-save both together")
+    return TinyBackend(model, tokenizer, path=model_dir)
