@@ -1,0 +1,122 @@
+"""The tiny dLLM's training recipe: masking, the two-stream objective, determinism, the saved directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dwise_predict.dllm.corpus import generate_examples
+from dwise_predict.dllm.train import (
+    TrainConfig,
+    build_model_and_tokenizer,
+    cap_batch,
+    category_schedule,
+    encode_example,
+    make_batch,
+    train_tiny,
+)
+from dwise_predict.errors import ConfigError
+
+SMALL = {"hidden_size": 32, "n_layers": 1, "n_heads": 2, "batch_size": 4, "steps": 4, "warmup_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return build_model_and_tokenizer(TrainConfig(**SMALL))
+
+
+def _encoded(tokenizer, n=6):
+    examples = generate_examples("math", n, seed=1) + generate_examples("mcq", 3, seed=1)
+    return [encode_example(tokenizer, e, 8) for e in examples]
+
+
+def test_answers_end_with_eos_up_to_whole_blocks(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    for ids, p in _encoded(tok):
+        response = ids[p:]
+        assert len(response) % 8 == 0 and response[-1] == tok.eos_token_id
+        first_eos = response.index(tok.eos_token_id)
+        assert all(t == tok.eos_token_id for t in response[first_eos:])
+        assert ids[p - 1] == tok.convert_tokens_to_ids("<assistant>")
+
+
+def test_every_response_block_is_masked_and_nothing_else(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    enc = _encoded(tok)
+    batch = make_batch(enc, 8, tok.mask_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
+    masked, valid = batch["loss_mask"], batch["noisy_valid"]
+    assert not (masked & ~valid).any()
+    for i, (ids, p) in enumerate(enc):
+        n_blocks = (len(ids) - p) // 8
+        per_block = masked[i, : n_blocks * 8].view(n_blocks, 8).sum(-1)
+        assert (per_block >= 1).all()
+        assert torch.equal(batch["targets"][i, : len(ids) - p], torch.tensor(ids[p:]))
+    assert (batch["noisy_ids"][masked] == tok.mask_token_id).all()
+    assert (batch["noisy_ids"][~masked] == batch["targets"][~masked]).all()
+    # ratios differ per block, so the masked fraction spans a wide range
+    frac = masked.sum() / valid.sum()
+    assert 0.2 < float(frac) < 0.8
+
+
+def test_two_stream_objective_shows_each_noisy_block_what_the_decoder_shows_it(model_and_tokenizer):
+    """Noisy block b in the one-pass objective == a plain block-causal pass over
+    [prompt | clean blocks < b | noisy block b], the decoder's view while denoising block b."""
+    model, tok = model_and_tokenizer
+    enc = _encoded(tok)
+    batch = make_batch(enc, 8, tok.mask_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                       prompt_lengths=batch["prompt_lengths"], noisy_ids=batch["noisy_ids"],
+                       noisy_mask=batch["noisy_valid"]).logits  # (B, R, V)
+        for i, (ids, p) in enumerate(enc):
+            for b in range((len(ids) - p) // 8):
+                noisy_block = batch["noisy_ids"][i, 8 * b: 8 * b + 8]
+                seq = torch.cat([torch.tensor(ids[: p + 8 * b]), noisy_block])[None]
+                plain = model(seq, prompt_lengths=torch.tensor([p])).logits[0, -8:]
+                torch.testing.assert_close(logits[i, 8 * b: 8 * b + 8], plain, atol=1e-5, rtol=1e-4)
+
+
+def test_long_batches_are_capped_by_tokens(model_and_tokenizer):
+    _, tok = model_and_tokenizer
+    enc = [encode_example(tok, e, 8) for e in generate_examples("long_context", 32, seed=2)]
+    capped = cap_batch(enc, 5120)
+    T = max(len(ids) for ids, _ in capped)
+    R = max(len(ids) - p for ids, p in capped)
+    assert 1 <= len(capped) < 32 and len(capped) * (T + R) <= 5120
+
+
+def test_schedule_gives_every_category_its_share():
+    order = category_schedule(["chat", "math", "mcq"], 30, seed=0)
+    assert sorted(order) == sorted(["chat", "math", "mcq"] * 10)
+    assert order == category_schedule(["chat", "math", "mcq"], 30, seed=0)
+
+
+def test_bad_recipe_is_rejected_with_every_problem():
+    with pytest.raises(ConfigError, match="steps.*batch-size|batch-size.*steps"):
+        TrainConfig(steps=0, batch_size=0)
+    with pytest.raises(ConfigError, match="categories"):
+        TrainConfig(categories=["poetry"])
+
+
+def test_training_is_deterministic_and_saves_a_loadable_model(tmp_path):
+    from transformers import AutoModel, AutoTokenizer
+
+    import dwise_predict.dllm  # noqa: F401  (registers the architecture)
+
+    cfg = TrainConfig(**SMALL)
+    a = train_tiny(cfg, tmp_path / "a")
+    train_tiny(cfg, tmp_path / "b")
+    wa = load_file(tmp_path / "a" / "model.safetensors")
+    wb = load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert a.steps_done == 4 and a.parameters == sum(v.numel() for v in wa.values())
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "training.json"):
+        assert (tmp_path / "a" / name).is_file(), name
+    record = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert record["recipe"]["steps"] == 4 and len(record["versions"]) >= 3
+    model = AutoModel.from_pretrained(tmp_path / "a")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert model.config.mask_token_id == tok.mask_token_id and model.config.vocab_size == len(tok)
