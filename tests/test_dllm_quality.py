@@ -23,11 +23,12 @@ from dwise_predict.dllm.corpus import (
 N_PER_CATEGORY = 40
 SEED = 7
 
-# Accuracy the shipped weights reach (seed-7 prompts, measured 2026-11-30): code 0.23, mcq 0.28,
-# hard_mcq 0.20, math 0.05, multilingual_math 0.03, instruction 0.03, long_context 0.00. Only code is
-# far above chance; copying from the prompt (instruction, long context) and option matching (MCQ) are
-# not learned in the 20-minute CPU budget. The bars below pin what holds and catch regressions.
-REQUIRED = {"code": 0.15, "math": 0.02}
+# Accuracy the shipped weights reach (seed-7 prompts, 8,000-step recipe, measured 2026-11-30): code 0.47,
+# math 0.15 (a two-digit answer: chance ~0.01), multilingual_math 0.05, mcq 0.30 (chance 0.25),
+# hard_mcq 0.10, instruction 0.03, long_context 0.00. Code and math are far above chance; copying from
+# the prompt (instruction, long context) and option matching (MCQ) are not learned within the
+# 20-minute CPU budget. The bars below pin what holds and catch regressions.
+REQUIRED = {"code": 0.35, "math": 0.10}
 CHANCE_MCQ = {"mcq": 0.25, "hard_mcq": 0.2}
 
 
@@ -124,7 +125,7 @@ def test_accuracy_on_deterministic_categories_is_above_chance(decoded):
 
 
 @pytest.mark.xfail(strict=True, reason="known gap: the shipped weights answer MCQ at chance level "
-                   "(0.28 vs 0.25, 0.20 vs 0.20); a longer or better recipe must fix this")
+                   "(0.30 vs 0.25, 0.10 vs 0.20); a longer or better recipe must fix this")
 def test_mcq_accuracy_is_far_above_chance(decoded):
     correct = _by_category(decoded, "correct")
     for c, chance in CHANCE_MCQ.items():

@@ -31,8 +31,7 @@ def train_tiny_command(
                           "the machine's speed; the step count reached is recorded in training.json)."),
     ] = None,
     threads: Annotated[
-        int | None, typer.Option(help="torch CPU threads (default: the recipe's, 1: results then do not "
-                                         "depend on the machine's core count).")
+        int | None, typer.Option(help="torch CPU threads (default: the recipe's, 2; the weights depend on it).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary instead of a table.")] = False,
 ) -> None:
