@@ -187,3 +187,21 @@ def test_defaults_collect_the_builtin_model_and_workload(tmp_path, capsys):
     assert ds.manifest["decoding"]["block_size"] == 8 and ds.manifest["decoding"]["budget"] == 256
     assert ds.requests["category"].nunique() == 8 and summary["categories"][-1]["count"] == 16
     assert ds.requests["total_rounds"].nunique() > 4 and (ds.requests["finish"] == "eos").mean() > 0.5
+
+
+def test_allow_missing_collects_the_sources_that_exist(tiny_dir, tmp_path, capsys):
+    spec = tmp_path / "spec.toml"
+    spec.write_text(
+        'name = "partial"\n'
+        f'[[sources]]\ntype = "jsonl"\npath = "{tmp_path / "absent.jsonl"}"\ncategory = "chat"\ncount = 4\n'
+        '[[sources]]\ntype = "multi_needle"\ncategory = "long_context"\ncount = 6\ntarget_words = 160\n'
+    )
+    args = ["collect", "--model", str(tiny_dir), "--workload", str(spec), "--budget", "16"]
+    assert main([*args, "--out", str(tmp_path / "refused")]) == 1
+    err = capsys.readouterr().err
+    assert "absent.jsonl" in err and err.count("\n") == 1
+
+    assert main([*args, "--out", str(tmp_path / "o"), "--allow-missing"]) == 0
+    ds = load_traces(tmp_path / "o")
+    assert len(ds) == 6 and set(ds.requests["category"]) == {"long_context"}
+    assert "absent.jsonl" in " ".join(ds.manifest["workload"]["plan"]["missing"])

@@ -41,6 +41,7 @@ def collect_command(
     shard: Annotated[Optional[str], typer.Option(help="i/N: decode only part i of N (merge with `traces merge`).")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model directory's own Python code (LLaDA2, SDAR, Dream).")] = False,
     requests_per_shard: Annotated[Optional[int], typer.Option(help="Requests per committed shard [default: 8 x batch size].")] = None,
+    allow_missing: Annotated[bool, typer.Option(help="Collect the sources that are available when some of the workload's datasets are missing (they are listed in the manifest).")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Decode a workload with an instrumented dLLM into a trace dataset (resumable).
@@ -76,7 +77,8 @@ def collect_command(
 
     with _ProgressBar() as bar:
         path = collect(model, workload, out, decoding, seed=seed, limit=limit, shard=shard, progress=bar.update,
-                       device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard)
+                       device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
+                       allow_missing=allow_missing)
     _print_summary(path, json_out)
 
 

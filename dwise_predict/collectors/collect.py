@@ -88,6 +88,7 @@ def collect(
     device: str = "cpu",
     trust_remote_code: bool = False,
     requests_per_shard: int | None = None,
+    allow_missing: bool = False,
 ) -> Path:
     """Decode a workload with an instrumented dLLM into contract 1's trace dataset at ``out``.
 
@@ -105,6 +106,8 @@ def collect(
     shard : ``"i/N"``: decode only the i-th of N deterministic parts (merge them with `traces merge`).
     progress : called with a :class:`CollectProgress` at start and after every finished request.
     requests_per_shard : requests per committed shard (default 8 x batch size).
+    allow_missing : collect the workload's available sources when some are missing (the manifest's
+        workload composition lists the missing ones) instead of refusing.
 
     Returns
     -------
@@ -119,7 +122,7 @@ def collect(
     if per_shard <= 0:
         raise ConfigError(f"requests per shard must be positive, got {per_shard}")
 
-    plan_workload = load_workload(workload, seed=seed, limit=limit)  # raises on an empty or broken workload
+    plan_workload = load_workload(workload, seed=seed, limit=limit, allow_missing=allow_missing)  # raises on an empty or broken workload
     requests = plan_workload.requests
     owned = plan_shards(len(requests), per_shard, shard)
     source_types = {name: entry.get("type") for name, entry in plan_workload.sources.items()}
