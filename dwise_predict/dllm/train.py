@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import tempfile
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 
 from dwise_predict.dllm.corpus import CATEGORIES, Example, generate_examples, vocabulary
 from dwise_predict.errors import ConfigError, InputError
+from dwise_predict.versions import package_versions
 
 # Training examples use corpus seeds far from the small seeds workloads and tests use.
 TRAIN_SEED_OFFSET = 1_000_000
@@ -203,15 +203,6 @@ def build_model_and_tokenizer(cfg: TrainConfig):
     return TinyDllmForBlockDiffusion(config), tokenizer
 
 
-def _versions() -> dict[str, str]:
-    import transformers
-
-    from dwise_predict import __version__
-
-    return {"dwise_predict": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
-
-
 def _write_model_dir(model, tokenizer, out_dir: Path, record: dict) -> None:
     """Save into a temporary sibling directory, then move the files in: never a half-written model."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -295,6 +286,6 @@ def train_tiny(cfg: TrainConfig, out_dir: str | Path,
     n_params = sum(p.numel() for p in model.parameters())
     record = {"recipe": asdict(cfg), "steps_done": steps_done, "wall_s": round(wall, 1), "final_loss": final,
               "parameters": n_params, "loss_curve": losses, "threads": cfg.threads,
-              "versions": _versions()}
+              "versions": package_versions()}
     _write_model_dir(model, tokenizer, out_dir, record)
     return TrainResult(out_dir, steps_done, wall, final, n_params)
