@@ -76,13 +76,13 @@ def quickstart_command(
     """
     import json
 
-    from dwise_predict.collectors.cli import _ProgressBar
+    from dwise_predict.collectors.cli import CollectProgressBar
     from dwise_predict.quickstart import QuickstartConfig, run_quickstart
 
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be at least 1, got {limit}")
     config = QuickstartConfig(limit=limit, seed=seed, max_epochs=max_epochs, loco=loco, jobs=jobs)
-    with _ProgressBar() as bar:
+    with CollectProgressBar() as bar:
         summary = run_quickstart(out, config, log=lambda line: typer.echo(line, err=True), collect_progress=bar.update)
     if json_out:
         typer.echo(json.dumps(summary, indent=2))

@@ -75,7 +75,7 @@ def collect_command(
     if problems:
         raise ConfigError("; ".join(problems))
 
-    with _ProgressBar() as bar:
+    with CollectProgressBar() as bar:
         path = collect(model, workload, out, decoding, seed=seed, limit=limit, shard=shard, progress=bar.update,
                        device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
                        allow_missing=allow_missing)
@@ -167,10 +167,10 @@ def _read_for_summary(path: Path):
     return pd.concat([s.requests for s in shards], ignore_index=True), manifest, False
 
 
-class _ProgressBar:
+class CollectProgressBar:
     """A rich progress bar on stderr (requests/s, rounds/s, ETA), drawn only when stderr is a terminal."""
 
-    def __enter__(self) -> "_ProgressBar":
+    def __enter__(self) -> "CollectProgressBar":
         self.progress = None
         if sys.stderr.isatty():
             from rich.console import Console
