@@ -11,17 +11,18 @@ def make_tiny_dir(path: Path, seed: int = 0, hidden_size: int = 32, block_size: 
     """A random tiny dLLM (2 layers) with the real tokenizer, saved like the shipped weights.
 
     At initialisation the logits are nearly flat, so every round would unmask exactly one token;
-    scaling the LM head sharpens them and round counts vary per request (4-15 over 16 tokens at
-    threshold 0.9), which is what the resume and merge tests should compare.
+    scaling the LM head sharpens them and round counts vary per request (4-16 over 16 tokens at
+    threshold 0.9), which is what the resume and merge tests should compare. The head is untied from
+    the embeddings so that the scaling sharpens the output only.
     """
     from dwise_predict.dllm.train import TrainConfig, build_model_and_tokenizer
 
     model, tokenizer = build_model_and_tokenizer(
         TrainConfig(hidden_size=hidden_size, n_layers=2, n_heads=2, block_size=block_size,
-                    max_position_embeddings=1024, seed=seed)
+                    max_position_embeddings=1024, seed=seed, tie_embeddings=False)
     )
     with torch.no_grad():
-        model.lm_head.weight.mul_(60.0)
+        model.lm_head.weight.mul_(150.0)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -10,6 +10,7 @@ import pytest
 
 from dwise_predict.dllm.corpus import (
     CATEGORIES,
+    DRILLS,
     Example,
     check_answer,
     generate_examples,
@@ -47,6 +48,24 @@ def test_every_token_is_in_the_vocabulary(corpus):
         for e in examples:
             unknown = set((e.prompt + " " + e.answer).split()) - words
             assert not unknown, (c, unknown)
+
+
+def test_training_drills_are_in_vocabulary_and_answer_from_the_prompt():
+    words = set(vocabulary())
+    assert not set(DRILLS) & set(CATEGORIES)  # drills are never a served category
+    copies = generate_examples("copy", 200, seed=2)
+    lookups = generate_examples("option_lookup", 200, seed=2)
+    for e in copies + lookups:
+        assert not set((e.prompt + " " + e.answer).split()) - words, e
+        assert check_answer(e, e.answer) is True
+    for e in copies:
+        assert e.prompt.split(" : ", 1)[1] == e.answer and len(e.answer.split()) == e.meta["count"]
+    assert len({e.meta["count"] for e in copies}) >= 10
+    for e in lookups:
+        asked = e.prompt.split("\n")[0].split()[-2]  # "question : which option is X ?"
+        line = next(row for row in e.prompt.split("\n")[1:] if row.startswith(e.meta["correct"] + " )"))
+        assert line == f"{e.meta['correct']} ) {asked}" and e.answer.split()[0] == e.meta["correct"]
+    assert {e.meta["correct"] for e in lookups} == set("abcde")
 
 
 def _key(e: Example):

@@ -90,6 +90,19 @@ def test_cached_rounds_equal_the_full_forward(model):
     assert cache.lengths.tolist() == [11, 0, 11]
 
 
+def test_output_head_is_tied_to_the_embeddings_unless_asked_not_to(tmp_path):
+    from safetensors import safe_open
+
+    tied = TinyDllmForBlockDiffusion(TinyDllmConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=2))
+    assert tied.lm_head.weight is tied.embed.weight
+    tied.save_pretrained(tmp_path / "tied")
+    with safe_open(tmp_path / "tied" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "embed.weight" in f.keys()
+    untied = TinyDllmForBlockDiffusion(TinyDllmConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=2,
+                                                      tie_word_embeddings=False))
+    assert untied.lm_head.weight is not untied.embed.weight
+
+
 ROUNDTRIP = """
 import sys, torch
 from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -100,6 +113,7 @@ ids = tok.apply_chat_template([{"role": "user", "content": "what is 2 plus 3 ?"}
                               add_generation_prompt=True, tokenize=True, return_dict=False)
 with torch.no_grad():
     out = model(torch.tensor([ids])).logits
+assert model.lm_head.weight is model.embed.weight  # still tied after loading
 print(type(model).__name__, tok.mask_token_id == model.config.mask_token_id, ids, float(out.sum()))
 """
 

@@ -23,13 +23,12 @@ from dwise_predict.dllm.corpus import (
 N_PER_CATEGORY = 40
 SEED = 7
 
-# Accuracy the shipped weights reach (seed-7 prompts, 8,000-step recipe, measured 2026-11-30): code 0.47,
-# math 0.15 (a two-digit answer: chance ~0.01), multilingual_math 0.05, mcq 0.30 (chance 0.25),
-# hard_mcq 0.10, instruction 0.03, long_context 0.00. Code and math are far above chance; copying from
-# the prompt (instruction, long context) and option matching (MCQ) are not learned within the
-# 20-minute CPU budget. The bars below pin what holds and catch regressions.
-REQUIRED = {"code": 0.35, "math": 0.10}
-CHANCE_MCQ = {"mcq": 0.25, "hard_mcq": 0.2}
+# Accuracy the shipped weights reach (seed-7 prompts, 12,500-step recipe, measured 2026-11-30): code 0.85,
+# mcq 0.53 (chance 0.25; 0.45 on 200 prompts), instruction 0.42, math 0.33 (a two-digit answer: chance
+# ~0.01), multilingual_math 0.07, hard_mcq 0.15 (chance 0.20), long_context 0.00. The bars below pin what
+# holds, a few requests under the measured figure; the known gaps are strict xfails.
+REQUIRED = {"code": 0.7, "mcq": 0.45, "instruction": 0.3, "math": 0.2}
+KNOWN_GAPS = {"hard_mcq": 0.4, "long_context": 0.25}  # 2x chance for 5 options; any real retrieval
 
 
 def test_shipped_weights_are_small_and_complete():
@@ -116,7 +115,7 @@ def test_rounds_follow_the_work_the_prompt_asks_for(decoded):
         assert rho > 0.3, (c, rho)
 
 
-def test_accuracy_on_deterministic_categories_is_above_chance(decoded):
+def test_accuracy_on_deterministic_categories_is_far_above_chance(decoded):
     correct = _by_category(decoded, "correct")
     assert all(x is None for x in correct["chat"])
     for c, need in REQUIRED.items():
@@ -124,9 +123,9 @@ def test_accuracy_on_deterministic_categories_is_above_chance(decoded):
         assert acc >= need, (c, acc)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: the shipped weights answer MCQ at chance level "
-                   "(0.30 vs 0.25, 0.10 vs 0.20); a longer or better recipe must fix this")
-def test_mcq_accuracy_is_far_above_chance(decoded):
+@pytest.mark.parametrize("category", sorted(KNOWN_GAPS))
+@pytest.mark.xfail(strict=True, reason="known gap of the shipped weights: hard MCQ at chance (0.15 vs "
+                   "0.20) and no multi-needle retrieval (0.00) within the 20-minute CPU recipe")
+def test_known_gaps_hard_mcq_and_long_context(decoded, category):
     correct = _by_category(decoded, "correct")
-    for c, chance in CHANCE_MCQ.items():
-        assert float(np.mean([bool(x) for x in correct[c]])) >= 2 * chance, c
+    assert float(np.mean([bool(x) for x in correct[category]])) >= KNOWN_GAPS[category]

@@ -92,6 +92,8 @@ def test_schedule_gives_every_category_its_share():
     order = category_schedule(["chat", "math", "mcq"], 30, seed=0)
     assert sorted(order) == sorted(["chat", "math", "mcq"] * 10)
     assert order == category_schedule(["chat", "math", "mcq"], 30, seed=0)
+    weighted = category_schedule(["chat", "math", "mcq"], 50, seed=0, weights={"mcq": 3})
+    assert [weighted.count(c) for c in ("chat", "math", "mcq")] == [10, 10, 30]
 
 
 def test_bad_recipe_is_rejected_with_every_problem():
@@ -99,6 +101,8 @@ def test_bad_recipe_is_rejected_with_every_problem():
         TrainConfig(steps=0, batch_size=0)
     with pytest.raises(ConfigError, match="categories"):
         TrainConfig(categories=["poetry"])
+    with pytest.raises(ConfigError, match="precision.*drills.*weights"):
+        TrainConfig(precision="float16", drills=["poetry"], step_weights={"mcq": 0})
 
 
 def test_training_is_deterministic_and_saves_a_loadable_model(tmp_path):

@@ -33,6 +33,11 @@ def train_tiny_command(
     threads: Annotated[
         int | None, typer.Option(help="torch CPU threads (default: the recipe's, 2; the weights depend on it).")
     ] = None,
+    precision: Annotated[
+        str | None,
+        typer.Option(help="Autocast dtype of the forward pass, bfloat16 (the recipe's) or float32 (for CPUs "
+                          "without native bf16 instructions, where bfloat16 runs slower; the weights differ)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary instead of a table.")] = False,
 ) -> None:
     """Train the tiny dLLM on the project's generated corpus (block-diffusion objective) and save it
@@ -49,7 +54,7 @@ def train_tiny_command(
     from dwise_predict.dllm.train import TrainConfig, train_tiny
 
     fields = {"seed": seed, "max_minutes": minutes}
-    for name, value in (("steps", steps), ("threads", threads)):
+    for name, value in (("steps", steps), ("threads", threads), ("precision", precision)):
         if value is not None:
             fields[name] = value
     cfg = TrainConfig(**fields)

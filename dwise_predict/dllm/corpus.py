@@ -18,6 +18,9 @@ position of the right option when options are checked in order, an answer format
 words. Prompt-size features (words, newlines, tokens) therefore cannot see it, while a model that has
 read the prompt can.
 
+Training also mixes in two drills (:data:`DRILLS`) that are never served: copying the prompt's
+tokens, and naming the letter of the option that says X.
+
 Text format: every prompt and answer is a sequence of tokens separated by single spaces (prompts may
 also contain newlines). Every token is in :func:`vocabulary`: lower-case words, the numbers 0-99 as
 whole tokens, single letters and punctuation. A word-level tokenizer with whitespace splitting is
@@ -192,6 +195,8 @@ T = {
     "query": "question : what are the secret numbers of {items} ?",
     "query_join": ["the {c} {obj}", ",", "and"],
     "fact_answer": "the {c} {obj} is {n} .",
+    "drill_copy": "say exactly : {tokens}",
+    "drill_lookup": "question : which option is {x} ?",
 }
 
 
@@ -452,6 +457,37 @@ def _long_context(rng: random.Random, target_tokens: tuple[int, int] = (120, 300
                    {"template": "needles", "count": count, "facts": [[c, o, n] for c, o, n in order]})
 
 
+# --- training drills ----------------------------------------------------------------------------
+# Not served categories: short exercises mixed into training only. Each isolates one skill that the
+# categories need and that a small model is slow to find from them alone: copying prompt tokens in
+# order (instruction, code, arithmetic, long context all restate numbers and words from the prompt)
+# and finding an option's letter by its content (MCQ). They are cheap (a few dozen tokens).
+
+DRILLS: tuple[str, ...] = ("copy", "option_lookup")
+
+
+def _drill_pool() -> list[str]:
+    return NUMBERS + LETTERS + [m for _, ms in KINDS.values() for m in ms] + OBJECTS + PRINT_WORDS + NAMES
+
+
+def _copy_drill(rng: random.Random) -> Example:
+    tokens = [rng.choice(_drill_pool()) for _ in range(rng.randint(2, 16))]
+    prompt = T["drill_copy"].format(tokens=" ".join(tokens))
+    return Example("copy", prompt, " ".join(tokens), {"template": "copy", "count": len(tokens)})
+
+
+def _option_lookup_drill(rng: random.Random) -> Example:
+    pool = NUMBERS if rng.random() < 0.5 else [m for _, ms in KINDS.values() for m in ms] + OBJECTS
+    k = rng.choice([4, 5])
+    options = rng.sample(pool, k)
+    pos = rng.randrange(k)
+    letter, fmt = LETTERS[pos], rng.randrange(2)
+    prompt = (T["drill_lookup"].format(x=options[pos]) + "\n" + _option_lines(options) + "\n"
+              + T["mcq_formats"][fmt])
+    answer = [letter, f"{letter} ) {options[pos]}"][fmt]
+    return Example("option_lookup", prompt, answer, {"template": "lookup", "correct": letter, "count": 1})
+
+
 _GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "chat": _chat,
     "instruction": _instruction,
@@ -461,11 +497,14 @@ _GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "mcq": _mcq,
     "hard_mcq": _hard_mcq,
     "long_context": _long_context,
+    "copy": _copy_drill,
+    "option_lookup": _option_lookup_drill,
 }
 
 
 def generate_examples(category: str, n: int, seed: int) -> list[Example]:
-    """``n`` examples of one category, the same for the same ``(category, n, seed)``.
+    """``n`` examples of one category (or training drill, see :data:`DRILLS`), the same for the same
+    ``(category, n, seed)``.
 
     The first ``m`` examples of ``generate_examples(c, n, s)`` equal ``generate_examples(c, m, s)``.
 
@@ -475,7 +514,8 @@ def generate_examples(category: str, n: int, seed: int) -> list[Example]:
         Unknown category or negative ``n``.
     """
     if category not in _GENERATORS:
-        raise InputError(f"unknown category {category!r}: choose one of {', '.join(CATEGORIES)}")
+        raise InputError(f"unknown category {category!r}: choose one of {', '.join(CATEGORIES)}"
+                         f" (training drills: {', '.join(DRILLS)})")
     if n < 0:
         raise InputError(f"number of examples must be >= 0, got {n}")
     # a string seed hashes with SHA-512 inside random.Random: stable across processes and versions

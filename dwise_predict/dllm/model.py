@@ -60,6 +60,9 @@ class TinyDllmConfig(PretrainedConfig):
     block_size : tokens per block (the diffusion unit and the attention unit).
     max_position_embeddings : the longest sequence (prompt + output) the model is meant for.
     mask_token_id, eos_token_id, pad_token_id : special token ids from the tokenizer.
+    tie_word_embeddings : the LM head reuses the input embedding matrix. Copying a prompt token (a
+        number, an option letter, a queried fact) then needs no separate output vector per token,
+        which a small model learns far sooner.
     """
 
     model_type = "dwise_tiny_dllm"
@@ -79,6 +82,7 @@ class TinyDllmConfig(PretrainedConfig):
         eos_token_id: int = 2,
         pad_token_id: int = 0,
         initializer_range: float = 0.02,
+        tie_word_embeddings: bool = True,
         **kwargs,
     ) -> None:
         self.vocab_size = vocab_size
@@ -92,6 +96,7 @@ class TinyDllmConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.mask_token_id = mask_token_id
         self.initializer_range = initializer_range
+        self.tie_word_embeddings = tie_word_embeddings
         super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
 
 
@@ -309,6 +314,8 @@ class TinyDllmPreTrainedModel(PreTrainedModel):
 
 
 class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
+    _tied_weights_keys = {"lm_head.weight": "embed.weight"}  # applied when config.tie_word_embeddings
+
     def __init__(self, config: TinyDllmConfig) -> None:
         super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
