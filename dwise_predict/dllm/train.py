@@ -20,7 +20,9 @@ cycle (``step_weights``). What moved MCQ from chance to well above it, measured 
 (5,000 steps, 200 prompts each): the learning rate (3e-3 and 5e-4 stayed at chance, MCQ 0.22; 1e-3
 reached 0.47) and the drill (MCQ alone for the same 2,500 MCQ steps: 0.30). In the full mix, a
 uniform 11,000-step cycle still left MCQ at chance (0.23) while the weighted 12,500-step recipe
-reaches 0.53 (40 prompts per category, ``tests/test_dllm_quality.py``). The output head is tied to
+reaches 0.53 (40 prompts per category, ``tests/test_dllm_quality.py``). That result sits near a
+tipping point: adding a third drill (long context's needles over a short context; MCQ's share 5 %
+smaller) left MCQ at chance again (0.23) and long context at 0.00. The output head is tied to
 the embeddings (``TinyDllmConfig.tie_word_embeddings``): instruction 0.03 → 0.12 and code 0.47 → 0.53
 in an otherwise unchanged earlier recipe.
 
