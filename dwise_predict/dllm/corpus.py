@@ -85,6 +85,7 @@ KINDS = {  # singular kind -> (plural, members)
     "fruit": ("fruits", ["apple", "pear", "banana", "grape", "lemon", "cherry", "mango", "peach", "plum", "melon"]),
     "tool": ("tools", ["hammer", "saw", "knife", "spoon", "brush", "pencil", "rope", "shovel"]),
 }
+KIND_MEMBERS = [m for _, ms in KINDS.values() for m in ms]  # every color, animal, fruit and tool
 OBJECTS = ["box", "key", "door", "car", "cup", "hat", "book", "lamp", "bag", "clock"]
 NAMES = ["tom", "anna", "ben", "lisa", "sam", "maria", "leo", "nina"]
 PRINT_WORDS = ["hello", "yes", "no", "done", "ok", "big", "small", "stop"]
@@ -253,7 +254,7 @@ def _chat(rng: random.Random) -> Example:
 def _instruction(rng: random.Random) -> Example:
     kind = rng.choice(["repeat", "range", "name", "spell", "alphabet"])
     if kind == "repeat":
-        w = rng.choice([m for _, ms in KINDS.values() for m in ms])
+        w = rng.choice(KIND_MEMBERS)
         count = rng.randint(2, 12)
         prompt = T["repeat"].format(w=w, count=_count_token(rng, count))
         answer = " ".join([w] * count)
@@ -272,7 +273,7 @@ def _instruction(rng: random.Random) -> Example:
         return Example("instruction", prompt, answer,
                        {"template": kind, "count": count, "kind": singular, "members": members})
     elif kind == "spell":
-        w = rng.choice([m for _, ms in KINDS.values() for m in ms])
+        w = rng.choice(KIND_MEMBERS)
         count = len(w)
         prompt = T["spell"].format(w=w)
         answer = " ".join(w)
@@ -466,18 +467,17 @@ def _long_context(rng: random.Random, target_tokens: tuple[int, int] = (120, 300
 DRILLS: tuple[str, ...] = ("copy", "option_lookup")
 
 
-def _drill_pool() -> list[str]:
-    return NUMBERS + LETTERS + [m for _, ms in KINDS.values() for m in ms] + OBJECTS + PRINT_WORDS + NAMES
+DRILL_WORDS = NUMBERS + LETTERS + KIND_MEMBERS + OBJECTS + PRINT_WORDS + NAMES  # what a copy drill copies
 
 
 def _copy_drill(rng: random.Random) -> Example:
-    tokens = [rng.choice(_drill_pool()) for _ in range(rng.randint(2, 16))]
+    tokens = [rng.choice(DRILL_WORDS) for _ in range(rng.randint(2, 16))]
     prompt = T["drill_copy"].format(tokens=" ".join(tokens))
     return Example("copy", prompt, " ".join(tokens), {"template": "copy", "count": len(tokens)})
 
 
 def _option_lookup_drill(rng: random.Random) -> Example:
-    pool = NUMBERS if rng.random() < 0.5 else [m for _, ms in KINDS.values() for m in ms] + OBJECTS
+    pool = NUMBERS if rng.random() < 0.5 else KIND_MEMBERS + OBJECTS
     k = rng.choice([4, 5])
     options = rng.sample(pool, k)
     pos = rng.randrange(k)
