@@ -107,8 +107,8 @@ class TrainConfig:
             problems.append(f"--precision must be float32 or bfloat16, got {self.precision!r}")
         if any(d not in DRILLS for d in self.drills):
             problems.append(f"drills must be a subset of {', '.join(DRILLS)}, got {self.drills}")
-        if any(w < 1 for w in self.step_weights.values()):
-            problems.append(f"step weights must be >= 1, got {self.step_weights}")
+        if any(w < 1 for w in self.step_weights.values()) or set(self.step_weights) - {*CATEGORIES, *DRILLS}:
+            problems.append(f"step weights must name categories or drills and be >= 1, got {self.step_weights}")
         unknown = [c for c in self.categories if c not in CATEGORIES]
         if unknown or not self.categories:
             problems.append(f"categories must be a non-empty subset of {', '.join(CATEGORIES)}, got {unknown}")
