@@ -1,12 +1,23 @@
 """Decoding throughput of the tiny dLLM: requests/s at batch 1 vs batch B (step-level batching).
 
-Prints, per batch size: wall and CPU seconds, requests/s, rounds, and where the time goes (the
-backend's forward vs the decoder's own per-round work), then the B-vs-1 ratio. Uses the shipped
-weights and the built-in corpus prompts when present, else a randomly initialised model on random
-prompts (said on stderr). CPU time is reported because this machine is shared: on a busy box the
-wall-clock ratio is noisy, the CPU-time ratio much less so.
+Prints, per batch size: the best wall time of ``--repeats`` runs, requests/s, rounds, and where a
+round's time goes (from one more, profiled run: the linear layers, attention, KV-cache reads/writes,
+other tensor ops, and Python between ops — the model's and the decoder's; the profiler adds a few
+µs to every op, which inflates "other ops" most), then the B-vs-1 ratio (target >= 6x on 2
+cores). Uses the shipped weights and the built-in corpus prompts when present, else a randomly
+initialised model on random prompts (said on stderr).
 
-    .venv/bin/python benchmarks/decode_throughput.py --requests 64 --batch-size 16 --threads 1
+Why the ratio stops near 4x in float32 on this 2-core machine (measured, 192 requests):
+- a B=1 round is ~1.2 ms of fixed cost (Python and ~250 op dispatches) plus ~0.1 ms of arithmetic;
+- a B=16 round carries ~14 rows, ~120 tokens, and pays the same fixed cost plus arithmetic that is
+  already compute-bound: the linear layers run at ~200 GFLOPS (the fp32 GEMM peak of both cores),
+  ~1.6 ms a round, and attention over every row's cached keys (padded to the longest row; 67 % of
+  the padded keys are real) another ~0.6 ms.
+So even with no per-row cost at all the ceiling is about 14 x 1.3 / (1.2 + 2.2) = 5.4x. bfloat16
+GEMMs (3-4x faster on AVX-512-BF16 cores) would lift it, but B=1 and B=16 then disagree on ~5 % of
+requests (fp32 gives identical tokens, the batch-invariance guarantee), so they are not used.
+
+    .venv/bin/python benchmarks/decode_throughput.py --requests 192 --batch-size 16 --threads 2
 """
 
 from __future__ import annotations
@@ -23,24 +34,6 @@ from dwise_predict.collectors.backends.tiny import TinyBackend, load_tiny_backen
 from dwise_predict.collectors.decoder import decode
 from dwise_predict.collectors.records import DecodeRequest, DecodingConfig
 from dwise_predict.dllm import TINY_MODEL_DIR, TinyDllmConfig, TinyDllmForBlockDiffusion
-
-
-class TimedBackend:
-    """Wraps a backend's ``step`` to time the forward passes apart from the decoding loop."""
-
-    def __init__(self, backend) -> None:
-        self.backend, self.step_wall, self.step_cpu, self.rounds = backend, 0.0, 0.0, 0
-
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
-
-    def step(self, batch):
-        w, c = time.perf_counter(), time.process_time()
-        out = self.backend.step(batch)
-        self.step_wall += time.perf_counter() - w
-        self.step_cpu += time.process_time() - c
-        self.rounds += 1
-        return out
 
 
 def workload(n: int, budget: int, seed: int, model_dir: Path):
@@ -67,17 +60,67 @@ def workload(n: int, budget: int, seed: int, model_dir: Path):
     return backend, [DecodeRequest(f"r{i}", p, budget) for i, p in enumerate(ids)]
 
 
-def measure(backend, requests, batch_size: int, threshold: float) -> dict:
-    timed = TimedBackend(backend)
-    cfg = DecodingConfig(threshold=threshold, batch_size=batch_size)
-    w, c = time.perf_counter(), time.process_time()
-    results = list(decode(timed, requests, cfg))
-    wall, cpu = time.perf_counter() - w, time.process_time() - c
-    work = sum(r.prompt_blocks + r.total_rounds for r in results)
-    return {"B": batch_size, "wall_s": wall, "cpu_s": cpu, "req_per_s": len(results) / wall,
-            "req_per_cpu_s": len(results) / cpu, "rounds": timed.rounds, "request_rounds": work,
-            "ms_per_round": 1e3 * cpu / timed.rounds, "forward_share": timed.step_cpu / cpu,
-            "loop_ms_per_round": 1e3 * (cpu - timed.step_cpu) / timed.rounds,
+# aten ops by what they do in a round (self time, so nested ops are not counted twice)
+OP_GROUPS = {"aten::mm": "linear", "aten::addmm": "linear", "aten::bmm": "attention",
+             "aten::_softmax": "attention", "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+             "aten::index": "kv cache", "aten::_index_put_impl_": "kv cache"}
+GROUPS = ("linear", "attention", "kv cache", "other ops", "python")
+
+
+class CountedRounds:
+    """A backend that counts its rounds and profiles rounds ``skip`` to ``skip + n`` (0: none).
+
+    Only a window is profiled: the op events of a whole B=1 run take gigabytes. The window runs from
+    one round's end to another's, so the decoder's own work between forwards is inside it.
+    """
+
+    def __init__(self, backend, skip: int = 0, n: int = 0) -> None:
+        self.backend, self.skip, self.n, self.rounds = backend, skip, n, 0
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.window_s = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def step(self, batch):
+        out = self.backend.step(batch)
+        self.rounds += 1
+        if self.n and self.rounds == self.skip:
+            self.profiler.start()
+            self.window_s = -time.perf_counter()
+        elif self.n and self.rounds == self.skip + self.n:
+            self.window_s += time.perf_counter()
+            self.profiler.stop()
+        return out
+
+    def ms_per_round(self) -> dict[str, float]:
+        """Milliseconds per round in each of ``GROUPS``, over the profiled window."""
+        ms = dict.fromkeys(GROUPS, 0.0)
+        for e in self.profiler.key_averages():
+            if e.key.startswith("aten::"):
+                ms[OP_GROUPS.get(e.key, "other ops")] += e.self_cpu_time_total / 1e3 / self.n
+        ms["python"] = 1e3 * self.window_s / self.n - sum(ms.values())  # between ops: model and decoder code
+        return ms
+
+
+def run_once(backend, requests, batch_size: int, threshold: float):
+    w = time.perf_counter()
+    results = list(decode(backend, requests, DecodingConfig(threshold=threshold, batch_size=batch_size)))
+    return time.perf_counter() - w, results
+
+
+def measure(backend, requests, batch_size: int, threshold: float, repeats: int) -> dict:
+    """Best of ``repeats`` timed runs, then one run that profiles 200 steady-state rounds."""
+    counted = CountedRounds(backend)
+    wall, results = min((run_once(counted, requests, batch_size, threshold) for _ in range(repeats)),
+                        key=lambda r: r[0])
+    rounds = counted.rounds // repeats
+    window = min(200, rounds // 2)
+    profiled = CountedRounds(backend, skip=window // 4, n=window)
+    run_once(profiled, requests, batch_size, threshold)
+    return {"B": batch_size, "wall_s": wall, "req_per_s": len(results) / wall, "rounds": rounds,
+            "request_rounds": sum(r.prompt_blocks + r.total_rounds for r in results),
+            "ms_per_round": 1e3 * wall / rounds, "ms": profiled.ms_per_round(),
             "tokens": sorted((r.request_id, r.output_ids) for r in results)}
 
 
@@ -87,25 +130,25 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--threshold", type=float, default=0.9)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (the target is for 2 cores)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch size; the best counts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=TINY_MODEL_DIR, help="model directory (default: shipped)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     backend, requests = workload(args.requests, args.budget, args.seed, args.model)
     list(decode(backend, requests[:4], DecodingConfig(threshold=args.threshold, batch_size=4)))  # warm-up
-    rows = [measure(backend, requests, b, args.threshold) for b in (1, args.batch_size)]
-    print(f"{'B':>3} {'wall s':>8} {'cpu s':>8} {'req/s':>8} {'req/cpu-s':>10} {'rounds':>7} "
-          f"{'req-rounds':>10} {'ms/round':>9} {'forward':>8} {'loop ms/round':>13}")
+    rows = [measure(backend, requests, b, args.threshold, args.repeats) for b in (1, args.batch_size)]
+    print(f"{'B':>3} {'wall s':>7} {'req/s':>7} {'rounds':>7} {'req-rounds':>10} {'ms/round':>9}  "
+          + " ".join(f"{g:>9}" for g in GROUPS) + "  (ms per round, profiled run)")
     for r in rows:
-        print(f"{r['B']:>3} {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f} {r['req_per_s']:>8.1f} "
-              f"{r['req_per_cpu_s']:>10.1f} {r['rounds']:>7} {r['request_rounds']:>10} "
-              f"{r['ms_per_round']:>9.2f} {r['forward_share']:>7.0%} {r['loop_ms_per_round']:>13.2f}")
+        print(f"{r['B']:>3} {r['wall_s']:>7.2f} {r['req_per_s']:>7.1f} {r['rounds']:>7} {r['request_rounds']:>10} "
+              f"{r['ms_per_round']:>9.2f}  " + " ".join(f"{r['ms'][g]:>9.2f}" for g in GROUPS))
     one, many = rows
-    print(f"ratio B={many['B']} / B=1: {many['req_per_s'] / one['req_per_s']:.2f}x wall, "
-          f"{many['req_per_cpu_s'] / one['req_per_cpu_s']:.2f}x cpu "
-          f"(threads={args.threads}, requests={len(requests)}, budget={args.budget}, "
-          f"threshold={args.threshold}); identical tokens: {one['tokens'] == many['tokens']}")
+    ratio = many["req_per_s"] / one["req_per_s"]
+    print(f"ratio B={many['B']} / B=1: {ratio:.2f}x (target >= 6x on 2 cores; threads={args.threads}, "
+          f"requests={len(requests)}, budget={args.budget}, threshold={args.threshold}); "
+          f"identical tokens: {one['tokens'] == many['tokens']}")
 
 
 if __name__ == "__main__":

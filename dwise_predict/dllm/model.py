@@ -203,6 +203,19 @@ class KVWrite:
         return self.k_cache[self.slots, :, : self.key_len], self.v_cache[self.slots, :, : self.key_len]
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √d + bias) v for a decoding round: q (n, heads, L, d), k/v (n, heads, T_keys, d),
+    bias (n, 1, L, T_keys) additive.
+
+    Written out rather than through ``F.scaled_dot_product_attention``: a round has one or two blocks
+    of queries per row against up to a few hundred cached keys, and at those shapes two batched
+    matmuls around a softmax run ~25 % faster than the CPU SDPA kernel on two threads (the same on
+    one), with results equal to ~1e-7. Training keeps SDPA (long queries, where its fused kernel wins).
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5).add_(bias)
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
 class Attention(nn.Module):
     def __init__(self, config: TinyDllmConfig) -> None:
         super().__init__()
@@ -223,9 +236,11 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, heads, T, head_dim)
         v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, heads, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv is not None:
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, T, head_dim)
+        else:
             k, v = kv.keys_values(k, v)  # (B, heads, T_keys, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, T, head_dim)
+            y = cached_attention(q, k, v, mask)  # (B, heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, H)  # (B, T, H)
         if kv is not None:
             y = kv.packing.pack(y)  # (N, H)
@@ -427,7 +442,7 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
         packing = Packing(offs[None, :] < n_valid[:, None])
         writes = [KVWrite(cache.k[i], cache.v[i], slots, positions, key_len, all_slots, packing)
                   for i in range(self.config.n_layers)]
-        # an additive mask is faster than a boolean one in the CPU attention kernel
+        # additive (0 or -inf), as cached_attention adds it to the scores
         bias = torch.zeros(visible.shape, dtype=self.dtype, device=device).masked_fill_(~visible, float("-inf"))
         hidden = packing.unpack(self._trunk(input_ids, positions, bias[:, None], writes))  # (n, L, H)
         window = out_start[:, None] + torch.arange(window or self.config.block_size, device=device)  # (n, W)
