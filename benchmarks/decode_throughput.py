@@ -7,15 +7,18 @@ other tensor ops, and Python between ops — the model's and the decoder's; the 
 cores). Uses the shipped weights and the built-in corpus prompts when present, else a randomly
 initialised model on random prompts (said on stderr).
 
-Why the ratio stops near 4x in float32 on this 2-core machine (measured, 192 requests):
-- a B=1 round is ~1.2 ms of fixed cost (Python and ~250 op dispatches) plus ~0.1 ms of arithmetic;
-- a B=16 round carries ~14 rows, ~120 tokens, and pays the same fixed cost plus arithmetic that is
-  already compute-bound: the linear layers run at ~200 GFLOPS (the fp32 GEMM peak of both cores),
-  ~1.6 ms a round, and attention over every row's cached keys (padded to the longest row; 67 % of
-  the padded keys are real) another ~0.6 ms.
-So even with no per-row cost at all the ceiling is about 14 x 1.3 / (1.2 + 2.2) = 5.4x. bfloat16
-GEMMs (3-4x faster on AVX-512-BF16 cores) would lift it, but B=1 and B=16 then disagree on ~5 % of
-requests (fp32 gives identical tokens, the batch-invariance guarantee), so they are not used.
+Why the ratio stops near 4x in float32 on this 2-core machine (192 requests, best of 3):
+- a B=1 round takes ~1.3 ms, nearly all of it fixed cost (Python and hundreds of op dispatches); its
+  arithmetic, one block of ~8-16 tokens, is ~0.1 ms;
+- a B=16 round carries ~14 rows and ~120 tokens. It pays the same fixed cost, plus arithmetic that
+  is already compute-bound: the linear layers run near the fp32 GEMM peak of both cores (~200
+  GFLOPS), ~1.9 ms a round, and attention over each row's cached keys (padded to the longest row;
+  67 % of them are real) ~0.55 ms; then ~1 ms more of small per-token ops and per-row Python.
+Even with no per-row cost at all the ceiling would be 14 x 1.3 / (1.2 + 1.9 + 0.55) = 5.0x.
+On this shared VM the measured ratio ranged 3.6x-5.2x over runs (B=1 varies most).
+bfloat16 GEMMs (3-4x faster on AVX-512-BF16 cores) would lift it, but B=1 and B=16 then disagree
+on ~5 % of requests (fp32 gives identical tokens, the batch-invariance guarantee), so they are
+not used.
 
     .venv/bin/python benchmarks/decode_throughput.py --requests 192 --batch-size 16 --threads 2
 """
