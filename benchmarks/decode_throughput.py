@@ -15,7 +15,8 @@ Why the ratio stops near 4x in float32 on this 2-core machine (192 requests, bes
   GFLOPS), ~1.9 ms a round, and attention over each row's cached keys (padded to the longest row;
   67 % of them are real) ~0.55 ms; then ~1 ms more of small per-token ops and per-row Python.
 Even with no per-row cost at all the ceiling would be 14 x 1.3 / (1.2 + 1.9 + 0.55) = 5.0x.
-On this shared VM the measured ratio ranged 3.6x-5.2x over runs (B=1 varies most).
+On this shared VM the ratio ranged 3.6x-5.2x over 9 runs, median 3.9x (B=1 varies most); the
+CPU SDPA kernel that attention used before gave 3.1x-3.4x, interleaved with the same runs.
 bfloat16 GEMMs (3-4x faster on AVX-512-BF16 cores) would lift it, but B=1 and B=16 then disagree
 on ~5 % of requests (fp32 gives identical tokens, the batch-invariance guarantee), so they are
 not used.
