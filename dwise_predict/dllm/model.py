@@ -395,7 +395,7 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
         capacity = capacity or self.config.max_position_embeddings + 2 * self.config.block_size
         return TinyKVCache(self.config, n_slots, capacity, self.dtype, self.device)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # not no_grad: less bookkeeping per op, ~10 % off a one-request round
     def forward_step(self, cache: TinyKVCache, slots: torch.Tensor, input_ids: torch.Tensor,
                      n_valid: torch.Tensor, commit_len: torch.Tensor, out_start: torch.Tensor,
                      window: int | None = None, with_logits: bool = True):
