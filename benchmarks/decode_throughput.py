@@ -7,16 +7,17 @@ other tensor ops, and Python between ops — the model's and the decoder's; the 
 cores). Uses the shipped weights and the built-in corpus prompts when present, else a randomly
 initialised model on random prompts (said on stderr).
 
-Why the ratio stops near 4x in float32 on this 2-core machine (192 requests, best of 3):
-- a B=1 round takes ~1.3 ms, nearly all of it fixed cost (Python and hundreds of op dispatches); its
+Why the ratio stops near 4x in float32 on this 2-core machine (192 requests):
+- a B=1 round takes ~1.2 ms, nearly all of it fixed cost (Python and hundreds of op dispatches); its
   arithmetic, one block of ~8-16 tokens, is ~0.1 ms;
 - a B=16 round carries ~14 rows and ~120 tokens. It pays the same fixed cost, plus arithmetic that
   is already compute-bound: the linear layers run near the fp32 GEMM peak of both cores (~200
-  GFLOPS), ~1.9 ms a round, and attention over each row's cached keys (padded to the longest row;
-  67 % of them are real) ~0.55 ms; then ~1 ms more of small per-token ops and per-row Python.
-Even with no per-row cost at all the ceiling would be 14 x 1.3 / (1.2 + 1.9 + 0.55) = 5.0x.
-On this shared VM the ratio ranged 3.6x-5.2x over 9 runs, median 3.9x (B=1 varies most); the
-CPU SDPA kernel that attention used before gave 3.1x-3.4x, interleaved with the same runs.
+  GFLOPS), ~1.8 ms a round, and attention over each row's cached keys (padded to the longest row;
+  67 % of them are real) ~0.5 ms; then ~1 ms more of small per-token ops and per-row Python.
+Even with no per-row cost at all the ceiling would be 14 x 1.2 / (1.1 + 1.8 + 0.5) = 4.9x.
+On this shared VM speeds drift between quiet and busy spells, so the ratio ranged 3.0x-5.2x over
+14 runs; best of 5 in a quiet spell: 192 requests in 4.47 s at B=1 and 1.16 s at B=16, 3.9x.
+With the CPU SDPA kernel that decoding attention used before, interleaved runs gave 3.1x-3.4x.
 bfloat16 GEMMs (3-4x faster on AVX-512-BF16 cores) would lift it, but B=1 and B=16 then disagree
 on ~5 % of requests (fp32 gives identical tokens, the batch-invariance guarantee), so they are
 not used.
