@@ -81,7 +81,7 @@ class CountedRounds:
 
     def __init__(self, backend, skip: int = 0, n: int = 0) -> None:
         self.backend, self.skip, self.n, self.rounds = backend, skip, n, 0
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if n else None
         self.window_s = 0.0
 
     def __getattr__(self, name):
@@ -115,13 +115,13 @@ def run_once(backend, requests, batch_size: int, threshold: float):
 
 
 def measure(backend, requests, batch_size: int, threshold: float, repeats: int) -> dict:
-    """Best of ``repeats`` timed runs, then one run that profiles 200 steady-state rounds."""
+    """Best of ``repeats`` timed runs, then one run that profiles up to 200 steady-state rounds."""
     counted = CountedRounds(backend)
     wall, results = min((run_once(counted, requests, batch_size, threshold) for _ in range(repeats)),
                         key=lambda r: r[0])
     rounds = counted.rounds // repeats
-    window = min(200, rounds // 2)
-    profiled = CountedRounds(backend, skip=window // 4, n=window)
+    window = max(1, min(200, rounds // 2))
+    profiled = CountedRounds(backend, skip=max(1, window // 4), n=window)
     run_once(profiled, requests, batch_size, threshold)
     return {"B": batch_size, "wall_s": wall, "req_per_s": len(results) / wall, "rounds": rounds,
             "request_rounds": sum(r.prompt_blocks + r.total_rounds for r in results),

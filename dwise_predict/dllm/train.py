@@ -1,8 +1,8 @@
 """Training recipe of the tiny dLLM: the block-diffusion objective on the project's own corpus.
 
 Each step draws one category's examples from ``dllm.corpus`` (categories in a shuffled cycle, so
-every category gets the same number of steps and a batch never mixes a 300-token long-context prompt
-with 20-token ones), lays each out as
+every category gets its weighted share of the steps and a batch never mixes a 300-token long-context
+prompt with 20-token ones), lays each out as
 
     chat-templated prompt | answer | <eos> … up to a whole number of output blocks
 
