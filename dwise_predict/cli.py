@@ -130,11 +130,16 @@ app.command("simulate")(simulate_command)
 # ------------------------------------------------------------------------------------------------
 
 
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app and turn user errors into one line on stderr and exit code 1."""
     try:
         # standalone_mode=False: click returns a command's typer.Exit code instead of exiting
         code = app(args=argv, standalone_mode=False)
+        if code == INTERRUPTED:  # typer turns Ctrl-C into this code without a word; no command returns it
+            typer.echo("interrupted: rerun the same command to resume", err=True)
     except DwiseError as err:
         if os.environ.get("DWISE_DEBUG"):
             raise
@@ -144,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.exit_code
     except typer.Abort:
         typer.echo("aborted", err=True)
-        return 130
-    except KeyboardInterrupt:
-        typer.echo("interrupted: rerun the same command to resume", err=True)
-        return 130
+        return INTERRUPTED
     except Exception as err:  # click usage errors carry their own exit code
         import click
 

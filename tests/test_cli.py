@@ -42,3 +42,14 @@ def test_command_has_help_with_example(path, cmd, capsys):
 def test_console_script_runs_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-m", "dwise_predict.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and __version__ in out.stdout
+
+
+def test_ctrl_c_exits_130_with_one_line_saying_how_to_resume(monkeypatch, tmp_path, capsys):
+    from dwise_predict.dllm import train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "train_tiny", interrupted)
+    assert main(["dllm", "train-tiny", "--out", str(tmp_path / "m")]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted: rerun the same command to resume"

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from dwise_predict.dllm.corpus import generate_examples
 from dwise_predict.dllm.train import (
+    CHECKPOINT_NAME,
     TrainConfig,
     build_model_and_tokenizer,
     cap_batch,
@@ -18,7 +19,7 @@ from dwise_predict.dllm.train import (
     make_batch,
     train_tiny,
 )
-from dwise_predict.errors import ConfigError
+from dwise_predict.errors import ConfigError, InputError
 
 SMALL = {"hidden_size": 32, "n_layers": 1, "n_heads": 2, "batch_size": 4, "steps": 4, "warmup_steps": 2}
 
@@ -124,3 +125,47 @@ def test_training_is_deterministic_and_saves_a_loadable_model(tmp_path):
     model = AutoModel.from_pretrained(tmp_path / "a")
     tok = AutoTokenizer.from_pretrained(tmp_path / "a")
     assert model.config.mask_token_id == tok.mask_token_id and model.config.vocab_size == len(tok)
+
+
+def _stop_at(step: int):
+    """A progress callback that interrupts training after ``step`` steps, as Ctrl-C would."""
+    def progress(done, steps, loss):
+        if done == step:
+            raise KeyboardInterrupt
+    return progress
+
+
+def test_interrupted_training_resumes_to_the_same_weights_and_curve(tmp_path):
+    cfg = TrainConfig(**{**SMALL, "steps": 12})
+    whole = train_tiny(cfg, tmp_path / "whole", checkpoint_every=5)
+    assert whole.resumed_from == 0 and not (tmp_path / "whole" / CHECKPOINT_NAME).exists()
+
+    with pytest.raises(KeyboardInterrupt):
+        train_tiny(cfg, tmp_path / "cut", progress=_stop_at(8), checkpoint_every=5)
+    assert (tmp_path / "cut" / CHECKPOINT_NAME).is_file()
+    assert not (tmp_path / "cut" / "model.safetensors").exists()  # no half-trained model passes as done
+    resumed = train_tiny(cfg, tmp_path / "cut", checkpoint_every=5)
+
+    assert resumed.resumed_from == 5 and resumed.steps_done == 12
+    wa = load_file(tmp_path / "whole" / "model.safetensors")
+    wb = load_file(tmp_path / "cut" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ra, rb = (json.loads((tmp_path / d / "training.json").read_text()) for d in ("whole", "cut"))
+    assert ra["loss_curve"] == rb["loss_curve"]  # one entry at step 12, its window spanning the resume
+    assert rb["resumed_from_step"] == 5 and "resumed_from_step" not in ra
+    assert not (tmp_path / "cut" / CHECKPOINT_NAME).exists()
+
+
+def test_a_checkpoint_of_another_recipe_or_a_damaged_one_is_refused_and_kept(tmp_path):
+    cfg = TrainConfig(**{**SMALL, "steps": 12})
+    with pytest.raises(KeyboardInterrupt):
+        train_tiny(cfg, tmp_path / "m", progress=_stop_at(6), checkpoint_every=5)
+    checkpoint = tmp_path / "m" / CHECKPOINT_NAME
+    saved = checkpoint.read_bytes()
+    with pytest.raises(ConfigError, match=r"another recipe \(differs in seed, lr\)"):
+        train_tiny(TrainConfig(**{**SMALL, "steps": 12, "seed": 1, "lr": 3e-3}), tmp_path / "m")
+    assert checkpoint.read_bytes() == saved
+
+    checkpoint.write_bytes(saved[: len(saved) // 2])
+    with pytest.raises(InputError, match="not a readable training checkpoint.*delete it"):
+        train_tiny(cfg, tmp_path / "m")

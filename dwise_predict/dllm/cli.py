@@ -28,7 +28,8 @@ def train_tiny_command(
     minutes: Annotated[
         float | None,
         typer.Option(help="Stop after this many minutes even if steps remain (the result then depends on "
-                          "the machine's speed; the step count reached is recorded in training.json)."),
+                          "the machine's speed; the step count reached is recorded in training.json). "
+                          "Rerunning trains on from there."),
     ] = None,
     threads: Annotated[
         int | None, typer.Option(help="torch CPU threads (default: the recipe's, 2; the weights depend on it).")
@@ -44,6 +45,8 @@ def train_tiny_command(
     as a model directory that `AutoModel.from_pretrained` loads after `import dwise_predict.dllm`.
 
     With the defaults this reproduces the shipped weights (`dwise_predict/dllm/weights/`).
+    Interrupt it and rerun the same command: it resumes from its last checkpoint (at most 250
+    steps back) and ends with the same weights.
 
     Examples:
 
@@ -51,13 +54,15 @@ def train_tiny_command(
 
         dwise-predict dllm train-tiny --out /tmp/tiny-quick --steps 300 --minutes 2
     """
-    from dwise_predict.dllm.train import TrainConfig, train_tiny
+    from dwise_predict.dllm.train import CHECKPOINT_NAME, TrainConfig, train_tiny
 
     fields = {"seed": seed, "max_minutes": minutes}
     for name, value in (("steps", steps), ("threads", threads), ("precision", precision)):
         if value is not None:
             fields[name] = value
     cfg = TrainConfig(**fields)
+    if (out / CHECKPOINT_NAME).is_file():
+        print(f"resuming the interrupted run in {out}", file=sys.stderr)
     if sys.stderr.isatty():
         from rich.console import Console
         from rich.progress import Progress
@@ -69,7 +74,8 @@ def train_tiny_command(
     else:
         result = train_tiny(cfg, out, progress=_log_line)
     summary = {"out": str(result.out_dir), "steps": result.steps_done, "wall_s": round(result.wall_s, 1),
-               "final_loss": round(result.final_loss, 4), "parameters": result.parameters}
+               "final_loss": round(result.final_loss, 4), "parameters": result.parameters,
+               "resumed_from_step": result.resumed_from}
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
         return

@@ -26,7 +26,12 @@ smaller) left MCQ at chance again (0.23) and long context at 0.00. Long-context 
 further away than the budget: 6,000 steps on long context alone (contexts cut to 40-80 tokens) plus
 the copy drill, ~4,500 of them long-context steps against ~700 in the full recipe, only began to
 restate the queried keys (14 % of them when no two needles share a color or object, 3 % when they
-do) and retrieved no number (0 of 100 prompts either way). The output head is tied to
+do) and retrieved no number (0 of 100 prompts either way). Hard MCQ fails at its per-option checks
+(the model restates the options and stops at its first "yes", but its parity, comparison and
+membership verdicts are right for 69 % of the options it checks, where always saying "no" scores
+67 %). A third drill stating those checks for every option, balanced yes/no (weight 2, hard MCQ's
+own weight 1, 13,200 steps so the other shares stay put), lifted that to 74 %, left hard MCQ at 0.13
+and cost MCQ its margin (0.33). The output head is tied to
 the embeddings (``TinyDllmConfig.tie_word_embeddings``): instruction 0.03 → 0.12 and code 0.47 → 0.53
 in an otherwise unchanged earlier recipe.
 
@@ -37,6 +42,10 @@ differ). Two torch threads by default; the thread count is part of the recipe, s
 reductions, and so the weights, depend on it. Under heavy load from other processes two threads slow
 down far more than one (``--threads 1``). The default recipe (12,500 steps of 16 examples) ran
 18.2 min on the idle 2-core machine (~0.09 s/step).
+
+Every 250 steps the run's state (weights, AdamW moments, the masking generator, loss curve) goes to
+``train-checkpoint.safetensors`` in the output directory; rerunning an interrupted run continues from
+there to the same weights, byte for byte.
 
 The result is a model directory (``config.json``, ``model.safetensors``, tokenizer files,
 ``chat_template.jinja``) that ``AutoModel.from_pretrained`` loads once ``dwise_predict.dllm`` is
@@ -65,6 +74,9 @@ from dwise_predict.versions import package_versions
 
 # Training examples use corpus seeds far from the small seeds workloads and tests use.
 TRAIN_SEED_OFFSET = 1_000_000
+# An interrupted run resumes from here (inside the model directory; removed once the run completes).
+CHECKPOINT_NAME = "train-checkpoint.safetensors"
+CHECKPOINT_FORMAT = "dwise-predict tiny-dllm training checkpoint 1"
 
 
 @dataclass
@@ -122,13 +134,15 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """What ``train_tiny`` did: where it wrote, steps run, seconds, last logged loss, parameter count."""
+    """What ``train_tiny`` did: where it wrote, steps reached, seconds (all runs together), last logged
+    loss, parameter count, and where it resumed."""
 
     out_dir: Path
     steps_done: int
     wall_s: float
     final_loss: float
     parameters: int
+    resumed_from: int = 0  # the step an earlier, interrupted run had reached (0: a fresh run)
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -254,23 +268,107 @@ def _write_model_dir(model, tokenizer, out_dir: Path, record: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# --- checkpoints -------------------------------------------------------------------------------
+# One safetensors file holds everything a run needs to continue bit for bit: the float32 weights,
+# AdamW's moments and step counts, the masking generator's state, and (as JSON metadata) the recipe,
+# the step reached, the loss curve and the seconds spent. The corpus needs nothing: every step's
+# examples are seeded by the step index. Written atomically, so a kill leaves the previous one whole.
+
+
+def _named_parameters_in_optimizer_order(model, opt) -> list[tuple[str, torch.nn.Parameter]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(names[id(p)], p) for group in opt.param_groups for p in group["params"]]
+
+
+def save_checkpoint(path: Path, model, opt, gen: torch.Generator, progress: dict) -> None:
+    """Write the run's state at a step boundary (``progress``: recipe, steps_done, wall_s, loss_curve,
+    window)."""
+    from safetensors.torch import save
+
+    from dwise_predict.files import atomic_write_bytes
+
+    tensors = {"masking_rng": gen.get_state()}
+    for name, param in _named_parameters_in_optimizer_order(model, opt):
+        tensors[f"param.{name}"] = param.detach()
+        for key, value in opt.state.get(param, {}).items():
+            tensors[f"adam.{name}.{key}"] = value.reshape(-1)  # "step" is a 0-d tensor
+    metadata = {"format": CHECKPOINT_FORMAT, **{k: json.dumps(v) for k, v in progress.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata), durable=True)
+
+
+def load_checkpoint(path: Path, cfg: TrainConfig, model, opt, gen: torch.Generator) -> dict:
+    """Restore ``model``, ``opt`` and ``gen`` from ``path``; returns the saved progress.
+
+    Raises
+    ------
+    ConfigError
+        The checkpoint is of another recipe (the run to resume is not this one).
+    InputError
+        The file is damaged or not a training checkpoint.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if metadata.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"format {metadata.get('format')!r}")
+        progress = {k: json.loads(v) for k, v in metadata.items() if k != "format"}
+    except Exception as err:  # safetensors and json raise many types for a damaged file
+        raise InputError(f"{path} is not a readable training checkpoint ({err}): delete it to train from "
+                         "the start") from None
+    saved, wanted = progress["recipe"], asdict(cfg)
+    differ = [k for k in wanted if k != "max_minutes" and saved.get(k) != wanted[k]]
+    if differ:
+        raise ConfigError(f"{path.parent} holds an interrupted run of another recipe (differs in "
+                          f"{', '.join(differ)}): rerun with its options to resume it, delete {path} to "
+                          "start over, or choose another --out")
+    moments: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> AdamW state
+    for key, value in tensors.items():
+        if key.startswith("adam."):
+            name, field_ = key.removeprefix("adam.").rsplit(".", 1)
+            moments.setdefault(name, {})[field_] = value
+    state = opt.state_dict()  # AdamW keys its state by the parameter's index in optimiser order
+    with torch.no_grad():
+        for i, (name, param) in enumerate(_named_parameters_in_optimizer_order(model, opt)):
+            param.copy_(tensors[f"param.{name}"])
+            if name in moments:
+                state["state"][i] = {k: v.reshape(()) if k == "step" else v.view_as(param)
+                                     for k, v in moments[name].items()}
+    opt.load_state_dict(state)
+    gen.set_state(tensors["masking_rng"])
+    return progress
+
+
 # --- the loop -----------------------------------------------------------------------------------
 
 
 def train_tiny(cfg: TrainConfig, out_dir: str | Path,
-               progress: Callable[[int, int, float], None] | None = None) -> TrainResult:
+               progress: Callable[[int, int, float], None] | None = None,
+               checkpoint_every: int = 250) -> TrainResult:
     """Train the tiny dLLM with ``cfg`` and write the model directory ``out_dir``.
+
+    Resumable: every ``checkpoint_every`` steps (~20 s with the default recipe) the run's state goes
+    to ``out_dir/train-checkpoint.safetensors``; calling again with the same recipe continues from
+    there and ends with the same weights as an uninterrupted run. A run stopped by
+    ``cfg.max_minutes`` writes its model and keeps the checkpoint, so a rerun trains on (each call
+    gets ``max_minutes`` of its own). The checkpoint is deleted once all steps are done.
 
     Parameters
     ----------
     cfg : the recipe (``TrainConfig()`` reproduces the shipped weights).
     out_dir : model directory to write; files of the same names in it are replaced.
     progress : called as ``progress(step, steps, loss)`` after every step (e.g. a progress bar).
+    checkpoint_every : steps between checkpoints; does not change the result.
 
     Raises
     ------
     InputError
-        ``out_dir`` is an existing file.
+        ``out_dir`` is an existing file, or holds a damaged checkpoint.
+    ConfigError
+        ``out_dir`` holds the checkpoint of a run with another recipe.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -282,18 +380,22 @@ def train_tiny(cfg: TrainConfig, out_dir: str | Path,
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    checkpoint = out_dir / CHECKPOINT_NAME
+    run = {"recipe": asdict(cfg), "steps_done": 0, "wall_s": 0.0,
+           "loss_curve": [],  # [step, mean loss over the steps since the previous entry]
+           "window": []}  # losses since the last curve entry
+    if checkpoint.is_file():
+        run = {**run, **load_checkpoint(checkpoint, cfg, model, opt, gen), "recipe": asdict(cfg)}
+    resumed_from = run["steps_done"]
     schedule = category_schedule(cfg.categories + cfg.drills, cfg.steps, cfg.seed, cfg.step_weights)
     autocast_dtype = getattr(torch, cfg.precision)
     bs, mask_id, pad_id = cfg.block_size, tokenizer.mask_token_id, tokenizer.pad_token_id
-    losses: list[list[float]] = []  # [step, mean loss over the steps since the previous entry]
-    window: list[float] = []
-    steps_done = 0
-    t0 = time.perf_counter()
+    wall_before, t0 = run["wall_s"], time.perf_counter()
     model.train()
-    for step, category in enumerate(schedule):
+    for step in range(resumed_from, cfg.steps):
         if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
             break
-        examples = generate_examples(category, cfg.batch_size, TRAIN_SEED_OFFSET * (cfg.seed + 1) + step)
+        examples = generate_examples(schedule[step], cfg.batch_size, TRAIN_SEED_OFFSET * (cfg.seed + 1) + step)
         encoded = cap_batch([encode_example(tokenizer, e, bs) for e in examples], cfg.max_batch_tokens)
         batch = make_batch(encoded, bs, mask_id, pad_id, gen)
         with torch.autocast("cpu", dtype=autocast_dtype, enabled=cfg.precision != "float32"):
@@ -308,21 +410,30 @@ def train_tiny(cfg: TrainConfig, out_dir: str | Path,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        steps_done = step + 1
-        window.append(loss.item())
-        if steps_done % 50 == 0 or steps_done == cfg.steps:
-            losses.append([steps_done, sum(window) / len(window)])
-            window = []
+        run["steps_done"] = step + 1
+        run["window"].append(loss.item())
+        if run["steps_done"] % 50 == 0 or run["steps_done"] == cfg.steps:
+            run["loss_curve"].append([run["steps_done"], sum(run["window"]) / len(run["window"])])
+            run["window"] = []
+        run["wall_s"] = wall_before + time.perf_counter() - t0
+        if run["steps_done"] % checkpoint_every == 0 and run["steps_done"] < cfg.steps:
+            save_checkpoint(checkpoint, model, opt, gen, run)
         if progress is not None:
-            progress(steps_done, cfg.steps, loss.item())
-    wall = time.perf_counter() - t0
-    if window:  # stopped early by the time cap
-        losses.append([steps_done, sum(window) / len(window)])
+            progress(run["steps_done"], cfg.steps, loss.item())
+    steps_done, wall = run["steps_done"], run["wall_s"]
+    if steps_done < cfg.steps:  # stopped by the time cap: a rerun continues from here
+        save_checkpoint(checkpoint, model, opt, gen, run)
+    window = run["window"]
+    losses = run["loss_curve"] + ([[steps_done, sum(window) / len(window)]] if window else [])
     final = losses[-1][1] if losses else float("nan")
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     record = {"recipe": asdict(cfg), "steps_done": steps_done, "wall_s": round(wall, 1), "final_loss": final,
               "parameters": n_params, "loss_curve": losses, "threads": cfg.threads,
               "versions": package_versions()}
+    if resumed_from:
+        record["resumed_from_step"] = resumed_from
     _write_model_dir(model, tokenizer, out_dir, record)
-    return TrainResult(out_dir, steps_done, wall, final, n_params)
+    if steps_done == cfg.steps:
+        checkpoint.unlink(missing_ok=True)  # after the model is written: a kill in between only redoes the tail
+    return TrainResult(out_dir, steps_done, wall, final, n_params, resumed_from)
