@@ -169,3 +169,15 @@ def test_a_checkpoint_of_another_recipe_or_a_damaged_one_is_refused_and_kept(tmp
     checkpoint.write_bytes(saved[: len(saved) // 2])
     with pytest.raises(InputError, match="not a readable training checkpoint.*delete it"):
         train_tiny(cfg, tmp_path / "m")
+
+
+def test_a_run_stopped_by_its_time_cap_writes_a_model_and_a_rerun_trains_on(tmp_path):
+    cfg = TrainConfig(**{**SMALL, "steps": 6})
+    capped = train_tiny(TrainConfig(**{**SMALL, "steps": 6, "max_minutes": 1e-12}), tmp_path / "m")
+    assert capped.steps_done == 0 and (tmp_path / "m" / "model.safetensors").is_file()
+    assert (tmp_path / "m" / CHECKPOINT_NAME).is_file()
+    on = train_tiny(cfg, tmp_path / "m")  # the cap is when to stop, not what to train: resumes
+    whole = train_tiny(cfg, tmp_path / "whole")
+    assert on.steps_done == 6 and on.final_loss == whole.final_loss
+    wa, wb = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
