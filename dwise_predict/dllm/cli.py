@@ -54,7 +54,7 @@ def train_tiny_command(
 
         dwise-predict dllm train-tiny --out /tmp/tiny-quick --steps 300 --minutes 2
     """
-    from dwise_predict.dllm.train import CHECKPOINT_NAME, TrainConfig, train_tiny
+    from dwise_predict.dllm.train import CHECKPOINT_NAME, TrainConfig, checkpoint_progress, train_tiny
 
     fields = {"seed": seed, "max_minutes": minutes}
     for name, value in (("steps", steps), ("threads", threads), ("precision", precision)):
@@ -62,7 +62,8 @@ def train_tiny_command(
             fields[name] = value
     cfg = TrainConfig(**fields)
     if (out / CHECKPOINT_NAME).is_file():
-        print(f"resuming the interrupted run in {out}", file=sys.stderr)
+        done = checkpoint_progress(out / CHECKPOINT_NAME, cfg)["steps_done"]
+        print(f"resuming the interrupted run in {out} at step {done} of {cfg.steps}", file=sys.stderr)
     if sys.stderr.isatty():
         from rich.console import Console
         from rich.progress import Progress

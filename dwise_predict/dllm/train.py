@@ -297,8 +297,25 @@ def save_checkpoint(path: Path, model, opt, gen: torch.Generator, progress: dict
     atomic_write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata), durable=True)
 
 
-def load_checkpoint(path: Path, cfg: TrainConfig, model, opt, gen: torch.Generator) -> dict:
-    """Restore ``model``, ``opt`` and ``gen`` from ``path``; returns the saved progress.
+def _read_checkpoint(path: Path, with_tensors: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()} if with_tensors else {}
+        if metadata.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"format {metadata.get('format')!r}")
+        progress = {k: json.loads(v) for k, v in metadata.items() if k != "format"}
+    except Exception as err:  # safetensors and json raise many types for a damaged file
+        raise InputError(f"{path} is not a readable training checkpoint ({err}): delete it to train from "
+                         "the start") from None
+    return progress, tensors
+
+
+def checkpoint_progress(path: Path, cfg: TrainConfig) -> dict:
+    """The progress saved in ``path`` (``steps_done``, ``wall_s``, ...), once it is known to belong to
+    a run of ``cfg``.
 
     Raises
     ------
@@ -307,24 +324,25 @@ def load_checkpoint(path: Path, cfg: TrainConfig, model, opt, gen: torch.Generat
     InputError
         The file is damaged or not a training checkpoint.
     """
-    from safetensors import safe_open
+    progress, _ = _read_checkpoint(path, with_tensors=False)
+    _check_same_recipe(path, progress, cfg)
+    return progress
 
-    try:
-        with safe_open(path, framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        if metadata.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"format {metadata.get('format')!r}")
-        progress = {k: json.loads(v) for k, v in metadata.items() if k != "format"}
-    except Exception as err:  # safetensors and json raise many types for a damaged file
-        raise InputError(f"{path} is not a readable training checkpoint ({err}): delete it to train from "
-                         "the start") from None
+
+def _check_same_recipe(path: Path, progress: dict, cfg: TrainConfig) -> None:
     saved, wanted = progress["recipe"], asdict(cfg)
     differ = [k for k in wanted if k != "max_minutes" and saved.get(k) != wanted[k]]
     if differ:
         raise ConfigError(f"{path.parent} holds an interrupted run of another recipe (differs in "
                           f"{', '.join(differ)}): rerun with its options to resume it, delete {path} to "
                           "start over, or choose another --out")
+
+
+def load_checkpoint(path: Path, cfg: TrainConfig, model, opt, gen: torch.Generator) -> dict:
+    """Restore ``model``, ``opt`` and ``gen`` from ``path``; returns the saved progress. Raises as
+    :func:`checkpoint_progress` does."""
+    progress, tensors = _read_checkpoint(path, with_tensors=True)
+    _check_same_recipe(path, progress, cfg)
     moments: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> AdamW state
     for key, value in tensors.items():
         if key.startswith("adam."):
