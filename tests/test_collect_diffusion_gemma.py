@@ -42,7 +42,8 @@ def test_collect_diffusion_gemma_end_to_end(traces):
     np.testing.assert_allclose(forwards, req["total_rounds"], rtol=1e-5)
     assert ((req["mean_confidence"] > 0) & (req["mean_confidence"] <= 1)).all() and (req["mean_entropy"] > 0).all()
     m = traces.manifest
-    assert m["decoding"]["algorithm"] == "entropy_bound" and m["decoding"]["block_size"] == 8
+    assert m["decoding"]["algorithm"] == "transformers-EntropyBoundSampler" and m["decoding"]["block_size"] == 8
+    assert m["decoding"]["engine_faithful"] is False
     assert m["decoding"]["params"]["max_denoising_steps"] == 6 and m["model"]["hidden_size"] == 32
 
 
@@ -51,7 +52,7 @@ def test_backend_captures_the_first_round_and_is_seeded_per_request(model_dir, t
     row = traces.requests.iloc[0]
     ids = backend.tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
-    result, = backend.decode_requests([DecodeRequest(row["request_id"], ids, 24)], DecodingConfig(threshold=0.05))
+    result, = backend.decode_requests([DecodeRequest(row["request_id"], ids, 24)], DecodingConfig(algorithm_config={"threshold": 0.05}))
     assert result.rounds_per_block == list(row["rounds_per_block"])  # same seed, alone instead of in a batch
     np.testing.assert_allclose(result.first_round_hidden, traces.first_round[0], atol=1e-6)
 

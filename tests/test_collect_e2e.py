@@ -49,7 +49,7 @@ def test_collect_fills_contract_one_in_workload_order(reference, tiny_dir):
     assert req["request_id"].tolist() == [r.request_id for r in load_workload("tiny-default", 0, LIMIT).requests]
     assert req["workload_index"].tolist() == list(range(LIMIT))
     assert reference.first_round.shape == (LIMIT, 32) and reference.prompt_last.shape == (LIMIT, 32)
-    assert (req["prompt_blocks"] == np.ceil(req["prompt_tokens"] / 4)).all()
+    assert (req["prompt_blocks"] == req["prompt_tokens"] // 4).all()  # full prompt blocks: the prefill forwards
     assert (req["total_rounds"] == req["rounds_per_block"].map(sum)).all()
     assert (req["words"] == req["prompt"].str.split().map(len)).all()
     assert set(req["finish"]) <= {"eos", "budget"} and (req["output_tokens"] <= 16).all()
@@ -57,7 +57,8 @@ def test_collect_fills_contract_one_in_workload_order(reference, tiny_dir):
     assert req["correct"].isna().sum() == (req["category"] == "chat").sum()  # chat is not checkable
     m = reference.manifest
     assert m["model"]["path"] == str(tiny_dir) and len(m["model"]["weights_sha256"]) == 64
-    assert m["decoding"] == {**DECODING.to_dict(), "block_size": 4, "params": {}}
+    assert m["decoding"] == {**DECODING.to_dict(), "algorithm": "LowConfidence", "algorithm_config": {"threshold": 0.95},
+                             "block_size": 4, "params": {}, "engine": "sglang==0.5.23", "engine_faithful": True}
     assert m["counts"]["requests"] == LIMIT and m["workload"]["name"] == "tiny-default"
     assert sum(n for c in m["workload"]["composition"].values() for n in c.values()) == LIMIT
 
@@ -142,7 +143,7 @@ def test_bad_flags_are_reported_together(tmp_path, capsys):
                  "--shard", "2/2", "--limit", "0"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1
-    for flag in ("--threshold", "--batch-size", "--shard", "--limit"):
+    for flag in ("threshold", "--batch-size", "--shard", "--limit"):
         assert flag in err
 
 

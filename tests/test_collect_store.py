@@ -20,8 +20,9 @@ H = 6
 def _manifest(weights="w0", threshold=0.9, batch_size=4, shard=None):
     return {
         "model": {"name": "m", "weights_sha256": weights, "config_hash": "c0", "hidden_size": H},
-        "decoding": {"algorithm": "threshold", "threshold": threshold, "block_size": 4, "budget": 16,
-                     "dtype": "float32", "batch_size": batch_size, "params": {}},
+        "decoding": {"algorithm": "LowConfidence", "algorithm_config": {"threshold": threshold}, "block_size": 4,
+                     "budget": 16, "dtype": "float32", "batch_size": batch_size, "params": {},
+                     "engine": "sglang==0.5.23"},
         "workload": {"name": "wl", "seed": 0, "shard": shard, "composition": {}},
     }
 
@@ -62,7 +63,7 @@ def test_shards_consolidate_in_workload_order_and_load(tmp_path):
 def test_manifest_is_written_at_start(tmp_path):
     with TraceStore(tmp_path, _manifest()):
         manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["decoding"]["threshold"] == 0.9 and manifest["schema_version"] == 1
+    assert manifest["decoding"]["algorithm_config"] == {"threshold": 0.9} and manifest["schema_version"] == 2
 
 
 def test_crash_between_the_two_files_leaves_no_half_shard(tmp_path):
@@ -103,7 +104,7 @@ def test_other_model_or_decoding_config_is_refused_and_batch_size_is_not(tmp_pat
     before = (tmp_path / "manifest.json").read_text()
     with pytest.raises(StoreError, match="another model"):
         TraceStore(tmp_path, _manifest(weights="w1")).__enter__()
-    with pytest.raises(StoreError, match=r"another config \(threshold 0.9 vs 0.5\)"):
+    with pytest.raises(StoreError, match=r"another config \(algorithm_config \{'threshold': 0.9\} vs \{'threshold': 0.5\}\)"):
         TraceStore(tmp_path, _manifest(threshold=0.5)).__enter__()
     with pytest.raises(StoreError, match="workload shard None, this run asks for '0/2'"):
         TraceStore(tmp_path, _manifest(shard="0/2")).__enter__()
@@ -173,6 +174,21 @@ def test_merge_refuses_another_model_or_config(tmp_path):
     assert not (tmp_path / "m1" / "requests.parquet").exists()
 
 
+def test_traces_in_other_round_units_are_never_mixed(tmp_path):
+    """A collection of schema 1 (before the engine's units) cannot be resumed, nor merged with or alone."""
+    old = _collection(tmp_path / "old", [0, 1])
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 1}))
+    new = _collection(tmp_path / "new", [2, 3])
+    for inputs in ([new, old], [old, new], [old]):
+        with pytest.raises(StoreError, match="schema 1, in other round units .* recollect them") as err:
+            merge(inputs, tmp_path / "m")
+        assert "\n" not in str(err.value)
+    with pytest.raises(StoreError, match="schema 1, in other round units"):
+        TraceStore(old, _manifest()).__enter__()
+    assert not (tmp_path / "m").exists()
+
+
 def test_merge_refuses_conflicting_repeats(tmp_path):
     a = _collection(tmp_path / "a", [0, 1])
     b = tmp_path / "b"
@@ -189,4 +205,4 @@ def test_a_run_that_wrote_no_shard_binds_nothing(tmp_path):
         pass  # e.g. stopped by a bad option before decoding anything
     with TraceStore(tmp_path, _manifest()) as store:
         store.write_shard(*_rows([0]))
-    assert json.loads((tmp_path / "manifest.json").read_text())["decoding"]["threshold"] == 0.9
+    assert json.loads((tmp_path / "manifest.json").read_text())["decoding"]["algorithm_config"] == {"threshold": 0.9}

@@ -43,7 +43,7 @@ def backend_and_requests():
 
 
 def run(backend, requests, batch_size):
-    cfg = DecodingConfig(threshold=0.9, batch_size=batch_size)
+    cfg = DecodingConfig(algorithm_config={"threshold": 0.9}, batch_size=batch_size)
     return {r.request_id: r for r in decode(backend, requests, cfg)}
 
 

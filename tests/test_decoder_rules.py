@@ -71,16 +71,17 @@ class ScriptedBackend:
 
 
 def unmask_order(backend, slot=0):
-    """Positions unmasked in each denoising round of each block, read from the inputs seen."""
+    """Positions unmasked before each denoising forward of each output block, read from the inputs
+    seen. A block starts at the request's first denoising row or at a row carrying a commit."""
     blocks, prev = [], None
     for call in backend.calls:
         for row in call["rows"]:
             if row["slot"] != slot or row["prefill"]:
                 continue
             masked = [p for p, t in enumerate(row["block"]) if t == MASK]
-            if len(masked) == BS:
+            if prev is None or row["commit"]:
                 blocks.append([])
-            elif prev is not None:
+            else:
                 blocks[-1].append(sorted(set(prev) - set(masked)))
             prev = masked
     return blocks
@@ -89,66 +90,91 @@ def unmask_order(backend, slot=0):
 CONF = [0.95, 0.5, 0.92, 0.3, 0.99, 0.1, 0.6, 0.91]
 
 
-def test_threshold_rule_then_single_most_confident_fallback():
+def config(threshold, batch_size=1, algorithm="LowConfidence"):
+    return DecodingConfig(algorithm=algorithm, algorithm_config={"threshold": threshold}, batch_size=batch_size)
+
+
+def test_low_confidence_rule_leftover_prompt_and_the_forward_that_persists_a_block():
     tokens = [[3 + p for p in range(BS)]] * 4
     be = ScriptedBackend([CONF] * 4, tokens)
-    (res,) = decode(be, [DecodeRequest("a", list(range(3, 13)), budget=16)],
-                    DecodingConfig(threshold=0.9, batch_size=1))
-    # round 1: every position >= 0.9; then one per round, most confident first: 6, 1, 3, 5
-    assert res.rounds_per_block == [5, 5]
-    # the last round's unmasking is seen in the next block's carried commit; check the first block
+    # 10 prompt tokens: one full prompt block; tokens 11, 12 open the first output block under the prompt mask
+    (res,) = decode(be, [DecodeRequest("a", list(range(3, 13)), budget=16)], config(0.9))
+    assert res.prompt_tokens == 10 and res.prompt_blocks == 1
+    # block 1: positions 2..7 masked; above 0.9 (strictly): 2, 4, 7; then one per step, most confident
+    # first: 6, 3, 5; the fifth forward sees no mask and says done: 4 steps cost 5 forwards
     order = unmask_order(be)
-    assert order[0] == [[0, 2, 4, 7], [6], [1], [3]]
-    assert order[1][0] == [0, 2, 4, 7]
-    assert res.output_ids == tokens[0] * 2 and res.finish == "budget"
-    assert res.prompt_tokens == 10 and res.prompt_blocks == 2
-    # rounds: 2 prefill + 10 denoising, the commit of block 1 carried in round 8 (no extra round)
-    assert len(be.calls) == res.prompt_blocks + res.total_rounds == 12
+    assert order[0] == [[2, 4, 7], [6], [3], [5]]
+    assert order[1] == [[0, 2, 4, 7], [6], [1], [3], [5]]
+    assert res.rounds_per_block == [5, 6, 6]
+    # block 1 emits its 6 output positions, then 8 + 8 until the budget of 16 is reached and cut
+    assert res.output_ids == (tokens[0][2:] + tokens[0] + tokens[0])[:16] and res.finish == "budget"
+    # one prefill round, then every denoising forward; finished blocks ride along (no extra round)
+    assert len(be.calls) == res.prompt_blocks + res.total_rounds == 18
     carried = [row for call in be.calls for row in call["rows"] if row["commit"] == BS and not row["prefill"]]
-    assert len(carried) == 1
-    # early signals of the first denoising round over its 8 masked positions
-    assert res.frac_over_threshold == pytest.approx(4 / 8)
-    assert res.mean_confidence == pytest.approx(np.mean(CONF), abs=1e-6)
-    ent = [-(c * math.log(c) + (1 - c) * math.log((1 - c) / (V - 2))) for c in CONF]
+    assert len(carried) == 2
+    # early signals of the first denoising forward over its 6 masked positions
+    assert res.frac_over_threshold == pytest.approx(3 / 6)
+    assert res.mean_confidence == pytest.approx(np.mean(CONF[2:]), abs=1e-6)
+    ent = [-(c * math.log(c) + (1 - c) * math.log((1 - c) / (V - 2))) for c in CONF[2:]]
     assert res.mean_entropy == pytest.approx(np.mean(ent), abs=1e-4)
     assert np.all(res.first_round_hidden == 1.0) and np.all(res.prompt_last_hidden == -1.0)
 
 
-def test_nothing_over_threshold_unmasks_one_per_round():
+def test_nothing_over_threshold_fills_one_per_step():
     be = ScriptedBackend([CONF] * 2, [[3] * BS] * 2)
-    (res,) = decode(be, [DecodeRequest("a", [3, 4, 5], budget=8)], DecodingConfig(threshold=1.0, batch_size=1))
-    assert res.rounds_per_block == [BS]
-    assert unmask_order(be)[0] == [[4], [0], [2], [7], [6], [1], [3]]  # by confidence
-    assert res.frac_over_threshold == 0.0
+    (res,) = decode(be, [DecodeRequest("a", [3, 4, 5], budget=8)], config(1.0))
+    # a prompt shorter than a block: no prefill; its 3 tokens lead the first output block
+    assert res.prompt_blocks == 0 and len(be.calls) == res.total_rounds
+    assert unmask_order(be)[0] == [[4], [7], [6], [3], [5]]  # by confidence
+    assert res.rounds_per_block == [6, BS + 1]  # 5 + 3 = 8 tokens reach the budget after block 2
+    assert res.output_ids == [3] * 8 and res.frac_over_threshold == 0.0
+    assert np.all(res.prompt_last_hidden == 1.0)  # the leftover prompt rows of the first forward
 
 
 def test_eos_block_ends_generation_and_output_stops_before_eos():
     tokens = [[3] * BS, [4, 4, 4, EOS, 5, 5, 5, 5], [6] * BS]
     be = ScriptedBackend([[0.99] * BS] * 3, tokens)
-    (res,) = decode(be, [DecodeRequest("a", [3] * 8, budget=64)], DecodingConfig(threshold=0.9, batch_size=1))
+    (res,) = decode(be, [DecodeRequest("a", [3] * 8, budget=64)], config(0.9))
     assert res.finish == "eos"
-    assert res.rounds_per_block == [1, 1]
+    assert res.rounds_per_block == [2, 2]  # one step fills the block, one more forward persists it
     assert res.output_ids == [3] * BS + [4, 4, 4]
-    assert len(be.calls) == 1 + 2
+    assert len(be.calls) == 1 + 4
 
 
-def test_budget_stops_at_the_block_that_reaches_it():
+def test_budget_counts_the_first_blocks_leftover_prompt():
     be = ScriptedBackend([[0.99] * BS] * 4, [[3] * BS] * 4)
-    (res,) = decode(be, [DecodeRequest("a", [3] * 5, budget=20)], DecodingConfig(threshold=0.9, batch_size=1))
+    (res,) = decode(be, [DecodeRequest("a", [3] * 5, budget=20)], config(0.9))
     assert res.finish == "budget"
-    assert res.rounds_per_block == [1, 1, 1]  # ceil(20 / 8) blocks
+    assert res.rounds_per_block == [2, 2, 2, 2]  # 3 + 8 + 8 = 19 < 20: a fourth block
     assert res.output_tokens == 20
 
 
+def test_joint_threshold_edits_and_finishes_when_nothing_changes():
+    # position 0's top-1 is token 4 while it is masked, token 3 once it holds a token: one edit
+    class Flip(ScriptedBackend):
+        def step(self, batch):
+            out = super().step(batch)
+            for r in range(len(batch.slots)):
+                start = int(batch.out_start[r])
+                if int(batch.input_ids[r, start]) != MASK:
+                    out.logits[r, 0] = out.logits[r, 0, [0, 1, 2, 4, 3, 5, 6, 7, 8, 9, 10, 11]]
+            return out
+
+    tokens = [[4] + [3] * (BS - 1)] * 2
+    be = Flip([[0.99] * BS] * 2, tokens)
+    (res,) = decode(be, [DecodeRequest("a", [3] * 8, budget=8)], config(0.5, algorithm="JointThreshold"))
+    # forward 1: fill all (position 0 gets 4); forward 2: edit 4 -> 3; forward 3: nothing changes, done
+    assert res.rounds_per_block == [3] and res.output_ids == [3] * BS
+
+
 def test_batched_rounds_equal_single_and_slots_refill():
-    conf_sets = {0.99: [[0.99] * BS] * 4, 0.5: [CONF] * 4}
     reqs = [DecodeRequest(f"r{i}", [3] * (1 + 5 * i), budget=8 * (1 + i % 3)) for i in range(6)]
     singles = {}
     for r in reqs:
-        (res,) = decode(ScriptedBackend(conf_sets[0.5], [[3] * BS] * 4), [r], DecodingConfig(threshold=0.9, batch_size=1))
+        (res,) = decode(ScriptedBackend([CONF] * 4, [[3] * BS] * 4), [r], config(0.9))
         singles[r.request_id] = res
-    be = ScriptedBackend(conf_sets[0.5], [[3] * BS] * 4)
-    batched = {res.request_id: res for res in decode(be, reqs, DecodingConfig(threshold=0.9, batch_size=2))}
+    be = ScriptedBackend([CONF] * 4, [[3] * BS] * 4)
+    batched = {res.request_id: res for res in decode(be, reqs, config(0.9, batch_size=2))}
     for rid, res in singles.items():
         assert batched[rid].rounds_per_block == res.rounds_per_block
         assert batched[rid].output_ids == res.output_ids
@@ -161,7 +187,7 @@ def test_batched_rounds_equal_single_and_slots_refill():
 
 def test_bad_input_is_one_clear_error():
     be = ScriptedBackend([CONF], [[3] * BS])
-    cfg = DecodingConfig(threshold=0.9, batch_size=2)
+    cfg = config(0.9, batch_size=2)
     with pytest.raises(InputError, match="no requests"):
         decode(be, [], cfg)
     with pytest.raises(InputError, match="context of 256 tokens"):
@@ -170,9 +196,16 @@ def test_bad_input_is_one_clear_error():
         decode(be, [DecodeRequest("e", [], budget=16)], cfg)
     with pytest.raises(InputError, match="duplicate request id"):
         decode(be, [DecodeRequest("d", [3], budget=8), DecodeRequest("d", [4], budget=8)], cfg)
-    for kwargs in ({"threshold": 0.0}, {"threshold": 1.5}, {"block_size": 0}, {"block_size": -4}):
-        with pytest.raises(ConfigError):
+    bad = [({"algorithm_config": {"threshold": 1.5}}, "threshold must be a number in"),
+           ({"algorithm_config": {"edit_threshold": 0.1}}, "LowConfidence has no parameter edit_threshold"),
+           ({"algorithm": "LowConfidance"}, "unknown algorithm 'LowConfidance'"),
+           ({"algorithm": "Gemma4Renoise"}, "separate context-encoding pass"),
+           ({"algorithm": "JointThreshold", "algorithm_config": {"max_post_edit_steps": -1}}, "integer >= 0"),
+           ({"block_size": 0}, "--block-size"), ({"block_size": -4}, "--block-size")]
+    for kwargs, message in bad:
+        with pytest.raises(ConfigError, match=message) as err:
             DecodingConfig(**kwargs)
+        assert "\n" not in str(err.value)
     assert isinstance(be, BlockBackend)
 
 

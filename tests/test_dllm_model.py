@@ -46,48 +46,49 @@ def test_padding_is_never_attended(model):
 
 
 def test_noisy_stream_sees_clean_earlier_blocks(model):
-    plen, T = 6, 14  # prompt blocks [0:4] [4:6], output blocks [6:10] [10:14]
+    plen, T = 6, 12  # grid blocks [0:4] prompt, [4:8] = 2 leftover prompt tokens + 2 outputs, [8:12]
     ids = torch.randint(8, 64, (2, T))
-    noisy = ids[:, plen:].clone()  # (2, 8) noisy copy of the response
-    noisy[:, 1:3] = model.config.mask_token_id  # in output block 0
+    noisy = ids[:, 4:].clone()  # (2, 8) noisy copy from the first output block on
+    noisy[:, 2:4] = model.config.mask_token_id  # the output positions of output block 0
     noisy[:, 4:7] = model.config.mask_token_id  # in output block 1
     lengths = torch.tensor([plen, plen])
     with torch.no_grad():
         dual = model(ids, prompt_lengths=lengths, noisy_ids=noisy).logits  # (2, 8, V)
         # reference for output block 1: clean prompt and clean block 0, then noisy block 1
-        ref = model(torch.cat([ids[:, :10], noisy[:, 4:]], dim=1), prompt_lengths=lengths).logits
-        ref0 = model(torch.cat([ids[:, :6], noisy[:, :4]], dim=1), prompt_lengths=lengths).logits
+        ref = model(torch.cat([ids[:, :8], noisy[:, 4:]], dim=1)).logits
+        ref0 = model(torch.cat([ids[:, :4], noisy[:, :4]], dim=1)).logits
     assert dual.shape == (2, 8, model.config.vocab_size)
-    torch.testing.assert_close(dual[:, 4:], ref[:, 10:14], atol=1e-5, rtol=0)
-    torch.testing.assert_close(dual[:, :4], ref0[:, 6:10], atol=1e-5, rtol=0)
+    torch.testing.assert_close(dual[:, 4:], ref[:, 8:12], atol=1e-5, rtol=0)
+    torch.testing.assert_close(dual[:, :4], ref0[:, 4:8], atol=1e-5, rtol=0)
 
 
-def test_block_ids_start_output_after_the_prompt():
-    got = block_ids_for(torch.tensor([5, 8]), 14, BS)
-    assert got[0].tolist() == [0, 0, 0, 0, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4]
-    assert got[1].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3]
+def test_block_ids_follow_the_engines_grid():
+    assert block_ids_for(14, BS)[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3]
 
 
 def test_cached_rounds_equal_the_full_forward(model):
-    prompt_len, T = 7, 15  # prompt blocks of 4 + 3 tokens, output blocks at 7..10 and 11..14
+    T = 15  # prompt of 7: block [0:4], then [4:8] = 3 leftover prompt tokens + 1 output, [8:12], [12:15]
     ids = torch.randint(8, 64, (2, T))
     with torch.no_grad():
-        full = model(ids, prompt_lengths=torch.tensor([prompt_len] * 2))
+        full = model(ids)
     cache = model.allocate_cache(3)
     slots = torch.tensor([2, 0])  # any slots, in any order
     t = torch.tensor
-    model.forward_step(cache, slots, ids[:, :4], t([4, 4]), t([4, 4]), t([0, 0]))
-    chunk = torch.zeros(2, 4, dtype=torch.long)
-    chunk[:, :3] = ids[:, 4:7]
-    _, h = model.forward_step(cache, slots, chunk, t([3, 3]), t([3, 3]), t([0, 0]))
-    torch.testing.assert_close(h[:, :3], full.hidden_states[:, 4:7], atol=1e-5, rtol=0)
-    logits, h = model.forward_step(cache, slots, ids[:, 7:11], t([4, 4]), t([0, 0]), t([0, 0]))
-    torch.testing.assert_close(logits, full.logits[:, 7:11], atol=1e-5, rtol=0)
-    assert cache.lengths.tolist() == [7, 0, 7]
+    model.forward_step(cache, slots, ids[:, :4], t([4, 4]), t([4, 4]), t([0, 0]))  # the prompt block
+    logits, h = model.forward_step(cache, slots, ids[:, 4:8], t([4, 4]), t([0, 0]), t([0, 0]))
+    torch.testing.assert_close(logits, full.logits[:, 4:8], atol=1e-5, rtol=0)
+    torch.testing.assert_close(h, full.hidden_states[:, 4:8], atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [4, 0, 4]
     # commit the finished block and run the next one in the same row
-    logits, h = model.forward_step(cache, slots, ids[:, 7:15], t([8, 8]), t([4, 4]), t([4, 4]))
-    torch.testing.assert_close(logits, full.logits[:, 11:15], atol=1e-5, rtol=0)
-    assert cache.lengths.tolist() == [11, 0, 11]
+    logits, h = model.forward_step(cache, slots, ids[:, 4:12], t([8, 8]), t([4, 4]), t([4, 4]))
+    torch.testing.assert_close(logits, full.logits[:, 8:12], atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [8, 0, 8]
+    # a short last chunk (3 valid tokens of a 4-wide window)
+    chunk = torch.zeros(2, 8, dtype=torch.long)
+    chunk[:, :7] = ids[:, 8:15]
+    logits, h = model.forward_step(cache, slots, chunk, t([7, 7]), t([4, 4]), t([4, 4]))
+    torch.testing.assert_close(logits[:, :3], full.logits[:, 12:15], atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [12, 0, 12]
 
 
 def test_output_head_is_tied_to_the_embeddings_unless_asked_not_to(tmp_path):

@@ -2,7 +2,7 @@
 reasons, and answers on the deterministic categories are right far above chance.
 
 Decodes 8 x 40 generated prompts (corpus seed 7, disjoint from the training stream) with the
-package's own decoder at the default threshold 0.9, block size 8, batch 48. Run with ``-s`` to see
+package's own decoder at its defaults (SGLang's LowConfidence, threshold 0.95), block size 8, batch 48. Run with ``-s`` to see
 the per-category table (rounds p10/p50/p90, accuracy).
 """
 
@@ -66,7 +66,7 @@ def decoded():
                                           tokenize=True, return_dict=False)
             requests.append(DecodeRequest(rid, list(ids), budget=128))
     rows = []
-    for r in decode(backend, requests, DecodingConfig(threshold=0.9, batch_size=48, budget=128)):
+    for r in decode(backend, requests, DecodingConfig(batch_size=48, budget=128)):
         e = examples[r.request_id]
         rows.append({"category": e.category, "rounds": r.total_rounds, "count": e.meta["count"],
                      "correct": check_answer(e, tok.decode(r.output_ids)), "finish": r.finish})

@@ -34,27 +34,29 @@ def _encoded(tokenizer, n=6):
     return [encode_example(tokenizer, e, 8) for e in examples]
 
 
-def test_answers_end_with_eos_up_to_whole_blocks(model_and_tokenizer):
+def test_answers_end_with_eos_up_to_the_end_of_a_grid_block(model_and_tokenizer):
     _, tok = model_and_tokenizer
     for ids, p in _encoded(tok):
         response = ids[p:]
-        assert len(response) % 8 == 0 and response[-1] == tok.eos_token_id
+        assert len(ids) % 8 == 0 and response[-1] == tok.eos_token_id  # blocks from the first token
         first_eos = response.index(tok.eos_token_id)
         assert all(t == tok.eos_token_id for t in response[first_eos:])
         assert ids[p - 1] == tok.convert_tokens_to_ids("<assistant>")
 
 
-def test_every_response_block_is_masked_and_nothing_else(model_and_tokenizer):
+def test_every_output_block_is_masked_and_nothing_else(model_and_tokenizer):
     _, tok = model_and_tokenizer
     enc = _encoded(tok)
     batch = make_batch(enc, 8, tok.mask_token_id, tok.pad_token_id, torch.Generator().manual_seed(0))
     masked, valid = batch["loss_mask"], batch["noisy_valid"]
     assert not (masked & ~valid).any()
     for i, (ids, p) in enumerate(enc):
-        n_blocks = (len(ids) - p) // 8
+        start = p // 8 * 8  # the first output block opens with the prompt's leftover tokens
+        n_blocks = (len(ids) - start) // 8
         per_block = masked[i, : n_blocks * 8].view(n_blocks, 8).sum(-1)
         assert (per_block >= 1).all()
-        assert torch.equal(batch["targets"][i, : len(ids) - p], torch.tensor(ids[p:]))
+        assert not masked[i, : p - start].any()  # leftover prompt tokens stay clean (the prompt mask)
+        assert torch.equal(batch["targets"][i, : len(ids) - start], torch.tensor(ids[start:]))
     assert (batch["noisy_ids"][masked] == tok.mask_token_id).all()
     assert (batch["noisy_ids"][~masked] == batch["targets"][~masked]).all()
     # ratios differ per block, so the masked fraction spans a wide range
@@ -64,7 +66,7 @@ def test_every_response_block_is_masked_and_nothing_else(model_and_tokenizer):
 
 def test_two_stream_objective_shows_each_noisy_block_what_the_decoder_shows_it(model_and_tokenizer):
     """Noisy block b in the one-pass objective == a plain block-causal pass over
-    [prompt | clean blocks < b | noisy block b], the decoder's view while denoising block b."""
+    [clean blocks before it | noisy block b], the decoder's view while denoising block b."""
     model, tok = model_and_tokenizer
     enc = _encoded(tok)
     batch = make_batch(enc, 8, tok.mask_token_id, tok.pad_token_id, torch.Generator().manual_seed(1))
@@ -73,19 +75,20 @@ def test_two_stream_objective_shows_each_noisy_block_what_the_decoder_shows_it(m
                        prompt_lengths=batch["prompt_lengths"], noisy_ids=batch["noisy_ids"],
                        noisy_mask=batch["noisy_valid"]).logits  # (B, R, V)
         for i, (ids, p) in enumerate(enc):
-            for b in range((len(ids) - p) // 8):
+            start = p // 8 * 8
+            for b in range((len(ids) - start) // 8):
                 noisy_block = batch["noisy_ids"][i, 8 * b: 8 * b + 8]
-                seq = torch.cat([torch.tensor(ids[: p + 8 * b]), noisy_block])[None]
-                plain = model(seq, prompt_lengths=torch.tensor([p])).logits[0, -8:]
+                seq = torch.cat([torch.tensor(ids[: start + 8 * b]), noisy_block])[None]
+                plain = model(seq).logits[0, -8:]
                 torch.testing.assert_close(logits[i, 8 * b: 8 * b + 8], plain, atol=1e-5, rtol=1e-4)
 
 
 def test_long_batches_are_capped_by_tokens(model_and_tokenizer):
     _, tok = model_and_tokenizer
     enc = [encode_example(tok, e, 8) for e in generate_examples("long_context", 32, seed=2)]
-    capped = cap_batch(enc, 5120)
+    capped = cap_batch(enc, 5120, 8)
     T = max(len(ids) for ids, _ in capped)
-    R = max(len(ids) - p for ids, p in capped)
+    R = max(len(ids) - p // 8 * 8 for ids, p in capped)
     assert 1 <= len(capped) < 32 and len(capped) * (T + R) <= 5120
 
 

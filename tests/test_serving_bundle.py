@@ -31,7 +31,7 @@ def test_admission_matches_the_lightgbm_text_model(bundle_and_traces, inputs):
 
     path, _ = bundle_and_traces
     b = load_bundle(path, expect_model={"config_hash": "synthetic-0", "hidden_size": HIDDEN},
-                    expect_decoding={"threshold": 0.9, "block_size": 8})
+                    expect_decoding={"algorithm_config": {}, "block_size": 8})
     features = inputs[3]
     expected = np.expm1(lightgbm.Booster(model_file=str(path / "admission.txt")).predict(features.astype(float)))
     got = b.admission(features)
@@ -85,7 +85,9 @@ def test_refine_rejects_the_wrong_hidden_size(bundle_and_traces):
         ({"config_hash": "llada2-abc"}, None, "model.config_hash"),
         ({"hidden_size": 4096}, None, "model.hidden_size"),
         ({"weights_sha256": "f" * 64}, None, "model.weights_sha256"),
-        (None, {"threshold": 0.95}, "decoding.threshold"),
+        (None, {"algorithm": "LowConfidence"}, "decoding.algorithm"),
+        (None, {"algorithm_config": {"threshold": 0.95}}, "decoding.algorithm_config"),
+        (None, {"engine": "sglang==0.5.23"}, "decoding.engine"),
         (None, {"block_size": 32}, "decoding.block_size"),
     ],
 )

@@ -22,7 +22,7 @@ def test_roundtrip_keeps_rows_hidden_and_fingerprint(tmp_path, synthetic_traces)
     table = pd.read_parquet(tmp_path / "t" / "requests.parquet")
     assert table["total_rounds"].sum() == synthetic_traces.requests["total_rounds"].sum()
     manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
-    assert manifest["counts"]["requests"] == 480 and manifest["schema_version"] == 1
+    assert manifest["counts"]["requests"] == 480 and manifest["schema_version"] == 2
 
 
 def test_same_seed_same_traces_other_seed_differs():

@@ -33,7 +33,9 @@ def collect_command(
     limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests (a quick try).")] = None,
     seed: Annotated[int, typer.Option(help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = _DEFAULT.batch_size,
-    threshold: Annotated[float, typer.Option(help="Unmask positions whose top-1 probability reaches this.")] = _DEFAULT.threshold,
+    algorithm: Annotated[Optional[str], typer.Option(help="SGLang dLLM algorithm: LowConfidence, JointThreshold [default: what SGLang serves the model with].")] = None,
+    algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object or a .json file, as SGLang\'s --dllm-algorithm-config (e.g. \'{"threshold": 0.9}\').')] = None,
+    threshold: Annotated[Optional[float], typer.Option(help="Shorthand for the algorithm's threshold parameter.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per block [default: the model's].")] = None,
     budget: Annotated[int, typer.Option(help="Output budget in tokens (unless the workload sets one).")] = _DEFAULT.budget,
     dtype: Annotated[Dtype, typer.Option(help="Model dtype.")] = Dtype(_DEFAULT.dtype),
@@ -60,8 +62,11 @@ def collect_command(
 
     problems = []
     try:
-        decoding = DecodingConfig(threshold=threshold, block_size=block_size, budget=budget, dtype=dtype.value,
-                                  batch_size=batch_size)
+        params = _algorithm_config(algorithm_config)
+        if threshold is not None:
+            params["threshold"] = threshold
+        decoding = DecodingConfig(algorithm=algorithm, algorithm_config=params, block_size=block_size,
+                                  budget=budget, dtype=dtype.value, batch_size=batch_size)
     except ConfigError as err:
         problems.append(str(err))
     try:
@@ -80,6 +85,26 @@ def collect_command(
                        device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
                        allow_missing=allow_missing)
     _print_summary(path, json_out)
+
+
+def _algorithm_config(value: str | None) -> dict:
+    """``--algorithm-config``: a JSON object given inline or as a file path."""
+    if value is None:
+        return {}
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = Path(value).read_text()
+        except OSError as err:
+            raise ConfigError(f"--algorithm-config: not a JSON object and not a readable file ({err.strerror}): "
+                              "pass e.g. '{\"threshold\": 0.9}'") from None
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--algorithm-config is not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(params, dict):
+        raise ConfigError(f"--algorithm-config must be a JSON object, got {type(params).__name__}")
+    return params
 
 
 def merge_command(
@@ -132,8 +157,8 @@ def _print_summary(path: Path, json_out: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    algorithm = decoding.get("algorithm")
-    rule = f"threshold {decoding.get('threshold')}" if algorithm == "threshold" else algorithm
+    params = ", ".join(f"{k} {v}" for k, v in (decoding.get("algorithm_config") or {}).items())
+    rule = f"{decoding.get('algorithm')} ({params})" if params else str(decoding.get("algorithm"))
     title = (f"{path}: {len(requests)} requests, model {model.get('name')}, "
              f"{rule}, block {decoding.get('block_size')}, "
              f"budget {decoding.get('budget')}" + ("" if complete else " (still collecting: shards only)"))

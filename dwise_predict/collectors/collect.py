@@ -26,6 +26,7 @@ import pandas as pd
 from dwise_predict.collectors.scoring import score_answer
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
+from dwise_predict.engine import ENGINE, default_algorithm, make_rule
 from dwise_predict.errors import ConfigError, ModelError
 from dwise_predict.versions import package_versions
 
@@ -131,6 +132,7 @@ def collect(
                                block_size=decoding.block_size)
         if getattr(backend, "tokenizer", None) is None:
             raise ModelError(f"{model} has no tokenizer (tokenizer.json): collect needs its chat template")
+        decoding = resolve_decoding(backend, decoding)
         store.begin(_manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device,
                               [requests[i] for run in owned for i in run]))
         done = store.finished_ids()
@@ -152,6 +154,18 @@ def collect(
             )
         store.consolidate({"requests": state.total, "resumed": state.resumed})
     return Path(out)
+
+
+def resolve_decoding(backend, decoding: DecodingConfig) -> DecodingConfig:
+    """The decoding config as it will run: the algorithm SGLang would pick for this architecture when
+    none is given, and every algorithm parameter with its value (SGLang's defaults filled in)."""
+    if getattr(backend, "runs_own_loop", False):
+        if decoding.algorithm is not None:
+            raise ConfigError(f"this model decodes with its own loop ({backend.algorithm}): drop --algorithm")
+        return decoding
+    algorithm = decoding.algorithm or default_algorithm(getattr(backend, "architecture", None))
+    rule = make_rule(algorithm, backend.mask_token_id, decoding.algorithm_config)
+    return replace(decoding, algorithm=algorithm, algorithm_config=rule.params)
 
 
 def _decode(backend, decode_requests: list[DecodeRequest], decoding: DecodingConfig, seed: int,
@@ -230,6 +244,8 @@ def _manifest(backend, decoding, plan_workload, spec, limit, shard, per_shard, d
             "algorithm": getattr(backend, "algorithm", decoding.algorithm),
             "block_size": int(decoding.block_size or backend.block_size),
             "params": backend.decoding_params() if hasattr(backend, "decoding_params") else {},
+            "engine": ENGINE,
+            "engine_faithful": getattr(backend, "engine_faithful", True),
         },
         "workload": {
             "name": plan_workload.name,

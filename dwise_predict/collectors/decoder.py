@@ -1,42 +1,46 @@
-"""The instrumented, step-level-batched threshold decoder (one loop for every backend).
+"""The instrumented, step-level-batched decoder: SGLang's dLLM semantics, one loop for every backend.
 
-Rules (DESIGN.md vocabulary)
-----------------------------
+What a request costs is decided by :mod:`dwise_predict.engine` (the serving engine is the source of
+truth); this module batches requests through a ``BlockBackend`` in those units and records them.
+
+Rules
+-----
 - A **round** is one batched ``backend.step``. Each active slot contributes one row: a prompt block
-  (prefill) or one denoising step of its current output block. Requests at different stages share a
-  round, and a finished request's slot is refilled from the queue before the next round.
-- **Prefill**: the prompt is cut into ``ceil(prompt_tokens / block)`` blocks from its first token (the
-  last may be short), one per round, each committed to the slot's KV cache.
-- **Output blocks** of ``block`` tokens start right after the prompt, fully masked. Each round every
-  masked position whose top-1 probability is at least ``threshold`` takes its top-1 token, and at
-  least the single most confident masked position does; the ``<mask>`` token itself is never
-  predicted (its logit is suppressed, so every round makes progress). Greedy, no sampling.
-- A block is finished when nothing is masked. Generation ends after the block holding the first EOS
-  (finish ``"eos"``; output = tokens before that EOS) or after ``ceil(budget / block)`` output blocks
-  (finish ``"budget"``; output truncated to ``budget`` tokens).
-- **Committing a finished block**: its clean keys/values are computed in the request's next round,
-  in the same row as the first denoising step of the next block (``[finished | next]``, block-causal,
-  see ``backends.base``). That costs no extra round, so a request's rounds are exactly
-  ``prompt_blocks + total denoising rounds`` (its workload); the last block is never committed.
+  (prefill) or one denoising forward of its current output block. Requests at different stages share
+  a round, and a finished request's slot is refilled from the queue before the next round. Counts are
+  per request, as SGLang's FDFO mode (or a batch of one) runs them; a synchronous SGLang batch waits
+  for its slowest block, which the simulator models, not the trace.
+- **Layout** (``engine.layout``): ``n // block`` full prompt blocks, one prefill row each; the
+  ``n % block`` leftover prompt tokens open the first output block under the prompt mask.
+- **Denoising**: after each forward the algorithm's step rule (``engine.algorithms``) decides whether
+  the block is done and otherwise fills/edits positions; a block's count is the forwards it took,
+  the one that showed it done included (``r + 1`` for ``LowConfidence``), capped as SGLang caps it.
+- A request ends after the block whose emitted tokens hold an EOS (finish ``"eos"``; output = tokens
+  before it) or once its output reaches the budget (finish ``"budget"``; output cut to the budget).
+- **Committing a finished block**: the engine keeps the KV of the forward that showed the block
+  done; the backend computes the same keys/values in the request's next row, in front of its next
+  block (``[finished | next]``, block-causal, see ``backends.base``). That costs no extra round.
 
 Recorded per request (``DecodeResult``)
 ---------------------------------------
-rounds per output block, prompt tokens/blocks, output ids, finish, wall time (admission to finish,
-seconds, shared with the batch), the first denoising round's final-layer hidden rows of the first
-output block mean-pooled (``first_round_hidden``), the last prompt block's rows mean-pooled
-(``prompt_last_hidden``, valid tokens only), and that first round's early signals over its masked
-positions: fraction with top-1 probability ≥ threshold, mean top-1 probability, mean entropy (nats).
-``extra`` holds ``admit_round``/``finish_round`` (global round indices) and ``slot``.
+forwards per output block, prompt tokens and full prompt blocks (the prefill forwards P), output ids,
+finish, wall time (admission to finish, shared with the batch), ``first_round_hidden`` (the mean of
+all ``block`` final-layer rows of the first output block's first denoising forward, leftover prompt
+rows included: what the serving hook pools), ``prompt_last_hidden`` (the mean of the last prompt
+tokens' rows as the engine processes them: the last full prompt block, or the leftover prompt rows
+of the first denoising forward when the prompt is shorter than a block), and that first forward's
+early signals over its masked positions: fraction whose top-1 probability is above the algorithm's
+threshold, mean top-1 probability, mean entropy (nats). ``extra`` holds ``admit_round`` /
+``finish_round`` (global round indices) and ``slot``.
 
 Bad input is rejected before anything is decoded: an empty request list, an empty prompt, a budget
 ≤ 0, duplicate request ids, or a prompt that does not fit the context with its output budget raise
-``InputError`` naming the first offenders (decided: raise, not skip, so a long collection never runs
-with silently missing rows; the caller drops or shortens those requests).
+``InputError`` naming the first offenders (raise, not skip: a long collection never runs with
+silently missing rows; the caller drops or shortens those requests).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -47,6 +51,8 @@ import torch
 
 from dwise_predict.collectors.backends.base import BlockBackend, StepBatch
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
+from dwise_predict.engine import DEFAULT_ALGORITHM, BlockLayout, StepRule, block_layout, make_rule
+from dwise_predict.engine.algorithms import forwards_exhausted
 from dwise_predict.errors import ConfigError, InputError
 
 
@@ -56,8 +62,7 @@ class _Active:
 
     request: DecodeRequest
     prompt: list[int]
-    prompt_blocks: int
-    max_blocks: int
+    layout: BlockLayout
     admit_round: int
     t0: float
     next_prompt_block: int = 0
@@ -75,14 +80,16 @@ def _validate(requests: list[DecodeRequest], block: int, max_context: int) -> No
     problems: dict[str, list[str]] = {}
     seen: set[str] = set()
     for r in requests:
-        need = len(r.prompt_ids) + math.ceil(max(r.budget, 1) / block) * block
         if not r.prompt_ids:
             problems.setdefault("empty prompt", []).append(r.request_id)
         elif r.budget <= 0:
             problems.setdefault("budget <= 0", []).append(r.request_id)
-        elif need > max_context:
-            problems.setdefault(f"prompt + budget longer than the model's context of {max_context} tokens",
-                                []).append(f"{r.request_id} ({len(r.prompt_ids)}+{r.budget})")
+        else:
+            layout = block_layout(len(r.prompt_ids), block)
+            need = (layout.prompt_blocks + layout.max_output_blocks(r.budget)) * block
+            if need > max_context:
+                problems.setdefault(f"prompt + budget longer than the model's context of {max_context} tokens",
+                                    []).append(f"{r.request_id} ({len(r.prompt_ids)}+{r.budget})")
         if r.request_id in seen:
             problems.setdefault("duplicate request id", []).append(r.request_id)
         seen.add(r.request_id)
@@ -102,73 +109,73 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     ----------
     backend : a ``BlockBackend`` (e.g. ``load_tiny_backend(dtype=config.dtype)``).
     requests : prompts already through the chat template, each with its output budget in tokens.
-    config : threshold, block size (None = the model's), batch size; ``config.budget`` is recorded by
-        the caller, each request's own ``budget`` is what the decoder enforces.
+    config : algorithm and its parameters (``None``: SGLang's default), block size (None = the
+        model's), batch size; ``config.budget`` is recorded by the caller, each request's own
+        ``budget`` is what the decoder enforces.
     on_result : called with each result as it finishes (before it is yielded).
     progress : called with the number of requests finished in a round (for a progress bar).
 
     Returns
     -------
-    Iterator of ``DecodeResult``; validation errors are raised by this call, before any decoding.
+    Iterator of ``DecodeResult``; configuration and validation errors are raised by this call,
+    before any decoding.
     """
-    block = config.block_size or backend.block_size  # DecodingConfig has checked threshold and its own size
+    block = config.block_size or backend.block_size  # DecodingConfig has checked its own size
     if block <= 0:
         raise ConfigError(f"the model's block size must be positive, got {block}: pass --block-size")
+    rule = make_rule(config.algorithm or DEFAULT_ALGORITHM, backend.mask_token_id, config.algorithm_config)
     requests = list(requests)
     _validate(requests, block, backend.max_context)
-    return _run(backend, deque(requests), config, block, on_result, progress)
+    return _run(backend, deque(requests), config, rule, block, on_result, progress)
 
 
-def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, block: int,
+def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: StepRule, block: int,
          on_result, progress) -> Iterator[DecodeResult]:
     n_slots = min(config.batch_size, len(queue))
     backend.allocate(n_slots)
-    mask_id, eos_id, pad_id = backend.mask_token_id, backend.eos_token_id, backend.pad_token_id
-    threshold = config.threshold
-    # per-slot decoding state as tensors on the model's device, so the denoising update is one
+    mask_id, pad_id = backend.mask_token_id, backend.pad_token_id
+    # per-slot decoding state as tensors on the model's device, so a denoising step is one
     # vectorised pass and logits never leave the device
     dev = backend.device
-    blk = torch.full((n_slots, block), mask_id, dtype=torch.long, device=dev)  # current output block
-    prev = torch.full((n_slots, block), pad_id, dtype=torch.long, device=dev)  # finished block awaiting commit
-    pending = torch.zeros(n_slots, dtype=torch.bool, device=dev)  # prev must be committed in the next row
-    block_rounds = torch.zeros(n_slots, dtype=torch.long, device=dev)  # rounds spent on the current block
-    slots: list[_Active | None] = [None] * n_slots
+    s = _Slots(
+        blk=torch.full((n_slots, block), mask_id, dtype=torch.long, device=dev),
+        prompt_mask=torch.zeros((n_slots, block), dtype=torch.bool, device=dev),
+        prev=torch.full((n_slots, block), pad_id, dtype=torch.long, device=dev),
+        pending=torch.zeros(n_slots, dtype=torch.bool, device=dev),
+        forwards=torch.zeros(n_slots, dtype=torch.long, device=dev),
+        rule_state=rule.new_state(n_slots, dev),
+        active=[None] * n_slots,
+    )
     round_index = 0
 
     while True:
-        for s in range(n_slots):  # refill free slots from the queue
-            if slots[s] is None and queue:
+        for slot in range(n_slots):  # refill free slots from the queue
+            if s.active[slot] is None and queue:
                 req = queue.popleft()
-                slots[s] = _Active(request=req, prompt=list(req.prompt_ids),
-                                   prompt_blocks=math.ceil(len(req.prompt_ids) / block),
-                                   max_blocks=math.ceil(req.budget / block),
-                                   admit_round=round_index, t0=time.perf_counter())
-                backend.reset_slot(s)
-                blk[s], pending[s], block_rounds[s] = mask_id, False, 0
-        active = [s for s in range(n_slots) if slots[s] is not None]
+                s.admit(slot, req, block, round_index, rule, mask_id)
+                backend.reset_slot(slot)
+        active = [slot for slot in range(n_slots) if s.active[slot] is not None]
         if not active:
             return
-        prefill = [i for i, s in enumerate(active) if slots[s].next_prompt_block < slots[s].prompt_blocks]
-        batch, d_rows = _rows(active, prefill, slots, blk, prev, pending, block, pad_id)
+        prefill = [i for i, slot in enumerate(active)
+                   if s.active[slot].next_prompt_block < s.active[slot].layout.prompt_blocks]
+        batch, d_rows = _rows(active, prefill, s, block, pad_id)
         d_slots = batch.slots[d_rows]
         out = backend.step(batch)
         round_index += 1
 
-        # ---- prefill rows: advance; keep the pooled last prompt block
-        for i in prefill:
-            a = slots[active[i]]
+        for i in prefill:  # prefill rows: advance; keep the pooled last prompt block
+            a = s.active[active[i]]
             a.next_prompt_block += 1
-            if a.next_prompt_block == a.prompt_blocks:
-                n = int(batch.n_valid[i])
-                a.prompt_hidden = out.hidden[i, :n].float().mean(0).cpu().numpy()
+            if a.next_prompt_block == a.layout.prompt_blocks:
+                a.prompt_hidden = out.hidden[i].float().mean(0).cpu().numpy()
 
         finished: list[int] = []
         if len(d_rows):
-            finished = _denoise(out, d_rows, d_slots, blk, prev, pending, block_rounds, slots,
-                                mask_id, eos_id, threshold)
-        for s in finished:
-            result = _result(slots[s], s, block, round_index)
-            slots[s] = None
+            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_id, mask_id)
+        for slot in finished:
+            result = _result(s.active[slot], slot, round_index)
+            s.active[slot] = None
             if on_result is not None:
                 on_result(result)
             yield result
@@ -176,100 +183,141 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, block: int
             progress(len(finished))
 
 
-def _rows(active: list[int], prefill: list[int], slots: list, blk, prev, pending, block: int,
+@dataclass
+class _Slots:
+    """Per-slot state: the current block and its prompt mask, a finished block awaiting its commit,
+    forwards spent on the current block, the step rule's state, and the request holding the slot."""
+
+    blk: torch.Tensor
+    prompt_mask: torch.Tensor
+    prev: torch.Tensor
+    pending: torch.Tensor
+    forwards: torch.Tensor
+    rule_state: dict
+    active: list
+
+    def admit(self, slot: int, req: DecodeRequest, block: int, round_index: int, rule: StepRule,
+              mask_id: int) -> None:
+        layout = block_layout(len(req.prompt_ids), block)
+        self.active[slot] = _Active(request=req, prompt=list(req.prompt_ids), layout=layout,
+                                    admit_round=round_index, t0=time.perf_counter())
+        leftover = req.prompt_ids[layout.prompt_blocks * block:]
+        self.blk[slot] = mask_id
+        self.blk[slot, :len(leftover)] = torch.tensor(leftover, dtype=torch.long)
+        self.prompt_mask[slot] = False
+        self.prompt_mask[slot, :len(leftover)] = True
+        self.pending[slot] = False
+        self.new_block(slot, rule)
+
+    def new_block(self, slot: int, rule: StepRule) -> None:
+        self.forwards[slot] = 0
+        rule.start_block(self.rule_state, torch.tensor([slot], device=self.forwards.device))
+
+
+def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
           pad_id: int) -> tuple[StepBatch, torch.Tensor]:
     """The round's input: one row per active slot (``active`` in slot order); ``prefill`` holds the
     row indices that take a prompt block. Returns the batch and the denoising row indices."""
-    n, dev = len(active), blk.device
+    n, dev = len(active), s.blk.device
     slot_ids = torch.tensor(active, dtype=torch.long, device=dev)
     is_prefill = torch.zeros(n, dtype=torch.bool, device=dev)
     is_prefill[prefill] = True
     d_rows = (~is_prefill).nonzero().squeeze(1)  # (n_d,)
     d_slots = slot_ids[d_rows]
-    d_pend = pending[d_slots]  # these rows carry their finished block's commit
+    d_pend = s.pending[d_slots]  # these rows carry their finished block's commit
     width = 2 * block if bool(d_pend.any()) else block
 
     ids = torch.full((n, width), pad_id, dtype=torch.long, device=dev)
     n_valid = torch.full((n,), block, dtype=torch.long, device=dev)
     commit = torch.zeros(n, dtype=torch.long, device=dev)
-    ids[d_rows, :block] = torch.where(d_pend[:, None], prev[d_slots], blk[d_slots])
+    ids[d_rows, :block] = torch.where(d_pend[:, None], s.prev[d_slots], s.blk[d_slots])
     if width > block:
         carry = d_rows[d_pend]
-        ids[carry, block:] = blk[d_slots[d_pend]]
+        ids[carry, block:] = s.blk[d_slots[d_pend]]
         n_valid[carry] = 2 * block
         commit[carry] = block
     out_start = commit.clone()  # a carrying row's current block comes after the committed one
     for i in prefill:
-        a = slots[active[i]]
-        chunk = a.prompt[a.next_prompt_block * block:(a.next_prompt_block + 1) * block]
-        ids[i, : len(chunk)] = torch.tensor(chunk, dtype=torch.long, device=dev)
-        n_valid[i] = commit[i] = len(chunk)
+        a = s.active[active[i]]
+        start = a.next_prompt_block * block
+        ids[i, :block] = torch.tensor(a.prompt[start:start + block], dtype=torch.long, device=dev)
+        commit[i] = block
         out_start[i] = 0
     batch = StepBatch(slots=slot_ids, input_ids=ids, n_valid=n_valid, commit_len=commit,
                       out_start=out_start, window=block)
     return batch, d_rows
 
 
-def _denoise(out, d_rows, d_slots, blk, prev, pending, block_rounds, slots, mask_id, eos_id,
-             threshold) -> list[int]:
-    """One threshold-decoding step for every denoising row; returns the slots whose request ended."""
+def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id: int,
+             mask_id: int) -> list[int]:
+    """One step of the algorithm for every denoising row; returns the slots whose request ended."""
     logits = out.logits[d_rows].float()  # (n_d, block, V)
-    logits[..., mask_id] = float("-inf")  # never "predict" the mask: every round must make progress
-    logp = torch.log_softmax(logits, dim=-1)
-    conf, top = logp.max(dim=-1)  # (n_d, block), log top-1 probability and token
-    conf = conf.exp()
-    cur = blk[d_slots]  # (n_d, block)
-    masked = cur == mask_id
-    take = masked & (conf >= threshold)
-    # at least one per row: the most confident masked position
-    best = torch.where(masked, conf, torch.full_like(conf, -1.0)).argmax(dim=1)  # (n_d,)
-    take[torch.arange(len(d_rows), device=take.device), best] |= masked.any(dim=1)
-    new = torch.where(take, top, cur)
-    blk[d_slots] = new
-    pending[d_slots] = False  # a carried commit happened in this round's forward
-    block_rounds[d_slots] += 1
-    rounds = block_rounds[d_slots].tolist()
-    done = (~(new == mask_id).any(dim=1)).tolist()
+    ids, prompt_mask = s.blk[d_slots], s.prompt_mask[d_slots]
+    s.forwards[d_slots] += 1
+    forwards = s.forwards[d_slots]
+    first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(d_slots.tolist(), forwards.tolist())]
+    if any(first):
+        _record_first_round(out, d_rows, d_slots, first, logits, ids, prompt_mask, s, rule, mask_id)
+
+    new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
+    capped = forwards_exhausted(rule, forwards, block)  # the engine's loop ends these unstepped
+    new = torch.where(capped[:, None], ids, new)
+    done = done | capped
+    s.blk[d_slots] = new
+    s.pending[d_slots] = False  # a carried commit happened in this round's forward
 
     finished = []
-    for j, s in enumerate(d_slots.tolist()):
-        a = slots[s]
-        if not a.rounds_per_block and rounds[j] == 1:  # first denoising round of the first block
-            m = masked[j]
-            p = logp[j, m].exp()  # (n_masked, V)
-            entropy = -(p * logp[j, m].clamp_min(-1e30)).sum(-1)  # 0 * log 0 taken as 0
-            a.signals = (float((conf[j, m] >= threshold).float().mean()), float(conf[j, m].mean()),
-                         float(entropy.mean()))
-            a.first_hidden = out.hidden[d_rows[j]].float().mean(0).cpu().numpy()
-        if not done[j]:
+    for j, slot in enumerate(d_slots.tolist()):
+        if not bool(done[j]):
             continue
-        a.rounds_per_block.append(rounds[j])
-        block_rounds[s] = 0
-        tokens = new[j].tolist()
+        a = s.active[slot]
+        tokens = new[j, a.layout.output_start(len(a.rounds_per_block)):].tolist()
+        a.rounds_per_block.append(int(forwards[j]))
+        a.output.extend(tokens)
         if eos_id in tokens:
-            a.output.extend(tokens[: tokens.index(eos_id)])
+            del a.output[len(a.output) - len(tokens) + tokens.index(eos_id):]
             a.finish = "eos"
-            finished.append(s)
-        elif len(a.rounds_per_block) == a.max_blocks:
-            a.output.extend(tokens)
+            finished.append(slot)
+        elif len(a.output) >= a.request.budget:
             del a.output[a.request.budget:]
             a.finish = "budget"
-            finished.append(s)
+            finished.append(slot)
         else:
-            a.output.extend(tokens)
-            prev[s] = new[j]
-            pending[s] = True
-            blk[s] = mask_id
+            s.prev[slot] = new[j]
+            s.pending[slot] = True
+            s.blk[slot] = mask_id
+            s.prompt_mask[slot] = False
+            s.new_block(slot, rule)
     return finished
 
 
-def _result(a: _Active, slot: int, block: int, round_index: int) -> DecodeResult:
+def _record_first_round(out, d_rows, d_slots, first, logits, ids, prompt_mask, s: _Slots, rule: StepRule,
+                        mask_id: int) -> None:
+    """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
+    threshold = rule.params.get("threshold", 0.0)
+    logp = torch.log_softmax(logits, dim=-1)
+    for j, slot in enumerate(d_slots.tolist()):
+        if not first[j]:
+            continue
+        a = s.active[slot]
+        masked = (ids[j] == mask_id) & ~prompt_mask[j]
+        lp = logp[j, masked]  # (n_masked, V)
+        conf = lp.max(dim=-1).values.exp()
+        entropy = -(lp.exp() * lp.clamp_min(-1e30)).sum(-1)  # 0 * log 0 taken as 0
+        a.signals = (float((conf > threshold).float().mean()), float(conf.mean()), float(entropy.mean()))
+        hidden = out.hidden[d_rows[j]].float()
+        a.first_hidden = hidden.mean(0).cpu().numpy()
+        if a.prompt_hidden is None:  # a prompt shorter than a block: its rows sit in this forward
+            a.prompt_hidden = hidden[: a.layout.leftover].mean(0).cpu().numpy()
+
+
+def _result(a: _Active, slot: int, round_index: int) -> DecodeResult:
     frac, conf, entropy = a.signals
     return DecodeResult(
         request_id=a.request.request_id,
         prompt_tokens=len(a.prompt),
-        prompt_blocks=a.prompt_blocks,
-        block_size=block,
+        prompt_blocks=a.layout.prompt_blocks,
+        block_size=a.layout.block_size,
         rounds_per_block=list(a.rounds_per_block),
         output_ids=list(a.output),
         finish=a.finish,

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from dwise_predict.engine import DEFAULT_ALGORITHM, make_rule
 from dwise_predict.errors import ConfigError
 
 
@@ -13,14 +14,16 @@ from dwise_predict.errors import ConfigError
 class DecodingConfig:
     """How requests are decoded; recorded in every trace manifest and every bundle.
 
-    threshold : a masked position is unmasked in a round when its top-1 probability is at least this
-        (and each round unmasks at least the single most confident position).
+    algorithm : one of SGLang's dLLM algorithms (:data:`dwise_predict.engine.ALGORITHMS`); ``None``
+        means the one SGLang serves the model's architecture with (:func:`engine.default_algorithm`).
+    algorithm_config : the algorithm's parameters (``--algorithm-config``, as SGLang's
+        ``--dllm-algorithm-config``); missing ones take SGLang's defaults.
     block_size : tokens per block; ``None`` means the model's own.
-    budget : output budget in tokens (generation stops at the block that reaches it).
+    budget : output budget in tokens (``max_new_tokens``: a request stops at the block that reaches it).
     """
 
-    algorithm: str = "threshold"
-    threshold: float = 0.9
+    algorithm: str | None = None
+    algorithm_config: dict = field(default_factory=dict)
     block_size: int | None = None
     budget: int = 256
     dtype: str = "float32"
@@ -28,8 +31,6 @@ class DecodingConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if not 0.0 < self.threshold <= 1.0:
-            problems.append(f"--threshold must be in (0, 1], got {self.threshold}")
         if self.block_size is not None and self.block_size <= 0:
             problems.append(f"--block-size must be positive, got {self.block_size}")
         if self.budget <= 0:
@@ -38,6 +39,10 @@ class DecodingConfig:
             problems.append(f"--batch-size must be positive, got {self.batch_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        try:  # the algorithm's name and parameters, checked before any model is loaded
+            make_rule(self.algorithm or DEFAULT_ALGORITHM, mask_id=0, params=self.algorithm_config)
+        except ConfigError as err:
+            problems.append(str(err))
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -70,7 +75,7 @@ class DecodeResult:
     mean_entropy: float
     wall_s: float
     first_round_hidden: np.ndarray  # (H,) mean of the final-layer rows of the first output block, first round
-    prompt_last_hidden: np.ndarray  # (H,) mean of the final-layer rows of the last prompt block
+    prompt_last_hidden: np.ndarray  # (H,) mean of the final-layer rows of the last prompt tokens processed
     extra: dict = field(default_factory=dict)
 
     @property

@@ -14,9 +14,10 @@ ids, so a kill at any moment leaves either a whole shard or an orphan safetensor
 and overwritten by the next shard. Shards are never rewritten: a finished request is never lost, and
 :meth:`TraceStore.missing` makes a rerun decode only what no shard holds, so none is duplicated.
 
-Identity: a directory belongs to one model (weights sha256 + config hash) and one decoding config
-(algorithm, threshold, block size, budget, dtype and backend parameters). The batch size is recorded
-but not part of the identity, so a run can resume with another ``--batch-size``.
+Identity: a directory belongs to one model (weights sha256 + config hash), one decoding config
+(algorithm and its parameters, block size, budget, dtype, backend parameters) and one engine
+semantics (the engine version and the trace schema): traces in other units are never mixed. The
+batch size is recorded but not part of the identity, so a run can resume with another ``--batch-size``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
 from dwise_predict.files import atomic_write_bytes
 from dwise_predict.traces.dataset import (
@@ -48,7 +50,7 @@ SHARDS_DIR = "shards"
 LOCK_FILE = ".lock"
 ORDER_COLUMN = "workload_index"  # position of the request in its workload: consolidation sorts by it
 MODEL_IDENTITY = ("weights_sha256", "config_hash")
-DECODING_IDENTITY = ("algorithm", "threshold", "block_size", "budget", "dtype", "params")
+DECODING_IDENTITY = ("algorithm", "algorithm_config", "block_size", "budget", "dtype", "params", "engine")
 
 
 def model_identity(manifest: dict) -> dict:
@@ -68,6 +70,11 @@ def check_compatible(theirs: dict, ours: dict, where: str, fix: str) -> None:
 
     ``where`` names the directory holding ``theirs``; ``fix`` says what the user can do.
     """
+    schemas = theirs.get("schema_version"), ours.get("schema_version", SCHEMA_VERSION)
+    if schemas[0] != schemas[1] or schemas[0] != SCHEMA_VERSION:
+        raise StoreError(
+            f"{where} holds traces of schema {schemas[0]!r}, in other round units than this dwise-predict "
+            f"writes (schema {SCHEMA_VERSION}, {ENGINE} semantics): recollect them with this version, or {fix}")
     if model_identity(theirs) != model_identity(ours):
         a, b = theirs.get("model", {}), ours.get("model", {})
         raise StoreError(
@@ -312,7 +319,7 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
             shards = [Shard(ds.requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE)]
         inputs.append((d, manifest, shards))
     first_dir, first, _ = inputs[0]
-    for d, manifest, _ in inputs[1:]:
+    for d, manifest, _ in inputs:
         check_compatible(manifest, first, str(d), f"merge only directories collected with the same model and decoding config as {first_dir}")
 
     # Collections of one workload interleave by workload order; different workloads follow input order.

@@ -6,10 +6,11 @@ token of earlier blocks (causal across blocks), never a later block.
 
 Blocks of a sequence
 --------------------
-The prompt (after the chat template) is cut into ``ceil(prompt_tokens / block_size)`` blocks from its
-first token (the last may be short); output blocks of ``block_size`` tokens start right after the
-prompt. ``block_ids_for(prompt_lengths, seq_len, block_size)`` builds these ids; the decoder's KV
-cache reproduces the same structure one block at a time.
+Blocks sit on a fixed grid from the first token, as SGLang lays out a dLLM request
+(``dwise_predict.engine.layout``): position ``i`` is in block ``i // block_size``. The prompt fills
+``prompt_tokens // block_size`` full blocks; its leftover tokens open the first output block, whose
+remaining positions are the first output tokens. ``block_ids_for(seq_len, block_size)`` builds these
+ids; the decoder's KV cache reproduces the same structure one block at a time.
 
 Training forward (what ``dllm/train.py`` calls)
 ------------------------------------------------
@@ -18,12 +19,14 @@ returns ``TinyDllmOutput(logits, hidden_states)``.
 
 - ``input_ids`` LongTensor (B, T): clean, right-padded sequences (prompt then response).
 - ``attention_mask`` (B, T): 1 for real tokens, 0 for padding (padding is never attended to).
-- ``prompt_lengths`` LongTensor (B,): prompt tokens per sequence (sets the blocks, see above);
-  None = 0 (blocks at ``position // block_size``).
+- ``prompt_lengths`` LongTensor (B,): prompt tokens per sequence (where the noisy stream starts);
+  None = 0.
 - ``noisy_ids`` LongTensor (B, R) or None.
   * None: one block-causal pass over ``input_ids``; ``logits`` (B, T, V).
   * given (the block-diffusion objective, every response block at once): a noisy copy of the R
-    response positions ``prompt_length + arange(R)`` (some replaced by ``config.mask_token_id``),
+    positions ``start + arange(R)`` from the start of the first output block,
+    ``start = prompt_length // block_size * block_size`` (response tokens, some replaced by
+    ``config.mask_token_id``; the leftover prompt tokens of that block stay clean),
     ``noisy_mask`` (B, R) marking its real tokens. One pass over ``[clean | noisy]`` (length T + R):
     a noisy token of output block b sees the noisy tokens of block b and the CLEAN tokens of blocks
     < b — exactly what the decoder shows it while denoising block b — and clean tokens see clean
@@ -108,23 +111,9 @@ class TinyDllmOutput(ModelOutput):
     hidden_states: torch.Tensor | None = None
 
 
-def block_ids_for(prompt_lengths: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Block index of every position: prompt blocks from position 0, output blocks after the prompt.
-
-    Parameters
-    ----------
-    prompt_lengths : LongTensor (B,), prompt tokens per sequence.
-    seq_len : T, padded sequence length.
-    block_size : tokens per block.
-
-    Returns
-    -------
-    LongTensor (B, T), non-decreasing along T.
-    """
-    pos = torch.arange(seq_len, device=prompt_lengths.device)[None, :]  # (1, T)
-    plen = prompt_lengths[:, None]  # (B, 1)
-    prompt_blocks = (plen + block_size - 1) // block_size
-    return torch.where(pos < plen, pos // block_size, prompt_blocks + (pos - plen) // block_size)
+def block_ids_for(seq_len: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Block index of every position on the engine's grid: ``arange(seq_len) // block_size`` (1, T)."""
+    return (torch.arange(seq_len, device=device) // block_size)[None, :]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +351,8 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
         device = input_ids.device
         if prompt_lengths is None:
             prompt_lengths = torch.zeros(B, dtype=torch.long, device=device)
-        block = block_ids_for(prompt_lengths, T, self.config.block_size)  # (B, T)
+        bs = self.config.block_size
+        block = block_ids_for(T, bs, device).expand(B, T)  # (B, T)
         valid = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
                  else attention_mask.bool())
         positions = torch.arange(T, device=device).expand(B, T)
@@ -373,8 +363,8 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
             return TinyDllmOutput(logits=self.lm_head(hidden), hidden_states=hidden)
         R = noisy_ids.shape[1]
         offs = torch.arange(R, device=device)[None, :]  # (1, R)
-        noisy_block = (prompt_lengths[:, None] + self.config.block_size - 1) // self.config.block_size \
-            + offs // self.config.block_size  # (B, R)
+        first_block = prompt_lengths[:, None] // bs  # (B, 1): the output block holding the leftover prompt
+        noisy_block = first_block + offs // bs  # (B, R)
         noisy_valid = (torch.ones_like(noisy_ids, dtype=torch.bool) if noisy_mask is None
                        else noisy_mask.bool())
         # a noisy token of block b sees the clean tokens of blocks < b and the noisy tokens of block b;
@@ -385,7 +375,7 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
             torch.cat([clean_clean, torch.zeros(B, T, R, dtype=torch.bool, device=device)], dim=2),
             torch.cat([noisy_clean, noisy_noisy], dim=2),
         ], dim=1)[:, None]  # (B, 1, T+R, T+R)
-        both = torch.cat([positions, prompt_lengths[:, None] + offs], dim=1)  # (B, T+R)
+        both = torch.cat([positions, first_block * bs + offs], dim=1)  # (B, T+R)
         hidden = self._trunk(torch.cat([input_ids, noisy_ids], dim=1), both, mask)[:, T:]  # (B, R, H)
         return TinyDllmOutput(logits=self.lm_head(hidden), hidden_states=hidden)
 

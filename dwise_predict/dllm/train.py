@@ -4,11 +4,12 @@ Each step draws one category's examples from ``dllm.corpus`` (categories in a sh
 every category gets its weighted share of the steps and a batch never mixes a 300-token long-context
 prompt with 20-token ones), lays each out as
 
-    chat-templated prompt | answer | <eos> … up to a whole number of output blocks
+    chat-templated prompt | answer | <eos> … up to the end of a block
 
-(at least one ``<eos>``: an answer that ends on a block boundary gets a full ``<eos>`` block, the
-decoder's stop signal), and masks a random fraction ``t ~ U(0, 1)`` of every response block (at least
-one position per block). The model predicts the masked tokens from the rest of their block and the
+on the serving engine's grid (blocks from the first token, so the prompt's leftover tokens open the
+first output block, as SGLang lays a request out; at least one ``<eos>``, the decoder's stop signal),
+and masks a random fraction ``t ~ U(0, 1)`` of the output positions of every output block (at least
+one per block; leftover prompt tokens stay clean, as under SGLang's prompt mask). The model predicts the masked tokens from the rest of their block and the
 CLEAN earlier blocks — every response block at once, through the model's two-stream training forward
 (``noisy_ids``) — and the loss is the cross-entropy on masked positions only. AdamW, linear warm-up then
 cosine decay, gradient clipping, fixed seeds.
@@ -152,54 +153,62 @@ def encode_example(tokenizer, example: Example, block_size: int) -> tuple[list[i
     """Token ids of ``prompt | answer | <eos>…`` and the prompt length.
 
     The prompt goes through the tokenizer's chat template with the generation prompt, exactly as the
-    decoder sends it; the answer is followed by ``<eos>`` up to a whole number of blocks, at least one.
+    decoder sends it; the answer is followed by ``<eos>`` up to the end of its block on the engine's
+    grid (blocks from the first token: the leftover prompt tokens share the first output block), at
+    least one.
     """
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": example.prompt}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
     answer = tokenizer(example.answer, add_special_tokens=False)["input_ids"]
-    n_eos = block_size - len(answer) % block_size  # in 1..block_size
+    n_eos = block_size - (len(prompt) + len(answer)) % block_size  # in 1..block_size
     return list(prompt) + answer + [tokenizer.eos_token_id] * n_eos, len(prompt)
 
 
 def make_batch(encoded: list[tuple[list[int], int]], block_size: int, mask_id: int, pad_id: int,
                gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Pad a batch and mask every response block with its own ratio.
+    """Pad a batch and mask every output block with its own ratio.
 
     Returns the clean stream ``input_ids`` (B, T) with ``attention_mask`` (B, T) and
-    ``prompt_lengths`` (B,); the noisy stream of the response blocks only, left-aligned:
-    ``noisy_ids`` (B, R), ``noisy_valid`` (B, R), ``targets`` (B, R) (the clean tokens) and
-    ``loss_mask`` (B, R) bool, True where a token is masked. R is a multiple of ``block_size``.
+    ``prompt_lengths`` (B,); the noisy stream of the output blocks only, left-aligned at the start of
+    the first output block (``prompt_length // block_size * block_size``): ``noisy_ids`` (B, R),
+    ``noisy_valid`` (B, R), ``targets`` (B, R) (the clean tokens) and ``loss_mask`` (B, R) bool, True
+    where a token is masked. Leftover prompt tokens in the first output block are never masked (the
+    engine's prompt mask). R is a multiple of ``block_size``.
     """
     B = len(encoded)
     T = max(len(ids) for ids, _ in encoded)
-    R = max(len(ids) - p for ids, p in encoded)
+    starts = [p // block_size * block_size for _, p in encoded]
+    R = max(len(ids) - s for (ids, _), s in zip(encoded, starts))
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention = torch.zeros((B, T), dtype=torch.long)
     targets = torch.full((B, R), pad_id, dtype=torch.long)
     noisy_valid = torch.zeros((B, R), dtype=torch.bool)
-    for i, (ids, p) in enumerate(encoded):
+    maskable = torch.zeros((B, R), dtype=torch.bool)
+    for i, ((ids, p), s) in enumerate(zip(encoded, starts)):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
-        targets[i, : len(ids) - p] = torch.tensor(ids[p:])
-        noisy_valid[i, : len(ids) - p] = True
-    rblock = torch.arange(R)[None, :].expand(B, R) // block_size  # (B, R) response block of each token
+        targets[i, : len(ids) - s] = torch.tensor(ids[s:])
+        noisy_valid[i, : len(ids) - s] = True
+        maskable[i, p - s: len(ids) - s] = True
+    rblock = torch.arange(R)[None, :].expand(B, R) // block_size  # (B, R) output block of each token
     ratio = torch.rand((B, R // block_size), generator=gen).gather(1, rblock)  # (B, R): t of the block
     u = torch.rand((B, R), generator=gen)
-    # at least one masked position per block: the one with the lowest u
-    block_min = u.view(B, R // block_size, block_size).amin(-1).gather(1, rblock)  # (B, R)
-    masked = ((u < ratio) | (u == block_min)) & noisy_valid
+    # at least one masked position per block: the maskable one with the lowest u
+    u_maskable = torch.where(maskable, u, torch.full_like(u, 2.0))
+    block_min = u_maskable.view(B, R // block_size, block_size).amin(-1).gather(1, rblock)  # (B, R)
+    masked = ((u < ratio) | (u_maskable == block_min)) & maskable
     noisy = torch.where(masked, torch.full_like(targets, mask_id), targets)
     return {"input_ids": input_ids, "attention_mask": attention,
             "prompt_lengths": torch.tensor([p for _, p in encoded]),
             "noisy_ids": noisy, "noisy_valid": noisy_valid, "targets": targets, "loss_mask": masked}
 
 
-def cap_batch(encoded: list[tuple[list[int], int]], max_tokens: int) -> list[tuple[list[int], int]]:
+def cap_batch(encoded: list[tuple[list[int], int]], max_tokens: int, block_size: int) -> list[tuple[list[int], int]]:
     """The longest prefix of ``encoded`` whose padded two-stream size ``k * (T + R)`` fits
-    ``max_tokens`` (at least one example)."""
+    ``max_tokens`` (at least one example); R starts at each first output block (see make_batch)."""
     k, T, R = 0, 0, 0
     for ids, p in encoded:
-        T, R = max(T, len(ids)), max(R, len(ids) - p)
+        T, R = max(T, len(ids)), max(R, len(ids) - p // block_size * block_size)
         if k and (k + 1) * (T + R) > max_tokens:
             break
         k += 1
@@ -414,7 +423,7 @@ def train_tiny(cfg: TrainConfig, out_dir: str | Path,
         if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
             break
         examples = generate_examples(schedule[step], cfg.batch_size, TRAIN_SEED_OFFSET * (cfg.seed + 1) + step)
-        encoded = cap_batch([encode_example(tokenizer, e, bs) for e in examples], cfg.max_batch_tokens)
+        encoded = cap_batch([encode_example(tokenizer, e, bs) for e in examples], cfg.max_batch_tokens, bs)
         batch = make_batch(encoded, bs, mask_id, pad_id, gen)
         with torch.autocast("cpu", dtype=autocast_dtype, enabled=cfg.precision != "float32"):
             logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],

@@ -7,7 +7,8 @@ scikit-learn or the training code, so a serving process stays lean.
 Loading refuses, with a :class:`~dwise_predict.errors.BundleError` that names the problem:
 
 - a bundle whose model fingerprint (``weights_sha256``, ``config_hash``, ``hidden_size``) or
-  decoding config (``threshold``, ``block_size``) differs from what the caller serves;
+  decoding config (``algorithm``, ``algorithm_config``, ``block_size``, ``engine``) differs from what
+  the caller serves;
 - any file listed in ``bundle.json`` that is missing or fails its size/sha256 check (this runs
   before anything is deserialised, so a tampered ``refine.pt`` is never loaded).
 
@@ -28,7 +29,7 @@ from dwise_predict.errors import BundleError, InputError
 from dwise_predict.exports.manifest import check_files, read_bundle_manifest
 
 FINGERPRINT_KEYS = ("weights_sha256", "config_hash", "hidden_size")
-DECODING_KEYS = ("threshold", "block_size")
+DECODING_KEYS = ("algorithm", "algorithm_config", "block_size", "engine")  # what sets the round units
 BACKENDS = ("onnx", "torch")
 
 
@@ -250,7 +251,8 @@ def load_bundle(
     backend : ``"onnx"`` (onnxruntime) or ``"torch"`` (rebuilt from safetensors; GPU path).
     expect_model : the served model's fingerprint (``weights_sha256``, ``config_hash``,
         ``hidden_size``; any subset); a bundle for another model is refused.
-    expect_decoding : the served decoding config (``threshold``, ``block_size``; any subset).
+    expect_decoding : the served decoding config (``algorithm``, ``algorithm_config``,
+        ``block_size``, ``engine``; any subset).
     torchscript : with ``backend="torch"``, load ``refine.pt`` instead of rebuilding.
 
     Raises

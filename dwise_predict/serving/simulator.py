@@ -162,7 +162,7 @@ def workload_from_traces(ds, split: str | None = "eval", bundle=None) -> Workloa
     if "prompt_blocks" not in req.columns:
         raise TraceError(
             "traces have no prompt_blocks column: the simulator replays prompt blocks; re-collect the "
-            "traces or add prompt_blocks = ceil(prompt_tokens / block_size)"
+            "traces or add prompt_blocks = prompt_tokens // block_size"
         )
     if split is not None:
         mask = req["split"].to_numpy() == split

@@ -26,7 +26,7 @@ import pandas as pd
 from dwise_predict.errors import TraceError
 from dwise_predict.files import atomic_write
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config)
 MANIFEST_FILE = "manifest.json"
 REQUESTS_FILE = "requests.parquet"
 HIDDEN_FILE = "hidden.safetensors"
@@ -44,14 +44,14 @@ REQUEST_COLUMNS: dict[str, str] = {
     "newlines": "newline characters in the prompt",
     "budget": "output budget in tokens",
     "block_size": "tokens per block",
-    "prompt_blocks": "ceil(prompt_tokens / block_size)",
-    "total_rounds": "denoising rounds over all output blocks",
-    "rounds_per_block": "denoising rounds of each output block (list)",
-    "output_tokens": "generated tokens up to and including EOS",
+    "prompt_blocks": "prefill forwards P without a prefix cache: floor(prompt_tokens / block_size) full blocks",
+    "total_rounds": "denoising forwards over all output blocks (the engine's count: r + 1 for LowConfidence)",
+    "rounds_per_block": "denoising forwards of each output block (list)",
+    "output_tokens": "generated tokens before the EOS (cut at the budget)",
     "finish": "'eos' or 'budget'",
-    "frac_over_threshold": "first round: fraction of masked positions whose top-1 prob clears the threshold",
-    "mean_confidence": "first round: mean top-1 probability over the block",
-    "mean_entropy": "first round: mean predictive entropy over the block (nats)",
+    "frac_over_threshold": "first round: fraction of masked positions whose top-1 prob is above the algorithm's threshold",
+    "mean_confidence": "first round: mean top-1 probability over the masked positions",
+    "mean_entropy": "first round: mean predictive entropy over the masked positions (nats)",
     "wall_s": "wall-clock seconds from the request's first prompt block to its last round",
 }
 NUMERIC_COLUMNS = (

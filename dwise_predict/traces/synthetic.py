@@ -108,7 +108,7 @@ def make_synthetic_traces(
             "newlines": newlines,
             "budget": budget,
             "block_size": block_size,
-            "prompt_blocks": -(-prompt_tokens // block_size),
+            "prompt_blocks": prompt_tokens // block_size,
             "total_rounds": total_rounds,
             "rounds_per_block": rounds_per_block,
             "output_tokens": output_tokens,
@@ -125,7 +125,7 @@ def make_synthetic_traces(
     manifest = {
         "model": {"name": "synthetic", "path": None, "weights_sha256": None, "config_hash": f"synthetic-{seed}",
                   "hidden_size": hidden_size, "vocab_size": 0},
-        "decoding": {"algorithm": "synthetic", "threshold": 0.9, "block_size": block_size, "budget": budget,
+        "decoding": {"algorithm": "synthetic", "algorithm_config": {}, "block_size": block_size, "budget": budget,
                      "dtype": "float32", "batch_size": 1},
         "workload": {"name": "synthetic", "seed": seed, "n_requests": n_requests},
     }

@@ -46,6 +46,7 @@ class BlockLoopBackend:
         self.tokenizer = tokenizer
         self.path = path
         self.name = path.name
+        self.architecture = (getattr(model.config, "architectures", None) or [None])[0]
         self.block_size = block_size
         self.mask_token_id = mask_token_id
         self.eos_token_id = eos_token_id

@@ -5,7 +5,11 @@ it encodes the prompt in a separate pass into a KV cache, then denoises one larg
 (``canvas_length`` tokens, its block) that starts as uniform random tokens, accepting tokens by an
 entropy bound and re-noising the rest, with self-conditioning on the previous step's logits, until a
 stable-and-confident criterion or ``max_denoising_steps``. So this backend runs the model's own
-``generate()`` — the algorithm exactly as shipped — one request at a time, and observes it:
+``generate()`` — the algorithm exactly as shipped — one request at a time, and observes it.
+
+Not in the engine's units: SGLang serves DiffusionGemma with ``Gemma4Renoise`` (its own sampler,
+context pass and round accounting), which this backend does not reproduce; its traces record
+``engine_faithful: false`` in the manifest and ``docs/backends.md`` says what differs.
 
 - a **round** is one decoder forward pass over the canvas; ``rounds_per_block`` counts them per canvas
   (a canvas is a block; ``block_size`` = ``canvas_length``); canvases are delimited by the encoder calls
@@ -15,11 +19,12 @@ stable-and-confident criterion or ``max_denoising_steps``. So this backend runs 
   layer over the last ``canvas_length`` prompt tokens (the last prompt block);
 - the early signals come from the first round's logits after soft-capping, before the temperature
   schedule (the model's own predictive distribution): the fraction of canvas positions whose top-1
-  probability reaches ``DecodingConfig.threshold``, the mean top-1 probability, the mean entropy (nats).
+  probability reaches the ``threshold`` of ``--algorithm-config`` (default 0.9), the mean top-1
+  probability, the mean entropy (nats).
 
 Sampling is random by design; each request runs under its own generator seed derived from the
 collection seed and its request id, so results do not depend on order, batching, sharding or resume.
-``DecodingConfig.threshold`` only feeds ``frac_over_threshold``; the model's ``generation_config.json``
+That threshold only feeds ``frac_over_threshold``; the model's ``generation_config.json``
 (``max_denoising_steps``, ``sampler_config.entropy_bound``, ``t_min``/``t_max``, stopping thresholds)
 decides decoding and is recorded in the manifest as the backend's decoding parameters. The output
 budget rounds up to whole canvases, as ``generate`` does.
@@ -39,6 +44,7 @@ from dwise_predict.collectors.records import DecodeRequest, DecodeResult, Decodi
 from dwise_predict.errors import ConfigError, ModelError
 
 ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
+SIGNAL_THRESHOLD = 0.9  # the early signal's threshold when --algorithm-config gives none
 GENERATION_PARAMS = (
     "max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold",
 )
@@ -59,8 +65,9 @@ class DiffusionGemmaBackend:
     device : torch device string.
     """
 
-    algorithm = "entropy_bound"
-    runs_own_loop = True  # collect calls decode_requests instead of the threshold decoder
+    algorithm = "transformers-EntropyBoundSampler"  # not SGLang's Gemma4Renoise: see docs/backends.md
+    engine_faithful = False
+    runs_own_loop = True  # collect calls decode_requests instead of the engine-semantics decoder
 
     def __init__(self, path: str | Path, dtype: str = "float32", device: str = "cpu") -> None:
         import torch
@@ -126,7 +133,8 @@ class DiffusionGemmaBackend:
     def _decode_one(self, request: DecodeRequest, config: DecodingConfig, seed: int) -> DecodeResult:
         import torch
 
-        probe = _Probe(self.model, threshold=config.threshold, block_size=self.block_size)
+        probe = _Probe(self.model, threshold=config.algorithm_config.get("threshold", SIGNAL_THRESHOLD),
+                       block_size=self.block_size)
         prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         cuda = [self.device] if self.device.type == "cuda" else []
         start = time.perf_counter()
@@ -141,7 +149,7 @@ class DiffusionGemmaBackend:
         return DecodeResult(
             request_id=request.request_id,
             prompt_tokens=n,
-            prompt_blocks=math.ceil(n / self.block_size),
+            prompt_blocks=math.ceil(n / self.block_size),  # its own encoder pass, not engine units
             block_size=self.block_size,
             rounds_per_block=probe.rounds_per_block,
             output_ids=output_ids,

@@ -22,6 +22,7 @@ class TinyBackend:
         self.tokenizer = tokenizer
         self.path = path
         self.name = name
+        self.architecture = (config.architectures or ["TinyDllmForBlockDiffusion"])[0]
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.eos_token_id = config.eos_token_id

@@ -1,0 +1,41 @@
+"""The serving engine's semantics: what a request costs in the units SGLang 0.5.23 runs.
+
+DESIGN.md makes the serving engine the source of truth. This package is the one place that says
+how SGLang's dLLM path lays out a request, what counts as a round, and how each decoding algorithm
+advances a block; the decoder (``collectors``), the simulator and the serving hook all read it from
+here, and ``tests/test_engine_conformance.py`` checks it against SGLang's own code from its wheel.
+
+- :mod:`.layout` — block layout of a prompt (full prompt blocks, leftover tokens under the prompt
+  mask in the first output block), prefill rounds with and without a cached prefix, the output
+  positions of each block, and which hidden rows the first denoising round pools.
+- :mod:`.algorithms` — per-algorithm step rules mirroring ``srt/dllm/algorithm/*.py`` by name,
+  parameters and defaults, and the forward-pass accounting of SGLang's loop.
+- :mod:`.reference` — the SGLang names we mirror (module, class, attribute, default), in one list
+  that the conformance test checks against the wheel.
+"""
+
+from dwise_predict.engine.algorithms import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    StepRule,
+    default_algorithm,
+    make_rule,
+)
+from dwise_predict.engine.layout import (
+    ENGINE,
+    BlockLayout,
+    block_layout,
+    prefill_rounds,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "ENGINE",
+    "BlockLayout",
+    "StepRule",
+    "block_layout",
+    "default_algorithm",
+    "make_rule",
+    "prefill_rounds",
+]

@@ -1,0 +1,230 @@
+"""Step rules of SGLang 0.5.23's dLLM algorithms, and the forward accounting of its loop.
+
+Each rule mirrors one class of ``sglang/srt/dllm/algorithm/`` by name, parameters and defaults, and
+advances a batch of blocks by one denoising step exactly as that class's ``step`` does (same
+comparisons, same tie-breaking ops), so the same logits give the same unmasking decisions, edits and
+done flags; ``tests/test_engine_conformance.py`` checks this against the wheel's code.
+
+What a round is (``DllmAlgorithm._run_sync``): the engine runs a forward, then asks the rule whether
+the block is done; if not, it steps (fills or edits positions) and runs the next forward. A rule
+decides *done* from the forward it has just seen:
+
+- ``LowConfidence`` says done when the forward's input held no masked position. Its KV is kept, so
+  the block's last fill must be persisted by one more forward: a block filled in r steps costs
+  r + 1 forwards.
+- ``JointThreshold`` says done when a step would change nothing (or the post-edit budget is spent);
+  that forward already holds the final tokens' KV.
+
+The engine caps a block at ``max_steps(block_size)`` steps; the forward after the last allowed step
+ends the block whatever it holds (:func:`forwards_exhausted`). We apply that cap per request, as the
+synchronous loop does for a batch of one; ``--dllm-fdfo`` has no cap (see ``docs/backends.md``).
+
+Rules work on per-slot state tensors so a batch whose rows come and go (slot refill) steps in one
+vectorised call: ``new_state`` allocates them, ``start_block`` resets the slots that begin a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from dwise_predict.errors import ConfigError
+
+
+@dataclass
+class StepRule:
+    """Base of the step rules: parameters with SGLang's defaults, validated once.
+
+    ``params`` holds every parameter with its resolved value (defaults filled in): it is what the
+    trace manifest records as the algorithm config.
+    """
+
+    mask_id: int
+    params: dict = field(default_factory=dict)
+
+    name: ClassVar[str] = "StepRule"
+    DEFAULTS: ClassVar[dict] = {}
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.params) - set(self.DEFAULTS))
+        if unknown:
+            accepted = ", ".join(self.DEFAULTS) or "none"
+            raise ConfigError(f"{self.name} has no parameter {', '.join(unknown)}: its parameters are {accepted}")
+        self.params = {**self.DEFAULTS, **self.params}
+        self._validate()
+
+    def _validate(self) -> None:
+        """Check parameter types and ranges; raise ConfigError naming the parameter."""
+
+    def max_steps(self, block_size: int) -> int:
+        """``DllmAlgorithm.max_steps``: steps the synchronous loop allows one block."""
+        return block_size + 1
+
+    def new_state(self, n_slots: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {}
+
+    def start_block(self, state: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+        """Reset the per-slot state of ``slots``, which begin a new block."""
+        for tensor in state.values():
+            tensor[slots] = 0
+
+    def step(self, ids: torch.Tensor, logits: torch.Tensor, prompt_mask: torch.Tensor,
+             state: dict[str, torch.Tensor], slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One denoising step of ``n`` blocks.
+
+        ids : LongTensor (n, block), the forward's input block of each row.
+        logits : (n, block, V) of that forward (not modified).
+        prompt_mask : BoolTensor (n, block), leftover prompt positions (never filled or edited).
+        state, slots : the per-slot state and the slot of each row.
+
+        Returns the next input blocks (n, block) and ``done`` (n,): the block is finished and this
+        forward holds its final tokens.
+        """
+        raise NotImplementedError
+
+
+def _check_number(name: str, value, low: float, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value >= low and (high is None or value <= high)):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"algorithm parameter {name} must be a number in {span}, got {value!r}")
+
+
+class LowConfidence(StepRule):
+    """``sglang.srt.dllm.algorithm.low_confidence.LowConfidence``.
+
+    Each step fills every masked position whose top-1 probability is strictly above ``threshold``;
+    when none is, the single most confident masked position (first on ties). The top-1 token may be
+    the mask token itself (the engine does not suppress it). Done when the input has no mask.
+    """
+
+    name = "LowConfidence"
+    DEFAULTS = {"threshold": 0.95}
+
+    def _validate(self) -> None:
+        _check_number("threshold", self.params["threshold"], 0.0, 1.0)
+
+    def step(self, ids, logits, prompt_mask, state, slots):
+        masked = (ids == self.mask_id) & ~prompt_mask
+        done = ~masked.any(dim=1)
+        top = logits.argmax(dim=-1)
+        confidence = F.softmax(logits, dim=-1).gather(-1, top.unsqueeze(-1)).squeeze(-1)
+        confidence = torch.where(masked, confidence, float("-inf"))
+        fill = confidence > self.params["threshold"]
+        fallback = torch.zeros_like(fill)
+        fallback[torch.arange(len(ids), device=ids.device), confidence.argmax(dim=1)] = True
+        fill = torch.where(fill.any(dim=1, keepdim=True), fill, fallback)
+        proposal = torch.where(masked, top, ids)  # a fallback on a row without masks keeps its token
+        return torch.where(fill, proposal, ids), done
+
+
+class JointThreshold(StepRule):
+    """``sglang.srt.dllm.algorithm.joint_threshold.JointThreshold`` (its default per-row path).
+
+    Mask-to-token: masked positions above ``threshold`` are filled (at least the most confident,
+    ``topk`` tie-breaking). Token-to-token: any filled, non-prompt position whose top-1 differs from
+    its token with probability above ``edit_threshold`` is rewritten. ``penalty_lambda`` lowers, at
+    each position, the logit of the previous position's token. A block is done when a step changes
+    nothing, or when it has had no mask for more than ``max_post_edit_steps`` steps.
+    """
+
+    name = "JointThreshold"
+    DEFAULTS = {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16, "penalty_lambda": 0.0}
+
+    def _validate(self) -> None:
+        _check_number("threshold", self.params["threshold"], 0.0, 1.0)
+        _check_number("edit_threshold", self.params["edit_threshold"], 0.0, 1.0)
+        _check_number("penalty_lambda", self.params["penalty_lambda"], 0.0)
+        steps = self.params["max_post_edit_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"algorithm parameter max_post_edit_steps must be an integer >= 0, got {steps!r}")
+
+    def max_steps(self, block_size: int) -> int:
+        return block_size + self.params["max_post_edit_steps"] + 1
+
+    def new_state(self, n_slots, device):
+        return {"finished": torch.zeros(n_slots, dtype=torch.bool, device=device),
+                "post_edit_steps": torch.zeros(n_slots, dtype=torch.long, device=device)}
+
+    def step(self, ids, logits, prompt_mask, state, slots):
+        n = len(ids)
+        penalty = self.params["penalty_lambda"]
+        if penalty > 0:  # out of place: the caller's logits stay as the forward produced them
+            logits = logits.clone()
+            previous = ids[:, :-1, None]
+            logits[:, 1:, :].scatter_add_(2, previous, torch.full(previous.shape, -penalty, dtype=logits.dtype,
+                                                                  device=logits.device))
+        top = logits.argmax(dim=-1)
+        p = F.softmax(logits, dim=-1).gather(-1, top.unsqueeze(-1)).squeeze(-1)
+
+        finished = state["finished"][slots].clone()
+        post_edit = state["post_edit_steps"][slots].clone()
+        masked = (ids == self.mask_id) & ~prompt_mask
+        has_mask = masked.any(dim=1)
+        active = ~finished
+        settling = active & ~has_mask  # no mask left: a post-edit step
+        post_edit += settling.long()
+        exhausted = settling & (post_edit > self.params["max_post_edit_steps"])
+        finished |= exhausted
+        eligible = active & ~exhausted
+
+        confidence = torch.where(masked, p, float("-inf"))
+        fill = (confidence > self.params["threshold"]) & (eligible & has_mask)[:, None]
+        force = eligible & has_mask & ~fill.any(dim=1)
+        best = confidence.topk(1, dim=1).indices.squeeze(1)
+        fill[torch.arange(n, device=ids.device), best] |= force
+        edit = (p > self.params["edit_threshold"]) & (ids != top) & ~masked & ~prompt_mask & eligible[:, None]
+        change = fill | edit
+        finished |= eligible & ~change.any(dim=1)
+
+        state["finished"][slots] = finished
+        state["post_edit_steps"][slots] = post_edit
+        return torch.where(change, top, ids), finished
+
+
+@dataclass(frozen=True)
+class AlgorithmInfo:
+    """What a user can name with ``--algorithm``: the rule, or why this decoder cannot run it."""
+
+    rule: Callable[..., StepRule] | None
+    unsupported: str | None = None
+
+
+ALGORITHMS: dict[str, AlgorithmInfo] = {
+    "LowConfidence": AlgorithmInfo(LowConfidence),
+    "JointThreshold": AlgorithmInfo(JointThreshold),
+    "JointThresholdInDel": AlgorithmInfo(
+        None, "JointThresholdInDel (insert/delete edits) is not mirrored by this decoder yet; "
+              "use JointThreshold or LowConfidence"),
+    "Gemma4Renoise": AlgorithmInfo(
+        None, "Gemma4Renoise needs a separate context-encoding pass that only the DiffusionGemma "
+              "backend runs; it is chosen automatically for DiffusionGemma models"),
+}
+DEFAULT_ALGORITHM = "LowConfidence"  # SGLang's documented choice for LLaDA2.x and SDAR
+ARCHITECTURE_ALGORITHMS = {"DiffusionGemmaForBlockDiffusion": "Gemma4Renoise"}  # DllmConfig requires it
+
+
+def default_algorithm(architecture: str | None) -> str:
+    """The algorithm SGLang would serve ``architecture`` with (``DllmConfig.from_server_args``)."""
+    return ARCHITECTURE_ALGORITHMS.get(architecture or "", DEFAULT_ALGORITHM)
+
+
+def make_rule(name: str, mask_id: int, params: dict | None = None) -> StepRule:
+    """The step rule ``name`` with ``params`` over SGLang's defaults; one-line ConfigError otherwise."""
+    info = ALGORITHMS.get(name)
+    if info is None:
+        raise ConfigError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
+    if info.rule is None:
+        raise ConfigError(info.unsupported)
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"--algorithm-config must be a JSON object, got {type(params).__name__}")
+    return info.rule(mask_id=mask_id, params=dict(params or {}))
+
+
+def forwards_exhausted(rule: StepRule, forwards: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Rows whose block has had ``max_steps + 1`` forwards: the engine's loop ends them unstepped."""
+    return forwards > rule.max_steps(block_size)

@@ -1,0 +1,77 @@
+"""How SGLang 0.5.23's dLLM path lays out one request, and what its prompt costs.
+
+Read from ``srt/dllm/mixin/req.py`` (``_init_fill_ids_for_dllm``, ``determine_dllm_phase``) and
+``srt/managers/schedule_policy.py`` (``_get_dllm_extend_len``: a KV-keeping algorithm extends each
+request by at most one block per forward):
+
+- A prompt of ``n`` tokens holds ``n // block_size`` **full prompt blocks**. Each is one prefill
+  forward (the request's ``STAGING_PREFILL`` / ``INCOMING_PREFILL`` phase), so the prompt work is
+  ``P = n // block_size`` forwards, less the full blocks a cached prefix already covers.
+- The ``n % block_size`` **leftover prompt tokens** open the first output block: its input is
+  ``[leftover prompt | masks]`` and the leftover positions are held by the prompt mask (never
+  unmasked, never emitted). That block therefore emits only ``block_size - leftover`` tokens; every
+  later output block emits ``block_size``.
+- The **first denoising round** is the first forward over that first output block. The serving hook
+  sees the final-layer rows of the whole block there (fixed shape, CUDA-graph safe), so
+  ``first_round_hidden`` pools all ``block_size`` rows, leftover prompt rows included.
+- A request finishes after the block in which an EOS is emitted, or once its output reaches the
+  budget (``max_new_tokens``); the output is cut at the EOS or at the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINE = "sglang==0.5.23"  # the engine whose units traces are in (recorded in every manifest)
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a prompt of ``prompt_tokens`` tokens sits in blocks of ``block_size``.
+
+    prompt_blocks : full prompt blocks, each one prefill forward without a prefix cache.
+    leftover : prompt tokens at the start of the first output block (under the prompt mask).
+    first_block_outputs : output positions of the first output block (``block_size - leftover``).
+    """
+
+    prompt_tokens: int
+    block_size: int
+
+    @property
+    def prompt_blocks(self) -> int:
+        return self.prompt_tokens // self.block_size
+
+    @property
+    def leftover(self) -> int:
+        return self.prompt_tokens % self.block_size
+
+    @property
+    def first_block_outputs(self) -> int:
+        return self.block_size - self.leftover
+
+    def output_start(self, block_index: int) -> int:
+        """First emitted position inside output block ``block_index`` (0-based)."""
+        return self.leftover if block_index == 0 else 0
+
+    def max_output_blocks(self, budget: int) -> int:
+        """Output blocks that reach ``budget`` tokens when no EOS comes first."""
+        beyond_first = max(0, budget - self.first_block_outputs)
+        return 1 + -(-beyond_first // self.block_size)
+
+
+def block_layout(prompt_tokens: int, block_size: int) -> BlockLayout:
+    """The layout of a prompt; refuses sizes no engine could serve."""
+    if prompt_tokens < 1 or block_size < 1:
+        raise ValueError(f"need prompt_tokens >= 1 and block_size >= 1, got {prompt_tokens}, {block_size}")
+    return BlockLayout(prompt_tokens, block_size)
+
+
+def prefill_rounds(prompt_tokens: int, block_size: int, cached_prefix: int = 0) -> int:
+    """P: the prefill forwards SGLang runs for a prompt whose first ``cached_prefix`` tokens are cached.
+
+    The radix cache hands a dLLM request a prefix that ends on a block boundary
+    (``_update_block_offset_for_dllm`` asserts it); a cached prefix covering every full prompt block
+    leaves no prefill at all, and the request starts in its decode phase.
+    """
+    cached_blocks = max(0, cached_prefix) // block_size
+    return max(0, prompt_tokens // block_size - cached_blocks)

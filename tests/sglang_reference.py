@@ -1,0 +1,113 @@
+"""SGLang 0.5.23's own dLLM code, importable on a CPU: the reference our engine module is tested against.
+
+``scripts/fetch_sglang.py`` unpacks the wheel's Python source. SGLang cannot be imported whole here
+(its package ``__init__`` and many modules need CUDA kernels), so :func:`load` registers empty
+parent packages that point at the unpacked tree and the smallest stand-ins for the few GPU-side
+names the dLLM modules import (``ForwardBatch``, ``ModelRunner``, ``LogitsProcessorOutput``,
+``ServerArgs``, ``is_npu`` …). Everything the tests call — the algorithm classes, ``_run_sync``,
+``DllmConfig``, ``ReqDllmMixin`` — is SGLang's code, unmodified.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from fetch_sglang import is_complete, source_root  # noqa: E402
+
+SKIP_REASON = ("SGLang 0.5.23's source is not here: run `python scripts/fetch_sglang.py` (fetches the 39 MB wheel "
+               "from PyPI, no install) to check the engine semantics against SGLang's own code")
+
+
+def available() -> bool:
+    return is_complete(source_root())
+
+
+@dataclass
+class ForwardBatch:
+    """Stand-in for ``forward_batch_info.ForwardBatch``: the fields the dLLM algorithms read."""
+
+    batch_size: int
+    input_ids: torch.Tensor  # (batch_size * block_size,)
+    dllm_prompt_mask: torch.Tensor | None = None
+
+    def mark_forward_metadata_ready(self, replan_equivalent: bool = True) -> None:
+        pass
+
+
+@dataclass
+class LogitsProcessorOutput:
+    full_logits: torch.Tensor
+
+
+@dataclass
+class ForwardOutput:
+    logits_output: LogitsProcessorOutput
+    can_run_graph: bool = False
+
+
+class ModelRunner:
+    """Stand-in for ``model_runner.ModelRunner``: ``forward`` asks ``logits_fn`` and counts the calls."""
+
+    def __init__(self, logits_fn):
+        self.logits_fn = logits_fn
+        self.forwards = 0
+
+    def forward(self, forward_batch, pp_proxy_tensors=None) -> ForwardOutput:
+        self.forwards += 1
+        return ForwardOutput(LogitsProcessorOutput(self.logits_fn(forward_batch.input_ids.clone(), self.forwards)))
+
+
+def _module(name: str, path: Path | None = None, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    if path is not None:
+        module.__path__ = [str(path)]
+    module.__dict__.update(attrs)
+    sys.modules[name] = module
+    return module
+
+
+class _Placeholder:
+    """A name that is imported for type hints only."""
+
+
+def load() -> types.SimpleNamespace:
+    """Import SGLang's dLLM modules from the unpacked wheel; skip the test when it is not there."""
+    if not available():
+        pytest.skip(SKIP_REASON)
+    if "sglang.srt.dllm.algorithm" not in sys.modules:
+        src = source_root() / "sglang"
+        _module("sglang", src)
+        _module("sglang.srt", src / "srt")
+        for package in ("layers", "model_executor", "arg_groups", "configs"):
+            _module(f"sglang.srt.{package}", src / "srt" / package)
+        _module("sglang.srt.layers.logits_processor", LogitsProcessorOutput=LogitsProcessorOutput)
+        _module("sglang.srt.model_executor.forward_batch_info", ForwardBatch=ForwardBatch)
+        _module("sglang.srt.model_executor.model_runner", ModelRunner=ModelRunner)
+        _module("sglang.srt.server_args", ServerArgs=_Placeholder)
+        _module("sglang.srt.utils", is_npu=lambda: False)
+        _module("sglang.srt.arg_groups.overrides", resolving_view=None)
+        _module("sglang.srt.configs.model_config", ModelConfig=_Placeholder)
+    algorithm = importlib.import_module("sglang.srt.dllm.algorithm")
+    return types.SimpleNamespace(
+        algorithms=algorithm.algo_name_to_cls,
+        DllmConfig=importlib.import_module("sglang.srt.dllm.config").DllmConfig,
+        req=importlib.import_module("sglang.srt.dllm.mixin.req"),
+        ForwardBatch=ForwardBatch,
+        ModelRunner=ModelRunner,
+    )
+
+
+def make_algorithm(sgl, name: str, block_size: int, mask_id: int, params: dict | None = None):
+    """SGLang's algorithm ``name`` built from a real ``DllmConfig`` (synchronous mode)."""
+    config = sgl.DllmConfig(algorithm=name, algorithm_config=dict(params or {}), block_size=block_size,
+                            mask_id=mask_id, max_running_requests=1)
+    return sgl.algorithms[name](config)

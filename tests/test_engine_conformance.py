@@ -1,0 +1,258 @@
+"""Our engine semantics against SGLang 0.5.23's own code (from its wheel), on the same logits.
+
+Three levels, each over random cases built to hit the edges (block sizes 4, 8, 32; leftover prompt
+tokens that do and do not fill a block; confidences on and near the threshold; exact ties; the mask
+token as top-1; EOS; budget stops):
+
+1. one step: ``engine.algorithms`` rules vs the SGLang classes' ``step`` (tokens, done flags, state);
+2. one block: SGLang's ``DllmAlgorithm._run_sync`` loop (its forward count is the model runner's
+   call count) vs our decoder, driven by the same input-dependent logits;
+3. layout: ``ReqDllmMixin`` (phases, fill ids, prompt mask) vs ``engine.layout``.
+
+Skipped with a reason when the wheel's source is absent (``python scripts/fetch_sglang.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+import sglang_reference
+from dwise_predict.engine import block_layout, make_rule, prefill_rounds
+from dwise_predict.engine.reference import MIRRORED, mirrored_problems
+
+MASK = 5
+V = 12
+ALGORITHM_PARAMS = {
+    "LowConfidence": [{}, {"threshold": 0.5}, {"threshold": 0.3}, {"threshold": 1.0}],
+    "JointThreshold": [{}, {"threshold": 0.7, "edit_threshold": 0.5}, {"max_post_edit_steps": 2, "threshold": 1.0},
+                       {"penalty_lambda": 1.5, "edit_threshold": 0.2}, {"max_post_edit_steps": 0}],
+}
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    return sglang_reference.load()
+
+
+def random_logits(gen: torch.Generator, rows: int, block: int) -> torch.Tensor:
+    """Logits with coarse steps (exact ties), sometimes a peaked top-1, sometimes the mask on top."""
+    logits = torch.randint(-4, 5, (rows, block, V), generator=gen).float() * 0.5
+    peak = torch.rand(rows, block, generator=gen) < 0.5
+    logits += peak[..., None] * torch.zeros(rows, block, V).scatter_(
+        2, torch.randint(0, V, (rows, block, 1), generator=gen), torch.rand(rows, block, 1, generator=gen) * 8)
+    mask_top = torch.rand(rows, block, generator=gen) < 0.05
+    logits[..., MASK] = torch.where(mask_top, logits.max(-1).values + 1, logits[..., MASK])
+    # confidences exactly on a threshold: a two-way tie (p = 0.5) and a saturated peak (p = 1.0)
+    kind = torch.rand(rows, block, generator=gen)
+    two = torch.randint(0, V, (rows, block, 2), generator=gen)
+    tie = torch.full((rows, block, V), float("-inf")).scatter_(2, two, 0.0)
+    tie[..., 0] = torch.where(two[..., 0] == two[..., 1], 0.0, tie[..., 0])  # keep a second finite token
+    peak = torch.zeros(rows, block, V).scatter_(2, two[..., :1], 60.0)
+    logits = torch.where((kind < 0.1)[..., None], tie, logits)
+    return torch.where(((kind >= 0.1) & (kind < 0.15))[..., None], peak, logits)
+
+
+def random_blocks(gen: torch.Generator, rows: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input blocks mid-decoding: leftover prompt (prompt mask), some filled positions, the rest masked."""
+    leftover = torch.randint(0, block, (rows,), generator=gen)
+    prompt_mask = torch.arange(block)[None, :] < leftover[:, None]
+    ids = torch.randint(0, V, (rows, block), generator=gen)
+    ids[ids == MASK] = 0
+    masked = (torch.rand(rows, block, generator=gen) < torch.rand(rows, 1, generator=gen)) & ~prompt_mask
+    return torch.where(masked, torch.full_like(ids, MASK), ids), prompt_mask
+
+
+@pytest.mark.parametrize("name", list(ALGORITHM_PARAMS))
+@pytest.mark.parametrize("block", [4, 8, 32])
+def test_one_step_matches_sglang(sgl, name, block):
+    """>= 1,000 rows per algorithm and block size, several steps each: identical tokens, done, state."""
+    gen = torch.Generator().manual_seed(block)
+    cases = 0
+    for params in ALGORITHM_PARAMS[name]:
+        ref = sglang_reference.make_algorithm(sgl, name, block, MASK, params)
+        ours = make_rule(name, MASK, params)
+        rows = 64
+        ids, prompt_mask = random_blocks(gen, rows, block)
+        batch = sgl.ForwardBatch(rows, ids.reshape(-1).clone(), dllm_prompt_mask=prompt_mask)
+        ref_states = ref.init_step_state(batch)
+        state = ours.new_state(rows, ids.device)
+        slots = torch.arange(rows)
+        ours.start_block(state, slots)
+        for _ in range(6):  # successive steps carry JointThreshold's post-edit budget and finished flag
+            logits = random_logits(gen, rows, block)
+            ref_done = ref.step(batch, logits.reshape(rows * block, V).clone(), ref_states)
+            new, done = ours.step(ids, logits, prompt_mask, state, slots)
+            assert torch.equal(new, batch.input_ids.view(rows, block)), (name, params)
+            assert done.tolist() == list(ref_done), (name, params)
+            ids = new
+            cases += rows
+    assert cases >= 1000
+
+
+# ---- one whole request, block by block ----------------------------------------------------------
+
+def oracle(seed: int, eos: int):
+    """Input-dependent logits, the same function for SGLang's loop and ours: a stand-in model."""
+    def logits_for(block_ids: torch.Tensor, context: int) -> torch.Tensor:
+        key = hashlib.sha256(f"{seed}:{context}:{block_ids.tolist()}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+        logits = random_logits(gen, 1, len(block_ids))[0]
+        logits[:, eos] += torch.rand(len(block_ids), generator=gen) * 3 - 1.5
+        return logits
+    return logits_for
+
+
+def new_request(sgl, config, prompt, cached_prefix=0):
+    """A request carrying SGLang's ``ReqDllmMixin`` (the engine's per-request dLLM state)."""
+
+    class Req(sgl.req.ReqDllmMixin):
+        pass
+
+    req = Req()
+    req.origin_input_ids, req.output_ids = array("q", prompt), array("q")
+    req.prefix_len, req.dllm_initialized = cached_prefix, False
+    req.init_diffusion_llm(config)
+    return req
+
+
+def next_round(req, prefix_len: int) -> None:
+    """The dLLM part of ``Req.init_next_round_input``: fill ids, the matched prefix, the phase."""
+    req._init_fill_ids_for_dllm()
+    req.prefix_len = prefix_len
+    req._update_block_offset_for_dllm()
+    req.determine_dllm_phase()
+
+
+def sglang_request(sgl, name, params, prompt, budget, block, eos, logits_for):
+    """One request through SGLang's own code: ``ReqDllmMixin`` lays it out and decides its phase each
+    round, the adder extends it by one block per forward (``_get_dllm_extend_len``), the algorithm's
+    ``_run_sync`` runs each output block (the runner counts forwards), and the scheduler's finish
+    rule (``Req.update_finish_state``: an EOS among the new tokens, or max_new_tokens) ends it."""
+    config = sgl.DllmConfig(algorithm=name, algorithm_config=dict(params), block_size=block, mask_id=MASK,
+                            max_running_requests=1)
+    algorithm = sgl.algorithms[name](config)
+    req = new_request(sgl, config, prompt)
+    kv_len, prefill, rounds = 0, 0, []
+    while True:
+        next_round(req, kv_len)
+        if req.is_dllm_prefill():
+            prefill += 1
+            kv_len += block
+            continue
+        canvas = torch.tensor(list(req.full_untruncated_fill_ids[kv_len:kv_len + block]))
+        runner = sgl.ModelRunner(lambda ids, _n, context=kv_len: logits_for(ids, context))
+        _, tokens, *_ = algorithm._run_sync(runner, sgl.ForwardBatch(1, canvas.clone()))
+        rounds.append(runner.forwards)
+        new = tokens[0].tolist()
+        req.output_ids.extend(new)
+        kv_len += block
+        if eos in new:
+            output = list(req.output_ids)
+            return prefill, rounds, output[:output.index(eos)], "eos"
+        if len(req.output_ids) >= budget:
+            return prefill, rounds, list(req.output_ids)[:budget], "budget"
+
+
+class PerRequestOracle:
+    """A ``BlockBackend`` answering each row with its request's oracle logits for its current block."""
+
+    name = "oracle"
+    mask_token_id, eos_token_id, pad_token_id = MASK, 2, 0
+    hidden_size, vocab_size, max_context, tokenizer = 4, V, 4096, None
+    device = torch.device("cpu")
+
+    def __init__(self, block, oracles, requests):
+        self.block_size, self.oracles = block, oracles
+        self.queue = [r.request_id for r in requests]  # slots are refilled in request order
+
+    def fingerprint(self):
+        return {"name": self.name}
+
+    def allocate(self, n_slots):
+        self.committed = [0] * n_slots
+        self.owner = [None] * n_slots
+
+    def reset_slot(self, slot):
+        self.committed[slot] = 0
+        self.owner[slot] = self.queue.pop(0)
+
+    def step(self, batch):
+        from dwise_predict.collectors.backends.base import StepOutput
+
+        n, window = len(batch.slots), batch.window
+        logits = torch.zeros(n, window, V)
+        for r, slot in enumerate(batch.slots.tolist()):
+            start, commit = int(batch.out_start[r]), int(batch.commit_len[r])
+            context = self.committed[slot] + start
+            if commit != int(batch.n_valid[r]):  # a denoising row (perhaps carrying a commit)
+                logits[r] = self.oracles[self.owner[slot]](batch.input_ids[r, start:start + window], context)
+            self.committed[slot] += commit
+        return StepOutput(logits=logits, hidden=torch.zeros(n, window, self.hidden_size))
+
+
+@pytest.mark.parametrize("name", list(ALGORITHM_PARAMS))
+def test_whole_requests_match_sglang(sgl, name):
+    """>= 1,000 requests per algorithm: prefill forwards, forwards per block, output tokens and finish
+    reason equal SGLang's, request by request; decoding them 16 at a time with slot refill changes
+    nothing. The cases reach EOS stops, budget stops and the engine's step cap."""
+    from dwise_predict.collectors.decoder import decode
+    from dwise_predict.collectors.records import DecodeRequest, DecodingConfig
+
+    rng = np.random.default_rng(7)
+    cases, finishes, capped = 0, set(), 0
+    per_group = -(-1000 // (3 * len(ALGORITHM_PARAMS[name])))
+    for block in (4, 8, 32):
+        for params in ALGORITHM_PARAMS[name]:
+            requests, want = [], {}
+            for case in range(per_group):
+                n = int(rng.choice([1, block - 1, block, block + 1, 2 * block, int(rng.integers(1, 3 * block))]))
+                prompt = [int(t) for t in rng.integers(6, V, n)]
+                budget = int(rng.integers(1, 4 * block))
+                requests.append(DecodeRequest(f"r{case}", prompt, budget))
+                want[f"r{case}"] = sglang_request(sgl, name, params, prompt, budget, block, 2, oracle(case, eos=2))
+            for batch_size in (1, 16):
+                backend = PerRequestOracle(block, {r.request_id: oracle(i, eos=2) for i, r in enumerate(requests)}, requests)
+                config = DecodingConfig(algorithm=name, algorithm_config=params, block_size=block, batch_size=batch_size)
+                for got in decode(backend, requests, config):
+                    assert (got.prompt_blocks, got.rounds_per_block, got.output_ids, got.finish) == \
+                        want[got.request_id], (block, params, got.request_id)
+            cases += len(requests)
+            finishes |= {w[3] for w in want.values()}
+            max_forwards = make_rule(name, MASK, params).max_steps(block) + 1
+            capped += sum(r == max_forwards for w in want.values() for r in w[1])
+    assert cases >= 1000
+    assert finishes == {"eos", "budget"} and capped > 0
+
+
+# ---- layout -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [4, 8, 32])
+def test_layout_matches_req_mixin(sgl, block):
+    """Prefill forwards (with cached prefixes), leftover tokens under the prompt mask, first outputs."""
+    config = sgl.DllmConfig(algorithm="LowConfidence", algorithm_config={}, block_size=block, mask_id=MASK,
+                            max_running_requests=1)
+    for n in range(1, 4 * block + 2):
+        for cached in range(0, n // block + 1):
+            req = new_request(sgl, config, [7] * n)
+            kv_len, forwards = cached * block, 0
+            next_round(req, kv_len)
+            while req.is_dllm_prefill():
+                forwards += 1
+                kv_len += block
+                next_round(req, kv_len)
+            layout = block_layout(n, block)
+            assert kv_len == layout.prompt_blocks * block
+            assert forwards == prefill_rounds(n, block, cached_prefix=cached * block), (n, cached)
+            assert list(req.full_untruncated_fill_ids[kv_len:kv_len + block]) == (
+                [7] * layout.leftover + [MASK] * layout.first_block_outputs)
+
+
+def test_mirrored_names_exist_in_the_wheel(sgl):
+    """Every SGLang class, attribute and default we mirror is in the wheel, with the value we use."""
+    assert MIRRORED, "the list of mirrored names is empty"
+    assert mirrored_problems(lambda name, block: sglang_reference.make_algorithm(sgl, name, block, MASK)) == []
