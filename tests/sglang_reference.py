@@ -106,8 +106,10 @@ def load() -> types.SimpleNamespace:
     )
 
 
-def make_algorithm(sgl, name: str, block_size: int, mask_id: int, params: dict | None = None):
+def make_algorithm(sgl, name: str, block_size: int, mask_id: int, params: dict | None = None,
+                   delete_token_id: int | None = None, split_token_id: int | None = None):
     """SGLang's algorithm ``name`` built from a real ``DllmConfig`` (synchronous mode)."""
     config = sgl.DllmConfig(algorithm=name, algorithm_config=dict(params or {}), block_size=block_size,
-                            mask_id=mask_id, max_running_requests=1)
+                            mask_id=mask_id, max_running_requests=1, delete_token_id=delete_token_id,
+                            split_token_id=split_token_id)
     return sgl.algorithms[name](config)

@@ -196,6 +196,9 @@ def test_bad_input_is_one_clear_error():
         decode(be, [DecodeRequest("e", [], budget=16)], cfg)
     with pytest.raises(InputError, match="duplicate request id"):
         decode(be, [DecodeRequest("d", [3], budget=8), DecodeRequest("d", [4], budget=8)], cfg)
+    with pytest.raises(ConfigError, match="declares delete_token_id and split_token_id") as err:
+        decode(be, [DecodeRequest("a", [3], budget=8)], DecodingConfig(algorithm="JointThresholdInDel"))
+    assert "\n" not in str(err.value)
     bad = [({"algorithm_config": {"threshold": 1.5}}, "threshold must be a number in"),
            ({"algorithm_config": {"edit_threshold": 0.1}}, "LowConfidence has no parameter edit_threshold"),
            ({"algorithm": "LowConfidance"}, "unknown algorithm 'LowConfidance'"),

@@ -124,6 +124,7 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     if block <= 0:
         raise ConfigError(f"the model's block size must be positive, got {block}: pass --block-size")
     rule = make_rule(config.algorithm or DEFAULT_ALGORITHM, backend.mask_token_id, config.algorithm_config)
+    rule.bind(backend)
     requests = list(requests)
     _validate(requests, block, backend.max_context)
     return _run(backend, deque(requests), config, rule, block, on_result, progress)

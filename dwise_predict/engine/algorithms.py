@@ -60,6 +60,9 @@ class StepRule:
     def _validate(self) -> None:
         """Check parameter types and ranges; raise ConfigError naming the parameter."""
 
+    def bind(self, model) -> None:
+        """Read what the rule needs from the model being decoded (a backend); most need nothing."""
+
     def max_steps(self, block_size: int) -> int:
         """``DllmAlgorithm.max_steps``: steps the synchronous loop allows one block."""
         return block_size + 1
@@ -186,6 +189,176 @@ class JointThreshold(StepRule):
         return torch.where(change, top, ids), finished
 
 
+class JointThresholdInDel(StepRule):
+    """``sglang.srt.dllm.algorithm.joint_threshold_indel.JointThresholdInDel``.
+
+    ``JointThreshold`` plus structural edits for checkpoints trained with them: a predicted
+    ``delete_token_id`` removes its position (the block is refilled with masks at the end), a
+    ``split_token_id`` inserts a mask before the position's old token. While original masks remain,
+    each step fills at least one more mask than the edits introduced; once none remain, a cumulative
+    post-edit budget runs and a final cleanup fills every mask with a token that is neither mask nor
+    edit token. A block state seen before is perturbed at its least confident changing position
+    (anti-loop). Per row, in Python, like the engine; its state holds sets and histories.
+    """
+
+    name = "JointThresholdInDel"
+    DEFAULTS = {"threshold": 0.5, "edit_threshold": 0.0, "max_post_edit_steps": 16}
+    delete_token_id: int | None = None
+    split_token_id: int | None = None
+
+    def _validate(self) -> None:
+        _check_number("threshold", self.params["threshold"], 0.0, 1.0)
+        _check_number("edit_threshold", self.params["edit_threshold"], 0.0, 1.0)
+        steps = self.params["max_post_edit_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(f"algorithm parameter max_post_edit_steps must be an integer >= 0, got {steps!r}")
+
+    def bind(self, model) -> None:
+        self.bind_tokens(getattr(model, "delete_token_id", None), getattr(model, "split_token_id", None),
+                         model.vocab_size)
+
+    def bind_tokens(self, delete_token_id, split_token_id, vocab_size: int) -> None:
+        """The model's edit tokens (``DllmConfig.from_server_args`` requires both, distinct, in vocab)."""
+        if delete_token_id is None or split_token_id is None:
+            raise ConfigError("JointThresholdInDel needs a model whose config.json declares delete_token_id and "
+                              "split_token_id (a checkpoint trained for insert/delete decoding); use JointThreshold")
+        for name, token in (("delete_token_id", delete_token_id), ("split_token_id", split_token_id)):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise ConfigError(f"{name} must be a token id in [0, {vocab_size}), got {token!r}")
+        if len({self.mask_id, delete_token_id, split_token_id}) != 3:
+            raise ConfigError("mask, delete and split token ids must be distinct, got "
+                              f"{self.mask_id}, {delete_token_id}, {split_token_id}")
+        self.delete_token_id, self.split_token_id = delete_token_id, split_token_id
+
+    def max_steps(self, block_size: int) -> int:
+        # regular updates, one final cleanup, one forward that persists the cleaned block
+        return block_size + self.params["max_post_edit_steps"] + 2
+
+    def new_state(self, n_slots, device):
+        return {"rows": [None] * n_slots}
+
+    def start_block(self, state, slots):
+        for slot in slots.tolist():
+            state["rows"][slot] = None  # built from the block's first input, as init_step_state does
+
+    def step(self, ids, logits, prompt_mask, state, slots):
+        new = ids.clone()
+        done = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        for j, slot in enumerate(slots.tolist()):
+            row = state["rows"][slot]
+            if row is None:
+                row = state["rows"][slot] = {
+                    "prompt_len": int(prompt_mask[j].sum()), "prompt_index": prompt_mask[j].clone(),
+                    "is_orig_mask": (ids[j] == self.mask_id) & ~prompt_mask[j], "post_edit_steps": 0,
+                    "num_update_steps": 0, "finished": False, "seen": set(), "sampled": {}}
+            done[j] = self._step_row(new[j], logits[j].clone(), row)
+        return new, done
+
+    def _step_row(self, block: torch.Tensor, logits: torch.Tensor, row: dict) -> bool:
+        """One row's step, in place on ``block``; returns done."""
+        if row["finished"]:
+            return True
+        mask, delete, split = self.mask_id, self.delete_token_id, self.split_token_id
+        size, max_post = len(block), self.params["max_post_edit_steps"]
+        top = logits.argmax(dim=-1)
+        probs = F.softmax(logits, dim=-1)
+        p = probs.gather(-1, top.unsqueeze(-1)).squeeze(-1)
+        prompt = row["prompt_index"]
+        masked = (block == mask) & ~prompt
+        original = row["is_orig_mask"] & masked
+        n_original, n_masked = int(original.sum()), int(masked.sum())
+
+        row["num_update_steps"] += 1
+        if n_original == 0:
+            row["post_edit_steps"] += 1
+        cleanup = ((max_post > 0 and row["post_edit_steps"] >= max_post) or (max_post == 0 and n_original == 0)
+                   or row["num_update_steps"] > size + max_post)
+        if not cleanup:  # an unresolved original mask must not be "filled" with the mask itself
+            stuck = (original & (top == mask)).nonzero().view(-1)
+            if len(stuck):
+                retry = logits[stuck].clone()
+                retry[:, mask] = float("-inf")
+                top[stuck] = retry.argmax(dim=-1)
+                p[stuck] = probs[stuck, top[stuck]]
+
+        fill = torch.zeros_like(masked)
+        if n_masked:
+            confidence = torch.where(masked, p, float("-inf"))
+            if cleanup:
+                fill = masked & ~prompt
+            elif n_original:
+                needed = 1 + n_masked - n_original  # one more than the masks the edits introduced
+                confident = (confidence > self.params["threshold"]) & masked
+                if int(confident.sum()) >= needed:
+                    fill = confident
+                else:
+                    fill[confidence.topk(min(needed, n_masked)).indices] = True
+            else:
+                fill = masked
+        if max_post == 0 and n_original and not (original & ~fill).any():
+            cleanup = True
+            fill = masked & ~prompt
+        edit = (p > self.params["edit_threshold"]) & (block != top) & ~masked & ~prompt
+        write = (fill | edit).nonzero().view(-1)
+        if len(write) == 0:
+            row["finished"] = True
+            return True
+
+        if cleanup:  # the last update writes no mask or edit token
+            forbidden = write[(top[write] == mask) | (top[write] == delete) | (top[write] == split)]
+            if len(forbidden):
+                retry = logits[forbidden].clone()
+                retry[:, [mask, delete, split]] = float("-inf")
+                top[forbidden] = retry.argmax(dim=-1)
+        old = block.tolist()
+        key = tuple(old)
+        if key in row["seen"] and not cleanup:  # a state seen before: perturb the least confident change
+            changing = write[top[write] != block[write]]
+            if len(changing):
+                position = int(changing[p[changing].argmin()])
+                retry = logits[position].clone()
+                for token in row["sampled"].get(position, ()):
+                    retry[token] = float("-inf")
+                if original[position]:
+                    retry[mask] = float("-inf")
+                top[position] = retry.argmax()
+        row["seen"].add(key)
+
+        tokens, structural, changed = old.copy(), False, False
+        for position, token in zip(write.tolist(), top[write].tolist()):
+            row["sampled"].setdefault(position, set()).add(token)
+            tokens[position] = token
+            structural |= token in (delete, split)
+            changed |= token != old[position]
+        if structural:
+            edited, orig = self._apply_edits(tokens, old, row["is_orig_mask"].tolist(), row["prompt_len"])
+            block.copy_(torch.tensor(edited, dtype=block.dtype))
+            row["is_orig_mask"] = torch.tensor(orig, dtype=torch.bool, device=block.device)
+        else:
+            block[write] = top[write]
+        if cleanup:
+            row["finished"] = True
+            return not changed  # changed ids need one more forward to persist their KV
+        return False
+
+    def _apply_edits(self, tokens: list[int], old: list[int], is_orig: list[bool], prompt_len: int):
+        """DELETE drops a generated position, SPLIT puts a new mask before its old token; the block is
+        cut or refilled with masks to its size (``JointThresholdInDel._apply_edit_operations``)."""
+        size = len(old)
+        out, out_orig = old[:prompt_len], is_orig[:prompt_len]
+        for i in range(prompt_len, size):
+            if tokens[i] == self.delete_token_id:
+                continue
+            if tokens[i] == self.split_token_id:
+                out += [self.mask_id, old[i]]
+                out_orig += [False, is_orig[i]]
+            else:
+                out.append(tokens[i])
+                out_orig.append(is_orig[i])
+        out, out_orig = out[:size], out_orig[:size]
+        return out + [self.mask_id] * (size - len(out)), out_orig + [False] * (size - len(out_orig))
+
+
 @dataclass(frozen=True)
 class AlgorithmInfo:
     """What a user can name with ``--algorithm``: the rule, or why this decoder cannot run it."""
@@ -197,9 +370,7 @@ class AlgorithmInfo:
 ALGORITHMS: dict[str, AlgorithmInfo] = {
     "LowConfidence": AlgorithmInfo(LowConfidence),
     "JointThreshold": AlgorithmInfo(JointThreshold),
-    "JointThresholdInDel": AlgorithmInfo(
-        None, "JointThresholdInDel (insert/delete edits) is not mirrored by this decoder yet; "
-              "use JointThreshold or LowConfidence"),
+    "JointThresholdInDel": AlgorithmInfo(JointThresholdInDel),
     "Gemma4Renoise": AlgorithmInfo(
         None, "Gemma4Renoise needs a separate context-encoding pass that only the DiffusionGemma "
               "backend runs; it is chosen automatically for DiffusionGemma models"),
@@ -214,7 +385,11 @@ def default_algorithm(architecture: str | None) -> str:
 
 
 def make_rule(name: str, mask_id: int, params: dict | None = None) -> StepRule:
-    """The step rule ``name`` with ``params`` over SGLang's defaults; one-line ConfigError otherwise."""
+    """The step rule ``name`` with ``params`` over SGLang's defaults; one-line ConfigError otherwise.
+
+    Rules that need something of the model (``JointThresholdInDel``: its edit tokens) get it from
+    :meth:`StepRule.bind`, which the decoder calls with its backend.
+    """
     info = ALGORITHMS.get(name)
     if info is None:
         raise ConfigError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")

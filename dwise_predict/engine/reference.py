@@ -17,6 +17,8 @@ _ATTRIBUTES = {
     "LowConfidence": {"threshold": "threshold"},
     "JointThreshold": {"threshold": "threshold", "edit_threshold": "edit_threshold",
                        "max_post_edit_steps": "max_post_edit_steps", "penalty_lambda": "penalty_lambda"},
+    "JointThresholdInDel": {"threshold": "threshold", "edit_threshold": "edit_threshold",
+                            "max_post_edit_steps": "max_post_edit_steps"},
 }
 BLOCK_SIZES = (4, 8, 32)  # SDAR, the tiny dLLM, LLaDA2.x
 MIRRORED: list[tuple[str, str]] = [(cls, attr) for cls, attrs in _ATTRIBUTES.items() for attr in attrs] + [

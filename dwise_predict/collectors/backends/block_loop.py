@@ -55,6 +55,9 @@ class BlockLoopBackend:
         self.vocab_size = int(config.vocab_size)
         self.max_context = int(getattr(config, "max_position_embeddings", 4096))
         self.device = next(model.parameters()).device
+        # insert/delete edit tokens of checkpoints trained for JointThresholdInDel (None otherwise)
+        self.delete_token_id = getattr(config, "delete_token_id", None)
+        self.split_token_id = getattr(config, "split_token_id", None)
         self._tokens: list[list[int]] = []
         self._blocks: list[list[int]] = []
         self._hidden: torch.Tensor | None = None
