@@ -143,12 +143,12 @@ def next_round(req, prefix_len: int) -> None:
     req.determine_dllm_phase()
 
 
-def sglang_request(sgl, name, params, prompt, budget, block, eos, logits_for):
+def sglang_request(sgl, name, params, prompt, budget, block, eos, logits_for, mask_id=MASK):
     """One request through SGLang's own code: ``ReqDllmMixin`` lays it out and decides its phase each
     round, the adder extends it by one block per forward (``_get_dllm_extend_len``), the algorithm's
     ``_run_sync`` runs each output block (the runner counts forwards), and the scheduler's finish
     rule (``Req.update_finish_state``: an EOS among the new tokens, or max_new_tokens) ends it."""
-    config = sgl.DllmConfig(algorithm=name, algorithm_config=dict(params), block_size=block, mask_id=MASK,
+    config = sgl.DllmConfig(algorithm=name, algorithm_config=dict(params), block_size=block, mask_id=mask_id,
                             max_running_requests=1, delete_token_id=DELETE, split_token_id=SPLIT)
     algorithm = sgl.algorithms[name](config)
     req = new_request(sgl, config, prompt)
@@ -274,3 +274,59 @@ def test_mirrored_names_exist_in_the_wheel(sgl):
     assert MIRRORED, "the list of mirrored names is empty"
     assert mirrored_problems(lambda name, block: sglang_reference.make_algorithm(sgl, name, block, MASK, None, DELETE,
                                                                                 SPLIT)) == []
+
+
+# ---- the tiny dLLM's traces, re-decoded by SGLang's own loop on the same model ------------------
+
+class TinyRunner:
+    """The tiny dLLM behind SGLang's model-runner interface, one request: prefills the full prompt
+    blocks on first use, keeps each finished block (the input of its block's last forward) and
+    commits it in front of the next block's first forward, as the decoder's backend does."""
+
+    def __init__(self, backend, prompt: list[int], block: int):
+        from dwise_predict.collectors.backends.base import StepBatch
+
+        self.backend, self.block, self.batch = backend, block, StepBatch
+        self.prompt, self.context, self.last = prompt, None, None
+        backend.allocate(1)
+        backend.reset_slot(0)
+
+    def _step(self, ids, commit, out_start):
+        t = lambda v: torch.tensor([v])  # noqa: E731
+        return self.backend.step(self.batch(slots=t(0), input_ids=ids[None], n_valid=t(len(ids)),
+                                            commit_len=t(commit), out_start=t(out_start), window=self.block))
+
+    def logits_for(self, ids: torch.Tensor, context: int) -> torch.Tensor:
+        if self.context is None:
+            for start in range(0, context, self.block):
+                self._step(torch.tensor(self.prompt[start:start + self.block]), self.block, 0)
+        elif context != self.context:  # a new block: the previous one rides along, committed
+            out = self._step(torch.cat([self.last, ids]), self.block, self.block)
+            self.context, self.last = context, ids
+            return out.logits[0].float()
+        self.context, self.last = context, ids
+        return self._step(ids, 0, 0).logits[0].float()
+
+
+@pytest.mark.parametrize("name,params", [("LowConfidence", {}), ("JointThreshold", {"threshold": 0.7})])
+def test_tiny_model_traces_redecoded_by_sglang_give_the_same_rounds(sgl, name, params):
+    """The shipped tiny dLLM's decoding, request by request, equals SGLang's own algorithm loop
+    driving the same model: prefill forwards, forwards per block, tokens and finish reason."""
+    from dwise_predict.collectors.backends import load_backend
+    from dwise_predict.collectors.decoder import decode
+    from dwise_predict.collectors.records import DecodeRequest, DecodingConfig
+    from dwise_predict.collectors.workloads import load_workload
+
+    backend = load_backend("tiny")
+    block, mask, eos = backend.block_size, backend.mask_token_id, backend.eos_token_id
+    requests = [DecodeRequest(r.request_id, backend.tokenizer.apply_chat_template(
+        r.messages, add_generation_prompt=True, tokenize=True, return_dict=False), 40)
+        for r in load_workload("tiny-default", seed=0, limit=24).requests]
+    ours = {r.request_id: r for r in decode(backend, requests, DecodingConfig(
+        algorithm=name, algorithm_config=params, batch_size=1))}
+    for request in requests:
+        runner = TinyRunner(backend, request.prompt_ids, block)
+        want = sglang_request(sgl, name, params, request.prompt_ids, request.budget, block, eos,
+                              runner.logits_for, mask_id=mask)
+        got = ours[request.request_id]
+        assert (got.prompt_blocks, got.rounds_per_block, got.output_ids, got.finish) == want, request.request_id
