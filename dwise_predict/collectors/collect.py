@@ -27,6 +27,7 @@ from dwise_predict.collectors.scoring import score_answer
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
 from dwise_predict.errors import ConfigError, ModelError
+from dwise_predict.features.prompt import count_newlines, count_words
 from dwise_predict.versions import package_versions
 
 SHARD_REQUESTS_PER_SLOT = 8  # default requests_per_shard = 8 x batch size: short tails, little loss on a crash
@@ -185,8 +186,8 @@ def _row(backend, request, index: int, budget: int, result: DecodeResult, source
         "source": request.source,
         "prompt": request.prompt,
         "prompt_tokens": result.prompt_tokens,
-        "words": len(request.prompt.split()),
-        "newlines": request.prompt.count("\n"),
+        "words": count_words(request.prompt),
+        "newlines": count_newlines(request.prompt),
         "budget": budget,
         "block_size": result.block_size,
         "prompt_blocks": result.prompt_blocks,
