@@ -1,0 +1,169 @@
+"""Typer commands `evaluate` and `characterize` (thin: validate, call the library, print)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dwise_predict.cli.options import JsonOption, console, log
+from dwise_predict.cli.options import ManyTracesArgument as TracesArgument
+from dwise_predict.errors import ConfigError
+from dwise_predict.evaluation.document import fmt
+
+
+def evaluate_command(
+    traces: TracesArgument,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the report, JSON files and plots.")],
+    run: Annotated[Optional[Path], typer.Option(help="Run directory from `dwise-predict train` (must be trained on TRACES); default: train here on the train split.")] = None,
+    loco: Annotated[bool, typer.Option("--loco", help="Leave each category out in turn and retrain (seed 000, Tables 7 and 17).")] = False,
+    hold_out: Annotated[Optional[str], typer.Option(help="Category whose all-request ρ with it held out is reported (default: mcq when present); alone, retrains only for it.")] = None,
+    jobs: Annotated[Optional[int], typer.Option(help="Parallel retrainings (one core each; default: one per core).")] = None,
+    min_requests: Annotated[int, typer.Option(help="Fewest train and eval requests of a category evaluated in LOCO.")] = 10,
+    config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json; default: the run's, else the defaults).")] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Evaluate both predictors: main split, calibration, baselines, LOCO, output length vs work.
+
+    Writes metrics.json, calibration.json, baselines.json, loco.json, output_vs_work.json,
+    characterization.json, evaluation.json (all of them), predictions.parquet, and a self-contained
+    report.html with report.md and plots/ into --out.
+
+    Examples:
+
+        dwise-predict evaluate traces/ --loco --out eval/
+
+        dwise-predict evaluate traces/ --run run/ --hold-out mcq --out eval/ --jobs 4
+
+        dwise-predict evaluate traces_a/ traces_b/ --out eval/ --json
+    """
+    from dwise_predict.evaluation.evaluate import evaluate, prepare_out, write_evaluation
+    from dwise_predict.training import TrainConfig
+
+    problems = []
+    if jobs is not None and jobs < 1:
+        problems.append(f"--jobs must be at least 1, got {jobs}")
+    if min_requests < 2:
+        problems.append(f"--min-requests must be at least 2 (a rank correlation needs two requests), got {min_requests}")
+    if config is not None and not config.is_file():
+        problems.append(f"--config {config} is not a file")
+    if out.exists() and not out.is_dir():
+        problems.append(f"--out {out} is a file: give a directory")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    train_config = TrainConfig.from_file(config) if config is not None else None
+
+    prepare_out(out)
+    evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
+                          config=train_config, log=log)
+    written = write_evaluation(evaluation, out)
+    log(f"wrote {written['report_html']} and {len(written) - 1} more files in {out}")
+    if json_out:
+        typer.echo(json.dumps(evaluation.result, indent=2, default=str))
+    else:
+        _print_evaluation(evaluation.result)
+
+
+def _print_evaluation(result: dict) -> None:
+    from rich.table import Table
+
+    screen = console(160)
+    metrics = result["metrics"]
+    main = Table(title=f"Evaluation split ({result['traces']['n_eval']} requests)")
+    for col in ("predictor", "ρ", "τ", "within-category ρ", "median pred/actual"):
+        main.add_column(col, justify="left" if col == "predictor" else "right")
+    for row, key in zip(result["calibration"], ("admission", "refined_raw", "refined")):
+        block = metrics[key]
+        # "-": not computed for this row (metrics.json has no τ for the raw estimate); "n/a": undefined
+        main.add_row(row["predictor"], fmt(block["spearman"]), fmt(block["kendall"]) if "kendall" in block else "-",
+                     fmt(block.get("within_category_mean")), fmt(row["median_ratio"]))
+    screen.print(main)
+
+    if result["loco"]:
+        loco = result["loco"]
+        table = Table(title="Leave one category out: within-category ρ, in training → held out")
+        for col in ("category", "n eval", "admission", "refined"):
+            table.add_column(col, justify="left" if col == "category" else "right")
+        arrow = lambda pair: f"{fmt(pair['in_training'])} → {fmt(pair['held_out'])}"  # noqa: E731
+        for r in loco["rows"]:
+            table.add_row(r["category"], str(r["n_eval"]), arrow(r["admission"]), arrow(r["refined"]))
+        table.add_row("mean", "", arrow(loco["mean"]["admission"]), arrow(loco["mean"]["refined"]))
+        screen.print(table)
+        if loco["hold_out"]:
+            h = loco["hold_out"]
+            screen.print(f"all requests, {h['category']} held out: admission ρ {arrow(h['admission'])}, "
+                          f"refined ρ {arrow(h['refined'])}")
+        for s in loco["skipped"]:
+            screen.print(f"skipped {s['category']}: {s['reason']}")
+
+    table = Table(title="Baselines (remaining rounds, evaluation split)")
+    for col in ("predictor", "ρ", "τ", "R²"):
+        table.add_column(col, justify="left" if col == "predictor" else "right")
+    for r in result["baselines"]:
+        table.add_row(r["name"], fmt(r["spearman"]), fmt(r["kendall"]), fmt(r["r2"]))
+    screen.print(table)
+
+
+def characterize_command(
+    traces: TracesArgument,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write characterization.json, .html, .md and plots here.")] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Measure the workload in traces: rounds spread, tiers, wall time, truncation, budgets.
+
+    Seed 001's measurements on any model: p25/p50/p90/max of denoising rounds, max/min ratio and CV;
+    distinct values and dominant spacing ("tiers"); round count vs wall time; share truncated by the
+    output budget; per category too. Given traces at several budgets, CV and truncation per budget.
+
+    Examples:
+
+        dwise-predict characterize traces/
+
+        dwise-predict characterize traces_b128/ traces_b256/ traces_b512/ --out char/
+
+        dwise-predict characterize traces/ --json
+    """
+    from dwise_predict.evaluation.characterize import characterize
+    from dwise_predict.evaluation.inputs import load_many
+
+    if out is not None and out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory")
+    datasets = load_many(traces)
+    result = characterize(datasets)
+    if out is not None:
+        from dwise_predict.evaluation.report import write_characterization
+
+        html_path = write_characterization(result, datasets, out)
+        log(f"wrote {html_path}, characterization.md, characterization.json and plots in {out}")
+    if json_out:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    else:
+        _print_characterization(result)
+
+
+def _print_characterization(result: dict) -> None:
+    from rich.table import Table
+
+    screen = console(160)
+    table = Table(title=f"Denoising rounds — {result['model']}")
+    cols = ("category", "n", "p25", "p50", "p90", "max", "max/min", "CV", "distinct", "tiers", "r(wall)", "truncated")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("category", "tiers") else "right")
+    for name, s in [("all", result["overall"]), *result["per_category"].items()]:
+        r, d = s["rounds"], s["discreteness"]
+        table.add_row(name, str(r["n"]), fmt(r["p25"], 1), fmt(r["p50"], 1), fmt(r["p90"], 1), fmt(r["max"], 0),
+                      fmt(r["max_min_ratio"], 1), fmt(r["cv"]), str(d["distinct"]),
+                      d["tiers"] or f"spacing {fmt(d['dominant_spacing'])}", fmt(s["wall_time"]["pearson"]),
+                      f"{100 * s['truncated_share']:.1f}%")
+    screen.print(table)
+    if len(result["budget_sweep"]) > 1:
+        sweep = Table(title="Versus output budget")
+        for col in ("budget", "n", "CV", "truncated", "p50", "p90"):
+            sweep.add_column(col, justify="right")
+        for r in result["budget_sweep"]:
+            sweep.add_row(str(r["budget"]), str(r["n"]), fmt(r["cv"]), f"{100 * r['truncated_share']:.1f}%",
+                          fmt(r["p50"], 1), fmt(r["p90"], 1))
+        screen.print(sweep)
+
