@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "identity": set(),
     "metrics": set(),
     "files": {"errors"},
-    "runs": {"errors"},
+    "runs": {"errors", "files"},
     "features": {"errors"},
     "traces": BASE,
     "dllm": BASE,
