@@ -42,7 +42,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from dwise_predict.admission.model import AdmissionModel
-    from dwise_predict.features.prompt import PromptFeaturizer, prompt_features
+    from dwise_predict.admission.features import prompt_features
+    from dwise_predict.features.prompt import PromptFeaturizer
     from dwise_predict.traces.synthetic import make_synthetic_traces
 
     ds = make_synthetic_traces(2048, 8, seed=0)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from dwise_predict.serving.simulator import SimConfig, compare, service_rate, workload_from_traces
+from dwise_predict.serving.simulator import SimConfig, compare, service_rate, sim_requests_from_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 
@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
 
     ds = make_synthetic_traces(n_requests=args.requests, hidden_size=8, eval_fraction=1.0, block_size=args.block_size, seed=0)
-    workload = workload_from_traces(ds, split=None)
+    workload = sim_requests_from_traces(ds, split=None)
     rng = np.random.default_rng(0)
     workload.admission = workload.total_rounds * np.exp(rng.normal(0.0, 0.8, len(workload)))
     workload.refined = np.maximum(workload.total_rounds - 1 + rng.normal(0.0, 3.0, len(workload)), 0.0)

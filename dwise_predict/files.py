@@ -1,13 +1,29 @@
-"""Writing files atomically (temp file beside the target + rename): a reader, or a rerun after an
-interrupt, sees the old file or the new one, never half of one. Standard library only, so the
-serving side may import it."""
+"""Files and directories written atomically, file hashes, and the one lock scheme.
+
+- :func:`atomic_write` (+ ``_bytes``, ``_text``, :func:`write_json`, :func:`write_csv`): temp file beside the target +
+  rename, so a reader, or a rerun after an interrupt, sees the old file or the new one, never half.
+- :func:`atomic_dir`: the same for a whole directory (a run, a bundle, a pulled bundle, a model).
+- :class:`FileLock`: ``fcntl.flock`` on a lock file, so the OS releases it when its holder dies;
+  a crashed writer never leaves a lock behind that a user has to delete by hand.
+- :func:`sha256_file`.
+
+Standard library only, so the serving side may import it.
+"""
 
 from __future__ import annotations
 
+import csv
+import fcntl
+import hashlib
+import io
 import json
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from dwise_predict.errors import StoreError
 
 
 def atomic_write(target: str | os.PathLike, write: Callable[[Path], None], durable: bool = False) -> Path:
@@ -56,3 +72,142 @@ def write_json(target: str | os.PathLike, value) -> Path:
     """``value`` as indented JSON (numpy scalars and arrays as plain numbers; NaN refused)."""
     text = json.dumps(value, indent=2, default=_json_default, allow_nan=False) + "\n"
     return atomic_write_text(target, text)
+
+
+def read_json_object(path: str | os.PathLike, error: type[Exception], name: str | None = None,
+                     fix: str = "") -> dict:
+    """The JSON object in ``path``; ``error`` (a typed error class) when the file is not valid JSON or
+    holds something else. ``name`` is how the message calls the file (default: its path), ``fix``
+    what it adds after a colon (what the user can do)."""
+    name = name or str(path)
+    suffix = f": {fix}" if fix else ""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{name} is not valid JSON ({err}){suffix}") from None
+    if not isinstance(value, dict):
+        raise error(f"{name} must hold a JSON object{suffix}")
+    return value
+
+
+def write_csv(target: str | os.PathLike, rows: list[dict]) -> Path:
+    """``rows`` as CSV with a header (the union of their keys, in first-seen order)."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write_text(target, buffer.getvalue())
+
+
+@contextmanager
+def atomic_dir(out: str | os.PathLike, merge: bool = False) -> Iterator[Path]:
+    """Yield a fresh hidden directory beside ``out`` to fill; on success move it to ``out``.
+
+    An interrupted or failed block leaves no directory that looks complete (the temporary one is
+    removed, and leftovers of dead processes are removed on the next call). An existing ``out`` is
+    replaced only once the new one is complete, and put back if the final rename fails. With
+    ``merge`` the finished files are moved into ``out`` one by one instead (each rename atomic),
+    keeping what else ``out`` holds (a model directory next to its training checkpoint).
+
+    Raises
+    ------
+    StoreError
+        The directory beside ``out`` cannot be written.
+    """
+    out = Path(out)
+    tmp = _fresh_tmp_dir(out)
+    try:
+        yield tmp
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # temporary files are private; what we publish is meant to be read
+        if merge:
+            out.mkdir(exist_ok=True)
+            for path in sorted(tmp.iterdir()):
+                os.replace(path, out / path.name)
+        else:
+            _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an old ``out`` is removed only after the rename."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = tmp.with_name(tmp.name + "-old")
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fresh_tmp_dir(out: Path) -> Path:
+    """A new hidden directory next to ``out``; removes leftovers of processes that no longer run."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = stale.name.removesuffix("-old").rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise StoreError(f"cannot write next to {out}: {err.strerror}") from None
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FileLock:
+    """An exclusive, non-blocking ``fcntl.flock`` on ``path``, holding the holder's pid.
+
+    The OS drops the lock when the holder exits, however it exits; the file itself stays (empty of
+    meaning once unlocked). ``busy`` turns the holder's pid into the :class:`StoreError` message.
+    """
+
+    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str]):
+        self.path = Path(path)
+        self.busy = busy
+        self._fd: int | None = None
+
+    def __enter__(self) -> "FileLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise StoreError(self.busy(holder)) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

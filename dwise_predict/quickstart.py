@@ -69,7 +69,7 @@ def run_quickstart(
     from dwise_predict.exports.verify import verify_bundle
     from dwise_predict.serving.bundle import load_bundle
     from dwise_predict.serving.report import write_outputs
-    from dwise_predict.serving.simulator import SimConfig, compare_arrivals, workload_from_traces
+    from dwise_predict.serving.simulator import SimConfig, compare_arrivals, sim_requests_from_traces
     from dwise_predict.traces import load_traces
     from dwise_predict.training import TrainConfig, train_run
 
@@ -111,7 +111,7 @@ def run_quickstart(
     ds = load_traces(paths["traces"])
     bundle = load_bundle(paths["bundle"], expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
     sim_config = SimConfig(slots=config.slots, k=config.k, seed=config.seed)
-    rows = compare_arrivals(workload_from_traces(ds, "eval", bundle), sim_config, ["burst", "burst-poisson"])
+    rows = compare_arrivals(sim_requests_from_traces(ds, "eval", bundle), sim_config, ["burst", "burst-poisson"])
     write_outputs(rows, paths["simulate"], "simulate", {"slots": config.slots, "k": config.k, "seed": config.seed})
 
     summary = _summary(paths, metrics, evaluation, rows, report.ok)

@@ -15,10 +15,10 @@ def make_tiny_dir(path: Path, seed: int = 0, hidden_size: int = 32, block_size: 
     threshold 0.9), which is what the resume and merge tests should compare. The head is untied from
     the embeddings so that the scaling sharpens the output only.
     """
-    from dwise_predict.dllm.train import TrainConfig, build_model_and_tokenizer
+    from dwise_predict.dllm.train import TinyTrainConfig, build_model_and_tokenizer
 
     model, tokenizer = build_model_and_tokenizer(
-        TrainConfig(hidden_size=hidden_size, n_layers=2, n_heads=2, block_size=block_size,
+        TinyTrainConfig(hidden_size=hidden_size, n_layers=2, n_heads=2, block_size=block_size,
                     max_position_embeddings=1024, seed=seed, tie_embeddings=False)
     )
     with torch.no_grad():

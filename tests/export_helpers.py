@@ -94,7 +94,7 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
     config = {
         "seed": seed,
         "versions": {"torch": torch.__version__},
-        "traces": {"path": "synthetic", "fingerprint": ds.fingerprint(), "model": ds.manifest["model"],
+        "traces": {"path": "synthetic", "fingerprint": ds.data_hash(), "model": ds.manifest["model"],
                    "decoding": ds.manifest["decoding"], "hidden_size": HIDDEN},
     }
     (path / "config.json").write_text(json.dumps(config))

@@ -157,7 +157,7 @@ def test_merge_interleaves_disjoint_shards_into_workload_order(tmp_path):
     expected = load_traces(whole)
     pd.testing.assert_frame_equal(merged.requests, expected.requests)
     np.testing.assert_array_equal(merged.first_round, expected.first_round)
-    assert merged.fingerprint() == expected.fingerprint()
+    assert merged.data_hash() == expected.data_hash()
     assert merged.manifest["workload"]["shards"] == ["0/2", "1/2"]
     # the same directory twice: identical repeats are kept once
     assert len(load_traces(merge([a, a, b], tmp_path / "again"))) == 12

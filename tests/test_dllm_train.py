@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from dwise_predict.dllm.corpus import generate_examples
 from dwise_predict.dllm.train import (
     CHECKPOINT_NAME,
-    TrainConfig,
+    TinyTrainConfig,
     build_model_and_tokenizer,
     cap_batch,
     category_schedule,
@@ -26,7 +26,7 @@ SMALL = {"hidden_size": 32, "n_layers": 1, "n_heads": 2, "batch_size": 4, "steps
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    return build_model_and_tokenizer(TrainConfig(**SMALL))
+    return build_model_and_tokenizer(TinyTrainConfig(**SMALL))
 
 
 def _encoded(tokenizer, n=6):
@@ -102,11 +102,11 @@ def test_schedule_gives_every_category_its_share():
 
 def test_bad_recipe_is_rejected_with_every_problem():
     with pytest.raises(ConfigError, match="steps.*batch-size|batch-size.*steps"):
-        TrainConfig(steps=0, batch_size=0)
+        TinyTrainConfig(steps=0, batch_size=0)
     with pytest.raises(ConfigError, match="categories"):
-        TrainConfig(categories=["poetry"])
+        TinyTrainConfig(categories=["poetry"])
     with pytest.raises(ConfigError, match="precision.*drills.*weights"):
-        TrainConfig(precision="float16", drills=["poetry"], step_weights={"mcq": 0})
+        TinyTrainConfig(precision="float16", drills=["poetry"], step_weights={"mcq": 0})
 
 
 def test_training_is_deterministic_and_saves_a_loadable_model(tmp_path):
@@ -114,7 +114,7 @@ def test_training_is_deterministic_and_saves_a_loadable_model(tmp_path):
 
     import dwise_predict.dllm  # noqa: F401  (registers the architecture)
 
-    cfg = TrainConfig(**SMALL)
+    cfg = TinyTrainConfig(**SMALL)
     a = train_tiny(cfg, tmp_path / "a")
     train_tiny(cfg, tmp_path / "b")
     wa = load_file(tmp_path / "a" / "model.safetensors")
@@ -139,7 +139,7 @@ def _stop_at(step: int):
 
 
 def test_interrupted_training_resumes_to_the_same_weights_and_curve(tmp_path):
-    cfg = TrainConfig(**{**SMALL, "steps": 12})
+    cfg = TinyTrainConfig(**{**SMALL, "steps": 12})
     whole = train_tiny(cfg, tmp_path / "whole", checkpoint_every=5)
     assert whole.resumed_from == 0 and not (tmp_path / "whole" / CHECKPOINT_NAME).exists()
 
@@ -160,13 +160,13 @@ def test_interrupted_training_resumes_to_the_same_weights_and_curve(tmp_path):
 
 
 def test_a_checkpoint_of_another_recipe_or_a_damaged_one_is_refused_and_kept(tmp_path):
-    cfg = TrainConfig(**{**SMALL, "steps": 12})
+    cfg = TinyTrainConfig(**{**SMALL, "steps": 12})
     with pytest.raises(KeyboardInterrupt):
         train_tiny(cfg, tmp_path / "m", progress=_stop_at(6), checkpoint_every=5)
     checkpoint = tmp_path / "m" / CHECKPOINT_NAME
     saved = checkpoint.read_bytes()
     with pytest.raises(ConfigError, match=r"another recipe \(differs in seed, lr\)"):
-        train_tiny(TrainConfig(**{**SMALL, "steps": 12, "seed": 1, "lr": 3e-3}), tmp_path / "m")
+        train_tiny(TinyTrainConfig(**{**SMALL, "steps": 12, "seed": 1, "lr": 3e-3}), tmp_path / "m")
     assert checkpoint.read_bytes() == saved
 
     checkpoint.write_bytes(saved[: len(saved) // 2])
@@ -175,8 +175,8 @@ def test_a_checkpoint_of_another_recipe_or_a_damaged_one_is_refused_and_kept(tmp
 
 
 def test_a_run_stopped_by_its_time_cap_writes_a_model_and_a_rerun_trains_on(tmp_path):
-    cfg = TrainConfig(**{**SMALL, "steps": 6})
-    capped = train_tiny(TrainConfig(**{**SMALL, "steps": 6, "max_minutes": 1e-12}), tmp_path / "m")
+    cfg = TinyTrainConfig(**{**SMALL, "steps": 6})
+    capped = train_tiny(TinyTrainConfig(**{**SMALL, "steps": 6, "max_minutes": 1e-12}), tmp_path / "m")
     assert capped.steps_done == 0 and (tmp_path / "m" / "model.safetensors").is_file()
     assert (tmp_path / "m" / CHECKPOINT_NAME).is_file()
     on = train_tiny(cfg, tmp_path / "m")  # the cap is when to stop, not what to train: resumes

@@ -130,7 +130,7 @@ def test_several_trace_directories_are_pooled(tmp_path, capsys):
     first = np.arange(len(ds)) < 150
     a, b = write(ds.subset(first), tmp_path / "a"), write(ds.subset(~first), tmp_path / "b")
     pooled = concat(load_many([a, b]))
-    assert pooled.fingerprint() == ds.fingerprint()  # the same requests and hidden states, in order
+    assert pooled.data_hash() == ds.data_hash()  # the same requests and hidden states, in order
     # the same collection given twice: request ids clash, one line
     assert main(["evaluate", str(a), str(a), "--out", str(tmp_path / "e")]) == 1
     err = capsys.readouterr().err.strip().splitlines()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dwise_predict.evaluation import metrics as M
+from dwise_predict import metrics as M
 
 
 def test_spearman_kendall_match_scipy_and_hand_values():

@@ -130,3 +130,20 @@ print(",".join(heavy))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "", f"serving imported {out.stdout.strip()}"
+
+
+def test_admission_from_prompt_text_needs_only_numpy_and_onnxruntime(bundle_and_traces):
+    code = f"""
+import sys
+from dwise_predict.serving.bundle import load_bundle
+b = load_bundle({str(bundle_and_traces[0])!r}, backend="onnx")
+est = b.admission(["two words", "a\\nthree line\\nprompt"], tokenizer=lambda text: text.split())
+assert est.shape == (2,), est.shape
+heavy = [m for m in ("pandas", "torch", "lightgbm", "sklearn", "xgboost", "transformers",
+                     "dwise_predict.training", "dwise_predict.evaluation", "dwise_predict.admission")
+         if m in sys.modules]
+print(",".join(heavy))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "", f"admission from text imported {out.stdout.strip()}"

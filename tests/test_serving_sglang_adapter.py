@@ -10,7 +10,7 @@ import torch
 
 from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.serving.bundle import load_bundle
-from dwise_predict.serving.simulator import SimConfig, Workload, simulate
+from dwise_predict.serving.simulator import SimConfig, SimRequests, simulate
 from dwise_predict.serving.sglang_adapter import install
 from fakes import sglang_fake as fake
 from fakes.serving_bundle import served_bundle
@@ -29,7 +29,7 @@ def served():
     rpb = [list(x) for x in r["rounds_per_block"]]
     features = np.stack([r["words"].to_numpy(), r["newlines"].to_numpy(), L], axis=1).astype(np.float32)
     hidden = ds.first_round[:40]
-    workload = Workload(
+    workload = SimRequests(
         request_ids=r["request_id"].to_numpy(), prompt_blocks=P, total_rounds=np.array([sum(x) for x in rpb]),
         first_block_rounds=np.array([x[0] for x in rpb]), output_blocks=np.full(len(r), BUDGET // BS),
         admission=bundle.admission(features).astype(np.float64),

@@ -6,18 +6,18 @@ import pytest
 from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.serving.simulator import (
     SimConfig,
-    Workload,
+    SimRequests,
     compare,
     make_arrivals,
     parse_rates,
     simulate,
-    workload_from_traces,
+    sim_requests_from_traces,
 )
 
 
 def workload(P, rounds, first=None, out_blocks=4, ids=None):
     n = len(P)
-    return Workload(
+    return SimRequests(
         request_ids=np.array(ids or [chr(ord("A") + i) for i in range(n)]),
         prompt_blocks=np.array(P),
         total_rounds=np.array(rounds),
@@ -116,7 +116,7 @@ def synthetic_workload():
     from dwise_predict.traces.synthetic import make_synthetic_traces
 
     ds = make_synthetic_traces(n_requests=600, hidden_size=8, seed=3, block_size=16)
-    w = workload_from_traces(ds, split=None)
+    w = sim_requests_from_traces(ds, split=None)
     rng = np.random.default_rng(0)
     w.admission = w.total_rounds * np.exp(rng.normal(0, 0.7, len(w)))
     w.refined = np.maximum(w.total_rounds - 1 + rng.normal(0, 2, len(w)), 0)
@@ -191,10 +191,10 @@ def test_traces_without_prompt_blocks(synthetic_traces):
     ds = synthetic_traces.subset(np.ones(len(synthetic_traces), bool))
     ds.requests = ds.requests.drop(columns=["prompt_blocks"])
     with pytest.raises(TraceError, match="no prompt_blocks column"):
-        workload_from_traces(ds)
+        sim_requests_from_traces(ds)
 
 
 def test_policy_needing_a_bundle_without_one(synthetic_traces):
-    w = workload_from_traces(synthetic_traces)
+    w = sim_requests_from_traces(synthetic_traces)
     with pytest.raises(ConfigError, match="pass --bundle"):
         simulate(w, "dwise-refined", SimConfig(slots=4))

@@ -15,7 +15,7 @@ def test_roundtrip_keeps_rows_hidden_and_fingerprint(tmp_path, synthetic_traces)
     write_traces(synthetic_traces, tmp_path / "t")
     back = load_traces(tmp_path / "t")
     assert len(back) == 480 and back.hidden_size == 32
-    assert back.fingerprint() == synthetic_traces.fingerprint()
+    assert back.data_hash() == synthetic_traces.data_hash()
     np.testing.assert_array_equal(back.first_round, synthetic_traces.first_round)
     assert list(back.requests.columns[: len(REQUEST_COLUMNS)]) == list(REQUEST_COLUMNS)
     # outside tools read the files with pandas alone
@@ -27,7 +27,7 @@ def test_roundtrip_keeps_rows_hidden_and_fingerprint(tmp_path, synthetic_traces)
 
 def test_same_seed_same_traces_other_seed_differs():
     a, b, c = (make_synthetic_traces(64, 8, seed=s) for s in (3, 3, 4))
-    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    assert a.data_hash() == b.data_hash() != c.data_hash()
 
 
 def test_synthetic_remaining_rounds_follow_the_oracle(synthetic_traces):

@@ -4,15 +4,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dwise_predict.admission.features import prompt_features
 from dwise_predict.admission.model import AdmissionModel
 from dwise_predict.errors import InputError, TraceError
-from dwise_predict.features.prompt import (
-    FEATURE_NAMES,
-    PromptFeaturizer,
-    count_newlines,
-    count_words,
-    prompt_features,
-)
+from dwise_predict.features.prompt import FEATURE_NAMES, PromptFeaturizer, count_newlines, count_words
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError, StoreError, TraceError
-from dwise_predict.evaluation import metrics as M
+from dwise_predict import metrics as M
 from dwise_predict.survival.network import build_refine_graph
 from dwise_predict.training import (
     Targets,
@@ -123,7 +123,7 @@ def test_bad_inputs_raise_typed_errors(small, tmp_path):
 
 
 def test_failed_train_leaves_nothing_that_looks_complete(small, tmp_path, monkeypatch):
-    import dwise_predict.training as training
+    import dwise_predict.training.run as training
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt

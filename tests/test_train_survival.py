@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dwise_predict.errors import InputError
-from dwise_predict.evaluation.metrics import median_ratio, spearman
+from dwise_predict.metrics import median_ratio, spearman
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.survival.labels import RemainingRoundsLabels, informative

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import tarfile
 
 import pytest
@@ -10,7 +11,8 @@ from export_helpers import make_run
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
-from dwise_predict.exports.manifest import read_bundle_manifest, sha256_file
+from dwise_predict.exports.manifest import read_bundle_manifest
+from dwise_predict.files import FileLock, sha256_file
 from dwise_predict.exports.zoo import find_entry, list_entries, publish, pull
 
 
@@ -66,7 +68,8 @@ def test_invalid_index_is_one_line_and_nothing_is_published(bundle, tmp_path, ca
     assert main(["publish", str(bundle), "--zoo", str(zoo)]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "not valid JSON" in err
-    assert sorted(p.name for p in zoo.iterdir()) == ["index.json"]  # no tar, no lock, index untouched
+    # no tar, index untouched; the lock file stays, unlocked (the OS drops a flock with its holder)
+    assert sorted(p.name for p in zoo.iterdir()) == [".lock", "index.json"]
     assert (zoo / "index.json").read_text() == '{"bundles": ['
     assert main(["zoo", "list", "--zoo", str(zoo)]) == 1
 
@@ -128,10 +131,17 @@ def test_pull_refuses_existing_out_and_unknown_names(bundle, tmp_path):
 def test_held_lock_refuses_publish(bundle, tmp_path):
     zoo = tmp_path / "zoo"
     zoo.mkdir()
-    (zoo / ".lock").write_text("12345")
-    with pytest.raises(StoreError, match="locked"):
-        publish(bundle, zoo, verify=False)
+    with FileLock(zoo / ".lock", lambda pid: f"held by {pid}"):  # another publish holds the zoo
+        with pytest.raises(StoreError, match=f"locked by another publish \\(pid {os.getpid()}\\)"):
+            publish(bundle, zoo, verify=False)
     assert sorted(p.name for p in zoo.iterdir()) == [".lock"]
+
+
+def test_lock_of_a_dead_publisher_does_not_block(bundle, tmp_path):
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    (zoo / ".lock").write_text("12345")  # left by a publish that crashed: its flock went with it
+    assert publish(bundle, zoo, verify=False)["version"] == "1"
 
 
 def test_bad_version_string_is_refused(bundle, tmp_path):

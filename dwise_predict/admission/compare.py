@@ -11,15 +11,19 @@ an extra row times this package's compiled LightGBM path (``AdmissionModel.predi
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from dwise_predict.errors import InputError
-from dwise_predict.evaluation.metrics import spearman
-from dwise_predict.features.prompt import PromptFeaturizer, prompt_features
+from dwise_predict.metrics import spearman
+from dwise_predict.admission.features import prompt_features
+from dwise_predict.features.prompt import PromptFeaturizer
+from dwise_predict.files import atomic_write_text, write_csv
 
 CANDIDATES = (
     "Ridge",
@@ -189,3 +193,11 @@ def to_markdown(rows: list[dict], folds: int, tokenizer_note: str) -> str:
         rho = "n/a" if r["rho"] is None else f"{r['rho']:.3f} ± {r['rho_std']:.3f}"
         lines.append(f"| {r['name']} | {rho} | {r['ms_from_text']:.3f} | {r['us_model_only']:.1f} |")
     return "\n".join(lines) + f"\n\nTokenisation: {tokenizer_note}. Times: median of single requests, one thread.\n"
+
+
+def write_comparison(rows: list[dict], out: str | os.PathLike, folds: int, tokenizer_note: str) -> list[Path]:
+    """``regressors.csv`` and ``regressors.md`` in ``out`` (created); returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return [write_csv(out / "regressors.csv", rows),
+            atomic_write_text(out / "regressors.md", to_markdown(rows, folds, tokenizer_note))]

@@ -28,6 +28,7 @@ from dwise_predict.collectors.records import DecodeRequest, DecodeResult, Decodi
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
 from dwise_predict.engine import ENGINE, default_algorithm, make_rule
 from dwise_predict.errors import ConfigError, ModelError
+from dwise_predict.features.prompt import count_newlines, count_words
 from dwise_predict.versions import package_versions
 
 SHARD_REQUESTS_PER_SLOT = 8  # default requests_per_shard = 8 x batch size: short tails, little loss on a crash
@@ -101,7 +102,8 @@ def collect(
     model : ``tiny`` or a local model directory (see :func:`dwise_predict.collectors.backends.load_backend`).
     workload : a preset name (``tiny-default``, ``dwise-paper``) or a workload spec file.
     out : output directory; created if missing, resumed if it holds this model's and config's traces.
-    decoding : threshold, block size, budget, dtype, batch size (default :class:`DecodingConfig`).
+    decoding : algorithm and its parameters, block size, budget, dtype, batch size (default
+        :class:`DecodingConfig`; the algorithm defaults to the one SGLang serves the model with).
     seed : workload sampling and split seed (also seeds backends that sample).
     limit : take only the first ``limit`` requests of the workload.
     shard : ``"i/N"``: decode only the i-th of N deterministic parts (merge them with `traces merge`).
@@ -170,7 +172,7 @@ def resolve_decoding(backend, decoding: DecodingConfig) -> DecodingConfig:
 
 def _decode(backend, decode_requests: list[DecodeRequest], decoding: DecodingConfig, seed: int,
             on_result: Callable[[DecodeResult], None]) -> list[DecodeResult]:
-    """Decode one shard's requests with the backend's own loop or the threshold decoder, in input order."""
+    """Decode one shard's requests with the backend's own loop or the engine-semantics decoder, in input order."""
     if getattr(backend, "runs_own_loop", False):
         stream: Iterator[DecodeResult] = backend.decode_requests(decode_requests, decoding, seed=seed, on_result=on_result)
     else:
@@ -199,8 +201,8 @@ def _row(backend, request, index: int, budget: int, result: DecodeResult, source
         "source": request.source,
         "prompt": request.prompt,
         "prompt_tokens": result.prompt_tokens,
-        "words": len(request.prompt.split()),
-        "newlines": request.prompt.count("\n"),
+        "words": count_words(request.prompt),
+        "newlines": count_newlines(request.prompt),
         "budget": budget,
         "block_size": result.block_size,
         "prompt_blocks": result.prompt_blocks,

@@ -23,7 +23,6 @@ batch size is recorded but not part of the identity, so a run can resume with an
 from __future__ import annotations
 
 import errno
-import fcntl
 import io
 import json
 import os
@@ -36,7 +35,8 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import atomic_write_bytes
+from dwise_predict.files import FileLock, atomic_write_bytes
+from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.dataset import (
     MANIFEST_FILE,
     REQUESTS_FILE,
@@ -49,20 +49,16 @@ from dwise_predict.traces.dataset import (
 SHARDS_DIR = "shards"
 LOCK_FILE = ".lock"
 ORDER_COLUMN = "workload_index"  # position of the request in its workload: consolidation sorts by it
-MODEL_IDENTITY = ("weights_sha256", "config_hash")
-DECODING_IDENTITY = ("algorithm", "algorithm_config", "block_size", "budget", "dtype", "params", "engine")
 
 
 def model_identity(manifest: dict) -> dict:
     """The fingerprint fields that decide whether two collections come from the same model."""
-    model = manifest.get("model", {})
-    return {k: model.get(k) for k in MODEL_IDENTITY}
+    return identity(manifest.get("model"), MODEL_KEYS)
 
 
 def decoding_identity(manifest: dict) -> dict:
     """The decoding fields that change results (everything but the batch size)."""
-    decoding = manifest.get("decoding", {})
-    return {k: decoding.get(k) for k in DECODING_IDENTITY}
+    return identity(manifest.get("decoding"), DECODING_KEYS)
 
 
 def check_compatible(theirs: dict, ours: dict, where: str, fix: str) -> None:
@@ -83,7 +79,7 @@ def check_compatible(theirs: dict, ours: dict, where: str, fix: str) -> None:
         )
     if decoding_identity(theirs) != decoding_identity(ours):
         a, b = decoding_identity(theirs), decoding_identity(ours)
-        diff = ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in DECODING_IDENTITY if a[k] != b[k])
+        diff = ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in DECODING_KEYS if a[k] != b[k])
         raise StoreError(f"{where} holds traces decoded with another config ({diff}): {fix}")
 
 
@@ -155,7 +151,7 @@ class TraceStore:
     def __init__(self, out: str | os.PathLike, manifest: dict | None = None) -> None:
         self.out = Path(out)
         self.manifest = manifest
-        self._lock_fd: int | None = None
+        self._file_lock: FileLock | None = None
 
     # -- opening -----------------------------------------------------------------------------------
 
@@ -186,25 +182,15 @@ class TraceStore:
         self._unlock()
 
     def _lock(self) -> None:
-        fd = os.open(self.out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise StoreError(
-                f"{self.out} is being written by another dwise-predict process (pid {holder}): wait for it to "
-                "finish, or give this run another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
+        self._file_lock = FileLock(self.out / LOCK_FILE, lambda holder: (
+            f"{self.out} is being written by another dwise-predict process (pid {holder}): wait for it to "
+            "finish, or give this run another --out"))
+        self._file_lock.__enter__()
 
     def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._file_lock is not None:
+            self._file_lock.__exit__()
+            self._file_lock = None
 
     def _check_existing(self) -> None:
         path = self.out / MANIFEST_FILE

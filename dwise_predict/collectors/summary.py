@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
+
+from dwise_predict.errors import DwiseError
 
 ALL = "all"
 
@@ -46,3 +51,20 @@ def _row(name: str, g: pd.DataFrame) -> dict:
         "accuracy": float(checked.mean()) if len(checked) else None,
         "checked": int(len(checked)),
     }
+
+
+def read_for_summary(path: str | Path) -> tuple[pd.DataFrame, dict, bool]:
+    """The request table and manifest of a trace directory, and whether it is consolidated
+    (when it is not, the committed shards of a collection still running or interrupted)."""
+    from dwise_predict.collectors.store import read_shards
+    from dwise_predict.traces import MANIFEST_FILE, REQUESTS_FILE, load_traces
+
+    path = Path(path)
+    if (path / REQUESTS_FILE).is_file():
+        ds = load_traces(path)
+        return ds.requests, ds.manifest, True
+    shards = read_shards(path) if (path / MANIFEST_FILE).is_file() else []
+    if not shards:
+        raise DwiseError(f"{path} holds no traces: run `dwise-predict collect --out {path}` first")
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    return pd.concat([s.requests for s in shards], ignore_index=True), manifest, False

@@ -18,16 +18,6 @@ from dwise_predict.dllm.model import (
 TINY_MODEL_DIR = Path(__file__).parent / "weights"
 
 
-def load_tiny_model(path: str | Path | None = None, dtype: str = "float32") -> TinyDllmForBlockDiffusion:
-    """Load the tiny dLLM (shipped weights by default) through ``AutoModel.from_pretrained``.
-
-    Raises ``ModelError`` when the directory is missing or holds no tiny dLLM.
-    """
-    from dwise_predict.collectors.backends.tiny import load_tiny_backend
-
-    return load_tiny_backend(path, dtype=dtype).model
-
-
 register()
 
 __all__ = [
@@ -35,6 +25,5 @@ __all__ = [
     "TinyDllmConfig",
     "TinyDllmForBlockDiffusion",
     "block_ids_for",
-    "load_tiny_model",
     "register",
 ]

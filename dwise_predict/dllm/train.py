@@ -57,10 +57,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -71,6 +68,7 @@ import torch.nn.functional as F
 
 from dwise_predict.dllm.corpus import CATEGORIES, DRILLS, Example, generate_examples, vocabulary
 from dwise_predict.errors import ConfigError, InputError
+from dwise_predict.files import atomic_dir, atomic_write_bytes
 from dwise_predict.versions import package_versions
 
 # Training examples use corpus seeds far from the small seeds workloads and tests use.
@@ -81,7 +79,7 @@ CHECKPOINT_FORMAT = "dwise-predict tiny-dllm training checkpoint 1"
 
 
 @dataclass
-class TrainConfig:
+class TinyTrainConfig:
     """The whole recipe; saved in ``training.json``. Defaults reproduce the shipped weights."""
 
     seed: int = 0
@@ -228,7 +226,7 @@ def category_schedule(categories: list[str], steps: int, seed: int,
     return order[:steps]
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TinyTrainConfig) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr``."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -239,7 +237,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 # --- setup --------------------------------------------------------------------------------------
 
 
-def build_model_and_tokenizer(cfg: TrainConfig):
+def build_model_and_tokenizer(cfg: TinyTrainConfig):
     """A freshly initialised tiny dLLM (seeded) and its tokenizer over the corpus vocabulary."""
     from dwise_predict.dllm.model import TinyDllmConfig, TinyDllmForBlockDiffusion
     from dwise_predict.dllm.tokenizer import build_tokenizer
@@ -263,18 +261,10 @@ def build_model_and_tokenizer(cfg: TrainConfig):
 
 def _write_model_dir(model, tokenizer, out_dir: Path, record: dict) -> None:
     """Save into a temporary sibling directory, then move the files in: never a half-written model."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir, merge=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-        out_dir.mkdir(exist_ok=True)
-        for f in sorted(tmp.iterdir()):
-            f.chmod(0o644)  # temporary files are private; a model directory is for reading
-            os.replace(f, out_dir / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -294,7 +284,6 @@ def save_checkpoint(path: Path, model, opt, gen: torch.Generator, progress: dict
     window)."""
     from safetensors.torch import save
 
-    from dwise_predict.files import atomic_write_bytes
 
     tensors = {"masking_rng": gen.get_state()}
     for name, param in _named_parameters_in_optimizer_order(model, opt):
@@ -322,7 +311,7 @@ def _read_checkpoint(path: Path, with_tensors: bool) -> tuple[dict, dict[str, to
     return progress, tensors
 
 
-def checkpoint_progress(path: Path, cfg: TrainConfig) -> dict:
+def checkpoint_progress(path: Path, cfg: TinyTrainConfig) -> dict:
     """The progress saved in ``path`` (``steps_done``, ``wall_s``, ...), once it is known to belong to
     a run of ``cfg``.
 
@@ -338,7 +327,7 @@ def checkpoint_progress(path: Path, cfg: TrainConfig) -> dict:
     return progress
 
 
-def _check_same_recipe(path: Path, progress: dict, cfg: TrainConfig) -> None:
+def _check_same_recipe(path: Path, progress: dict, cfg: TinyTrainConfig) -> None:
     saved, wanted = progress["recipe"], asdict(cfg)
     differ = [k for k in wanted if k != "max_minutes" and saved.get(k) != wanted[k]]
     if differ:
@@ -347,7 +336,7 @@ def _check_same_recipe(path: Path, progress: dict, cfg: TrainConfig) -> None:
                           "start over, or choose another --out")
 
 
-def load_checkpoint(path: Path, cfg: TrainConfig, model, opt, gen: torch.Generator) -> dict:
+def load_checkpoint(path: Path, cfg: TinyTrainConfig, model, opt, gen: torch.Generator) -> dict:
     """Restore ``model``, ``opt`` and ``gen`` from ``path``; returns the saved progress. Raises as
     :func:`checkpoint_progress` does."""
     progress, tensors = _read_checkpoint(path, with_tensors=True)
@@ -372,7 +361,7 @@ def load_checkpoint(path: Path, cfg: TrainConfig, model, opt, gen: torch.Generat
 # --- the loop -----------------------------------------------------------------------------------
 
 
-def train_tiny(cfg: TrainConfig, out_dir: str | Path,
+def train_tiny(cfg: TinyTrainConfig, out_dir: str | Path,
                progress: Callable[[int, int, float], None] | None = None,
                checkpoint_every: int = 250) -> TrainResult:
     """Train the tiny dLLM with ``cfg`` and write the model directory ``out_dir``.
@@ -385,7 +374,7 @@ def train_tiny(cfg: TrainConfig, out_dir: str | Path,
 
     Parameters
     ----------
-    cfg : the recipe (``TrainConfig()`` reproduces the shipped weights).
+    cfg : the recipe (``TinyTrainConfig()`` reproduces the shipped weights).
     out_dir : model directory to write; files of the same names in it are replaced.
     progress : called as ``progress(step, steps, loss)`` after every step (e.g. a progress bar).
     checkpoint_every : steps between checkpoints; does not change the result.

@@ -1,10 +1,12 @@
 """Evaluation: how well the predictors rank work, on seen and unseen categories, against baselines.
 
-- ``metrics`` — every metric as a pure function (ρ, τ, within-category, bootstrap CI, R², C-td, Brier);
 - ``evaluate`` — one evaluation (main split, calibration, baselines, LOCO, output vs work) and its files;
 - ``loco`` — leave-one-category-out plan and table; ``pool`` — retraining in a process pool;
 - ``baselines`` — the comparison rows; ``characterize`` — seed 001's workload measurements and Table 12;
-- ``inputs`` — loading several trace directories of one model; ``files`` — atomic result files;
-- ``plots`` (matplotlib, Agg), ``document`` (HTML + Markdown rendering), ``report`` (the two reports);
-- ``cli`` — the ``evaluate`` and ``characterize`` commands.
+- ``inputs`` — loading several trace directories of one model;
+- ``plots`` (matplotlib, Agg), ``document`` (HTML + Markdown rendering), ``report`` (the two reports,
+  and writing a characterization).
+
+The metrics themselves are :mod:`dwise_predict.metrics` (training reports them too); the commands
+are in :mod:`dwise_predict.cli.evaluate`.
 """

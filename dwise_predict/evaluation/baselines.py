@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dwise_predict.evaluation.metrics import kendall, r2, spearman, within_category
+from dwise_predict.metrics import kendall, r2, spearman, within_category
 from dwise_predict.traces import TraceDataset
 
 # column -> what it is (seed 001's four signals, available right after the first denoising round)

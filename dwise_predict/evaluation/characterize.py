@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.evaluation.inputs import check_same_model, model_label
-from dwise_predict.evaluation.metrics import spearman
+from dwise_predict.metrics import spearman
 from dwise_predict.traces import TraceDataset
 
 # A spacing counts as "tiers" when it is larger than one round and at least this share of the gaps

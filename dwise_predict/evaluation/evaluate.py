@@ -38,6 +38,7 @@ from dwise_predict.files import atomic_write, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
 from dwise_predict.evaluation.pool import RetrainTask, fit, run_tasks
 from dwise_predict.evaluation.report import survival_examples
+from dwise_predict.runs import load_run
 from dwise_predict.traces import TraceDataset
 from dwise_predict.versions import package_versions
 
@@ -70,11 +71,11 @@ def _check_run_matches(run_config: dict, ds: TraceDataset, run: Path) -> None:
     recorded = run_config.get("traces", {}).get("fingerprint")
     if recorded is None:
         raise InputError(f"{run / 'config.json'} records no traces.fingerprint: re-run `dwise-predict train`")
-    if recorded != ds.fingerprint():
+    if recorded != ds.data_hash():
         trained_on = run_config.get("traces", {}).get("path") or "other traces"
         raise InputError(
             f"run {run} was trained on {trained_on} (fingerprint {recorded[:12]}), not on these traces "
-            f"({ds.fingerprint()[:12]}): pass the traces it was trained on, or drop --run to train here"
+            f"({ds.data_hash()[:12]}): pass the traces it was trained on, or drop --run to train here"
         )
 
 
@@ -125,7 +126,6 @@ def evaluate(
     InputError
         mixed models, an empty split, an unknown category, or a run trained on other traces.
     """
-    # training's package-version record, so a run and its evaluation list the same packages
     from dwise_predict.training import Targets, TrainConfig, evaluate_predictors, load_predictors
 
     log = log or (lambda message: None)
@@ -138,11 +138,9 @@ def evaluate(
         loco_mod.check_categories(train, eval_ds, [hold_out])
 
     if run is not None:
-        from dwise_predict.exports.run_files import load_run
-
         run_files = load_run(run)
         _check_run_matches(run_files.config, ds, Path(run))
-        predictors = load_predictors(run)
+        predictors = load_predictors(run_files)
         config = config or TrainConfig.from_dict(run_files.config)
         log(f"loaded predictors from {run}")
     else:
@@ -194,7 +192,7 @@ def evaluate(
     result = {
         "traces": {
             "paths": [str(d.path) for d in datasets],
-            "fingerprint": ds.fingerprint(),
+            "fingerprint": ds.data_hash(),
             "model": model_label(ds),
             "decoding": ds.decoding,
             "n_requests": len(ds),

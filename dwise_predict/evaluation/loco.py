@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dwise_predict.errors import InputError
-from dwise_predict.evaluation.metrics import spearman
+from dwise_predict.metrics import spearman
 from dwise_predict.evaluation.pool import RetrainTask
 from dwise_predict.traces import TraceDataset
 

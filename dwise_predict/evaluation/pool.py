@@ -41,16 +41,10 @@ class RetrainTask:
 def fit(train: TraceDataset, config):
     """``fit_predictors(train, config)`` with torch on ``config.num_threads`` threads, as ``train``
     runs it, so a retraining gives the same predictors whichever process or pool runs it."""
-    import torch
+    from dwise_predict.training import fit_predictors, torch_threads
 
-    from dwise_predict.training import fit_predictors
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(config.num_threads)
-    try:
+    with torch_threads(config.num_threads):
         return fit_predictors(train, config)
-    finally:
-        torch.set_num_threads(before)
 
 
 def fit_predict(task: RetrainTask) -> dict[str, np.ndarray]:

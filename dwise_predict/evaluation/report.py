@@ -6,11 +6,15 @@ Tables mirror the JSON files written beside the report; "n/a" marks an undefined
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
 from dwise_predict.evaluation import plots
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
+from dwise_predict.files import write_json
 
 
 def _arrow(pair: dict) -> str:
@@ -67,6 +71,19 @@ def characterization_document(result: dict, requests: pd.DataFrame) -> Document:
         [f"model: {result['model']}", f"traces: {', '.join(str(t) for t in result['traces'])}"],
         sections,
     )
+
+
+def write_characterization(result: dict, datasets, out: str | os.PathLike) -> Path:
+    """``characterization.json``, ``.html``, ``.md`` and plots of ``result`` in ``out`` (created);
+    ``datasets`` are the trace datasets it measured. Returns the HTML path."""
+    from dwise_predict.evaluation.document import write_document
+    from dwise_predict.evaluation.evaluate import prepare_out
+
+    out = prepare_out(out)
+    write_json(out / "characterization.json", result)
+    requests = pd.concat([d.requests for d in datasets], ignore_index=True)
+    html_path, _ = write_document(characterization_document(result, requests), out, stem="characterization")
+    return html_path
 
 
 def histogram_figure(requests: pd.DataFrame, name: str = "round_histograms") -> Figure:

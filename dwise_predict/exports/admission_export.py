@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.errors import BundleError
-
-ADMISSION_FEATURES = ("words", "newlines", "prompt_tokens")
+from dwise_predict.features.prompt import FEATURE_NAMES
 INPUT_NAME = "features"
 OUTPUT_NAME = "total_rounds"
 # onnxmltools 1.16 emits the default domain at opset 8 and ai.onnx.ml at 1; we raise the default
@@ -45,10 +44,10 @@ def admission_to_onnx(model_path: Path, out_path: Path) -> None:
     from onnxmltools.convert.common.data_types import FloatTensorType
 
     booster = load_booster(model_path)
-    if booster.num_feature() != len(ADMISSION_FEATURES):
+    if booster.num_feature() != len(FEATURE_NAMES):
         raise BundleError(
             f"{model_path} expects {booster.num_feature()} features, the admission contract has "
-            f"{len(ADMISSION_FEATURES)} ({', '.join(ADMISSION_FEATURES)}): re-run `dwise-predict train`"
+            f"{len(FEATURE_NAMES)} ({', '.join(FEATURE_NAMES)}): re-run `dwise-predict train`"
         )
     model = onnxmltools.convert_lightgbm(booster, initial_types=[(INPUT_NAME, FloatTensorType([None, 3]))], target_opset=15)
     graph = model.graph

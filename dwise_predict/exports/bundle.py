@@ -24,7 +24,6 @@ README.md            model card (Hugging Face front matter)                     
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
 import shutil
 from pathlib import Path
@@ -34,14 +33,15 @@ import torch
 
 from dwise_predict.errors import BundleError, InputError
 from dwise_predict.exports.admission_export import (
-    ADMISSION_FEATURES,
     ONNX_OPSET as ADMISSION_OPSET,
     admission_to_onnx,
     load_booster,
     predict_total_rounds,
 )
-from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, sha256_file, write_bundle_manifest
+from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, write_bundle_manifest
 from dwise_predict.exports.model_card import model_card
+from dwise_predict.features.prompt import FEATURE_NAMES
+from dwise_predict.files import atomic_dir, sha256_file
 from dwise_predict.exports.refine_export import (
     ONNX_OPSET as REFINE_OPSET,
     INT8_MIN_SPEARMAN,
@@ -51,7 +51,7 @@ from dwise_predict.exports.refine_export import (
     export_torchscript,
     quantize_int8,
 )
-from dwise_predict.exports.run_files import RunFiles, load_run
+from dwise_predict.runs import RunFiles, load_run
 from dwise_predict.versions import package_versions
 
 PROBES_FILE = "probes.safetensors"
@@ -109,11 +109,7 @@ def export_bundle(
     graph = _rebuild_graph(run_files)
     fused = FusedRefineGraph(graph).eval()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         for file in ("refine.safetensors", "calibration.json", "admission.txt"):
             shutil.copyfile(run_files.path / file, tmp / file)
         admission_to_onnx(tmp / "admission.txt", tmp / "admission.onnx")
@@ -127,15 +123,10 @@ def export_bundle(
         artifacts = {k: v for k, v in ARTIFACTS.items() if (tmp / k).exists() or k == "README.md"}
         manifest = _manifest(run_files, name, created, artifacts, int8)
         (tmp / "README.md").write_text(model_card(manifest, artifacts))
-        for path in tmp.iterdir():
-            path.chmod(0o644)  # some writers create 0600 files; a bundle is meant to be shared
         manifest["files"] = {
             p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())
         }
         write_bundle_manifest(tmp, manifest)
-        _move_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -238,7 +229,7 @@ def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dic
         "model": run.traces["model"],
         "decoding": run.traces.get("decoding", {}),
         "inputs": {
-            "admission": {"features": list(ADMISSION_FEATURES), "dtype": "float32", "shape": ["B", 3],
+            "admission": {"features": list(FEATURE_NAMES), "dtype": "float32", "shape": ["B", 3],
                           "output": {"total_rounds": ["B"]}},
             "refine": {
                 **spec,
@@ -271,18 +262,3 @@ def _json_safe(value):
 def _sanitise(text: str) -> str:
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")
     return cleaned[:100] or "bundle"
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished bundle to ``out``; an old ``out`` is removed only after the rename."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

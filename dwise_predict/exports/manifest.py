@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
-from dwise_predict.files import atomic_write_bytes
+from dwise_predict.files import atomic_write_bytes, sha256_file
 
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FILE = "bundle.json"
@@ -39,14 +39,6 @@ def seal_manifest(manifest: dict) -> bytes:
 def write_bundle_manifest(bundle: str | Path, manifest: dict) -> Path:
     """Write the sealed ``bundle.json`` into ``bundle`` atomically (temp file + rename)."""
     return atomic_write_bytes(Path(bundle) / BUNDLE_FILE, seal_manifest(manifest))
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_bundle_manifest(bundle: str | Path) -> dict:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
-from dwise_predict.exports.manifest import read_bundle_manifest, sha256_file, unlisted_files
+from dwise_predict.exports.manifest import read_bundle_manifest, unlisted_files
+from dwise_predict.files import sha256_file
 from dwise_predict.exports.probe_worker import TOLERANCE, relative_error
 
 

@@ -8,8 +8,8 @@ Layout::
 An entry holds ``name``, ``version``, ``file``, ``sha256`` and ``bytes`` of the tar, ``published``,
 and from the bundle: ``model`` fingerprint, ``decoding``, ``hidden_size``, ``K``, ``metrics``.
 A published (name, version) is never overwritten. ``publish`` verifies the bundle first, holds
-``ZOO/.lock`` while it writes, moves the finished tar into place and only then replaces the index
-(temp file + rename), so an interrupted publish leaves the index as it was. ``pull`` checks the
+a lock on ``ZOO/.lock`` while it writes (released by the OS if the publisher dies), moves the
+finished tar into place and only then replaces the index (temp file + rename), so an interrupted publish leaves the index as it was. ``pull`` checks the
 tar's sha256 against the index, extracts only plain files with plain names (no absolute paths, no
 ``..``, no links) into a temporary directory, checks every hash of the bundle and renames it into
 place.
@@ -20,14 +20,14 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
-import os
 import re
 import shutil
 import tarfile
 from pathlib import Path
 
 from dwise_predict.errors import BundleError, InputError, StoreError
-from dwise_predict.exports.manifest import BUNDLE_FILE, check_files, read_bundle_manifest, sha256_file, unlisted_files
+from dwise_predict.exports.manifest import BUNDLE_FILE, check_files, read_bundle_manifest, unlisted_files
+from dwise_predict.files import FileLock, atomic_dir, atomic_write, atomic_write_text, sha256_file
 
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
@@ -58,7 +58,7 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
     else:
         check_files(bundle, manifest)
     zoo.mkdir(parents=True, exist_ok=True)
-    with _ZooLock(zoo):
+    with FileLock(zoo / LOCK_FILE, lambda holder: f"the zoo {zoo} is locked by another publish (pid {holder}): wait for it to finish"):
         index = read_index(zoo, missing_ok=True)
         taken = [e["version"] for e in index["bundles"] if e["name"] == name]
         version = version or str(max([int(v) for v in taken if v.isdigit()], default=0) + 1)
@@ -70,33 +70,28 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
         relative = Path("bundles") / name / f"{name}-{version}.tar"
         target = zoo / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        # an unindexed tar at the target is debris of an interrupted publish: replacing it is safe
+        atomic_write(target, lambda tmp: _write_tar(bundle, manifest, tmp))
+        entry = {
+            "name": name,
+            "version": version,
+            "file": relative.as_posix(),
+            "sha256": sha256_file(target),
+            "bytes": target.stat().st_size,
+            "published": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
+            "created": manifest.get("created"),
+            "bundle_schema_version": manifest["schema_version"],
+            "model": manifest.get("model"),
+            "decoding": manifest.get("decoding"),
+            "hidden_size": manifest.get("inputs", {}).get("refine", {}).get("hidden_size"),
+            "K": manifest.get("K"),
+            "metrics": manifest.get("metrics"),
+        }
         try:
-            _write_tar(bundle, manifest, tmp)
-            entry = {
-                "name": name,
-                "version": version,
-                "file": relative.as_posix(),
-                "sha256": sha256_file(tmp),
-                "bytes": tmp.stat().st_size,
-                "published": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-                "created": manifest.get("created"),
-                "bundle_schema_version": manifest["schema_version"],
-                "model": manifest.get("model"),
-                "decoding": manifest.get("decoding"),
-                "hidden_size": manifest.get("inputs", {}).get("refine", {}).get("hidden_size"),
-                "K": manifest.get("K"),
-                "metrics": manifest.get("metrics"),
-            }
-            # an unindexed tar at the target is debris of an interrupted publish: replacing it is safe
-            os.replace(tmp, target)
-            try:
-                _write_index(zoo, {**index, "bundles": index["bundles"] + [entry]})
-            except BaseException:
-                target.unlink(missing_ok=True)
-                raise
-        finally:
-            tmp.unlink(missing_ok=True)
+            _write_index(zoo, {**index, "bundles": index["bundles"] + [entry]})
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
     return entry
 
 
@@ -159,20 +154,13 @@ def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
             f"{tar_path} does not match its sha256 in {zoo / INDEX_FILE}: the tar is truncated or corrupted; "
             "re-publish it"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.pull-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         _extract_flat(tar_path, tmp)
         manifest = read_bundle_manifest(tmp)
         check_files(tmp, manifest)
         extra = unlisted_files(tmp, manifest)
         if extra:
             raise BundleError(f"{tar_path} holds files that its bundle.json does not list ({', '.join(extra)})")
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -211,31 +199,4 @@ def _extract_flat(tar_path: Path, dest: Path) -> None:
 
 
 def _write_index(zoo: Path, index: dict) -> None:
-    path = zoo / INDEX_FILE
-    tmp = path.with_name(f".{INDEX_FILE}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-class _ZooLock:
-    """``ZOO/.lock``, created exclusively: one publish at a time."""
-
-    def __init__(self, zoo: Path):
-        self.path = zoo / LOCK_FILE
-
-    def __enter__(self) -> "_ZooLock":
-        try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            raise StoreError(
-                f"the zoo is locked by another publish ({self.path}); if none is running, delete that file"
-            ) from None
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.path.unlink(missing_ok=True)
+    atomic_write_text(zoo / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -1,1 +1,1 @@
-"""features"""
+"""Prompt features (standard library only: the serving side computes them too)."""

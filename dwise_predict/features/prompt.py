@@ -2,16 +2,16 @@
 
 ``collect`` fills the ``words`` and ``newlines`` columns of contract 1 with :func:`count_words` and
 :func:`count_newlines`, and ``prompt_tokens`` with the token count after the chat template; the
-admission model reads them back in the order of :data:`FEATURE_NAMES`. :class:`PromptFeaturizer`
-computes the same three numbers from raw text at admission time, fast enough for one request.
+admission model, its ONNX export, the serving bundle and the simulator read them in the order of
+:data:`FEATURE_NAMES`. :class:`PromptFeaturizer` computes the same three numbers from raw text at
+admission time, fast enough for one request.
+
+Standard library only: the serving side computes admission features from prompt text with numpy
+and onnxruntime alone. The feature matrix of a whole request table (pandas) is
+:func:`dwise_predict.admission.features.prompt_features`.
 """
 
 from __future__ import annotations
-
-import numpy as np
-import pandas as pd
-
-from dwise_predict.errors import TraceError
 
 FEATURE_NAMES = ("words", "newlines", "prompt_tokens")
 
@@ -24,35 +24,6 @@ def count_words(text: str) -> int:
 def count_newlines(text: str) -> int:
     """Newline characters (``\\n``) in ``text``."""
     return text.count("\n")
-
-
-def prompt_features(requests: pd.DataFrame) -> np.ndarray:
-    """The admission features of every request in a contract-1 request table.
-
-    Parameters
-    ----------
-    requests : DataFrame with the columns ``words``, ``newlines`` and ``prompt_tokens``.
-
-    Returns
-    -------
-    array of shape (n_requests, 3), float32: words, newlines, prompt tokens (in that order).
-
-    Raises
-    ------
-    TraceError
-        A column is missing, or holds NaN, inf or non-numbers.
-    """
-    missing = [c for c in FEATURE_NAMES if c not in requests.columns]
-    if missing:
-        raise TraceError(f"request table lacks feature columns {', '.join(missing)}: re-collect the traces")
-    values = np.column_stack(
-        [pd.to_numeric(requests[c], errors="coerce").to_numpy(dtype=np.float64) for c in FEATURE_NAMES]
-    ) if len(requests) else np.zeros((0, len(FEATURE_NAMES)))
-    bad = ~np.isfinite(values)
-    if bad.any():
-        column = FEATURE_NAMES[int(np.nonzero(bad.any(axis=0))[0][0])]
-        raise TraceError(f"feature column '{column}' holds NaN, inf or non-numbers: drop or fix those rows")
-    return values.astype(np.float32)
 
 
 class PromptFeaturizer:

@@ -27,9 +27,8 @@ import numpy as np
 
 from dwise_predict.errors import BundleError, InputError
 from dwise_predict.exports.manifest import check_files, read_bundle_manifest
+from dwise_predict.identity import BUNDLE_DECODING_KEYS, MODEL_KEYS
 
-FINGERPRINT_KEYS = ("weights_sha256", "config_hash", "hidden_size")
-DECODING_KEYS = ("algorithm", "algorithm_config", "block_size", "engine")  # what sets the round units
 BACKENDS = ("onnx", "torch")
 
 
@@ -45,7 +44,7 @@ def check_compatible(manifest: dict, expect_model: dict | None, expect_decoding:
     Only keys the caller gives (non-None) are compared, so a server that knows its config hash but
     not its weights hash can still check what it knows.
     """
-    for section, expected, keys in (("model", expect_model, FINGERPRINT_KEYS), ("decoding", expect_decoding, DECODING_KEYS)):
+    for section, expected, keys in (("model", expect_model, MODEL_KEYS), ("decoding", expect_decoding, BUNDLE_DECODING_KEYS)):
         if not expected:
             continue
         have = manifest.get(section) or {}

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 from pathlib import Path
 
-from dwise_predict.files import atomic_write_bytes
+from dwise_predict.files import atomic_write_bytes, write_csv
 
 TABLE_COLUMNS = (
     ("arrival", "arrival", "{}"),
@@ -40,13 +39,8 @@ def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arriv
 def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict) -> list[Path]:
     """``<stem>.csv``, ``<stem>.json`` (rows + settings) and ``<stem>.png`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    buf = io.StringIO()
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    writer = csv.DictWriter(buf, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
-    atomic_write_bytes(paths[0], buf.getvalue().encode())
+    write_csv(paths[0], rows)
     atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
     atomic_write_bytes(paths[2], _plot(rows, stem == "sweep"))
     return paths

@@ -28,11 +28,13 @@ round-time model); time to first block (TTFB) is when the first output block is 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from dwise_predict.errors import ConfigError, TraceError
+from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.serving.policy import DwisePolicy
 
 # name -> (ranking, prefill_first, estimate source)
@@ -95,7 +97,7 @@ class SimConfig:
 
 
 @dataclass
-class Workload:
+class SimRequests:
     """What the simulator replays, one entry per request (arrays of shape (n,)).
 
     prompt_blocks : ``P``; total_rounds : true denoising rounds (>= 1);
@@ -147,8 +149,8 @@ class Workload:
         return np.asarray(self.admission, dtype=np.float64), np.asarray(self.refined, dtype=np.float64)
 
 
-def workload_from_traces(ds, split: str | None = "eval", bundle=None) -> Workload:
-    """Build a :class:`Workload` from a trace dataset (contract 1), with predictions from a bundle.
+def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> SimRequests:
+    """Build a :class:`SimRequests` from a trace dataset (contract 1), with predictions from a bundle.
 
     Parameters
     ----------
@@ -178,12 +180,12 @@ def workload_from_traces(ds, split: str | None = "eval", bundle=None) -> Workloa
     output_blocks = -(-req["budget"].to_numpy(dtype=np.int64) // req["block_size"].to_numpy(dtype=np.int64))
     admission = refined = None
     if bundle is not None:
-        features = req[["words", "newlines", "prompt_tokens"]].to_numpy(dtype=np.float32)
+        features = req[list(FEATURE_NAMES)].to_numpy(dtype=np.float32)
         admission = np.maximum(bundle.admission(features).astype(np.float64), 0.0)
         refined = np.maximum(
             np.asarray(bundle.refine(ds.first_round, req["prompt_tokens"].to_numpy(np.float32),
                                      req["budget"].to_numpy(np.float32)), dtype=np.float64), 0.0)
-    return Workload(
+    return SimRequests(
         request_ids=req["request_id"].to_numpy(),
         prompt_blocks=req["prompt_blocks"].to_numpy(),
         total_rounds=total,
@@ -226,7 +228,7 @@ class SimResult:
 
 
 def simulate(
-    workload: Workload, policy: str, config: SimConfig, arrivals=None, record: bool = False, fast_forward: bool = True
+    workload: SimRequests, policy: str, config: SimConfig, arrivals=None, record: bool = False, fast_forward: bool = True
 ) -> SimResult:
     """Replay ``workload`` under one policy.
 
@@ -335,7 +337,7 @@ def simulate(
     return SimResult(policy, metrics, latency_rounds, latency_s, ttfb_r, ttfb_sec, finish_round, log)
 
 
-def kv_reservations(workload: Workload, config: SimConfig) -> np.ndarray:
+def kv_reservations(workload: SimRequests, config: SimConfig) -> np.ndarray:
     """Worst-case KV blocks of each request (prompt + whole output budget + slack).
 
     Raises
@@ -381,13 +383,13 @@ def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arriv
     return max(1, min(steps)) if steps else 1
 
 
-def available_policies(workload: Workload) -> list[str]:
+def available_policies(workload: SimRequests) -> list[str]:
     """Policies the workload's predictions allow (all, or those needing no bundle)."""
     have = {"admission": workload.admission is not None, "refined": workload.refined is not None}
     return [p for p in POLICIES if all(have[s] for s in NEEDS_BUNDLE.get(p, ()))]
 
 
-def compare(workload: Workload, config: SimConfig, policies: list[str] | None = None) -> list[SimResult]:
+def compare(workload: SimRequests, config: SimConfig, policies: list[str] | None = None) -> list[SimResult]:
     """Run several policies on the identical arrival trace."""
     policies = policies or available_policies(workload)
     arrivals = make_arrivals(len(workload), config)
@@ -395,7 +397,7 @@ def compare(workload: Workload, config: SimConfig, policies: list[str] | None = 
 
 
 def compare_arrivals(
-    workload: Workload, config: SimConfig, patterns: list[str], rate: str = "1.5x", policies: list[str] | None = None
+    workload: SimRequests, config: SimConfig, patterns: list[str], rate: str = "1.5x", policies: list[str] | None = None
 ) -> list[dict]:
     """Compare policies under each arrival pattern; one metrics row per (pattern, policy).
 
@@ -421,7 +423,7 @@ def add_speedups(rows: list[dict], group_key: str) -> None:
         r["speedup_vs_default"] = ref / r["mean_latency_s"] if ref and r["mean_latency_s"] > 0 else float("nan")
 
 
-def service_rate(workload: Workload, config: SimConfig) -> float:
+def service_rate(workload: SimRequests, config: SimConfig) -> float:
     """SGLang's default policy's service rate on this workload, req/s: its throughput when backlogged.
 
     Measured by simulating ``sglang-default`` under burst arrivals with ``config``'s server settings.
@@ -432,7 +434,7 @@ def service_rate(workload: Workload, config: SimConfig) -> float:
     return simulate(workload, "sglang-default", backlogged).metrics["throughput_rps"]
 
 
-def parse_rates(text: str, workload: Workload, config: SimConfig) -> list[float]:
+def parse_rates(text: str, workload: SimRequests, config: SimConfig) -> list[float]:
     """``"1,2,4"`` (req/s) or ``"0.5x,1x,2x"`` (multiples of :func:`service_rate`) -> req/s."""
     rates = []
     unit = None
@@ -454,7 +456,7 @@ def parse_rates(text: str, workload: Workload, config: SimConfig) -> list[float]
     return rates
 
 
-def sweep(workload: Workload, config: SimConfig, rates: list[float], policies: list[str] | None = None) -> list[dict]:
+def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies: list[str] | None = None) -> list[dict]:
     """Every policy at each Poisson arrival rate (``poisson`` arrivals; seed 000 Figure 9)."""
     rows = []
     for rate in rates:
@@ -463,3 +465,36 @@ def sweep(workload: Workload, config: SimConfig, rates: list[float], policies: l
             rows.append({"rate_rps": rate, **result.metrics})
     add_speedups(rows, "rate_rps")
     return rows
+
+
+def replay(
+    requests: SimRequests,
+    config: SimConfig,
+    policies: list[str] | None = None,
+    patterns: list[str] | None = None,
+    rate: str | None = None,
+    rates: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[list[dict], list[str]]:
+    """What ``simulate`` runs: a load sweep over ``rates`` when given, else every arrival pattern of
+    ``patterns`` (default burst and burst-poisson at ``rate``, default ``1.5x``).
+
+    Returns the metric rows and the policies compared (default: all the predictions allow).
+
+    Raises
+    ------
+    ConfigError
+        A policy needs predictions the requests lack, or the KV budget cannot hold one request
+        (checked before any work).
+    """
+    allowed = available_policies(requests)
+    missing = [p for p in policies or [] if p not in allowed]
+    if missing:
+        raise ConfigError(f"--policies {', '.join(missing)} need predictions: pass --bundle")
+    policies = policies or allowed
+    kv_reservations(requests, config)
+    if log is not None:
+        log(f"replaying {len(requests)} requests under {len(policies)} policies")
+    if rates:
+        return sweep(requests, config, parse_rates(rates, requests, config), policies), policies
+    return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies), policies

@@ -6,7 +6,7 @@ about 1.3). The scheduler ranks refined estimates together with admission estima
 raw estimate to the scale where the median predicted/actual ratio is 1: an isotonic **median**
 regression (pool-adjacent-violators with block medians, the L1 isotonic fit) of actual remaining
 rounds on the raw estimate, over requests that have any rounds left (the requests
-:func:`~dwise_predict.evaluation.metrics.median_ratio` is defined on). ``statistic="mean"`` gives the
+:func:`~dwise_predict.metrics.median_ratio` is defined on). ``statistic="mean"`` gives the
 squared-error fit (conditional mean, what scikit-learn's ``IsotonicRegression`` computes) instead.
 The fit is centred (one knot per pooled block, see :func:`_centered_isotonic`), so calibration keeps
 the raw estimate's ranking: ρ does not change, apart from ties among requests beyond the end knots.

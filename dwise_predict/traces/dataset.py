@@ -102,8 +102,10 @@ class TraceDataset:
     def split(self, name: str) -> "TraceDataset":
         return self.subset(self.requests["split"].to_numpy() == name)
 
-    def fingerprint(self) -> str:
-        """sha256 over the request table's contract columns and the hidden states: identifies the data."""
+    def data_hash(self) -> str:
+        """sha256 over the request table's contract columns and the hidden states: identifies the data
+        (recorded as ``traces.fingerprint`` in a run's config.json; the model's identity is
+        :attr:`model_fingerprint`)."""
         h = hashlib.sha256()
         table = self.requests[list(REQUEST_COLUMNS)].copy()
         table["rounds_per_block"] = table["rounds_per_block"].map(lambda v: ",".join(map(str, v)))

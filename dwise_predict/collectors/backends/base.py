@@ -26,6 +26,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from dwise_predict.files import sha256_file
+
+# the dtype names of DecodingConfig.dtype, as torch dtypes
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass
 class StepBatch:
@@ -81,14 +86,6 @@ class BlockBackend(Protocol):
 
     def step(self, batch: StepBatch) -> StepOutput:
         """One batched forward: every row processes one chunk against its slot's cache."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def directory_fingerprint(model_dir: Path | None, name: str, config: dict, hidden_size: int,

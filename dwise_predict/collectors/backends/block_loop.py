@@ -28,13 +28,11 @@ from pathlib import Path
 
 import torch
 
-from dwise_predict.collectors.backends.base import StepBatch, StepOutput, directory_fingerprint
+from dwise_predict.collectors.backends.base import DTYPES, StepBatch, StepOutput, directory_fingerprint
 from dwise_predict.errors import ModelError
 
 # Block sizes of known architectures (SGLang's DllmConfig); a config's own block_size wins.
 KNOWN_BLOCK_SIZES = {"LLaDA2MoeModelLM": 32, "SDARForCausalLM": 4, "SDARMoeForCausalLM": 4}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class BlockLoopBackend:
     """``BlockBackend`` over any HF model whose forward takes a 4-D attention mask (see module doc)."""

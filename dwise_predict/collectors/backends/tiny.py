@@ -5,12 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from dwise_predict.collectors.backends.base import StepBatch, StepOutput, directory_fingerprint
+from dwise_predict.collectors.backends.base import DTYPES, StepBatch, StepOutput, directory_fingerprint
 from dwise_predict.errors import ModelError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TinyBackend:

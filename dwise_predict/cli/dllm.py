@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from dwise_predict.cli.options import JsonOption
+
 dllm_app = typer.Typer(
     name="dllm",
     help="The built-in tiny block-diffusion LM: train it, inspect it.",
@@ -23,7 +25,7 @@ dllm_app = typer.Typer(
 @dllm_app.command("train-tiny")
 def train_tiny_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Model directory to write (config, weights, tokenizer).")],
-    seed: Annotated[int, typer.Option("--seed", help="Seed of initialisation, data and masking.")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed of initialisation, data and masking (default: the recipe's, 0).")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimiser steps (default: the shipped recipe's).")] = None,
     minutes: Annotated[
         float | None,
@@ -39,7 +41,7 @@ def train_tiny_command(
         typer.Option(help="Autocast dtype of the forward pass, bfloat16 (the recipe's) or float32 (for CPUs "
                           "without native bf16 instructions, where bfloat16 runs slower; the weights differ)."),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary instead of a table.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Train the tiny dLLM on the project's generated corpus (block-diffusion objective) and save it
     as a model directory that `AutoModel.from_pretrained` loads after `import dwise_predict.dllm`.
@@ -54,13 +56,13 @@ def train_tiny_command(
 
         dwise-predict dllm train-tiny --out /tmp/tiny-quick --steps 300 --minutes 2
     """
-    from dwise_predict.dllm.train import CHECKPOINT_NAME, TrainConfig, checkpoint_progress, train_tiny
+    from dwise_predict.dllm.train import CHECKPOINT_NAME, TinyTrainConfig, checkpoint_progress, train_tiny
 
-    fields = {"seed": seed, "max_minutes": minutes}
-    for name, value in (("steps", steps), ("threads", threads), ("precision", precision)):
+    fields = {"max_minutes": minutes}
+    for name, value in (("seed", seed), ("steps", steps), ("threads", threads), ("precision", precision)):
         if value is not None:
             fields[name] = value
-    cfg = TrainConfig(**fields)
+    cfg = TinyTrainConfig(**fields)
     if (out / CHECKPOINT_NAME).is_file():
         done = checkpoint_progress(out / CHECKPOINT_NAME, cfg)["steps_done"]
         print(f"resuming the interrupted run in {out} at step {done} of {cfg.steps}", file=sys.stderr)

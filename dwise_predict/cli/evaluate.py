@@ -8,29 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from dwise_predict.cli.options import JsonOption, console, log
+from dwise_predict.cli.options import ManyTracesArgument as TracesArgument
 from dwise_predict.errors import ConfigError
-
-TracesArgument = Annotated[list[Path], typer.Argument(help="Trace directories (of one model); their requests are pooled.")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the results as JSON on stdout.")]
-
-
-def _console():
-    """Rich console on stdout; wide when piped, so tables stay one row per line in logs."""
-    import sys
-
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 160)
-
-
-def _log(message: str) -> None:
-    typer.echo(message, err=True)
-
-
-def _na(value, digits: int = 3) -> str:
-    from dwise_predict.evaluation.document import fmt
-
-    return fmt(value, digits)
+from dwise_predict.evaluation.document import fmt
 
 
 def evaluate_command(
@@ -59,6 +40,7 @@ def evaluate_command(
         dwise-predict evaluate traces_a/ traces_b/ --out eval/ --json
     """
     from dwise_predict.evaluation.evaluate import evaluate, prepare_out, write_evaluation
+    from dwise_predict.training import TrainConfig
 
     problems = []
     if jobs is not None and jobs < 1:
@@ -71,35 +53,23 @@ def evaluate_command(
         problems.append(f"--out {out} is a file: give a directory")
     if problems:
         raise ConfigError("; ".join(problems))
-    train_config = _read_config(config) if config is not None else None
+    train_config = TrainConfig.from_file(config) if config is not None else None
 
     prepare_out(out)
     evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
-                          config=train_config, log=_log)
+                          config=train_config, log=log)
     written = write_evaluation(evaluation, out)
-    _log(f"wrote {written['report_html']} and {len(written) - 1} more files in {out}")
+    log(f"wrote {written['report_html']} and {len(written) - 1} more files in {out}")
     if json_out:
         typer.echo(json.dumps(evaluation.result, indent=2, default=str))
     else:
         _print_evaluation(evaluation.result)
 
 
-def _read_config(path: Path):
-    from dwise_predict.training import TrainConfig
-
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--config {path} is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path} must hold a JSON object of training options")
-    return TrainConfig.from_dict(data)
-
-
 def _print_evaluation(result: dict) -> None:
     from rich.table import Table
 
-    console = _console()
+    screen = console(160)
     metrics = result["metrics"]
     main = Table(title=f"Evaluation split ({result['traces']['n_eval']} requests)")
     for col in ("predictor", "ρ", "τ", "within-category ρ", "median pred/actual"):
@@ -107,33 +77,33 @@ def _print_evaluation(result: dict) -> None:
     for row, key in zip(result["calibration"], ("admission", "refined_raw", "refined")):
         block = metrics[key]
         # "-": not computed for this row (metrics.json has no τ for the raw estimate); "n/a": undefined
-        main.add_row(row["predictor"], _na(block["spearman"]), _na(block["kendall"]) if "kendall" in block else "-",
-                     _na(block.get("within_category_mean")), _na(row["median_ratio"]))
-    console.print(main)
+        main.add_row(row["predictor"], fmt(block["spearman"]), fmt(block["kendall"]) if "kendall" in block else "-",
+                     fmt(block.get("within_category_mean")), fmt(row["median_ratio"]))
+    screen.print(main)
 
     if result["loco"]:
         loco = result["loco"]
         table = Table(title="Leave one category out: within-category ρ, in training → held out")
         for col in ("category", "n eval", "admission", "refined"):
             table.add_column(col, justify="left" if col == "category" else "right")
-        arrow = lambda pair: f"{_na(pair['in_training'])} → {_na(pair['held_out'])}"  # noqa: E731
+        arrow = lambda pair: f"{fmt(pair['in_training'])} → {fmt(pair['held_out'])}"  # noqa: E731
         for r in loco["rows"]:
             table.add_row(r["category"], str(r["n_eval"]), arrow(r["admission"]), arrow(r["refined"]))
         table.add_row("mean", "", arrow(loco["mean"]["admission"]), arrow(loco["mean"]["refined"]))
-        console.print(table)
+        screen.print(table)
         if loco["hold_out"]:
             h = loco["hold_out"]
-            console.print(f"all requests, {h['category']} held out: admission ρ {arrow(h['admission'])}, "
+            screen.print(f"all requests, {h['category']} held out: admission ρ {arrow(h['admission'])}, "
                           f"refined ρ {arrow(h['refined'])}")
         for s in loco["skipped"]:
-            console.print(f"skipped {s['category']}: {s['reason']}")
+            screen.print(f"skipped {s['category']}: {s['reason']}")
 
     table = Table(title="Baselines (remaining rounds, evaluation split)")
     for col in ("predictor", "ρ", "τ", "R²"):
         table.add_column(col, justify="left" if col == "predictor" else "right")
     for r in result["baselines"]:
-        table.add_row(r["name"], _na(r["spearman"]), _na(r["kendall"]), _na(r["r2"]))
-    console.print(table)
+        table.add_row(r["name"], fmt(r["spearman"]), fmt(r["kendall"]), fmt(r["r2"]))
+    screen.print(table)
 
 
 def characterize_command(
@@ -155,8 +125,6 @@ def characterize_command(
 
         dwise-predict characterize traces/ --json
     """
-    import pandas as pd
-
     from dwise_predict.evaluation.characterize import characterize
     from dwise_predict.evaluation.inputs import load_many
 
@@ -165,16 +133,10 @@ def characterize_command(
     datasets = load_many(traces)
     result = characterize(datasets)
     if out is not None:
-        from dwise_predict.evaluation.document import write_document
-        from dwise_predict.evaluation.evaluate import prepare_out
-        from dwise_predict.files import write_json
-        from dwise_predict.evaluation.report import characterization_document
+        from dwise_predict.evaluation.report import write_characterization
 
-        prepare_out(out)
-        write_json(out / "characterization.json", result)
-        requests = pd.concat([d.requests for d in datasets], ignore_index=True)
-        html_path, _ = write_document(characterization_document(result, requests), out, stem="characterization")
-        _log(f"wrote {html_path}, characterization.md, characterization.json and plots in {out}")
+        html_path = write_characterization(result, datasets, out)
+        log(f"wrote {html_path}, characterization.md, characterization.json and plots in {out}")
     if json_out:
         typer.echo(json.dumps(result, indent=2, default=str))
     else:
@@ -184,26 +146,24 @@ def characterize_command(
 def _print_characterization(result: dict) -> None:
     from rich.table import Table
 
-    console = _console()
+    screen = console(160)
     table = Table(title=f"Denoising rounds — {result['model']}")
     cols = ("category", "n", "p25", "p50", "p90", "max", "max/min", "CV", "distinct", "tiers", "r(wall)", "truncated")
     for col in cols:
         table.add_column(col, justify="left" if col in ("category", "tiers") else "right")
     for name, s in [("all", result["overall"]), *result["per_category"].items()]:
         r, d = s["rounds"], s["discreteness"]
-        table.add_row(name, str(r["n"]), _na(r["p25"], 1), _na(r["p50"], 1), _na(r["p90"], 1), _na(r["max"], 0),
-                      _na(r["max_min_ratio"], 1), _na(r["cv"]), str(d["distinct"]),
-                      d["tiers"] or f"spacing {_na(d['dominant_spacing'])}", _na(s["wall_time"]["pearson"]),
+        table.add_row(name, str(r["n"]), fmt(r["p25"], 1), fmt(r["p50"], 1), fmt(r["p90"], 1), fmt(r["max"], 0),
+                      fmt(r["max_min_ratio"], 1), fmt(r["cv"]), str(d["distinct"]),
+                      d["tiers"] or f"spacing {fmt(d['dominant_spacing'])}", fmt(s["wall_time"]["pearson"]),
                       f"{100 * s['truncated_share']:.1f}%")
-    console.print(table)
+    screen.print(table)
     if len(result["budget_sweep"]) > 1:
         sweep = Table(title="Versus output budget")
         for col in ("budget", "n", "CV", "truncated", "p50", "p90"):
             sweep.add_column(col, justify="right")
         for r in result["budget_sweep"]:
-            sweep.add_row(str(r["budget"]), str(r["n"]), _na(r["cv"]), f"{100 * r['truncated_share']:.1f}%",
-                          _na(r["p50"], 1), _na(r["p90"], 1))
-        console.print(sweep)
+            sweep.add_row(str(r["budget"]), str(r["n"]), fmt(r["cv"]), f"{100 * r['truncated_share']:.1f}%",
+                          fmt(r["p50"], 1), fmt(r["p90"], 1))
+        screen.print(sweep)
 
-
-__all__ = ["characterize_command", "evaluate_command"]

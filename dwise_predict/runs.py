@@ -1,18 +1,34 @@
-"""Reading a training run directory (the output of ``dwise-predict train``) for export.
+"""The run directory: the output of ``dwise-predict train``, read by ``evaluate`` and ``export``.
 
-The layout is agreed with ``train``: ``config.json``, ``metrics.json``, ``admission.txt``,
-``admission.json``, ``refine.safetensors``, ``refine.json``, ``calibration.json`` (+ optional
-``loco.json``, ``curves.json``, ``curves.png``). Export reads only these files, never CLI flags, so
-a bundle is fully determined by its run.
+One format, one reader (:func:`load_run`, raising :class:`InputError`) and one writer
+(:func:`dwise_predict.training.run.write_run`). The format and its reader live here, below both
+training and exports, because exports must not import the training stack::
+
+    RUN/
+      config.json         resolved TrainConfig, seed, package versions, traces {path, fingerprint
+                          (the traces' data hash), model (fingerprint), decoding, hidden_size}
+      metrics.json        eval-split metrics (see training.fit.evaluate_predictors)
+      admission.txt       LightGBM text model, target log1p(total_rounds), features words, newlines,
+                          prompt_tokens
+      admission.json      {"features", "target", "params"}
+      refine.safetensors  network.refine_state(...): input_mean, input_std [H+2], member{i}.fc1/fc2
+      refine.json         {"hidden_size", "in_features", "num_rounds", "width", "dropout", "members",
+                           "seeds", "prompt_norm", "budget_norm", "target"}
+      calibration.json    {"x": [...], "y": [...], "fitted_on": "train", "statistic"}
+      curves.json         per member: seed, train_loss, val_loss per epoch, best_epoch
+      curves.png          training curves
+      loco.json           optional
+
+Export reads only these files, never CLI flags, so a bundle is fully determined by its run.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dwise_predict.errors import InputError
+from dwise_predict.files import read_json_object
 
 REQUIRED_FILES = (
     "config.json",
@@ -43,7 +59,7 @@ class RunFiles:
 
 
 def load_run(path: str | Path) -> RunFiles:
-    """Check a run directory holds everything a bundle needs and parse its JSON files.
+    """Check a run directory holds everything evaluate and export need and parse its JSON files.
 
     Raises
     ------
@@ -86,10 +102,4 @@ def load_run(path: str | Path) -> RunFiles:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(f"{path} is not valid JSON ({err}): the run is corrupt; re-run `dwise-predict train`") from None
-    if not isinstance(value, dict):
-        raise InputError(f"{path} must hold a JSON object: the run is corrupt; re-run `dwise-predict train`")
-    return value
+    return read_json_object(path, InputError, fix="the run is corrupt; re-run `dwise-predict train`")

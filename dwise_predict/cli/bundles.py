@@ -12,8 +12,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from dwise_predict.cli.options import JsonOption, table
+from dwise_predict.evaluation.document import fmt
+
 ZooOption = Annotated[Path, typer.Option("--zoo", envvar="DWISE_ZOO", help="Zoo directory (or $DWISE_ZOO).")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print a JSON summary instead of a table.")]
 
 
 def export_command(
@@ -45,10 +47,10 @@ def export_command(
     if as_json:
         typer.echo(json.dumps({"bundle": str(path), "name": manifest["name"], "files": manifest["files"]}, indent=2))
         return
-    table = _table(f"bundle {path}", ("file", "bytes", "sha256"))
+    summary = table(f"bundle {path}", ("file", "bytes", "sha256"))
     for file, entry in sorted(manifest["files"].items()):
-        table.add_row(file, f"{entry['bytes']:,}", entry["sha256"][:16] + "…")
-    _print(table)
+        summary.add_row(file, f"{entry['bytes']:,}", entry["sha256"][:16] + "…")
+    _print(summary)
     typer.echo(f"next: dwise-predict verify {path}")
 
 
@@ -73,10 +75,10 @@ def verify_command(
     if as_json:
         typer.echo(json.dumps({"bundle": str(bundle), "ok": report.ok, "rows": report.rows}, indent=2))
     else:
-        table = _table(f"verify {bundle}", ("artifact", "check", "result", "detail"))
+        summary = table(f"verify {bundle}", ("artifact", "check", "result", "detail"))
         for row in report.rows:
-            table.add_row(row["artifact"], row["check"], "[green]pass[/]" if row["ok"] else "[red]FAIL[/]", row["detail"])
-        _print(table)
+            summary.add_row(row["artifact"], row["check"], "[green]pass[/]" if row["ok"] else "[red]FAIL[/]", row["detail"])
+        _print(summary)
         if report.ok:
             typer.echo("all checks passed")
     if not report.ok:
@@ -126,14 +128,14 @@ def zoo_list_command(zoo: ZooOption, as_json: JsonOption = False) -> None:
     if as_json:
         typer.echo(json.dumps(entries, indent=2))
         return
-    table = _table(f"zoo {zoo}", ("name", "version", "model", "hidden", "ρ admission", "ρ refined", "published"))
+    summary = table(f"zoo {zoo}", ("name", "version", "model", "hidden", "ρ admission", "ρ refined", "published"))
     for e in entries:
         metrics = e.get("metrics") or {}
-        table.add_row(
+        summary.add_row(
             e["name"], e["version"], str((e.get("model") or {}).get("name")), str(e.get("hidden_size")),
-            _rho(metrics.get("admission")), _rho(metrics.get("refined")), e.get("published", ""),
+            fmt((metrics.get("admission") or {}).get("spearman")), fmt((metrics.get("refined") or {}).get("spearman")), e.get("published", ""),
         )
-    _print(table)
+    _print(summary)
 
 
 @zoo_app.command("show")
@@ -173,21 +175,7 @@ def zoo_pull_command(
     typer.echo(f"next: dwise-predict verify {path}")
 
 
-def _table(title: str, columns: tuple[str, ...]):
-    from rich.table import Table
-
-    table = Table(title=title)
-    for column in columns:
-        table.add_column(column)
-    return table
-
-
 def _print(table) -> None:
     from rich.console import Console
 
     Console(soft_wrap=True).print(table)
-
-
-def _rho(block) -> str:
-    value = (block or {}).get("spearman")
-    return "n/a" if value is None else f"{value:.3f}"

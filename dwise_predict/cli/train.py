@@ -9,34 +9,26 @@ from typing import Annotated, Optional
 
 import typer
 
+from dwise_predict.cli.options import JsonOption, SeedOption, TracesArgument, console, log
 from dwise_predict.errors import ConfigError
-from dwise_predict.files import atomic_write_text
+from dwise_predict.evaluation.document import fmt
+from dwise_predict.training import TrainConfig
 
-TracesArgument = Annotated[Path, typer.Argument(help="Trace directory from `dwise-predict collect`.")]
-SeedOption = Annotated[int, typer.Option("--seed", help="Seed of every random choice (members use seed, seed+1, ...).")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")]
-
-
-def _log(message: str) -> None:
-    typer.echo(message, err=True)
-
-
-def _fmt(value, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
+_DEFAULT = TrainConfig()
 
 
 def train_command(
     traces: TracesArgument,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory to create (must not exist unless --overwrite).")],
-    seed: SeedOption = 0,
-    max_epochs: Annotated[int, typer.Option(help="Most epochs per ensemble member (early stopping usually ends sooner).")] = 100,
-    patience: Annotated[int, typer.Option(help="Epochs without a better validation loss before a member stops.")] = 10,
-    members: Annotated[int, typer.Option(help="Survival MLPs in the seed ensemble.")] = 3,
-    width: Annotated[int, typer.Option(help="Hidden units of each survival MLP.")] = 256,
-    lr: Annotated[float, typer.Option(help="Adam learning rate of the survival MLPs.")] = 1e-3,
-    batch_size: Annotated[int, typer.Option(help="Requests per optimisation step.")] = 256,
-    val_fraction: Annotated[float, typer.Option(help="Share of the train split held out for early stopping.")] = 0.2,
-    threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = 1,
+    seed: SeedOption = _DEFAULT.seed,
+    max_epochs: Annotated[int, typer.Option(help="Most epochs per ensemble member (early stopping usually ends sooner).")] = _DEFAULT.max_epochs,
+    patience: Annotated[int, typer.Option(help="Epochs without a better validation loss before a member stops.")] = _DEFAULT.patience,
+    members: Annotated[int, typer.Option(help="Survival MLPs in the seed ensemble.")] = _DEFAULT.members,
+    width: Annotated[int, typer.Option(help="Hidden units of each survival MLP.")] = _DEFAULT.width,
+    lr: Annotated[float, typer.Option(help="Adam learning rate of the survival MLPs.")] = _DEFAULT.lr,
+    batch_size: Annotated[int, typer.Option(help="Requests per optimisation step.")] = _DEFAULT.batch_size,
+    val_fraction: Annotated[float, typer.Option(help="Share of the train split held out for early stopping.")] = _DEFAULT.val_fraction,
+    threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = _DEFAULT.num_threads,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json) instead of the flags above.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory (only once the new run is complete).")] = False,
     json_out: JsonOption = False,
@@ -56,17 +48,16 @@ def train_command(
 
         dwise-predict train traces/ --out run/ --config other_run/config.json --overwrite
     """
-    from dwise_predict.training import TrainConfig, train_run
+    from dwise_predict.training import train_run
 
     flags = {"--seed": ("seed", seed), "--max-epochs": ("max_epochs", max_epochs), "--patience": ("patience", patience),
              "--members": ("members", members), "--width": ("width", width), "--lr": ("lr", lr),
              "--batch-size": ("batch_size", batch_size), "--val-fraction": ("val_fraction", val_fraction),
              "--threads": ("num_threads", threads)}
-    defaults = TrainConfig()
     problems = []
     if config is not None and not config.is_file():
         problems.append(f"--config {config} is not a file")
-    changed = [flag for flag, (name, value) in flags.items() if value != getattr(defaults, name)]
+    changed = [flag for flag, (name, value) in flags.items() if value != getattr(_DEFAULT, name)]
     if config is not None and changed:
         problems.append(f"--config sets every option: drop {', '.join(changed)} or edit the file")
     if out.exists() and not out.is_dir():
@@ -74,20 +65,14 @@ def train_command(
     if problems:
         raise ConfigError("; ".join(problems))
     if config is not None:
-        try:
-            options = json.loads(config.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"--config {config} is not valid JSON ({err})") from None
-        if not isinstance(options, dict):
-            raise ConfigError(f"--config {config} must hold a JSON object of training options")
-        train_config = TrainConfig.from_dict(options)
+        train_config = TrainConfig.from_file(config)
     else:
         train_config = TrainConfig(**dict(flags.values()))
     train_config.check()
 
     with _EpochProgress(train_config) as progress:
         metrics = train_run(traces, out, train_config, overwrite=overwrite, progress=progress)
-    _log(f"wrote run directory {out}")
+    log(f"wrote run directory {out}")
     if json_out:
         typer.echo(json.dumps(metrics, indent=2))
     else:
@@ -128,7 +113,6 @@ class _EpochProgress:
 
 
 def _print_summary(metrics: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Eval split: {metrics['n_eval']} requests (trained on {metrics['n_train']})")
@@ -147,22 +131,22 @@ def _print_summary(metrics: dict) -> None:
         block = metrics[key]
         ci = block.get("spearman_ci")
         table.add_row(
-            label, _fmt(block["spearman"]), f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "",
-            _fmt(block["within_category_mean"]), _fmt(block.get("kendall")) if "kendall" in block else "", _fmt(ratio, 2),
+            label, fmt(block["spearman"]), f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "",
+            fmt(block["within_category_mean"]), fmt(block.get("kendall")) if "kendall" in block else "", fmt(ratio, 2),
         )
-    console = Console(width=None if sys.stdout.isatty() else 140)
-    console.print(table)
+    out = console()
+    out.print(table)
     per = Table(title="ρ within category (eval split)")
     per.add_column("category")
     per.add_column("admission", justify="right")
     per.add_column("refined", justify="right")
     for cat, rho in metrics["admission"]["per_category"].items():
-        per.add_row(cat, _fmt(rho), _fmt(metrics["refined"]["per_category"].get(cat)))
-    console.print(per)
+        per.add_row(cat, fmt(rho), fmt(metrics["refined"]["per_category"].get(cat)))
+    out.print(per)
     refined = metrics["refined"]
-    console.print(
-        f"time-dependent concordance {_fmt(refined['concordance_td'])}, "
-        f"integrated Brier score {_fmt(refined['integrated_brier'], 4)}"
+    out.print(
+        f"time-dependent concordance {fmt(refined['concordance_td'])}, "
+        f"integrated Brier score {fmt(refined['integrated_brier'], 4)}"
     )
 
 
@@ -170,7 +154,7 @@ def compare_regressors_command(
     traces: TracesArgument,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Directory for regressors.csv and regressors.md (default: print only).")] = None,
     folds: Annotated[int, typer.Option(help="Cross-validation folds on the train split.")] = 5,
-    seed: SeedOption = 0,
+    seed: SeedOption = _DEFAULT.seed,
     repeats: Annotated[int, typer.Option(help="Single-request timings per model (median reported).")] = 300,
     json_out: JsonOption = False,
 ) -> None:
@@ -188,7 +172,7 @@ def compare_regressors_command(
         dwise-predict compare-regressors traces/ --out compare/ --folds 5 --json
     """
 
-    from dwise_predict.admission.compare import compare_regressors, to_markdown
+    from dwise_predict.admission.compare import compare_regressors, write_comparison
     from dwise_predict.features.prompt import PromptFeaturizer, load_tokenizer
     from dwise_predict.traces import load_traces
 
@@ -211,30 +195,20 @@ def compare_regressors_command(
         if tokenizer is not None
         else f"whitespace words (no local tokenizer for model {model.get('name', '?')!r})"
     )
-    _log(f"comparing 7 regressors on {len(train)} training requests, {folds}-fold CV; tokenisation: {note}")
-    rows = compare_regressors(train, folds, seed, PromptFeaturizer(tokenizer), repeats, progress=lambda n: _log(f"  {n}"))
+    log(f"comparing 7 regressors on {len(train)} training requests, {folds}-fold CV; tokenisation: {note}")
+    rows = compare_regressors(train, folds, seed, PromptFeaturizer(tokenizer), repeats, progress=lambda n: log(f"  {n}"))
 
     if out is not None:
-        import csv
-        import io
-
-        out.mkdir(parents=True, exist_ok=True)
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-        for name, text in (("regressors.csv", buffer.getvalue()), ("regressors.md", to_markdown(rows, folds, note))):
-            atomic_write_text(out / name, text)
-        _log(f"wrote {out / 'regressors.csv'} and {out / 'regressors.md'}")
+        csv_path, md_path = write_comparison(rows, out, folds, note)
+        log(f"wrote {csv_path} and {md_path}")
     if json_out:
         typer.echo(json.dumps({"tokenisation": note, "folds": folds, "rows": rows}, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Admission regressors ({len(train)} train requests, {folds}-fold CV)", caption=f"tokenisation: {note}")
     for col, justify in (("predictor", "left"), ("ρ", "right"), ("± sd", "right"), ("from text (ms)", "right"), ("model only (µs)", "right")):
         table.add_column(col, justify=justify)
     for r in rows:
-        table.add_row(r["name"], _fmt(r["rho"]), _fmt(r["rho_std"]), f"{r['ms_from_text']:.3f}", f"{r['us_model_only']:.1f}")
-    Console(width=None if sys.stdout.isatty() else 140).print(table)
+        table.add_row(r["name"], fmt(r["rho"]), fmt(r["rho_std"]), f"{r['ms_from_text']:.3f}", f"{r['us_model_only']:.1f}")
+    console().print(table)

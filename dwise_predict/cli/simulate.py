@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from dwise_predict.cli.options import JsonOption, console, log
 from dwise_predict.errors import ConfigError
+from dwise_predict.serving.simulator import SimConfig
+
+_DEFAULT = SimConfig()
 
 
 class Arrival(str, Enum):
@@ -32,17 +35,17 @@ def simulate_command(
     arrival: Annotated[Arrival, typer.Option(help="Arrival pattern: burst, burst-poisson or both.")] = Arrival.both,
     rate: Annotated[Optional[str], typer.Option(help="Poisson rate for burst-poisson: req/s, or a multiple of SGLang-default's service rate like 1.5x [default: 1.5x].")] = None,
     rates: Annotated[Optional[str], typer.Option(help="Load sweep instead: Poisson arrivals at each rate of a comma list (req/s, or multiples of SGLang-default's service rate like 0.5x,1x,2x).")] = None,
-    slots: Annotated[int, typer.Option(help="B: blocks per round (block slots).")] = 128,
-    k: Annotated[float, typer.Option("--k", help="Resident-set multiplier: at most k*B requests hold KV.")] = 8.0,
-    kv_budget: Annotated[Optional[float], typer.Option(help="KV pool in blocks [default: unlimited].")] = None,
-    kv_slack: Annotated[int, typer.Option(help="Extra blocks reserved per resident request.")] = 2,
-    round_ms: Annotated[float, typer.Option(help="Fixed cost of one round, ms.")] = 50.0,
-    slot_ms: Annotated[float, typer.Option(help="Extra cost per block in a round, ms.")] = 0.35,
+    slots: Annotated[int, typer.Option(help="B: blocks per round (block slots).")] = _DEFAULT.slots,
+    k: Annotated[float, typer.Option("--k", help="Resident-set multiplier: at most k*B requests hold KV.")] = _DEFAULT.k,
+    kv_budget: Annotated[Optional[float], typer.Option(help="KV pool in blocks [default: unlimited].")] = _DEFAULT.kv_budget,
+    kv_slack: Annotated[int, typer.Option(help="Extra blocks reserved per resident request.")] = _DEFAULT.kv_slack_blocks,
+    round_ms: Annotated[float, typer.Option(help="Fixed cost of one round, ms.")] = _DEFAULT.round_ms,
+    slot_ms: Annotated[float, typer.Option(help="Extra cost per block in a round, ms.")] = _DEFAULT.slot_ms,
     split: Annotated[Split, typer.Option(help="Which requests to replay.")] = Split.eval,
-    seed: Annotated[int, typer.Option(help="Arrival order and Poisson times.")] = 0,
+    seed: Annotated[int, typer.Option(help="Arrival order and Poisson times.")] = _DEFAULT.seed,
     backend: Annotated[str, typer.Option(help="Bundle backend for the predictions: onnx or torch.")] = "onnx",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write simulate.csv/.json/.png (or sweep.*) here.")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the rows as JSON on stdout.")] = False,
+    json_out: JsonOption = False,
 ) -> None:
     """Replay traces under SGLang's default scheduler, FCFS and DWISE variants; compare latency.
 
@@ -60,19 +63,8 @@ def simulate_command(
     """
     from dataclasses import asdict
 
-    from rich.console import Console
-
     from dwise_predict.serving.report import render_table, write_outputs
-    from dwise_predict.serving.simulator import (
-        POLICIES,
-        SimConfig,
-        available_policies,
-        compare_arrivals,
-        kv_reservations,
-        parse_rates,
-        sweep,
-        workload_from_traces,
-    )
+    from dwise_predict.serving.simulator import POLICIES, replay, sim_requests_from_traces
     from dwise_predict.traces import load_traces
 
     problems = []
@@ -99,32 +91,21 @@ def simulate_command(
         from dwise_predict.serving.bundle import load_bundle
 
         loaded = load_bundle(bundle, backend=backend, expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
-    workload = workload_from_traces(ds, None if split is Split.all else split.value, loaded)
-    allowed = available_policies(workload)
-    missing = [p for p in chosen or [] if p not in allowed]
-    if missing:
-        raise ConfigError(f"--policies {', '.join(missing)} need predictions: pass --bundle")
-    chosen = chosen or allowed
-    kv_reservations(workload, config)  # refuse a KV budget too small for one request before any work
-    print(f"replaying {len(workload)} requests under {len(chosen)} policies", file=sys.stderr)
-
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    requests = sim_requests_from_traces(ds, None if split is Split.all else split.value, loaded)
+    patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
+    rows, chosen = replay(requests, config, chosen, patterns, rate, rates, log=log)
     if rates:
-        rate_values = parse_rates(rates, workload, config)
-        rows = sweep(workload, config, rate_values, chosen)
         stem, first = "sweep", ("rate_rps", "rate req/s", "{:.2f}")
         title = f"Load sweep, Poisson arrivals, B={slots}, k={k:g}"
     else:
-        patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
-        rows = compare_arrivals(workload, config, patterns, rate or "1.5x", chosen)
         stem, first = "simulate", ("arrival", "arrival", "{}")
-        title = f"Simulated serving, {len(workload)} requests, B={slots}, k={k:g}"
+        title = f"Simulated serving, {len(requests)} requests, B={slots}, k={k:g}"
     if out is not None:
         settings = {**asdict(config), "traces": str(traces), "bundle": str(bundle) if bundle else None,
                     "split": split.value, "policies": chosen}
         for path in write_outputs(rows, out, stem, settings):
-            print(f"wrote {path}", file=sys.stderr)
+            log(f"wrote {path}")
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
     else:
-        console.print(render_table(rows, title, first))
+        console(200).print(render_table(rows, title, first))

@@ -1,4 +1,4 @@
-"""Typer commands `collect`, `traces merge` and `traces show` (thin: parse, call the library, print)."""
+"""Typer commands `collect`, `traces merge|show` and `workload show` (thin: parse, call the library, print)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from dwise_predict.cli.options import JsonOption
 from dwise_predict.collectors.records import DecodingConfig
-from dwise_predict.errors import ConfigError, DwiseError
+from dwise_predict.errors import ConfigError
 
 _DEFAULT = DecodingConfig()
 
@@ -23,7 +24,6 @@ class Dtype(str, Enum):
 
 
 OutOption = Annotated[Path, typer.Option("--out", "-o", help="Output trace directory (created, or resumed).")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")]
 
 
 def collect_command(
@@ -143,10 +143,65 @@ traces_app.command("merge")(merge_command)
 traces_app.command("show")(show_command)
 
 
-def _print_summary(path: Path, json_out: bool) -> None:
-    from dwise_predict.collectors.summary import summarize
+workload_app = typer.Typer(
+    help="Inspect workload presets and spec files.\n\nExamples:\n\n    dwise-predict workload show dwise-paper --allow-missing",
+    no_args_is_help=True,
+)
 
-    requests, manifest, complete = _read_for_summary(Path(path))
+
+@workload_app.command("show")
+def workload_show_command(
+    spec: Annotated[str, typer.Argument(help="Preset (tiny-default, dwise-paper) or a .toml/.yaml spec file.")] = "tiny-default",
+    seed: Annotated[int, typer.Option(help="Workload sampling / split seed.")] = 0,
+    limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests.")] = None,
+    head: Annotated[int, typer.Option(help="Also list the first N requests (id, split, prompt start).")] = 0,
+    allow_missing: Annotated[bool, typer.Option(help="Show the sources that are here instead of failing on missing ones.")] = False,
+    allow_network: Annotated[bool, typer.Option(help="Let hub datasets download (default: local cache only).")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    """Load a workload and print its composition per source, category and split.
+
+    Examples:
+
+        dwise-predict workload show
+
+        dwise-predict workload show dwise-paper --allow-missing
+
+        dwise-predict workload show my-mix.toml --seed 1 --head 5 --json
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from dwise_predict.collectors.workloads import load_workload
+
+    workload = load_workload(spec, seed=seed, limit=limit, allow_missing=allow_missing,
+                             allow_network=allow_network or None)
+    comp = workload.composition()
+    if json_out:
+        comp["head"] = [
+            {"request_id": r.request_id, "split": r.split, "prompt": r.prompt} for r in workload.requests[:head]
+        ]
+        typer.echo(json.dumps(comp, indent=2))
+        return
+    table = Table(title=f"workload {comp['name']} (seed {comp['seed']})")
+    for column in ("source", "type", "category", "train", "eval"):
+        table.add_column(column, justify="right" if column in ("train", "eval") else "left")
+    for name, entry in comp["sources"].items():
+        table.add_row(name, entry.get("type", ""), entry.get("category", ""), str(entry["train"]), str(entry["eval"]))
+    table.add_section()
+    table.add_row("total", "", f"{len(comp['categories'])} categories", str(comp["train"]), str(comp["eval"]))
+    console = Console()
+    console.print(table)
+    for line in comp["missing"]:
+        console.print(f"[yellow]missing[/yellow] {line}", highlight=False)
+    for r in workload.requests[:head]:
+        console.print(f"{r.request_id}  {r.split:5}  {r.prompt[:70]!r}", highlight=False, markup=False)
+
+
+def _print_summary(path: Path, json_out: bool) -> None:
+    from dwise_predict.collectors.summary import read_for_summary, summarize
+
+    requests, manifest, complete = read_for_summary(path)
     rows = summarize(requests)
     model = manifest.get("model", {})
     decoding = manifest.get("decoding", {})
@@ -172,24 +227,6 @@ def _print_summary(path: Path, json_out: bool) -> None:
                       f"{r['output_tokens_mean']:.1f}", f"{r['eos']}/{r['budget']}", accuracy,
                       end_section=r is rows[-2])
     Console(width=max(120, Console().width)).print(table)
-
-
-def _read_for_summary(path: Path):
-    """The request table and manifest of a trace directory; shards when it is not consolidated yet."""
-    from dwise_predict.traces import MANIFEST_FILE, REQUESTS_FILE, load_traces
-
-    if (path / REQUESTS_FILE).is_file():
-        ds = load_traces(path)
-        return ds.requests, ds.manifest, True
-    from dwise_predict.collectors.store import read_shards
-
-    shards = read_shards(path) if (path / MANIFEST_FILE).is_file() else []
-    if not shards:
-        raise DwiseError(f"{path} holds no traces: run `dwise-predict collect --out {path}` first")
-    import pandas as pd
-
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
-    return pd.concat([s.requests for s in shards], ignore_index=True), manifest, False
 
 
 class CollectProgressBar:

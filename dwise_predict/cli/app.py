@@ -1,0 +1,96 @@
+"""The `dwise-predict` typer app: every command registered below, and the entry point.
+
+Commands are thin: they validate options, call one library function, and print. Results go to
+stdout, logs and progress to stderr. Heavy imports happen inside command bodies so that `--help`
+stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from dwise_predict import __version__
+from dwise_predict.cli.bundles import export_command, publish_command, verify_command, zoo_app
+from dwise_predict.cli.collect import collect_command, traces_app, workload_app
+from dwise_predict.cli.dllm import dllm_app
+from dwise_predict.cli.evaluate import characterize_command, evaluate_command
+from dwise_predict.cli.quickstart import quickstart_command
+from dwise_predict.cli.simulate import simulate_command
+from dwise_predict.cli.train import compare_regressors_command, train_command
+from dwise_predict.errors import DwiseError
+
+app = typer.Typer(
+    name="dwise-predict",
+    help="Train, evaluate and ship workload predictors for diffusion-LLM serving schedulers.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dwise-predict {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """dwise-predict: collect traces from a dLLM, train, evaluate, export and simulate predictors."""
+
+
+# --- command registration: every command of the CLI is attached here, in pipeline order ---------
+app.command("quickstart")(quickstart_command)
+app.add_typer(dllm_app, name="dllm")
+app.add_typer(workload_app, name="workload")
+app.command("collect")(collect_command)
+app.add_typer(traces_app, name="traces")
+app.command("train")(train_command)
+app.command("compare-regressors")(compare_regressors_command)
+app.command("evaluate")(evaluate_command)
+app.command("characterize")(characterize_command)
+app.command("export")(export_command)
+app.command("verify")(verify_command)
+app.command("publish")(publish_command)
+app.add_typer(zoo_app, name="zoo")
+app.command("simulate")(simulate_command)
+# ------------------------------------------------------------------------------------------------
+
+
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the app and turn user errors into one line on stderr and exit code 1."""
+    try:
+        # standalone_mode=False: click returns a command's typer.Exit code instead of exiting
+        code = app(args=argv, standalone_mode=False)
+        if code == INTERRUPTED:  # typer turns Ctrl-C into this code without a word; no command returns it
+            typer.echo("interrupted: rerun the same command to resume", err=True)
+    except DwiseError as err:
+        if os.environ.get("DWISE_DEBUG"):
+            raise
+        typer.echo(f"error: {err}", err=True)
+        return 1
+    except typer.Exit as exit_:
+        return exit_.exit_code
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        return INTERRUPTED
+    except Exception as err:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(err, click.exceptions.ClickException):
+            err.show()
+            return err.exit_code
+        raise
+    return code if isinstance(code, int) else 0
+

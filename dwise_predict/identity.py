@@ -1,0 +1,25 @@
+"""Which fields of a manifest's ``model`` and ``decoding`` blocks decide compatibility.
+
+One home for the key sets that the trace store (may two collections be merged or resumed into one
+another?) and the serving bundle (was this predictor trained for the served model?) compare.
+``path`` and ``name`` are left out on purpose: the same weights may sit in different directories
+under different names on different machines. Standard library only (the serving side imports it).
+"""
+
+from __future__ import annotations
+
+# the weights and architecture; hidden_size follows from config_hash, but a server may know only it
+MODEL_KEYS = ("weights_sha256", "config_hash", "hidden_size")
+# every decoding field that changes the recorded rounds (the batch size does not); ``engine`` names
+# the serving engine whose units the rounds are in
+DECODING_KEYS = ("algorithm", "algorithm_config", "block_size", "budget", "dtype", "params", "engine")
+# what a predictor bundle must match: the algorithm, its parameters, the block size and the engine
+# set the round units; the output budget is an input of the refinement predictor, so a bundle serves
+# any budget, and the served dtype is the server's business
+BUNDLE_DECODING_KEYS = ("algorithm", "algorithm_config", "block_size", "engine")
+
+
+def identity(section: dict | None, keys: tuple[str, ...]) -> dict:
+    """``{key: section.get(key)}`` for ``keys`` (missing keys as None)."""
+    section = section or {}
+    return {key: section.get(key) for key in keys}

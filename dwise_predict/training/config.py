@@ -1,0 +1,91 @@
+"""Every knob of a predictor training run, and reading them from a ``--config`` JSON file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from dwise_predict.errors import ConfigError
+from dwise_predict.files import read_json_object
+
+_RECORD_KEYS = {"seeds", "versions", "traces"}  # what config.json records besides the options
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run (saved whole in config.json).
+
+    Member seeds are ``seed, seed + 1, ..., seed + members - 1``; the validation split and the
+    bootstrap use ``seed`` too, so one number fixes the run.
+    """
+
+    seed: int = 0
+    # admission predictor (LightGBM)
+    admission_trees: int = 100
+    admission_leaves: int = 15
+    admission_learning_rate: float = 0.1
+    admission_min_child_samples: int = 20
+    # refinement predictor (survival ensemble)
+    width: int = 256
+    dropout: float = 0.2
+    members: int = 3
+    max_epochs: int = 100
+    patience: int = 10
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    batch_size: int = 256
+    val_fraction: float = 0.2
+    # calibration: "median" (centred isotonic median regression) or "mean" (squared-error isotonic)
+    calibration: str = "median"
+    # evaluation
+    bootstrap: int = 1000
+    # threads for torch and LightGBM, fixed so that results do not depend on the machine's core count.
+    # 1 by default: on 2 shared cores a 2-thread OpenMP fit ran ~20x slower than 1 thread (126 s vs
+    # 5.6 s for the 2,048 x 2,048 benchmark) because its threads wait on each other at every barrier.
+    num_threads: int = 1
+    seeds: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seeds = tuple(self.seed + i for i in range(max(self.members, 0)))
+
+    def check(self) -> None:
+        """Raise ConfigError listing every option that cannot work."""
+        problems = []
+        positive = ("admission_trees", "admission_leaves", "admission_min_child_samples", "width", "members",
+                    "max_epochs", "patience", "batch_size", "num_threads")
+        problems += [f"{name} must be >= 1 (got {getattr(self, name)})" for name in positive if getattr(self, name) < 1]
+        if self.admission_leaves < 2:
+            problems.append(f"admission_leaves must be >= 2 (got {self.admission_leaves})")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must lie in [0, 1) (got {self.dropout})")
+        if not 0.0 < self.val_fraction < 1.0:
+            problems.append(f"val_fraction must lie in (0, 1) (got {self.val_fraction})")
+        if not (self.lr > 0 and self.admission_learning_rate > 0 and self.weight_decay >= 0):
+            problems.append("lr and admission_learning_rate must be > 0, weight_decay >= 0")
+        if self.calibration not in ("median", "mean"):
+            problems.append(f"calibration must be 'median' or 'mean' (got {self.calibration!r})")
+        if self.bootstrap < 0:
+            problems.append(f"bootstrap must be >= 0 (got {self.bootstrap})")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "seeds": list(self.seeds)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        """A config from a dict of options (a --config file, or a run's config.json, whose extra
+        record keys are ignored); unknown options raise ConfigError naming them."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - names - _RECORD_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown training options {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        config = cls(**{k: v for k, v in data.items() if k in names})
+        config.check()
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, flag: str = "--config") -> "TrainConfig":
+        """A config from a JSON file of options (e.g. a run's config.json); ConfigError names ``flag``."""
+        return cls.from_dict(read_json_object(path, ConfigError, name=f"{flag} {path}", fix="give training options"))

@@ -1,0 +1,127 @@
+"""A training run: load traces, fit, evaluate, and write the run directory (the one writer).
+
+The layout and its reader are in :mod:`dwise_predict.runs`. :func:`train_run` writes everything
+into a hidden temporary directory next to ``RUN`` and renames it to ``RUN`` only at the end
+(:func:`dwise_predict.files.atomic_dir`), so an interrupted or failed train never leaves a
+directory that looks complete: rerunning the same command simply starts the run again (leftover
+temporary directories of dead processes are removed). An existing ``RUN`` is never touched unless
+``overwrite=True``, and then it is replaced only once the new run is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from dwise_predict.admission.model import AdmissionModel
+from dwise_predict.errors import InputError, StoreError, TraceError
+from dwise_predict.files import atomic_dir
+from dwise_predict.runs import RunFiles, load_run
+from dwise_predict.survival.calibration import IsotonicCalibrator
+from dwise_predict.survival.ensemble import SurvivalEnsemble
+from dwise_predict.traces import TraceDataset, load_traces
+from dwise_predict.training.config import TrainConfig
+from dwise_predict.training.fit import Predictors, evaluate_predictors, fit_predictors, torch_threads
+from dwise_predict.versions import package_versions
+
+
+def train_run(
+    traces: str | os.PathLike | TraceDataset,
+    out: str | os.PathLike,
+    config: TrainConfig | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int, int, float, float], None] | None = None,
+) -> dict:
+    """Load traces, fit on their train split, evaluate on their eval split, write the run directory.
+
+    Returns the metrics dict (also written to ``out/metrics.json``). See the module docstring for the
+    layout (:mod:`dwise_predict.runs`) and the interruption guarantee.
+    """
+    config = config or TrainConfig()
+    config.check()
+    out = Path(out)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise StoreError(f"{out} already exists: choose another --out or pass --overwrite to replace it")
+    ds = traces if isinstance(traces, TraceDataset) else load_traces(traces)
+    train, eval_ds = ds.split("train"), ds.split("eval")
+    if len(eval_ds) == 0:
+        raise TraceError("the traces have no 'eval' split: collect with an eval fraction, or mark some requests eval")
+
+    predictors = fit_predictors(train, config, progress)
+    with torch_threads(config.num_threads):
+        metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
+
+    with atomic_dir(out) as tmp:
+        write_run(tmp, ds, predictors, metrics, config)
+    return metrics
+
+
+def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict, config: TrainConfig) -> None:
+    """Write every file of the run directory format (:mod:`dwise_predict.runs`) into ``run``."""
+    from safetensors.torch import save_file
+
+    predictors.admission.save(run)
+    save_file(predictors.ensemble.state(), str(run / "refine.safetensors"))
+    _write_json(run / "refine.json", predictors.ensemble.spec())
+    _write_json(run / "calibration.json", predictors.calibrator.to_json())
+    _write_json(run / "curves.json", {"members": predictors.ensemble.history_})
+    _plot_curves(predictors.ensemble.history_, run / "curves.png")
+    _write_json(run / "metrics.json", metrics)
+    _write_json(
+        run / "config.json",
+        {
+            **config.to_dict(),
+            "versions": package_versions(),
+            "traces": {
+                "path": str(ds.path) if ds.path else None,
+                "fingerprint": ds.data_hash(),
+                "model": ds.manifest.get("model"),
+                "decoding": ds.manifest.get("decoding"),
+                "hidden_size": ds.hidden_size,
+            },
+        },
+    )
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def _plot_curves(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, h in enumerate(history):
+        line = ax.plot(h["train_loss"], label=f"member {m} (seed {h['seed']}) train")[0]
+        ax.plot(h["val_loss"], "--", color=line.get_color(), label=f"member {m} val")
+        ax.axvline(h["best_epoch"], color=line.get_color(), alpha=0.3)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("logistic-hazard NLL")
+    ax.set_title("Survival ensemble training (vertical lines: kept epoch)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def load_predictors(run: str | os.PathLike | RunFiles) -> Predictors:
+    """Rebuild the fitted predictors from a run directory (a path, or what :func:`load_run` read)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    run = run if isinstance(run, RunFiles) else load_run(run)
+    try:
+        weights = load_file(str(run.path / "refine.safetensors"))
+    except (OSError, SafetensorError) as err:
+        raise InputError(f"cannot read {run.path / 'refine.safetensors'} ({err}): re-run `dwise-predict train`") from None
+    return Predictors(
+        AdmissionModel.load(run.path),
+        SurvivalEnsemble.from_state(weights, run.refine_spec),
+        IsotonicCalibrator.from_json(run.calibration),
+        int(run.metrics.get("n_train", 0)),
+    )
