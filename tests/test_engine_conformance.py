@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import sglang_reference
-from dwise_predict.engine import block_layout, make_rule, prefill_rounds
+from dwise_predict.engine import block_layout, prefill_rounds
+from dwise_predict.engine.algorithms import make_rule
 from dwise_predict.engine.reference import MIRRORED, mirrored_problems
 
 MASK = 5

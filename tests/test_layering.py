@@ -26,7 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "features": {"errors"},
     "traces": BASE,
     "dllm": BASE,
-    "collectors": BASE | {"dllm", "traces", "features", "identity"},
+    # the serving engine's semantics (layout: standard library; step rules: torch)
+    "engine": BASE,
+    "collectors": BASE | {"dllm", "traces", "features", "identity", "engine"},
     "admission": BASE | {"features", "metrics"},
     "survival": BASE,
     "training": BASE | {"admission", "survival", "features", "traces", "metrics", "runs"},
@@ -35,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "exports": BASE | {"runs", "survival", "features"},
     # numpy + onnxruntime at serving time: features and identity are standard library; survival
     # only for the optional torch backend; exports only for the bundle manifest
-    "serving": BASE | {"exports", "survival", "features", "identity"},
+    "serving": BASE | {"exports", "survival", "features", "identity", "engine"},
     "quickstart": BASE | {"collectors", "traces", "training", "evaluation", "exports", "serving"},
 }
 ALLOWED["cli"] = {ROOT, *ALLOWED} - {"cli"}  # the top: parses, calls any stage, prints

@@ -26,7 +26,8 @@ import pandas as pd
 from dwise_predict.collectors.scoring import score_answer
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
-from dwise_predict.engine import ENGINE, default_algorithm, make_rule
+from dwise_predict.engine import ENGINE
+from dwise_predict.engine.algorithms import default_algorithm, make_rule
 from dwise_predict.errors import ConfigError, ModelError
 from dwise_predict.features.prompt import count_newlines, count_words
 from dwise_predict.versions import package_versions

@@ -51,8 +51,8 @@ import torch
 
 from dwise_predict.collectors.backends.base import BlockBackend, StepBatch
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
-from dwise_predict.engine import DEFAULT_ALGORITHM, BlockLayout, StepRule, block_layout, make_rule
-from dwise_predict.engine.algorithms import forwards_exhausted
+from dwise_predict.engine import BlockLayout, block_layout
+from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, StepRule, forwards_exhausted, make_rule
 from dwise_predict.errors import ConfigError, InputError
 
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dwise_predict.engine import DEFAULT_ALGORITHM, make_rule
+from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, make_rule
 from dwise_predict.errors import ConfigError
 
 

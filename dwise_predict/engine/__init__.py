@@ -12,30 +12,11 @@ here, and ``tests/test_engine_conformance.py`` checks it against SGLang's own co
   parameters and defaults, and the forward-pass accounting of SGLang's loop.
 - :mod:`.reference` — the SGLang names we mirror (module, class, attribute, default), in one list
   that the conformance test checks against the wheel.
+
+The package root exports the layout only (standard library: the serving side uses it without
+torch); the step rules are in :mod:`.algorithms`, which needs torch.
 """
 
-from dwise_predict.engine.algorithms import (
-    ALGORITHMS,
-    DEFAULT_ALGORITHM,
-    StepRule,
-    default_algorithm,
-    make_rule,
-)
-from dwise_predict.engine.layout import (
-    ENGINE,
-    BlockLayout,
-    block_layout,
-    prefill_rounds,
-)
+from dwise_predict.engine.layout import ENGINE, BlockLayout, block_layout, prefill_rounds
 
-__all__ = [
-    "ALGORITHMS",
-    "DEFAULT_ALGORITHM",
-    "ENGINE",
-    "BlockLayout",
-    "StepRule",
-    "block_layout",
-    "default_algorithm",
-    "make_rule",
-    "prefill_rounds",
-]
+__all__ = ["ENGINE", "BlockLayout", "block_layout", "prefill_rounds"]
