@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from dwise_predict import __version__
+from dwise_predict.cli.batch_timeout import batch_timeout_command
 from dwise_predict.cli.bundles import export_command, publish_command, verify_command, zoo_app
 from dwise_predict.cli.collect import collect_command, traces_app, workload_app
 from dwise_predict.cli.dllm import dllm_app
@@ -62,6 +63,7 @@ app.command("verify")(verify_command)
 app.command("publish")(publish_command)
 app.add_typer(zoo_app, name="zoo")
 app.command("simulate")(simulate_command)
+app.command("batch-timeout")(batch_timeout_command)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -80,3 +80,36 @@ def _plot(rows: list[dict], sweep: bool) -> bytes:
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()
+
+
+def batch_timeout_plot(rows: list[dict], title: str) -> bytes:
+    """Seed 001 Fig. 11 for these service times: mean and p99 latency against ``ρ`` under pure
+    fixed fill (the U-shape), and at the chosen timeout when the rows carry one (diverging points
+    drawn hollow)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rho = [r["rho"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(rho, [r["mean_s"] for r in rows], marker="o", label="mean, fixed fill (T = ∞)")
+    ax.plot(rho, [r["p99_s"] for r in rows], marker="s", linestyle="--", label="p99, fixed fill (T = ∞)")
+    if rows and "chosen_timeout_s" in rows[0]:
+        t = rows[0]["chosen_timeout_s"]
+        ok = [r for r in rows if not r["mc_diverging"]]
+        bad = [r for r in rows if r["mc_diverging"]]
+        ax.plot([r["rho"] for r in ok], [r["mean_at_timeout_s"] for r in ok], marker="^", linestyle="none",
+                color="tab:green", label=f"mean at T = {t:g} s (stable)")
+        ax.plot([r["rho"] for r in bad], [r["mean_at_timeout_s"] for r in bad], marker="^", linestyle="none",
+                markerfacecolor="none", color="tab:red", label=f"mean at T = {t:g} s (diverging)")
+        ax.set_yscale("log")
+    ax.set_xlabel("utilisation ρ = λS/B")
+    ax.set_ylabel("latency (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
