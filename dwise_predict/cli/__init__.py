@@ -9,6 +9,7 @@ module             commands
 ``evaluate``       ``evaluate``, ``characterize``
 ``bundles``        ``export``, ``verify``, ``publish``, ``zoo list|show|pull``
 ``simulate``       ``simulate``
+``round_profile``  ``profile-rounds``
 ``batch_timeout``  ``batch-timeout``
 ``quickstart``     ``quickstart``
 ``options``        option types and output helpers they share

@@ -19,6 +19,7 @@ from dwise_predict.cli.collect import collect_command, traces_app, workload_app
 from dwise_predict.cli.dllm import dllm_app
 from dwise_predict.cli.evaluate import characterize_command, evaluate_command
 from dwise_predict.cli.quickstart import quickstart_command
+from dwise_predict.cli.round_profile import profile_rounds_command
 from dwise_predict.cli.simulate import simulate_command
 from dwise_predict.cli.train import compare_regressors_command, train_command
 from dwise_predict.errors import DwiseError
@@ -63,6 +64,7 @@ app.command("verify")(verify_command)
 app.command("publish")(publish_command)
 app.add_typer(zoo_app, name="zoo")
 app.command("simulate")(simulate_command)
+app.command("profile-rounds")(profile_rounds_command)
 app.command("batch-timeout")(batch_timeout_command)
 # ------------------------------------------------------------------------------------------------
 

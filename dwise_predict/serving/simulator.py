@@ -7,15 +7,13 @@ policy (:class:`~dwise_predict.serving.policy.DwisePolicy`, the class a server d
 admission and which requests run; the simulator only advances the true state and the clock, so the
 simulated policy is the served one, line for line.
 
-Policies (:data:`POLICIES`):
+Schedulers (:data:`POLICIES`, defined in :mod:`~dwise_predict.serving.schedulers`): SGLang's
+default, FCFS-mixed, MLFQ, SSJF, S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission,
+refined, oracle), each a configuration of the one policy class.
 
-- ``sglang-default``: FCFS admission, prefill-first rounds (SGLang's dLLM scheduler);
-- ``fcfs-mixed``: FCFS, prompt and denoising blocks share rounds;
-- ``dwise-zero``: remaining-work ranking with ``r̂ = 0`` (prompt blocks only);
-- ``dwise-admission``: ``r̂`` from the admission predictor, decremented per round;
-- ``dwise-refined``: as above, and ``r̂`` replaced by the refined estimate after the first
-  denoising round (the full DWISE);
-- ``dwise-oracle``: ``r̂`` = true rounds (the upper bound for any predictor).
+Round time comes from a :class:`~dwise_predict.serving.round_cost.RoundCost`: a model fitted to a
+measured profile (``--round-profile``), or the flat ``round_ms + slot_ms * blocks`` of the flags.
+Its ``source`` is recorded with every result.
 
 Arrivals: ``burst`` (all at t = 0, in a seeded random order) and ``burst-poisson`` (half at t = 0,
 the rest a seeded Poisson process of rate ``rate`` req/s), as in seed 000 §6.1, and ``poisson``
@@ -33,21 +31,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from dwise_predict.engine import block_layout
 from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.serving.policy import DwisePolicy
+from dwise_predict.serving.round_cost import RoundCost, flat_round_cost
+from dwise_predict.serving.schedulers import NEEDS, SCHEDULERS, bucket, make_policy
 
-# name -> (ranking, prefill_first, estimate source)
-POLICIES: dict[str, tuple[str, bool, str]] = {
-    "sglang-default": ("arrival", True, "none"),
-    "fcfs-mixed": ("arrival", False, "none"),
-    "dwise-zero": ("remaining", False, "zero"),
-    "dwise-admission": ("remaining", False, "admission"),
-    "dwise-refined": ("remaining", False, "refined"),
-    "dwise-oracle": ("remaining", False, "oracle"),
-}
+POLICIES = SCHEDULERS  # name -> SchedulerSpec
 ARRIVALS = ("burst", "burst-poisson", "poisson")
-NEEDS_BUNDLE = {"dwise-admission": ("admission",), "dwise-refined": ("admission", "refined")}
+NEEDS_BUNDLE = {name: NEEDS[spec.estimate] for name, spec in POLICIES.items() if NEEDS[spec.estimate]}
 
 
 @dataclass(frozen=True)
@@ -58,7 +51,9 @@ class SimConfig:
     k : resident-set multiplier (at most ``k * B`` requests hold KV).
     kv_budget : KV pool in blocks (``None``: unlimited). A request reserves its worst case:
         prompt blocks + output blocks of its whole budget + ``kv_slack_blocks``.
-    round_ms, slot_ms : a round takes ``round_ms + slot_ms * blocks_in_round`` milliseconds.
+    round_ms, slot_ms : without ``round_cost``, a round takes ``round_ms + slot_ms * blocks`` ms.
+    round_cost : the fitted round-time model (:mod:`~dwise_predict.serving.round_cost`); it wins
+        over ``round_ms`` / ``slot_ms``.
     arrival : ``burst``, ``burst-poisson`` or ``poisson``; ``rate`` in req/s for the Poisson part.
     seed : arrival order and times.
     """
@@ -72,6 +67,7 @@ class SimConfig:
     arrival: str = "burst"
     rate: float | None = None
     seed: int = 0
+    round_cost: RoundCost | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -92,7 +88,13 @@ class SimConfig:
         if problems:
             raise ConfigError("; ".join(problems))
 
+    @property
+    def cost(self) -> RoundCost:
+        """The round-time model in force (the fitted one, else the flat one of the flags)."""
+        return self.round_cost if self.round_cost is not None else flat_round_cost(self.round_ms, self.slot_ms)
+
     def round_seconds(self, blocks):
+        """Seconds of a round of ``blocks`` rows under the flat model (``round_ms + slot_ms * blocks``)."""
         return (self.round_ms + self.slot_ms * blocks) / 1000.0
 
 
@@ -105,6 +107,8 @@ class SimRequests:
     output_blocks : worst-case output blocks (budget / block size), for KV reservations;
     admission : admission estimates of total rounds, or None;
     refined : refined estimates of remaining rounds after the first denoising round, or None.
+    probe : the TRAIL-style probe's estimates of the same (``trail``), or None.
+    categories : request family of each request (per-category tails), or None.
     """
 
     request_ids: np.ndarray
@@ -114,6 +118,8 @@ class SimRequests:
     output_blocks: np.ndarray
     admission: np.ndarray | None = None
     refined: np.ndarray | None = None
+    probe: np.ndarray | None = None
+    categories: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -134,12 +140,17 @@ class SimRequests:
         return len(self.request_ids)
 
     def estimates(self, source: str) -> tuple[np.ndarray, np.ndarray | None]:
-        """(r̂ at admission, refined remaining or None) for an estimate source of :data:`POLICIES`."""
+        """(r̂ at admission, refined remaining or None) for an estimate source of a scheduler."""
         n = len(self)
         if source in ("none", "zero"):
             return np.zeros(n), None
         if source == "oracle":
             return self.total_rounds.astype(np.float64), (self.total_rounds - 1).astype(np.float64)
+        if source == "probe":
+            if self.probe is None:
+                raise ConfigError("scheduler trail needs the TRAIL-style probe's estimates: pass --bundle with traces holding a train split")
+            start = np.zeros(n) if self.admission is None else np.asarray(self.admission, dtype=np.float64)
+            return start, np.asarray(self.probe, dtype=np.float64)
         if self.admission is None:
             raise ConfigError(f"policy dwise-{source} needs admission estimates: pass --bundle")
         if source == "admission":
@@ -147,6 +158,20 @@ class SimRequests:
         if self.refined is None:
             raise ConfigError("policy dwise-refined needs refined estimates: pass --bundle")
         return np.asarray(self.admission, dtype=np.float64), np.asarray(self.refined, dtype=np.float64)
+
+    def draw(self, n: int, seed: int = 0) -> "SimRequests":
+        """``n`` requests drawn with replacement (seeded), ids suffixed ``#k`` to stay unique.
+
+        Seed 000 replays 4,096 requests; a collection of a few hundred is resampled to that scale.
+        """
+        if n < 1:
+            raise ConfigError(f"--requests must be positive, got {n}")
+        idx = np.random.default_rng(seed).choice(len(self), size=n, replace=True)
+        pick = lambda a: None if a is None else np.asarray(a)[idx]  # noqa: E731
+        ids = np.array([f"{self.request_ids[i]}#{k}" for k, i in enumerate(idx.tolist())])
+        return SimRequests(ids, self.prompt_blocks[idx], self.total_rounds[idx], self.first_block_rounds[idx],
+                           self.output_blocks[idx], pick(self.admission), pick(self.refined), pick(self.probe),
+                           pick(self.categories))
 
 
 def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> SimRequests:
@@ -177,7 +202,9 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
         first = np.array([(list(r)[0] if len(r) else t) for r, t in zip(req["rounds_per_block"], total)], dtype=np.int64)
     else:
         first = total.copy()
-    output_blocks = -(-req["budget"].to_numpy(dtype=np.int64) // req["block_size"].to_numpy(dtype=np.int64))
+    # worst-case output blocks by the engine's layout (the first one opens with the leftover prompt)
+    output_blocks = np.array([block_layout(max(int(n), 1), int(b)).max_output_blocks(int(budget)) for n, b, budget
+                              in zip(req["prompt_tokens"], req["block_size"], req["budget"])], dtype=np.int64)
     admission = refined = None
     if bundle is not None:
         features = req[list(FEATURE_NAMES)].to_numpy(dtype=np.float32)
@@ -193,6 +220,7 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
         output_blocks=output_blocks,
         admission=admission,
         refined=refined,
+        categories=req["category"].to_numpy() if "category" in req.columns else None,
     )
 
 
@@ -242,12 +270,19 @@ def simulate(
     """
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
-    ranking, prefill_first, source = POLICIES[policy]
-    estimate, refined = workload.estimates(source)
+    spec = POLICIES[policy]
+    estimate, refined = workload.estimates(spec.estimate)
     n = len(workload)
     kv = kv_reservations(workload, config)
+    if spec.kv == "bucket":  # S³: reserve the predicted output, rounded up to its bucket, not the budget
+        kv = np.minimum(kv, workload.prompt_blocks + np.minimum(bucket(estimate), workload.output_blocks)
+                        + config.kv_slack_blocks)
+    if spec.bucket_key:
+        estimate = bucket(estimate)
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
-    pol = DwisePolicy(config.slots, config.k, config.kv_budget, ranking=ranking, prefill_first=prefill_first)
+    pol = make_policy(spec, config.slots, config.k, config.kv_budget)
+    steady_limit = getattr(pol, "steady_limit", None)
+    cost = config.cost
 
     total, first_block = workload.total_rounds, workload.first_block_rounds
     req_of_slot = np.full(n + 1, -1, dtype=np.int64)
@@ -259,7 +294,8 @@ def simulate(
     ttfb_round = np.zeros(n, dtype=np.int64)
     ttfb_s = np.zeros(n)
     clock, rounds, ptr, n_done = 0.0, 0, 0, 0
-    used_slots = prefill_only = preemptions = 0
+    used_slots = prefill_only = preemptions = cap_blocked = 0
+    prefill_only_s = 0.0
     log = [] if record else None
 
     while n_done < n:
@@ -280,16 +316,20 @@ def simulate(
         n_run = len(run)
         dn_pos = np.flatnonzero(~plan.prompt)
         dn = run[dn_pos]
-        dt = config.round_seconds(n_run)
+        dt = float(cost.seconds(n_run - len(dn), len(dn)))
         repeat = 1
         if fast_forward and not record and len(plan.admitted) == 0:
             next_arrival = float(times[ptr]) if ptr < n else math.inf
             repeat = _steady_rounds(pol, plan, done_rounds[dn], total[dn], first_block[dn], next_arrival - clock, dt)
+            if steady_limit is not None:
+                repeat = max(1, min(repeat, steady_limit(plan)))
+        cap_blocked += repeat * (pol.n_waiting > 0 and pol.n_resident >= pol.max_resident)
         done_rounds[dn] += repeat
         clock += dt * repeat
         rounds += repeat
         used_slots += n_run * repeat
         prefill_only += repeat * (len(dn) == 0)
+        prefill_only_s += dt * repeat * (len(dn) == 0)
         preemptions += len(plan.preempted)
         first_hit = dn[done_rounds[dn] == first_block[dn]]
         ttfb_round[first_hit], ttfb_s[first_hit] = rounds, clock
@@ -333,8 +373,45 @@ def simulate(
         "prefill_only_rounds_pct": 100.0 * prefill_only / max(rounds, 1),
         "idle_slots_pct": 100.0 * (1.0 - used_slots / max(rounds * config.slots, 1)),
         "preemptions_per_request": preemptions / n,
+        "max_latency_s": float(latency_s.max()),
+        "max_latency_rounds": int(latency_rounds.max()),
+        "prefill_only_time_pct": 100.0 * prefill_only_s / max(clock - float(times[0]), 1e-12),
+        "cap_blocked_rounds_pct": 100.0 * cap_blocked / max(rounds, 1),
+        "rhat_zero_pct": rhat_zero_share(spec, estimate, refined, total),
+        "round_cost_source": cost.source,
     }
     return SimResult(policy, metrics, latency_rounds, latency_s, ttfb_r, ttfb_sec, finish_round, log)
+
+
+def rhat_zero_share(spec, estimate: np.ndarray, refined: np.ndarray | None, total: np.ndarray) -> float:
+    """Percent of requests whose ``r̂`` reaches 0 while rounds remain (seed 000 Table 6), or NaN
+    for schedulers that do not track ``r̂``.
+
+    After ``t`` denoising rounds ``r̂ = max(r̂_0 − t, 0)``, so it hits 0 with work left iff some
+    integer ``t`` has ``r̂_0 <= t < total``, i.e. ``ceil(r̂_0) < total``; with refinement the same
+    holds from round 1 on with the refined estimate against ``total − 1``.
+    """
+    if spec.ranking != "remaining" or spec.estimate in ("none", "oracle"):
+        return float("nan")
+    if refined is None:
+        hit = np.ceil(estimate) < total
+    else:
+        hit = (estimate <= 0) | (np.ceil(np.maximum(refined, 0.0)) < total - 1)
+    return float(100.0 * hit.mean())
+
+
+def category_tails(result: SimResult, workload: SimRequests) -> list[dict]:
+    """Per-category latency tails of one run (seed 000 Table 16): p99 and max, in seconds and rounds."""
+    if workload.categories is None:
+        return []
+    rows = []
+    for cat in sorted(set(workload.categories.tolist())):
+        m = workload.categories == cat
+        lat = result.latency_s[m]
+        rows.append({"policy": result.policy, "category": cat, "requests": int(m.sum()),
+                     "mean_latency_s": float(lat.mean()), "p99_latency_s": float(np.percentile(lat, 99)),
+                     "max_latency_s": float(lat.max()), "p99_latency_rounds": float(np.percentile(result.latency_rounds[m], 99))})
+    return rows
 
 
 def kv_reservations(workload: SimRequests, config: SimConfig) -> np.ndarray:
@@ -385,7 +462,8 @@ def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arriv
 
 def available_policies(workload: SimRequests) -> list[str]:
     """Policies the workload's predictions allow (all, or those needing no bundle)."""
-    have = {"admission": workload.admission is not None, "refined": workload.refined is not None}
+    have = {"admission": workload.admission is not None, "refined": workload.refined is not None,
+            "probe": workload.probe is not None}
     return [p for p in POLICIES if all(have[s] for s in NEEDS_BUNDLE.get(p, ()))]
 
 

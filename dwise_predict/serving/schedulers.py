@@ -1,0 +1,167 @@
+"""The schedulers the simulator compares: each a configuration of the DWISE policy class, or a small
+subclass of it where the ranking key differs (seed 000 Tables 2 and 4 name the baselines).
+
+============================  ==========================================================================
+name                          what it is (all serve in rounds of at most ``B`` block rows)
+============================  ==========================================================================
+``sglang-default``            SGLang 0.5.23's dLLM scheduler, ``--dllm-fdfo``: at most ``B`` requests
+                              (``--max-running-requests``), FCFS; a round is all-prefill while any
+                              of them has a prompt block left (one block per request per forward,
+                              ``B * block_size`` tokens of budget), else all-decode
+``fcfs-mixed``                FCFS over ``k·B`` residents, prompt and denoising blocks share rounds
+``mlfq``                      FastServe-style skip-join MLFQ: level from work done (prompt blocks on
+                              arrival, then denoising rounds; quanta double per level), preemptive
+``ssjf``                      speculative shortest job first: admission by the admission predictor's
+                              total work ``P + r̂``, never re-ranked, non-preemptive (``B`` residents)
+``s3``                        S³: the admission predictor's output length in power-of-two buckets sizes
+                              each KV reservation (not the whole budget); shorter buckets first,
+                              non-preemptive
+``ltr``                       learning to rank: preemptive, ranked by the admission predictor's order
+                              (fixed; remaining work is not tracked)
+``trail``                     TRAIL: SRPT on remaining work, ``r̂`` replaced after the first denoising
+                              round by the TRAIL-style probe on the first-round hidden state
+``dwise-zero``                DWISE with ``r̂ = 0`` (ranks by prompt blocks left only)
+``dwise-admission``           DWISE, ``r̂`` from the admission predictor, decremented per round
+``dwise-refined``             DWISE, ``r̂`` replaced by the calibrated refinement after round 1
+``dwise-oracle``              DWISE with ``r̂`` = true rounds (bound for any predictor)
+============================  ==========================================================================
+
+The differences between adjacent rows are what a comparison isolates: ``sglang-default`` →
+``fcfs-mixed`` (mixed-phase batching), ``fcfs-mixed`` → ``dwise-zero`` (ordering by prompt work),
+→ ``dwise-admission`` (admission estimates), → ``dwise-refined`` (refinement), → ``dwise-oracle``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from dwise_predict.serving.policy import DwisePolicy
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """One scheduler as a configuration.
+
+    ranking : ``remaining`` (``P + r̂``), ``arrival``, ``fixed`` (the key at admission, kept) or
+        ``mlfq`` (level of work done).
+    estimate : where ``r̂`` comes from: ``none``, ``zero``, ``admission``, ``refined``, ``probe``
+        (TRAIL), ``oracle``.
+    prefill_first : SGLang's phase barrier (all-prefill rounds while any resident has prompt left).
+    preemptive : ``False`` holds at most ``B`` residents, so a request that starts runs every round
+        until it finishes.
+    kv : ``budget`` reserves prompt + whole output budget; ``bucket`` prompt + the predicted output
+        rounded up to a power of two (S³).
+    bucket_key : rank by the power-of-two bucket of the estimate instead of the estimate (S³).
+    """
+
+    name: str
+    ranking: str
+    estimate: str = "none"
+    prefill_first: bool = False
+    preemptive: bool = True
+    kv: str = "budget"
+    bucket_key: bool = False
+    gain: str = ""  # the mechanism this row adds over the one before (for the table)
+
+
+SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
+    SchedulerSpec("sglang-default", "arrival", prefill_first=True, preemptive=False, gain="baseline"),
+    SchedulerSpec("fcfs-mixed", "arrival", gain="mixed batching"),
+    SchedulerSpec("mlfq", "mlfq", gain="work-done levels"),
+    SchedulerSpec("ssjf", "fixed", "admission", preemptive=False, gain="predicted length, admission only"),
+    SchedulerSpec("s3", "fixed", "admission", preemptive=False, kv="bucket", bucket_key=True, gain="length buckets, sized KV"),
+    SchedulerSpec("ltr", "fixed", "admission", gain="predicted order, preemptive"),
+    SchedulerSpec("trail", "remaining", "probe", gain="probe refinement"),
+    SchedulerSpec("dwise-zero", "remaining", "zero", gain="ordering by prompt work"),
+    SchedulerSpec("dwise-admission", "remaining", "admission", gain="admission estimates"),
+    SchedulerSpec("dwise-refined", "remaining", "refined", gain="refinement"),
+    SchedulerSpec("dwise-oracle", "remaining", "oracle", gain="perfect estimates"),
+)}
+NEEDS = {"none": (), "zero": (), "oracle": (), "admission": ("admission",), "refined": ("admission", "refined"),
+         "probe": ("probe",)}
+
+
+def bucket(values) -> np.ndarray:
+    """Power-of-two bucket ceiling of each value (``0 → 1``, ``5 → 8``), S³'s length classes."""
+    v = np.maximum(np.asarray(values, dtype=np.float64), 1.0)
+    return 2.0 ** np.ceil(np.log2(v))
+
+
+class ScheduledPolicy(DwisePolicy):
+    """:class:`DwisePolicy` with the ``fixed`` and ``mlfq`` rankings of the baselines.
+
+    ``fixed``: the key is ``P + r̂`` as given at :meth:`add_many` (SSJF, LTR, S³), never updated.
+    ``mlfq``: the key is the level ``floor(log2(1 + work / quantum))`` of the work done so far, where
+    work starts at the prompt blocks (skip-join: a long prompt enters a lower level) and grows by one
+    per denoising round; quanta double per level.
+    """
+
+    def __init__(self, slots: int, k: float = 8, kv_budget: float | None = None, ranking: str = "remaining",
+                 prefill_first: bool = False, quantum: float = 8.0):
+        base = ranking if ranking in ("remaining", "arrival") else "remaining"
+        super().__init__(slots, k, kv_budget, ranking=base, prefill_first=prefill_first)
+        self.ranking = ranking
+        self.quantum = float(quantum)
+        self._fixed = np.zeros(len(self._P))
+        self._P0 = np.zeros(len(self._P), dtype=np.int64)
+
+    def _alloc(self, capacity: int) -> None:
+        super()._alloc(capacity)
+        for name, dtype in (("_fixed", np.float64), ("_P0", np.int64)):
+            old = getattr(self, name, None)
+            arr = np.zeros(capacity, dtype=dtype)
+            if old is not None:
+                arr[: len(old)] = old
+            setattr(self, name, arr)
+
+    def add_many(self, request_ids, prompt_blocks, estimates=None, kv_reservations=None, arrival=None) -> np.ndarray:
+        # the fixed key and the prompt size must be in place before the parent sorts the new entries,
+        # so they are handed to _take_slots, which the parent calls first
+        P = np.asarray(prompt_blocks, dtype=np.float64).reshape(-1)
+        est = np.zeros(len(P)) if estimates is None else np.asarray(estimates, dtype=np.float64).reshape(-1)
+        self._pending = (P, est)
+        try:
+            return super().add_many(request_ids, prompt_blocks, estimates, kv_reservations, arrival)
+        finally:
+            self._pending = None
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        slots = super()._take_slots(n)
+        pending = getattr(self, "_pending", None)
+        if pending is not None and len(pending[0]) == n == len(pending[1]):
+            self._fixed[slots] = pending[0] + pending[1]
+            self._P0[slots] = pending[0]
+        return slots
+
+    def _work(self, slots: np.ndarray) -> np.ndarray:
+        return self._P0[slots] + self._rounds[slots]
+
+    def _keys(self, slots: np.ndarray) -> np.ndarray:
+        if self.ranking == "fixed":
+            return self._fixed[slots]
+        if self.ranking == "mlfq":
+            return np.floor(np.log2(1.0 + self._work(slots) / self.quantum))
+        return super()._keys(slots)
+
+    def steady_limit(self, plan) -> int:
+        """Rounds ``plan`` may repeat before a runner's key changes (MLFQ demotions); else unbounded."""
+        if self.ranking != "mlfq":
+            return math.inf
+        dn = plan.run[~plan.prompt]
+        if len(dn) == 0:
+            return math.inf
+        work = self._work(dn).astype(np.float64)
+        level = np.floor(np.log2(1.0 + work / self.quantum))
+        next_work = self.quantum * (2.0 ** (level + 1) - 1.0)  # work at which the level goes up
+        return max(1, int(np.min(np.ceil(next_work - work))))
+
+
+def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None) -> DwisePolicy:
+    """The policy object serving ``spec`` (the plain :class:`DwisePolicy` where it suffices)."""
+    k_eff = k if spec.preemptive else 1
+    if spec.ranking in ("remaining", "arrival"):
+        return DwisePolicy(slots, k_eff, kv_budget, ranking=spec.ranking, prefill_first=spec.prefill_first)
+    return ScheduledPolicy(slots, k_eff, kv_budget, ranking=spec.ranking, prefill_first=spec.prefill_first)
