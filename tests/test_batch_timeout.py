@@ -109,3 +109,16 @@ def test_cli_prints_verdicts_and_writes_the_plot(tmp_path, capsys):
     assert main(["batch-timeout", "--rhos", "0.5,-1", "--timeout", "-3"]) == 1
     err = capsys.readouterr().err
     assert "--rhos" in err and "--timeout" in err and err.count("\n") == 1
+
+
+def test_service_times_of_synchronized_batches_from_traces_and_a_round_cost():
+    # a: P = 2, 3 rounds; b: P = 0, 1 round. Round = 10 ms + 1 ms per prefill row + 2 ms per decode row.
+    # {b, b}: one decode round of 2 rows = 14 ms; {a, b}: 2 prefill rounds of 1 row (22 ms) + decode
+    # rounds of 2, 1, 1 rows (14 + 12 + 12 ms) = 60 ms; {a, a}: 2 x 12 + 3 x 14 = 66 ms
+    from dwise_predict.serving.round_cost import RoundCost
+    from dwise_predict.serving.simulator import SimRequests, sync_batch_service_times
+
+    w = SimRequests(np.array(["a", "b"]), np.array([2, 0]), np.array([3, 1]), np.array([3, 1]), np.array([4, 4]))
+    s = sync_batch_service_times(w, RoundCost(10, 1, 2, source="hand"), 2, n_batches=40, seed=0)
+    assert set(np.round(s.samples * 1000, 6).tolist()) <= {14.0, 60.0, 66.0} and len(set(s.samples.tolist())) == 3
+    assert s.batch_size == 2 and "hand" in s.source

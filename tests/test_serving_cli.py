@@ -22,29 +22,38 @@ def traces_and_bundle(tmp_path_factory):
 def test_simulate_writes_table_csv_json_and_plot(traces_and_bundle, tmp_path, capsys):
     traces, bundle, _ = traces_and_bundle
     out = tmp_path / "sim"
-    assert main(["simulate", str(traces), "--bundle", str(bundle), "--slots", "8", "--out", str(out), "--json"]) == 0
+    profile = tmp_path / "gpu.json"
+    profile.write_text(json.dumps({"source": "a test GPU", "base_ms": 20, "prefill_block_ms": 0.2, "decode_block_ms": 0.5}))
+    assert main(["simulate", str(traces), "--bundle", str(bundle), "--slots", "8", "--out", str(out), "--json",
+                 "--requests", "300", "--arrival-seeds", "2", "--round-profile", str(profile)]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 12 and {r["arrival"] for r in rows} == {"burst", "burst-poisson"}
-    assert {r["policy"] for r in rows} >= {"sglang-default", "dwise-refined", "dwise-oracle"}
+    assert len(rows) == 22 and {r["arrival"] for r in rows} == {"burst", "burst-poisson"}
+    assert {r["policy"] for r in rows} == {"sglang-default", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail",
+                                           "dwise-zero", "dwise-admission", "dwise-refined", "dwise-oracle"}
+    assert all(r["requests"] == 300 and r["round_cost_source"] == "a test GPU" and r["arrival_seeds"] == 2 for r in rows)
+    assert all(r["mean_latency_s_lo"] <= r["mean_latency_s"] <= r["mean_latency_s_hi"] for r in rows)
     default = [r for r in rows if r["policy"] == "sglang-default"]
     assert all(r["speedup_vs_default"] == pytest.approx(1.0) for r in default)
     assert (out / "simulate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "simulate.csv").read_text().count("\n") == 13
+    assert (out / "simulate.csv").read_text().count("\n") == 23
+    assert (out / "simulate_categories.png").is_file()
     saved = json.loads((out / "simulate.json").read_text())
     assert saved["rows"] == rows and saved["settings"]["slots"] == 8
+    assert saved["settings"]["round_cost"]["source"] == "a test GPU" and saved["settings"]["requests"] == 300
+    assert {c["category"] for c in saved["categories"]} and {c["policy"] for c in saved["categories"]} == {r["policy"] for r in rows}
 
 
 def test_without_a_bundle_only_policies_that_need_none(traces_and_bundle, capsys):
     traces, _, _ = traces_and_bundle
-    assert main(["simulate", str(traces), "--arrival", "burst", "--slots", "8", "--json"]) == 0
+    assert main(["simulate", str(traces), "--arrival", "burst", "--slots", "8", "--json", "--requests", "0"]) == 0
     policies = [r["policy"] for r in json.loads(capsys.readouterr().out)]
-    assert policies == ["sglang-default", "fcfs-mixed", "dwise-zero", "dwise-oracle"]
+    assert policies == ["sglang-default", "fcfs-mixed", "mlfq", "trail", "dwise-zero", "dwise-oracle"]
 
 
 def test_rate_sweep(traces_and_bundle, tmp_path, capsys):
     traces, _, _ = traces_and_bundle
     args = ["simulate", str(traces), "--rates", "0.25x,4x", "--policies", "sglang-default,dwise-oracle",
-            "--slots", "8", "--out", str(tmp_path), "--json"]
+            "--slots", "8", "--out", str(tmp_path), "--json", "--requests", "0"]
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 4 and (tmp_path / "sweep.png").is_file()

@@ -19,6 +19,7 @@ _DEFAULT = SimConfig()
 class Arrival(str, Enum):
     burst = "burst"
     burst_poisson = "burst-poisson"
+    poisson = "poisson"
     both = "both"
 
 
@@ -31,9 +32,9 @@ class Split(str, Enum):
 def simulate_command(
     traces: Annotated[Path, typer.Argument(help="Trace directory (contract 1) to replay.")],
     bundle: Annotated[Optional[Path], typer.Option(help="Predictor bundle: enables dwise-admission and dwise-refined.")] = None,
-    policies: Annotated[Optional[str], typer.Option(help="Comma list of policies [default: all the bundle allows]: sglang-default, fcfs-mixed, dwise-zero, dwise-admission, dwise-refined, dwise-oracle.")] = None,
-    arrival: Annotated[Arrival, typer.Option(help="Arrival pattern: burst, burst-poisson or both.")] = Arrival.both,
-    rate: Annotated[Optional[str], typer.Option(help="Poisson rate for burst-poisson: req/s, or a multiple of SGLang-default's service rate like 1.5x [default: 1.5x].")] = None,
+    policies: Annotated[Optional[str], typer.Option(help="Comma list of schedulers [default: all the predictions allow]: sglang-default, fcfs-mixed, mlfq, ssjf, s3, ltr, trail, dwise-zero, dwise-admission, dwise-refined, dwise-oracle.")] = None,
+    arrival: Annotated[Arrival, typer.Option(help="Arrival pattern: burst, burst-poisson, poisson, or both (burst and burst-poisson).")] = Arrival.both,
+    rate: Annotated[Optional[str], typer.Option(help="Poisson rate for burst-poisson / poisson: req/s, or a multiple of SGLang-default's service rate (its utilisation) like 0.8x [default: 1.5x].")] = None,
     rates: Annotated[Optional[str], typer.Option(help="Load sweep instead: Poisson arrivals at each rate of a comma list (req/s, or multiples of SGLang-default's service rate like 0.5x,1x,2x).")] = None,
     slots: Annotated[int, typer.Option(help="B: blocks per round (block slots).")] = _DEFAULT.slots,
     k: Annotated[float, typer.Option("--k", help="Resident-set multiplier: at most k*B requests hold KV.")] = _DEFAULT.k,
@@ -41,6 +42,9 @@ def simulate_command(
     kv_slack: Annotated[int, typer.Option(help="Extra blocks reserved per resident request.")] = _DEFAULT.kv_slack_blocks,
     round_ms: Annotated[float, typer.Option(help="Fixed cost of one round, ms.")] = _DEFAULT.round_ms,
     slot_ms: Annotated[float, typer.Option(help="Extra cost per block in a round, ms.")] = _DEFAULT.slot_ms,
+    round_profile: Annotated[Optional[Path], typer.Option(help="Round-cost profile JSON (`dwise-predict profile-rounds`, or your GPU's): replaces --round-ms/--slot-ms.")] = None,
+    requests: Annotated[int, typer.Option(help="Requests to replay, drawn with replacement from the split with --seed (0: the split as it is).")] = 4096,
+    arrival_seeds: Annotated[int, typer.Option(help="Replay each arrival pattern under this many seeds; metrics get 95% bootstrap intervals.")] = 1,
     split: Annotated[Split, typer.Option(help="Which requests to replay.")] = Split.eval,
     seed: Annotated[int, typer.Option(help="Arrival order and Poisson times.")] = _DEFAULT.seed,
     backend: Annotated[str, typer.Option(help="Bundle backend for the predictions: onnx or torch.")] = "onnx",
@@ -49,9 +53,11 @@ def simulate_command(
 ) -> None:
     """Replay traces under SGLang's default scheduler, FCFS and DWISE variants; compare latency.
 
-    Time is counted in rounds (one batched forward pass of B blocks) and in seconds by the model
-    round = --round-ms + --slot-ms x blocks. The bundle must match the traces' model and decoding.
-    Rates given as multiples (2x) are relative to SGLang-default's service rate on these traces.
+    Time is counted in rounds (one batched forward pass of B blocks) and in seconds by a round-cost
+    model: fitted from --round-profile (prefill and denoising rows priced apart), else the flat
+    round = --round-ms + --slot-ms x blocks. The model's source is printed and recorded. The bundle
+    must match the traces' model and decoding. Rates given as multiples (2x) are relative to
+    SGLang-default's service rate on these traces.
 
     Examples:
 
@@ -60,6 +66,8 @@ def simulate_command(
         dwise-predict simulate traces/ --arrival burst --slots 64 --k 4 --kv-budget 20000
 
         dwise-predict simulate traces/ --bundle bundle/ --rates 0.25x,0.5x,1x,2x,4x --out sweep/
+
+        dwise-predict simulate traces/ --bundle bundle/ --round-profile h200.json --arrival-seeds 5 --out sim/
     """
     from dataclasses import asdict
 
@@ -74,6 +82,12 @@ def simulate_command(
         problems.append(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
     if rates and rate:
         problems.append("--rate and --rates conflict: --rates sweeps several rates, --rate sets one")
+    if requests < 0:
+        problems.append(f"--requests must be >= 0 (0: the split as it is), got {requests}")
+    if arrival_seeds < 1:
+        problems.append(f"--arrival-seeds must be >= 1, got {arrival_seeds}")
+    if round_profile is not None and not round_profile.is_file():
+        problems.append(f"--round-profile {round_profile} does not exist (measure one with `dwise-predict profile-rounds`)")
     if backend not in ("onnx", "torch"):
         problems.append(f"--backend must be onnx or torch, got {backend!r}")
     base = dict(slots=slots, k=k, kv_budget=kv_budget, kv_slack_blocks=kv_slack, round_ms=round_ms,
@@ -84,6 +98,12 @@ def simulate_command(
         problems.append(str(err))
     if problems:
         raise ConfigError("; ".join(problems))
+    if round_profile is not None:
+        from dataclasses import replace
+
+        from dwise_predict.serving.round_cost import load_round_cost
+
+        config = replace(config, round_cost=load_round_cost(round_profile))
 
     ds = load_traces(traces)
     loaded = None
@@ -91,21 +111,45 @@ def simulate_command(
         from dwise_predict.serving.bundle import load_bundle
 
         loaded = load_bundle(bundle, backend=backend, expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
-    requests = sim_requests_from_traces(ds, None if split is Split.all else split.value, loaded)
+    sim = sim_requests_from_traces(ds, None if split is Split.all else split.value, loaded)
+    if split is Split.eval and (chosen is None or "trail" in chosen):
+        sim.probe = _trail_probe(ds)
+    if requests:
+        sim = sim.draw(requests, seed)
     patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
-    rows, chosen = replay(requests, config, chosen, patterns, rate, rates, log=log)
+    tails: list = []
+    rows, chosen = replay(sim, config, chosen, patterns, rate, rates, log=log, arrival_seeds=arrival_seeds, tails=tails)
     if rates:
         stem, first = "sweep", ("rate_rps", "rate req/s", "{:.2f}")
         title = f"Load sweep, Poisson arrivals, B={slots}, k={k:g}"
     else:
         stem, first = "simulate", ("arrival", "arrival", "{}")
-        title = f"Simulated serving, {len(requests)} requests, B={slots}, k={k:g}"
+        title = f"Simulated serving, {len(sim)} requests, B={slots}, k={k:g}"
+    title += f"; round cost: {config.cost.source}"
     if out is not None:
-        settings = {**asdict(config), "traces": str(traces), "bundle": str(bundle) if bundle else None,
-                    "split": split.value, "policies": chosen}
-        for path in write_outputs(rows, out, stem, settings):
+        settings = {**asdict(config), "round_cost": config.cost.as_dict(), "traces": str(traces),
+                    "bundle": str(bundle) if bundle else None, "split": split.value, "policies": chosen,
+                    "requests": len(sim), "arrival_seeds": arrival_seeds}
+        for path in write_outputs(rows, out, stem, settings, tails):
             log(f"wrote {path}")
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
     else:
-        console(200).print(render_table(rows, title, first))
+        console(240).print(render_table(rows, title, first))
+        if rates:
+            from dwise_predict.serving.simulator import ranking_pays_from
+
+            start = ranking_pays_from(rows)
+            typer.echo("ranking never beats fcfs-mixed by 5 % at these rates" if start is None else
+                       f"ranking beats fcfs-mixed by >= 5 % from {start:.3g} req/s up; below it ranking stops paying")
+
+
+def _trail_probe(ds):
+    """The TRAIL-style probe of `evaluate` fitted on the train split, predicting the eval split (or None)."""
+    split = ds.requests["split"].to_numpy()
+    if not (split == "train").any() or not (split == "eval").any():
+        log("no train split in the traces: scheduler trail is left out")
+        return None
+    from dwise_predict.evaluation.baselines import trail_probe
+
+    return trail_probe(ds.subset(split == "train"), ds.subset(split == "eval"))

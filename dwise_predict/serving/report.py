@@ -14,14 +14,32 @@ TABLE_COLUMNS = (
     ("mean_latency_s", "mean s", "{:.2f}"),
     ("p50_latency_s", "p50 s", "{:.2f}"),
     ("p99_latency_s", "p99 s", "{:.2f}"),
+    ("max_latency_s", "max s", "{:.2f}"),
     ("mean_latency_rounds", "mean rounds", "{:.1f}"),
     ("mean_ttfb_s", "TTFB s", "{:.2f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
-    ("prefill_only_rounds_pct", "prefill-only %", "{:.1f}"),
+    ("prefill_only_time_pct", "prefill-only time %", "{:.1f}"),
     ("idle_slots_pct", "idle slots %", "{:.1f}"),
     ("preemptions_per_request", "preempt/req", "{:.2f}"),
+    ("rhat_zero_pct", "r̂=0 %", "{:.1f}"),
+    ("cap_blocked_rounds_pct", "cap-blocked %", "{:.1f}"),
     ("speedup_vs_default", "speedup", "{:.2f}x"),
+    ("adds", "adds over the row above", "{}"),
 )
+INTERVAL = "{:.2f} [{:.2f}, {:.2f}]"
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    if key == "adds":
+        from dwise_predict.serving.schedulers import SCHEDULERS
+
+        spec = SCHEDULERS.get(row.get("policy"))
+        return spec.gain if spec else ""
+    if key not in row or row[key] is None:
+        return ""
+    if f"{key}_lo" in row:  # several arrival seeds: mean [95 % bootstrap interval]
+        return INTERVAL.format(row[key], row[f"{key}_lo"], row[f"{key}_hi"])
+    return fmt.format(row[key])
 
 
 def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arrival", "{}")):
@@ -32,18 +50,52 @@ def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arriv
     for _, header, _ in columns:
         table.add_column(header, justify="left" if header in ("arrival", "policy", "rate req/s") else "right")
     for r in rows:
-        table.add_row(*[fmt.format(r[key]) if key in r else "" for key, _, fmt in columns])
+        table.add_row(*[_cell(r, key, fmt) for key, _, fmt in columns])
     return table
 
 
-def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict) -> list[Path]:
-    """``<stem>.csv``, ``<stem>.json`` (rows + settings) and ``<stem>.png`` in ``out``."""
+def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails: list[dict] | None = None) -> list[Path]:
+    """``<stem>.csv``, ``<stem>.json`` (rows + settings + per-category tails) and ``<stem>.png`` in
+    ``out``; with ``tails``, also ``<stem>_categories.csv`` and ``<stem>_categories.png``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
     write_csv(paths[0], rows)
-    atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
+    atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or []},
+                                            indent=2, default=str).encode())
     atomic_write_bytes(paths[2], _plot(rows, stem == "sweep"))
+    if tails:
+        paths += [out / f"{stem}_categories.csv", out / f"{stem}_categories.png"]
+        write_csv(paths[3], tails)
+        atomic_write_bytes(paths[4], category_plot(tails))
     return paths
+
+
+def category_plot(tails: list[dict]) -> bytes:
+    """Per-category p99 latency of each scheduler (seed 000 Table 16), first arrival pattern."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pattern = tails[0]["arrival"]
+    rows = [t for t in tails if t["arrival"] == pattern]
+    cats = list(dict.fromkeys(t["category"] for t in rows))
+    policies = list(dict.fromkeys(t["policy"] for t in rows))
+    width = 0.8 / max(len(policies), 1)
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(cats)), 4))
+    for i, policy in enumerate(policies):
+        vals = [next((t["p99_latency_s"] for t in rows if t["policy"] == policy and t["category"] == c), 0.0) for c in cats]
+        ax.bar([j + i * width for j in range(len(cats))], vals, width, label=policy)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20, fontsize=8)
+    ax.set_ylabel("p99 latency (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"per-category p99 latency, {pattern} arrivals", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
 
 
 def _plot(rows: list[dict], sweep: bool) -> bytes:

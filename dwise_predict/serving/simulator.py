@@ -475,22 +475,68 @@ def compare(workload: SimRequests, config: SimConfig, policies: list[str] | None
 
 
 def compare_arrivals(
-    workload: SimRequests, config: SimConfig, patterns: list[str], rate: str = "1.5x", policies: list[str] | None = None
+    workload: SimRequests, config: SimConfig, patterns: list[str], rate: str = "1.5x", policies: list[str] | None = None,
+    arrival_seeds: int = 1, tails: list | None = None,
 ) -> list[dict]:
     """Compare policies under each arrival pattern; one metrics row per (pattern, policy).
 
     ``rate`` is the Poisson rate of the non-burst patterns: req/s, or a multiple of SGLang-default's
     service rate such as ``1.5x``. Rows carry ``arrival``, ``rate_rps``, the policy's metrics and
     ``speedup_vs_default`` (SGLang-default's mean latency over the row's, per pattern).
+
+    With ``arrival_seeds`` > 1 every pattern is replayed under seeds ``config.seed ...
+    config.seed + arrival_seeds − 1``; a row then holds each metric's mean over the seeds and, for
+    the latency and throughput metrics, ``<metric>_lo`` / ``<metric>_hi``, a 95 % bootstrap interval
+    of that mean (:func:`bootstrap_interval`). ``tails``, when a list, receives the per-category
+    tails (:func:`category_tails`) of the first seed's runs.
     """
-    poisson_rate = parse_rates(rate, workload, config)[0]
+    poisson_rate = parse_rates(rate, workload, config)[0] if any(p != "burst" for p in patterns) else None
     rows = []
     for pattern in patterns:
-        cfg = replace(config, arrival=pattern, rate=None if pattern == "burst" else poisson_rate)
-        for result in compare(workload, cfg, policies):
-            rows.append({"arrival": pattern, "rate_rps": cfg.rate, **result.metrics})
+        per_seed: dict[str, list[dict]] = {}
+        for i in range(max(1, arrival_seeds)):
+            cfg = replace(config, arrival=pattern, rate=None if pattern == "burst" else poisson_rate, seed=config.seed + i)
+            for result in compare(workload, cfg, policies):
+                per_seed.setdefault(result.policy, []).append(result.metrics)
+                if tails is not None and i == 0:
+                    tails.extend({"arrival": pattern, **row} for row in category_tails(result, workload))
+        for policy, runs in per_seed.items():
+            rows.append({"arrival": pattern, "rate_rps": poisson_rate if pattern != "burst" else None,
+                         **aggregate_runs(runs, seed=config.seed)})
     add_speedups(rows, "arrival")
     return rows
+
+
+INTERVAL_METRICS = ("mean_latency_s", "p50_latency_s", "p99_latency_s", "max_latency_s", "mean_ttfb_s",
+                    "throughput_rps", "mean_latency_rounds")
+
+
+def bootstrap_interval(values, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (one per arrival seed)."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return float(v.mean()), float(v.mean())
+    idx = np.random.default_rng(seed).integers(0, len(v), size=(n_boot, len(v)))
+    means = v[idx].mean(axis=1)
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail))
+
+
+def aggregate_runs(runs: list[dict], seed: int = 0) -> dict:
+    """One metrics dict from the runs of one policy under several arrival seeds (see :func:`compare_arrivals`)."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    out = {}
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+            values = [r[key] for r in runs]
+            out[key] = float(np.mean(values))
+            if key in INTERVAL_METRICS:
+                out[f"{key}_lo"], out[f"{key}_hi"] = bootstrap_interval(values, seed=seed)
+        else:
+            out[key] = value
+    out["arrival_seeds"] = len(runs)
+    return out
 
 
 def add_speedups(rows: list[dict], group_key: str) -> None:
@@ -542,7 +588,30 @@ def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies
         for result in compare(workload, cfg, policies):
             rows.append({"rate_rps": rate, **result.metrics})
     add_speedups(rows, "rate_rps")
+    fcfs = {r["rate_rps"]: r["mean_latency_s"] for r in rows if r["policy"] == "fcfs-mixed"}
+    for r in rows:  # what ordering adds over mixed batching alone, at this load
+        ref = fcfs.get(r["rate_rps"])
+        r["gain_vs_fcfs_mixed"] = ref / r["mean_latency_s"] if ref and r["mean_latency_s"] > 0 else float("nan")
     return rows
+
+
+def ranking_pays_from(rows: list[dict], policy: str = "dwise-refined", margin: float = 1.05) -> float | None:
+    """The lowest swept rate from which ``policy`` beats ``fcfs-mixed`` on mean latency by ``margin``
+    at every higher rate (below it, ranking stops paying: the queue is too short to reorder); None
+    if it never does. Falls back to the best DWISE variant present when ``policy`` is absent."""
+    present = {r["policy"] for r in rows}
+    if policy not in present:
+        policy = next((p for p in ("dwise-refined", "dwise-admission", "dwise-zero") if p in present), None)
+        if policy is None or "fcfs-mixed" not in present:
+            return None
+    gains = sorted((r["rate_rps"], r["gain_vs_fcfs_mixed"]) for r in rows if r["policy"] == policy)
+    start = None
+    for rate, gain in gains:
+        if gain >= margin:
+            start = rate if start is None else start
+        else:
+            start = None
+    return start
 
 
 def replay(
@@ -553,9 +622,12 @@ def replay(
     rate: str | None = None,
     rates: str | None = None,
     log: Callable[[str], None] | None = None,
+    arrival_seeds: int = 1,
+    tails: list | None = None,
 ) -> tuple[list[dict], list[str]]:
     """What ``simulate`` runs: a load sweep over ``rates`` when given, else every arrival pattern of
-    ``patterns`` (default burst and burst-poisson at ``rate``, default ``1.5x``).
+    ``patterns`` (default burst and burst-poisson at ``rate``, default ``1.5x``), each under
+    ``arrival_seeds`` seeds (bootstrap intervals), per-category tails appended to ``tails``.
 
     Returns the metric rows and the policies compared (default: all the predictions allow).
 
@@ -568,11 +640,37 @@ def replay(
     allowed = available_policies(requests)
     missing = [p for p in policies or [] if p not in allowed]
     if missing:
-        raise ConfigError(f"--policies {', '.join(missing)} need predictions: pass --bundle")
+        raise ConfigError(f"--policies {', '.join(missing)} need predictions: pass --bundle (trail: traces with a train split)")
     policies = policies or allowed
     kv_reservations(requests, config)
     if log is not None:
         log(f"replaying {len(requests)} requests under {len(policies)} policies")
     if rates:
         return sweep(requests, config, parse_rates(rates, requests, config), policies), policies
-    return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies), policies
+    return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies,
+                            arrival_seeds, tails), policies
+
+
+def sync_batch_service_times(workload: SimRequests, cost: RoundCost, batch_size: int, n_batches: int = 200,
+                             seed: int = 0):
+    """Service times of synchronized batches of ``batch_size`` requests drawn from ``workload``.
+
+    A synchronized batch (seed 001 §IV-§V) prefills together — round ``t`` holds the members with at
+    least ``t`` prompt blocks — then denoises together until its last member is done, round ``t``
+    holding the members with at least ``t`` rounds; each round is timed by ``cost``. Returns a
+    :class:`~dwise_predict.serving.batch_timeout.ServiceTimes` for ``batch-timeout``.
+    """
+    from dwise_predict.serving.batch_timeout import ServiceTimes
+
+    if batch_size < 1 or n_batches < 1:
+        raise ConfigError(f"need a positive batch size and batch count, got {batch_size}, {n_batches}")
+    rng = np.random.default_rng(seed)
+    times = np.empty(n_batches)
+    for b in range(n_batches):
+        idx = rng.choice(len(workload), size=batch_size, replace=True)
+        P, T = workload.prompt_blocks[idx], workload.total_rounds[idx]
+        prefill_rows = (P[None, :] >= np.arange(1, P.max() + 1)[:, None]).sum(1) if P.max() > 0 else np.zeros(0)
+        decode_rows = (T[None, :] >= np.arange(1, T.max() + 1)[:, None]).sum(1)
+        times[b] = float(np.sum(cost.seconds(prefill_rows, 0)) + np.sum(cost.seconds(0, decode_rows)))
+    return ServiceTimes(times, batch_size, f"{n_batches} synchronized batches of {batch_size} drawn from the traces, "
+                                           f"rounds timed by: {cost.source}")
