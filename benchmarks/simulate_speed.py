@@ -1,10 +1,11 @@
-"""Simulator speed: 4,096 requests x 2 arrival patterns x 6 policies (target: <= 10 s on 2 cores).
+"""Simulator speed: 4,096 requests x 2 arrival patterns x every scheduler (target: <= 10 s on 2 cores).
 
-Synthetic traces (seeded) with known rounds stand in for a real collection; admission and refined
-estimates are the true rounds with log-normal / Gaussian noise, so all six policies run. Prints the
-wall time of each of the 12 simulations, their total, and the mean-latency table.
+Synthetic traces (seeded) with known rounds stand in for a real collection; admission, refined and
+probe estimates are the true rounds with log-normal / Gaussian noise, so all eleven schedulers run.
+Rounds are timed by a round-cost model (--round-profile, else the flat default). Prints the wall
+time of each scheduler under each pattern, their total, and the mean-latency table.
 
-    python benchmarks/simulate_speed.py [--requests 4096] [--block-size 8] [--slots 128]
+    python benchmarks/simulate_speed.py [--requests 4096] [--block-size 8] [--slots 128] [--round-profile P]
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 
 import numpy as np
 
-from dwise_predict.serving.simulator import SimConfig, compare, service_rate, sim_requests_from_traces
+from dwise_predict.serving.round_cost import load_round_cost
+from dwise_predict.serving.simulator import POLICIES, SimConfig, make_arrivals, service_rate, sim_requests_from_traces, simulate
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 
@@ -24,32 +26,37 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--slots", type=int, default=128)
     parser.add_argument("--k", type=float, default=8)
+    parser.add_argument("--round-profile", default=None)
     args = parser.parse_args()
+    cost = load_round_cost(args.round_profile) if args.round_profile else None
 
     ds = make_synthetic_traces(n_requests=args.requests, hidden_size=8, eval_fraction=1.0, block_size=args.block_size, seed=0)
     workload = sim_requests_from_traces(ds, split=None)
     rng = np.random.default_rng(0)
     workload.admission = workload.total_rounds * np.exp(rng.normal(0.0, 0.8, len(workload)))
     workload.refined = np.maximum(workload.total_rounds - 1 + rng.normal(0.0, 3.0, len(workload)), 0.0)
+    workload.probe = np.maximum(workload.total_rounds - 1 + rng.normal(0.0, 6.0, len(workload)), 0.0)
     print(f"{len(workload)} requests, mean prompt blocks {workload.prompt_blocks.mean():.1f}, "
           f"mean denoising rounds {workload.total_rounds.mean():.1f}, B={args.slots}, k={args.k:g}")
 
-    base = SimConfig(slots=args.slots, k=args.k)
+    base = SimConfig(slots=args.slots, k=args.k, round_cost=cost)
+    print(f"round cost: {base.cost.source}")
     rate = 1.5 * service_rate(workload, base)
     total = 0.0
     for arrival in ("burst", "burst-poisson"):
-        cfg = SimConfig(slots=args.slots, k=args.k, arrival=arrival, rate=rate if arrival == "burst-poisson" else None)
-        start = time.perf_counter()
-        results = compare(workload, cfg)
-        elapsed = time.perf_counter() - start
-        total += elapsed
-        print(f"\n{arrival}: 6 policies in {elapsed:.2f} s")
-        for r in results:
-            m = r.metrics
-            print(f"  {r.policy:16s} rounds {m['rounds']:6d}  mean {m['mean_latency_s']:8.1f} s  "
-                  f"p99 {m['p99_latency_s']:8.1f} s  prefill-only {m['prefill_only_rounds_pct']:5.1f} %  "
+        cfg = SimConfig(slots=args.slots, k=args.k, arrival=arrival, rate=rate if arrival == "burst-poisson" else None,
+                        round_cost=cost)
+        arrivals = make_arrivals(len(workload), cfg)
+        print(f"\n{arrival}:")
+        for policy in POLICIES:
+            start = time.perf_counter()
+            m = simulate(workload, policy, cfg, arrivals).metrics
+            elapsed = time.perf_counter() - start
+            total += elapsed
+            print(f"  {policy:16s} {elapsed:5.2f} s  rounds {m['rounds']:6d}  mean {m['mean_latency_s']:8.1f} s  "
+                  f"p99 {m['p99_latency_s']:8.1f} s  prefill-only {m['prefill_only_time_pct']:5.1f} % of time  "
                   f"idle {m['idle_slots_pct']:5.1f} %")
-    print(f"\ntotal: {total:.2f} s for 12 simulations (target <= 10 s)")
+    print(f"\ntotal: {total:.2f} s for {2 * len(POLICIES)} simulations (target <= 10 s)")
 
 
 if __name__ == "__main__":

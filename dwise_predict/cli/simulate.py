@@ -130,7 +130,12 @@ def simulate_command(
         settings = {**asdict(config), "round_cost": config.cost.as_dict(), "traces": str(traces),
                     "bundle": str(bundle) if bundle else None, "split": split.value, "policies": chosen,
                     "requests": len(sim), "arrival_seeds": arrival_seeds}
-        for path in write_outputs(rows, out, stem, settings, tails):
+        paths = write_outputs(rows, out, stem, settings, tails)
+        from dwise_predict.evaluation.simulation_report import write_simulation_report
+
+        saved = json.loads((out / f"{stem}.json").read_text())
+        paths += write_simulation_report(saved, {p.stem: p.read_bytes() for p in paths if p.suffix == ".png"}, out)
+        for path in paths:
             log(f"wrote {path}")
     if json_out:
         typer.echo(json.dumps(rows, indent=2))

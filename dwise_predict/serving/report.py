@@ -120,8 +120,13 @@ def _plot(rows: list[dict], sweep: bool) -> bytes:
         width = 0.8 / max(len(policies), 1)
         for i, policy in enumerate(policies):
             for ax, key in zip(axes, ("mean_latency_s", "p99_latency_s")):
-                values = [next((r[key] for r in rows if r["policy"] == policy and r["arrival"] == g), 0.0) for g in groups]
-                ax.bar([j + i * width for j in range(len(groups))], values, width, label=policy)
+                picked = [next((r for r in rows if r["policy"] == policy and r["arrival"] == g), {}) for g in groups]
+                values = [r.get(key, 0.0) for r in picked]
+                yerr = None
+                if all(f"{key}_lo" in r for r in picked):  # 95 % bootstrap interval over arrival seeds
+                    yerr = [[v - r[f"{key}_lo"] for v, r in zip(values, picked)],
+                            [r[f"{key}_hi"] - v for v, r in zip(values, picked)]]
+                ax.bar([j + i * width for j in range(len(groups))], values, width, label=policy, yerr=yerr, capsize=2)
         for ax, name in zip(axes, ("mean latency (s)", "p99 latency (s)")):
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups)
             ax.set_ylabel(name)
