@@ -213,3 +213,13 @@ def test_every_scheduler_runs_and_the_oracle_leads(synthetic):
     assert set(results) == set(SCHEDULERS)
     best = min(m["mean_latency_rounds"] for m in results.values())
     assert results["dwise-oracle"]["mean_latency_rounds"] == pytest.approx(best, rel=0.02)
+
+
+def test_k_sweep_cap_blocks_admissions_at_small_k(synthetic):
+    from dwise_predict.serving.simulator import sweep_k
+
+    rows = sweep_k(synthetic, SimConfig(slots=8, arrival="burst"), [1, 4], ["dwise-oracle"])
+    by_k = {r["k"]: r for r in rows}
+    assert by_k[1]["cap_blocked_rounds_pct"] > by_k[4]["cap_blocked_rounds_pct"]
+    # a bigger resident set lets SRPT pick from more requests: mean latency does not get worse
+    assert by_k[4]["mean_latency_rounds"] <= by_k[1]["mean_latency_rounds"]

@@ -100,3 +100,18 @@ def test_traces_without_prompt_blocks_are_refused(traces_and_bundle, tmp_path, c
     assert main(["simulate", str(copy)]) == 1
     err = capsys.readouterr().err.strip()
     assert "prompt_blocks" in err and len(err.splitlines()) == 1
+
+
+def test_k_sweep_command(traces_and_bundle, tmp_path, capsys):
+    traces, _, _ = traces_and_bundle
+    args = ["simulate", str(traces), "--ks", "1,4", "--policies", "sglang-default,dwise-oracle", "--slots", "4",
+            "--requests", "200", "--out", str(tmp_path), "--json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["k"], r["policy"]) for r in rows] == [(1, "sglang-default"), (1, "dwise-oracle"), (4, "sglang-default"), (4, "dwise-oracle")]
+    oracle = {r["k"]: r for r in rows if r["policy"] == "dwise-oracle"}
+    assert oracle[1]["cap_blocked_rounds_pct"] > oracle[4]["cap_blocked_rounds_pct"]
+    assert (tmp_path / "k_sweep.png").is_file() and "Scheduling simulation" in (tmp_path / "report.html").read_text()
+    assert main(["simulate", str(traces), "--ks", "0.5", "--rates", "1x"]) == 1
+    err = capsys.readouterr().err
+    assert "--ks and --rates conflict" in err and "--ks must be" in err

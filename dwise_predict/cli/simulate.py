@@ -36,6 +36,7 @@ def simulate_command(
     arrival: Annotated[Arrival, typer.Option(help="Arrival pattern: burst, burst-poisson, poisson, or both (burst and burst-poisson).")] = Arrival.both,
     rate: Annotated[Optional[str], typer.Option(help="Poisson rate for burst-poisson / poisson: req/s, or a multiple of SGLang-default's service rate (its utilisation) like 0.8x [default: 1.5x].")] = None,
     rates: Annotated[Optional[str], typer.Option(help="Load sweep instead: Poisson arrivals at each rate of a comma list (req/s, or multiples of SGLang-default's service rate like 0.5x,1x,2x).")] = None,
+    ks: Annotated[Optional[str], typer.Option(help="k sweep instead: every scheduler at each resident-set multiplier of a comma list (seed 000 Fig. 10), under --arrival (burst unless poisson/burst-poisson).")] = None,
     slots: Annotated[int, typer.Option(help="B: blocks per round (block slots).")] = _DEFAULT.slots,
     k: Annotated[float, typer.Option("--k", help="Resident-set multiplier: at most k*B requests hold KV.")] = _DEFAULT.k,
     kv_budget: Annotated[Optional[float], typer.Option(help="KV pool in blocks [default: unlimited].")] = _DEFAULT.kv_budget,
@@ -82,6 +83,16 @@ def simulate_command(
         problems.append(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
     if rates and rate:
         problems.append("--rate and --rates conflict: --rates sweeps several rates, --rate sets one")
+    if ks and rates:
+        problems.append("--ks and --rates conflict: sweep one thing at a time")
+    k_list = []
+    if ks:
+        try:
+            k_list = [float(x) for x in ks.split(",") if x.strip()]
+        except ValueError:
+            k_list = []
+        if not k_list or min(k_list) < 1:
+            problems.append(f"--ks must be a comma list of numbers >= 1, got {ks!r}")
     if requests < 0:
         problems.append(f"--requests must be >= 0 (0: the split as it is), got {requests}")
     if arrival_seeds < 1:
@@ -118,8 +129,12 @@ def simulate_command(
         sim = sim.draw(requests, seed)
     patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
     tails: list = []
-    rows, chosen = replay(sim, config, chosen, patterns, rate, rates, log=log, arrival_seeds=arrival_seeds, tails=tails)
-    if rates:
+    rows, chosen = replay(sim, config, chosen, patterns, rate, rates, log=log, arrival_seeds=arrival_seeds, tails=tails,
+                          ks=k_list)
+    if ks:
+        stem, first = "k_sweep", ("k", "k", "{:g}")
+        title = f"k sweep, {len(sim)} requests, B={slots}"
+    elif rates:
         stem, first = "sweep", ("rate_rps", "rate req/s", "{:.2f}")
         title = f"Load sweep, Poisson arrivals, B={slots}, k={k:g}"
     else:

@@ -38,7 +38,7 @@ def _cell(row: dict, key: str) -> str:
 
 def scheduler_table(rows: list[dict], group: str) -> Table:
     """One row per (group, scheduler): the metrics of :data:`COLUMNS` and what the scheduler adds."""
-    head = ["arrival" if group == "arrival" else "rate req/s", "scheduler"] + [h for _, h in COLUMNS] + ["adds"]
+    head = [{"arrival": "arrival", "k": "k", "rate_rps": "rate req/s"}[group], "scheduler"] + [h for _, h in COLUMNS] + ["adds"]
     body = [[str(r.get(group)) if group == "arrival" else fmt(float(r[group]), 2), r["policy"],
              *[_cell(r, k) for k, _ in COLUMNS], ADDS.get(r["policy"], "")] for r in rows]
     return Table(head, body, "Schedulers on the replayed requests (intervals: 95 % bootstrap over arrival seeds)")
@@ -54,7 +54,7 @@ def category_table(tails: list[dict]) -> Table:
 def simulation_section(saved: dict, pngs: dict[str, bytes]) -> Section:
     """A report section from the simulator's saved JSON (``settings``, ``rows``, ``categories``)."""
     settings, rows = saved["settings"], saved["rows"]
-    group = "arrival" if rows and "arrival" in rows[0] else "rate_rps"
+    group = next((g for g in ("arrival", "k", "rate_rps") if rows and g in rows[0]), "arrival")
     cost = settings.get("round_cost") or {}
     text = (f"{settings.get('requests', len(rows) and rows[0].get('requests'))} requests, B = {settings.get('slots')}, "
             f"k = {settings.get('k')}, round cost from: {cost.get('source', 'flags')} "

@@ -62,7 +62,7 @@ def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails:
     write_csv(paths[0], rows)
     atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or []},
                                             indent=2, default=str).encode())
-    atomic_write_bytes(paths[2], _plot(rows, stem == "sweep"))
+    atomic_write_bytes(paths[2], _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem)))
     if tails:
         paths += [out / f"{stem}_categories.csv", out / f"{stem}_categories.png"]
         write_csv(paths[3], tails)
@@ -98,7 +98,8 @@ def category_plot(tails: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-def _plot(rows: list[dict], sweep: bool) -> bytes:
+def _plot(rows: list[dict], sweep: str | None) -> bytes:
+    """Bars per arrival pattern, or lines against ``sweep`` (``rate_rps`` or ``k``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,11 +109,11 @@ def _plot(rows: list[dict], sweep: bool) -> bytes:
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     if sweep:
         for policy in policies:
-            sub = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate_rps"])
+            sub = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r[sweep])
             for ax, key in zip(axes, ("mean_latency_s", "p99_latency_s")):
-                ax.plot([r["rate_rps"] for r in sub], [r[key] for r in sub], marker="o", label=policy)
+                ax.plot([r[sweep] for r in sub], [r[key] for r in sub], marker="o", label=policy)
         for ax, name in zip(axes, ("mean latency (s)", "p99 latency (s)")):
-            ax.set_xlabel("Poisson arrival rate (req/s)")
+            ax.set_xlabel("Poisson arrival rate (req/s)" if sweep == "rate_rps" else "resident-set multiplier k")
             ax.set_ylabel(name)
             ax.set_yscale("log")
     else:

@@ -595,6 +595,22 @@ def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies
     return rows
 
 
+def sweep_k(workload: SimRequests, config: SimConfig, ks: list[float], policies: list[str] | None = None) -> list[dict]:
+    """Every policy at each resident-set multiplier ``k`` under ``config``'s arrivals (seed 000 Fig. 10).
+
+    Rows carry ``k``, the metrics (``cap_blocked_rounds_pct``: rounds in which requests waited while
+    ``k·B`` requests were resident) and ``speedup_vs_default`` per ``k``.
+    """
+    rows = []
+    arrivals = make_arrivals(len(workload), config)
+    for k in ks:
+        cfg = replace(config, k=k)
+        for policy in policies or available_policies(workload):
+            rows.append({"k": k, **simulate(workload, policy, cfg, arrivals).metrics})
+    add_speedups(rows, "k")
+    return rows
+
+
 def ranking_pays_from(rows: list[dict], policy: str = "dwise-refined", margin: float = 1.05) -> float | None:
     """The lowest swept rate from which ``policy`` beats ``fcfs-mixed`` on mean latency by ``margin``
     at every higher rate (below it, ranking stops paying: the queue is too short to reorder); None
@@ -624,10 +640,12 @@ def replay(
     log: Callable[[str], None] | None = None,
     arrival_seeds: int = 1,
     tails: list | None = None,
+    ks: list[float] | None = None,
 ) -> tuple[list[dict], list[str]]:
     """What ``simulate`` runs: a load sweep over ``rates`` when given, else every arrival pattern of
     ``patterns`` (default burst and burst-poisson at ``rate``, default ``1.5x``), each under
-    ``arrival_seeds`` seeds (bootstrap intervals), per-category tails appended to ``tails``.
+    ``arrival_seeds`` seeds (bootstrap intervals), per-category tails appended to ``tails``. With
+    ``ks``, a k sweep (:func:`sweep_k`) under the first pattern instead.
 
     Returns the metric rows and the policies compared (default: all the predictions allow).
 
@@ -647,6 +665,10 @@ def replay(
         log(f"replaying {len(requests)} requests under {len(policies)} policies")
     if rates:
         return sweep(requests, config, parse_rates(rates, requests, config), policies), policies
+    if ks:
+        pattern = (patterns or ["burst"])[0]
+        k_rate = None if pattern == "burst" else parse_rates(rate or "1.5x", requests, config)[0]
+        return sweep_k(requests, replace(config, arrival=pattern, rate=k_rate), ks, policies), policies
     return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies,
                             arrival_seeds, tails), policies
 
