@@ -107,7 +107,7 @@ def run_quickstart(
         raise BundleError(f"{paths['bundle']} failed verification ({report.failed_artifacts()}): "
                           f"run `dwise-predict verify {paths['bundle']}` for the table")
 
-    log(f"{next(step)}: replay the eval split under six scheduling policies → {paths['simulate']}")
+    log(f"{next(step)}: replay the eval split under every scheduler → {paths['simulate']}")
     ds = load_traces(paths["traces"])
     bundle = load_bundle(paths["bundle"], expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
     sim_config = SimConfig(slots=config.slots, k=config.k, seed=config.seed)
