@@ -42,7 +42,7 @@ ONE_SECOND = SimConfig(slots=1, k=8, round_ms=1000.0, slot_ms=0.0)
 
 def test_registry_names_every_scheduler_of_the_issue():
     assert set(SCHEDULERS) == {"sglang-default", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail", "dwise-zero",
-                               "dwise-admission", "dwise-refined", "dwise-oracle"}
+                               "dwise-admission", "dwise-raw", "dwise-refined", "dwise-oracle"}
 
 
 def test_srpt_oracle_is_shortest_first_on_a_burst():
@@ -185,6 +185,7 @@ def synthetic():
     w.admission = w.total_rounds * np.exp(rng.normal(0, 0.7, len(w)))
     w.refined = np.maximum(w.total_rounds - 1 + rng.normal(0, 2, len(w)), 0)
     w.probe = np.maximum(w.total_rounds - 1 + rng.normal(0, 6, len(w)), 0)
+    w.raw_refined = w.refined * 1.3
     return w
 
 

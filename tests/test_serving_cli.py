@@ -27,15 +27,15 @@ def test_simulate_writes_table_csv_json_and_plot(traces_and_bundle, tmp_path, ca
     assert main(["simulate", str(traces), "--bundle", str(bundle), "--slots", "8", "--out", str(out), "--json",
                  "--requests", "300", "--arrival-seeds", "2", "--round-profile", str(profile)]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 22 and {r["arrival"] for r in rows} == {"burst", "burst-poisson"}
+    assert len(rows) == 24 and {r["arrival"] for r in rows} == {"burst", "burst-poisson"}
     assert {r["policy"] for r in rows} == {"sglang-default", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail",
-                                           "dwise-zero", "dwise-admission", "dwise-refined", "dwise-oracle"}
+                                           "dwise-zero", "dwise-admission", "dwise-raw", "dwise-refined", "dwise-oracle"}
     assert all(r["requests"] == 300 and r["round_cost_source"] == "a test GPU" and r["arrival_seeds"] == 2 for r in rows)
     assert all(r["mean_latency_s_lo"] <= r["mean_latency_s"] <= r["mean_latency_s_hi"] for r in rows)
     default = [r for r in rows if r["policy"] == "sglang-default"]
     assert all(r["speedup_vs_default"] == pytest.approx(1.0) for r in default)
     assert (out / "simulate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "simulate.csv").read_text().count("\n") == 23
+    assert (out / "simulate.csv").read_text().count("\n") == 25
     assert (out / "simulate_categories.png").is_file()
     html = (out / "report.html").read_text()
     assert "Scheduling simulation" in html and "a test GPU" in html and html.count("data:image/png;base64,") == 2
@@ -115,3 +115,16 @@ def test_k_sweep_command(traces_and_bundle, tmp_path, capsys):
     assert main(["simulate", str(traces), "--ks", "0.5", "--rates", "1x"]) == 1
     err = capsys.readouterr().err
     assert "--ks and --rates conflict" in err and "--ks must be" in err
+
+
+def test_raw_refinement_is_the_calibrated_one_before_its_isotonic_map(traces_and_bundle):
+    from dwise_predict.serving.bundle import load_bundle
+
+    _, bundle_dir, traces = traces_and_bundle
+    bundle = load_bundle(bundle_dir)
+    h = traces.first_round[:32]
+    pt = traces.requests["prompt_tokens"].to_numpy(np.float32)[:32]
+    bu = traces.requests["budget"].to_numpy(np.float32)[:32]
+    raw = bundle.refine_raw(h, pt, bu)
+    knots = json.loads((bundle_dir / "calibration.json").read_text())
+    np.testing.assert_allclose(np.interp(raw, knots["x"], knots["y"]), bundle.refine(h, pt, bu), rtol=1e-4, atol=1e-3)

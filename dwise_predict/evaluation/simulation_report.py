@@ -24,7 +24,7 @@ COLUMNS = (
 ADDS = {"sglang-default": "baseline", "fcfs-mixed": "mixed batching", "mlfq": "work-done levels",
         "ssjf": "predicted length, admission only", "s3": "length buckets, sized KV",
         "ltr": "predicted order, preemptive", "trail": "probe refinement", "dwise-zero": "ordering by prompt work",
-        "dwise-admission": "admission estimates", "dwise-refined": "refinement", "dwise-oracle": "perfect estimates"}
+        "dwise-admission": "admission estimates", "dwise-raw": "raw refinement", "dwise-refined": "calibration", "dwise-oracle": "perfect estimates"}
 
 
 def _cell(row: dict, key: str) -> str:

@@ -176,6 +176,27 @@ class LoadedBundle:
             return torch.from_numpy(out).to(first_round.device)
         return out
 
+    def refine_raw(self, first_round, prompt_tokens, budget) -> np.ndarray:
+        """The ensemble's remaining-rounds estimate before the isotonic calibration, (B,) float32.
+
+        For comparing raw and calibrated refinement (seed 000 Table 5) offline, e.g. in the
+        simulator; any backend (the torch graph is rebuilt from ``refine.safetensors`` on the CPU).
+        NumPy in, NumPy out; ``first_round`` is (B, H) or (B, L, H).
+        """
+        import torch
+
+        graph = getattr(self, "_raw_graph", None)
+        if graph is None:
+            graph = self._raw_graph = _torch_refine(self.path, (self.manifest.get("inputs") or {}).get("refine") or {}, "cpu", False)
+        h = torch.as_tensor(np.asarray(first_round, dtype=np.float32))
+        if h.dim() == 3:
+            h = h.mean(dim=1)
+        b = h.shape[0]
+        pt = torch.as_tensor(np.asarray(prompt_tokens, dtype=np.float32)).reshape(-1).expand(b)
+        bu = torch.as_tensor(np.asarray(budget, dtype=np.float32)).reshape(-1).expand(b)
+        with torch.inference_mode():
+            return graph.raw(h, pt, bu).numpy()
+
     def _refine_torch(self, first_round, prompt_tokens, budget):
         import torch
 

@@ -22,13 +22,15 @@ name                          what it is (all serve in rounds of at most ``B`` b
                               round by the TRAIL-style probe on the first-round hidden state
 ``dwise-zero``                DWISE with ``r̂ = 0`` (ranks by prompt blocks left only)
 ``dwise-admission``           DWISE, ``r̂`` from the admission predictor, decremented per round
+``dwise-raw``                 DWISE, ``r̂`` replaced by the raw (uncalibrated) refinement after round 1
 ``dwise-refined``             DWISE, ``r̂`` replaced by the calibrated refinement after round 1
 ``dwise-oracle``              DWISE with ``r̂`` = true rounds (bound for any predictor)
 ============================  ==========================================================================
 
 The differences between adjacent rows are what a comparison isolates: ``sglang-default`` →
 ``fcfs-mixed`` (mixed-phase batching), ``fcfs-mixed`` → ``dwise-zero`` (ordering by prompt work),
-→ ``dwise-admission`` (admission estimates), → ``dwise-refined`` (refinement), → ``dwise-oracle``.
+→ ``dwise-admission`` (admission estimates), → ``dwise-raw`` (refinement), → ``dwise-refined``
+(calibration, seed 000 Table 5), → ``dwise-oracle``.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class SchedulerSpec:
 
     ranking : ``remaining`` (``P + r̂``), ``arrival``, ``fixed`` (the key at admission, kept) or
         ``mlfq`` (level of work done).
-    estimate : where ``r̂`` comes from: ``none``, ``zero``, ``admission``, ``refined``, ``probe``
-        (TRAIL), ``oracle``.
+    estimate : where ``r̂`` comes from: ``none``, ``zero``, ``admission``, ``raw`` / ``refined``
+        (uncalibrated / calibrated refinement), ``probe`` (TRAIL), ``oracle``.
     prefill_first : SGLang's phase barrier (all-prefill rounds while any resident has prompt left).
     preemptive : ``False`` holds at most ``B`` residents, so a request that starts runs every round
         until it finishes.
@@ -77,11 +79,12 @@ SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
     SchedulerSpec("trail", "remaining", "probe", gain="probe refinement"),
     SchedulerSpec("dwise-zero", "remaining", "zero", gain="ordering by prompt work"),
     SchedulerSpec("dwise-admission", "remaining", "admission", gain="admission estimates"),
-    SchedulerSpec("dwise-refined", "remaining", "refined", gain="refinement"),
+    SchedulerSpec("dwise-raw", "remaining", "raw", gain="raw refinement"),
+    SchedulerSpec("dwise-refined", "remaining", "refined", gain="calibration"),
     SchedulerSpec("dwise-oracle", "remaining", "oracle", gain="perfect estimates"),
 )}
 NEEDS = {"none": (), "zero": (), "oracle": (), "admission": ("admission",), "refined": ("admission", "refined"),
-         "probe": ("probe",)}
+         "probe": ("probe",), "raw": ("admission", "raw")}
 
 
 def bucket(values) -> np.ndarray:

@@ -108,6 +108,7 @@ class SimRequests:
     admission : admission estimates of total rounds, or None;
     refined : refined estimates of remaining rounds after the first denoising round, or None.
     probe : the TRAIL-style probe's estimates of the same (``trail``), or None.
+    raw_refined : the refinement before its isotonic calibration (``dwise-raw``), or None.
     categories : request family of each request (per-category tails), or None.
     """
 
@@ -120,6 +121,7 @@ class SimRequests:
     refined: np.ndarray | None = None
     probe: np.ndarray | None = None
     categories: np.ndarray | None = None
+    raw_refined: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -153,6 +155,10 @@ class SimRequests:
             return start, np.asarray(self.probe, dtype=np.float64)
         if self.admission is None:
             raise ConfigError(f"policy dwise-{source} needs admission estimates: pass --bundle")
+        if source == "raw":
+            if self.raw_refined is None:
+                raise ConfigError("policy dwise-raw needs raw refinement estimates: pass --bundle")
+            return np.asarray(self.admission, dtype=np.float64), np.asarray(self.raw_refined, dtype=np.float64)
         if source == "admission":
             return np.asarray(self.admission, dtype=np.float64), None
         if self.refined is None:
@@ -171,7 +177,7 @@ class SimRequests:
         ids = np.array([f"{self.request_ids[i]}#{k}" for k, i in enumerate(idx.tolist())])
         return SimRequests(ids, self.prompt_blocks[idx], self.total_rounds[idx], self.first_block_rounds[idx],
                            self.output_blocks[idx], pick(self.admission), pick(self.refined), pick(self.probe),
-                           pick(self.categories))
+                           pick(self.categories), pick(self.raw_refined))
 
 
 def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> SimRequests:
@@ -205,13 +211,16 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
     # worst-case output blocks by the engine's layout (the first one opens with the leftover prompt)
     output_blocks = np.array([block_layout(max(int(n), 1), int(b)).max_output_blocks(int(budget)) for n, b, budget
                               in zip(req["prompt_tokens"], req["block_size"], req["budget"])], dtype=np.int64)
-    admission = refined = None
+    admission = refined = raw = None
     if bundle is not None:
         features = req[list(FEATURE_NAMES)].to_numpy(dtype=np.float32)
         admission = np.maximum(bundle.admission(features).astype(np.float64), 0.0)
         refined = np.maximum(
             np.asarray(bundle.refine(ds.first_round, req["prompt_tokens"].to_numpy(np.float32),
                                      req["budget"].to_numpy(np.float32)), dtype=np.float64), 0.0)
+        if hasattr(bundle, "refine_raw"):  # the same ensemble before calibration (seed 000 Table 5)
+            raw = np.maximum(np.asarray(bundle.refine_raw(ds.first_round, req["prompt_tokens"].to_numpy(np.float32),
+                                                          req["budget"].to_numpy(np.float32)), dtype=np.float64), 0.0)
     return SimRequests(
         request_ids=req["request_id"].to_numpy(),
         prompt_blocks=req["prompt_blocks"].to_numpy(),
@@ -220,6 +229,7 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
         output_blocks=output_blocks,
         admission=admission,
         refined=refined,
+        raw_refined=raw,
         categories=req["category"].to_numpy() if "category" in req.columns else None,
     )
 
@@ -463,7 +473,7 @@ def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arriv
 def available_policies(workload: SimRequests) -> list[str]:
     """Policies the workload's predictions allow (all, or those needing no bundle)."""
     have = {"admission": workload.admission is not None, "refined": workload.refined is not None,
-            "probe": workload.probe is not None}
+            "probe": workload.probe is not None, "raw": workload.raw_refined is not None}
     return [p for p in POLICIES if all(have[s] for s in NEEDS_BUNDLE.get(p, ()))]
 
 
