@@ -41,7 +41,7 @@ ONE_SECOND = SimConfig(slots=1, k=8, round_ms=1000.0, slot_ms=0.0)
 
 
 def test_registry_names_every_scheduler_of_the_issue():
-    assert set(SCHEDULERS) == {"sglang-default", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail", "dwise-zero",
+    assert set(SCHEDULERS) == {"sglang-default", "sglang-sync", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail", "dwise-zero",
                                "dwise-admission", "dwise-raw", "dwise-refined", "dwise-oracle"}
 
 
@@ -224,3 +224,23 @@ def test_k_sweep_cap_blocks_admissions_at_small_k(synthetic):
     assert by_k[1]["cap_blocked_rounds_pct"] > by_k[4]["cap_blocked_rounds_pct"]
     # a bigger resident set lets SRPT pick from more requests: mean latency does not get worse
     assert by_k[4]["mean_latency_rounds"] <= by_k[1]["mean_latency_rounds"]
+
+
+def test_sglang_sync_mode_worked_out_by_hand():
+    # B = 2, 1 s rounds. A: P = 1, blocks of 2 and 3 rounds; B: P = 0, one block of 4; C: P = 0, one
+    # block of 1; all at t = 0 in that order.
+    # step 1: A and B held; A prefills (round 1). step 2: decode both blocks until the slower is done:
+    # 4 forwards (rounds 2-5), B finishes. step 3: C admitted; A's second block (3) and C's (1): 3
+    # forwards (rounds 6-8), both finish.
+    w = workload([1, 0, 0], [5, 4, 1])
+    w.block_rounds = np.empty(3, dtype=object)
+    w.block_rounds[:] = [np.array([2, 3]), np.array([4]), np.array([1])]
+    r = simulate(w, "sglang-sync", SimConfig(slots=2, round_ms=1000.0, slot_ms=0.0), arrivals([0, 0, 0]))
+    assert r.completion_round.tolist() == [8, 5, 8]
+    assert r.ttfb_rounds.tolist() == [5, 5, 8]
+    assert r.metrics["prefill_only_rounds_pct"] == pytest.approx(100 / 8)
+    assert r.metrics["cap_blocked_rounds_pct"] == pytest.approx(100 * 5 / 8)  # C waits through rounds 1-5
+    assert r.metrics["idle_slots_pct"] == pytest.approx(100 * (1 - (1 + 8 + 6) / 16))
+    # FDFO releases B's slot as soon as a block is done instead: C is not held back until round 5
+    fdfo = simulate(w, "sglang-default", SimConfig(slots=2, round_ms=1000.0, slot_ms=0.0), arrivals([0, 0, 0]))
+    assert fdfo.metrics["mean_latency_rounds"] < r.metrics["mean_latency_rounds"]

@@ -27,15 +27,15 @@ def test_simulate_writes_table_csv_json_and_plot(traces_and_bundle, tmp_path, ca
     assert main(["simulate", str(traces), "--bundle", str(bundle), "--slots", "8", "--out", str(out), "--json",
                  "--requests", "300", "--arrival-seeds", "2", "--round-profile", str(profile)]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 24 and {r["arrival"] for r in rows} == {"burst", "burst-poisson"}
-    assert {r["policy"] for r in rows} == {"sglang-default", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail",
+    assert len(rows) == 26 and {r["arrival"] for r in rows} == {"burst", "burst-poisson"}
+    assert {r["policy"] for r in rows} == {"sglang-default", "sglang-sync", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail",
                                            "dwise-zero", "dwise-admission", "dwise-raw", "dwise-refined", "dwise-oracle"}
     assert all(r["requests"] == 300 and r["round_cost_source"] == "a test GPU" and r["arrival_seeds"] == 2 for r in rows)
     assert all(r["mean_latency_s_lo"] <= r["mean_latency_s"] <= r["mean_latency_s_hi"] for r in rows)
     default = [r for r in rows if r["policy"] == "sglang-default"]
     assert all(r["speedup_vs_default"] == pytest.approx(1.0) for r in default)
     assert (out / "simulate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "simulate.csv").read_text().count("\n") == 25
+    assert (out / "simulate.csv").read_text().count("\n") == 27
     assert (out / "simulate_categories.png").is_file()
     html = (out / "report.html").read_text()
     assert "Scheduling simulation" in html and "a test GPU" in html and html.count("data:image/png;base64,") == 2
@@ -49,7 +49,7 @@ def test_without_a_bundle_only_policies_that_need_none(traces_and_bundle, capsys
     traces, _, _ = traces_and_bundle
     assert main(["simulate", str(traces), "--arrival", "burst", "--slots", "8", "--json", "--requests", "0"]) == 0
     policies = [r["policy"] for r in json.loads(capsys.readouterr().out)]
-    assert policies == ["sglang-default", "fcfs-mixed", "mlfq", "trail", "dwise-zero", "dwise-oracle"]
+    assert policies == ["sglang-default", "sglang-sync", "fcfs-mixed", "mlfq", "trail", "dwise-zero", "dwise-oracle"]
 
 
 def test_rate_sweep(traces_and_bundle, tmp_path, capsys):

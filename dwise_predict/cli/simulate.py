@@ -32,7 +32,7 @@ class Split(str, Enum):
 def simulate_command(
     traces: Annotated[Path, typer.Argument(help="Trace directory (contract 1) to replay.")],
     bundle: Annotated[Optional[Path], typer.Option(help="Predictor bundle: enables ssjf, s3, ltr, dwise-admission, dwise-raw and dwise-refined.")] = None,
-    policies: Annotated[Optional[str], typer.Option(help="Comma list of schedulers [default: all the predictions allow]: sglang-default, fcfs-mixed, mlfq, ssjf, s3, ltr, trail, dwise-zero, dwise-admission, dwise-raw, dwise-refined, dwise-oracle.")] = None,
+    policies: Annotated[Optional[str], typer.Option(help="Comma list of schedulers [default: all the predictions allow]: sglang-default, sglang-sync, fcfs-mixed, mlfq, ssjf, s3, ltr, trail, dwise-zero, dwise-admission, dwise-raw, dwise-refined, dwise-oracle.")] = None,
     arrival: Annotated[Arrival, typer.Option(help="Arrival pattern: burst, burst-poisson, poisson, or both (burst and burst-poisson).")] = Arrival.both,
     rate: Annotated[Optional[str], typer.Option(help="Poisson rate for burst-poisson / poisson: req/s, or a multiple of SGLang-default's service rate (its utilisation) like 0.8x [default: 1.5x].")] = None,
     rates: Annotated[Optional[str], typer.Option(help="Load sweep instead: Poisson arrivals at each rate of a comma list (req/s, or multiples of SGLang-default's service rate like 0.5x,1x,2x).")] = None,

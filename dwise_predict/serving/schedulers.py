@@ -8,6 +8,9 @@ name                          what it is (all serve in rounds of at most ``B`` b
                               (``--max-running-requests``), FCFS; a round is all-prefill while any
                               of them has a prompt block left (one block per request per forward,
                               ``B * block_size`` tokens of budget), else all-decode
+``sglang-sync``               the same without ``--dllm-fdfo`` (SGLang's default loop): a decode step
+                              runs the batch's current blocks until every member has finished its
+                              block (as many forwards as the slowest needs), then all move on
 ``fcfs-mixed``                FCFS over ``k·B`` residents, prompt and denoising blocks share rounds
 ``mlfq``                      FastServe-style skip-join MLFQ: level from work done (prompt blocks on
                               arrival, then denoising rounds; quanta double per level), preemptive
@@ -66,11 +69,14 @@ class SchedulerSpec:
     preemptive: bool = True
     kv: str = "budget"
     bucket_key: bool = False
+    sync: bool = False  # SGLang's default (non-FDFO) loop: a batch runs each block until all members finish it
     gain: str = ""  # the mechanism this row adds over the one before (for the table)
 
 
 SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
     SchedulerSpec("sglang-default", "arrival", prefill_first=True, preemptive=False, gain="baseline"),
+    SchedulerSpec("sglang-sync", "arrival", prefill_first=True, preemptive=False, sync=True,
+                  gain="SGLang without --dllm-fdfo"),
     SchedulerSpec("fcfs-mixed", "arrival", gain="mixed batching"),
     SchedulerSpec("mlfq", "mlfq", gain="work-done levels"),
     SchedulerSpec("ssjf", "fixed", "admission", preemptive=False, gain="predicted length, admission only"),
@@ -84,7 +90,7 @@ SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
     SchedulerSpec("dwise-oracle", "remaining", "oracle", gain="perfect estimates"),
 )}
 NEEDS = {"none": (), "zero": (), "oracle": (), "admission": ("admission",), "refined": ("admission", "refined"),
-         "probe": ("probe",), "raw": ("admission", "raw")}
+         "probe": ("probe",), "raw": ("admission", "raw"), "blocks": ("blocks",)}
 
 
 def bucket(values) -> np.ndarray:

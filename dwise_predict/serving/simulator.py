@@ -109,6 +109,7 @@ class SimRequests:
     refined : refined estimates of remaining rounds after the first denoising round, or None.
     probe : the TRAIL-style probe's estimates of the same (``trail``), or None.
     raw_refined : the refinement before its isotonic calibration (``dwise-raw``), or None.
+    block_rounds : object array (n,) of int arrays, rounds of each output block (``sglang-sync``), or None.
     categories : request family of each request (per-category tails), or None.
     """
 
@@ -122,6 +123,7 @@ class SimRequests:
     probe: np.ndarray | None = None
     categories: np.ndarray | None = None
     raw_refined: np.ndarray | None = None
+    block_rounds: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -177,7 +179,7 @@ class SimRequests:
         ids = np.array([f"{self.request_ids[i]}#{k}" for k, i in enumerate(idx.tolist())])
         return SimRequests(ids, self.prompt_blocks[idx], self.total_rounds[idx], self.first_block_rounds[idx],
                            self.output_blocks[idx], pick(self.admission), pick(self.refined), pick(self.probe),
-                           pick(self.categories), pick(self.raw_refined))
+                           pick(self.categories), pick(self.raw_refined), pick(self.block_rounds))
 
 
 def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> SimRequests:
@@ -230,8 +232,20 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
         admission=admission,
         refined=refined,
         raw_refined=raw,
+        block_rounds=_block_rounds(req),
         categories=req["category"].to_numpy() if "category" in req.columns else None,
     )
+
+
+def _block_rounds(req) -> np.ndarray | None:
+    """Rounds of each output block per request (object array of int64 arrays), or None without the column."""
+    if "rounds_per_block" not in req.columns:
+        return None
+    out = np.empty(len(req), dtype=object)
+    for i, (r, total) in enumerate(zip(req["rounds_per_block"], req["total_rounds"])):
+        arr = np.asarray(list(r), dtype=np.int64)
+        out[i] = arr if len(arr) else np.array([max(int(total), 1)], dtype=np.int64)
+    return out
 
 
 def make_arrivals(n: int, config: SimConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -281,6 +295,8 @@ def simulate(
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
     spec = POLICIES[policy]
+    if spec.sync:
+        return _simulate_sync(workload, policy, config, arrivals)
     estimate, refined = workload.estimates(spec.estimate)
     n = len(workload)
     kv = kv_reservations(workload, config)
@@ -356,6 +372,18 @@ def simulate(
         if record:
             log.append((workload.request_ids[run].tolist(), plan.prompt.tolist()))
 
+    counters = dict(rounds=rounds, clock=clock, used_slots=used_slots, prefill_only=prefill_only,
+                    prefill_only_s=prefill_only_s, preemptions=preemptions, cap_blocked=cap_blocked,
+                    rhat_zero_pct=rhat_zero_share(spec, estimate, refined, total))
+    return _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s,
+                   counters, log)
+
+
+def _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s,
+            c: dict, log=None) -> SimResult:
+    """Per-request latencies and the summary metrics of one run from its clocks and counters."""
+    n = len(finish_round)
+    rounds, clock = c["rounds"], c["clock"]
     latency_rounds = finish_round - arrive_round
     latency_s = finish_s - arrive_s
     ttfb_r = ttfb_round - arrive_round
@@ -380,17 +408,80 @@ def simulate(
         "throughput_rps": n / makespan,
         "throughput_per_round": n / max(rounds, 1),
         "makespan_s": makespan,
-        "prefill_only_rounds_pct": 100.0 * prefill_only / max(rounds, 1),
-        "idle_slots_pct": 100.0 * (1.0 - used_slots / max(rounds * config.slots, 1)),
-        "preemptions_per_request": preemptions / n,
+        "prefill_only_rounds_pct": 100.0 * c["prefill_only"] / max(rounds, 1),
+        "idle_slots_pct": 100.0 * (1.0 - c["used_slots"] / max(rounds * config.slots, 1)),
+        "preemptions_per_request": c["preemptions"] / n,
         "max_latency_s": float(latency_s.max()),
         "max_latency_rounds": int(latency_rounds.max()),
-        "prefill_only_time_pct": 100.0 * prefill_only_s / max(clock - float(times[0]), 1e-12),
-        "cap_blocked_rounds_pct": 100.0 * cap_blocked / max(rounds, 1),
-        "rhat_zero_pct": rhat_zero_share(spec, estimate, refined, total),
+        "prefill_only_time_pct": 100.0 * c["prefill_only_s"] / max(clock - float(times[0]), 1e-12),
+        "cap_blocked_rounds_pct": 100.0 * c["cap_blocked"] / max(rounds, 1),
+        "rhat_zero_pct": c["rhat_zero_pct"],
         "round_cost_source": cost.source,
     }
     return SimResult(policy, metrics, latency_rounds, latency_s, ttfb_r, ttfb_sec, finish_round, log)
+
+
+def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arrivals=None) -> SimResult:
+    """SGLang 0.5.23's dLLM loop without ``--dllm-fdfo`` (``sglang-sync``).
+
+    At most ``B`` requests are held, admitted in arrival order as others finish. A step is a
+    prefill forward (one prompt block for each held request that has one left; prefill first) or,
+    when none has, a decode step: every held request's current output block, run for as many
+    forwards as the slowest of them needs (``rounds_per_block``), every forward holding all of them;
+    then each moves to its next block, and those past their last block leave.
+    """
+    if workload.block_rounds is None:
+        raise ConfigError("sglang-sync needs the rounds of every output block: traces with rounds_per_block")
+    n = len(workload)
+    kv_reservations(workload, config)  # the same refusal as the other schedulers
+    order, times = make_arrivals(n, config) if arrivals is None else arrivals
+    cost = config.cost
+    blocks = workload.block_rounds
+    P = workload.prompt_blocks.copy()
+    nxt = np.zeros(n, dtype=np.int64)  # index of the current output block
+    arrive_round = np.zeros(n, dtype=np.int64)
+    arrive_s, finish_s, ttfb_s = np.zeros(n), np.zeros(n), np.zeros(n)
+    finish_round, ttfb_round = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    held: list[int] = []
+    clock, rounds, ptr, queued, n_done = 0.0, 0, 0, 0, 0
+    c = dict(used_slots=0, prefill_only=0, prefill_only_s=0.0, preemptions=0, cap_blocked=0)
+    while n_done < n:
+        end = int(np.searchsorted(times, clock, side="right"))
+        for pos in range(ptr, end):
+            arrive_round[order[pos]], arrive_s[order[pos]] = rounds, times[pos]
+        ptr = end
+        while len(held) < config.slots and queued < ptr:
+            held.append(int(order[queued]))
+            queued += 1
+        if not held:
+            clock = float(times[ptr])
+            continue
+        idx = np.asarray(held)
+        prefill = idx[P[idx] > 0]
+        if len(prefill):
+            steps, dt = 1, float(cost.seconds(len(prefill), 0))
+            P[prefill] -= 1
+            c["prefill_only"] += 1
+            c["prefill_only_s"] += dt
+            c["used_slots"] += len(prefill)
+        else:
+            steps = int(max(blocks[i][nxt[i]] for i in held))
+            dt = steps * float(cost.seconds(0, len(held)))
+            c["used_slots"] += steps * len(held)
+        c["cap_blocked"] += steps * (queued < ptr and len(held) >= config.slots)
+        clock += dt
+        rounds += steps
+        if len(prefill):
+            continue
+        nxt[idx] += 1
+        first = idx[nxt[idx] == 1]
+        ttfb_round[first], ttfb_s[first] = rounds, clock
+        done = [i for i in held if nxt[i] >= len(blocks[i])]
+        finish_round[done], finish_s[done] = rounds, clock
+        n_done += len(done)
+        held = [i for i in held if nxt[i] < len(blocks[i])]
+    c.update(rounds=rounds, clock=clock, rhat_zero_pct=float("nan"))
+    return _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s, c)
 
 
 def rhat_zero_share(spec, estimate: np.ndarray, refined: np.ndarray | None, total: np.ndarray) -> float:
@@ -473,7 +564,8 @@ def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arriv
 def available_policies(workload: SimRequests) -> list[str]:
     """Policies the workload's predictions allow (all, or those needing no bundle)."""
     have = {"admission": workload.admission is not None, "refined": workload.refined is not None,
-            "probe": workload.probe is not None, "raw": workload.raw_refined is not None}
+            "probe": workload.probe is not None, "raw": workload.raw_refined is not None,
+            "blocks": workload.block_rounds is not None}
     return [p for p in POLICIES if all(have[s] for s in NEEDS_BUNDLE.get(p, ()))]
 
 
