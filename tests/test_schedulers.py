@@ -244,3 +244,16 @@ def test_sglang_sync_mode_worked_out_by_hand():
     # FDFO releases B's slot as soon as a block is done instead: C is not held back until round 5
     fdfo = simulate(w, "sglang-default", SimConfig(slots=2, round_ms=1000.0, slot_ms=0.0), arrivals([0, 0, 0]))
     assert fdfo.metrics["mean_latency_rounds"] < r.metrics["mean_latency_rounds"]
+
+
+def test_gain_decomposition_multiplies_out():
+    from dwise_predict.serving.simulator import gain_decomposition
+
+    means = {"sglang-default": 12.0, "fcfs-mixed": 6.0, "dwise-zero": 4.0, "dwise-admission": 3.0,
+             "dwise-raw": 2.5, "dwise-refined": 2.0, "dwise-oracle": 1.6}
+    rows = [{"arrival": "burst", "policy": p, "mean_latency_s": m} for p, m in means.items()]
+    gains = {g["step"]: g["gain"] for g in gain_decomposition(rows)}
+    assert gains["mixed batching"] == 2.0 and gains["ordering by prompt work"] == 1.5
+    assert gains["refinement (raw)"] * gains["calibration"] == pytest.approx(gains["refinement (calibrated)"])
+    total = gains["mixed batching"] * gains["ordering by prompt work"] * gains["admission estimates"] * gains["refinement (calibrated)"]
+    assert total == pytest.approx(12.0 / 2.0)  # the speed-up of dwise-refined over the default

@@ -39,6 +39,7 @@ def test_simulate_writes_table_csv_json_and_plot(traces_and_bundle, tmp_path, ca
     assert (out / "simulate_categories.png").is_file()
     html = (out / "report.html").read_text()
     assert "Scheduling simulation" in html and "a test GPU" in html and html.count("data:image/png;base64,") == 2
+    assert "Where the gain comes from" in html and "mixed batching" in html
     saved = json.loads((out / "simulate.json").read_text())
     assert saved["rows"] == rows and saved["settings"]["slots"] == 8
     assert saved["settings"]["round_cost"]["source"] == "a test GPU" and saved["settings"]["requests"] == 300

@@ -156,6 +156,11 @@ def simulate_command(
         typer.echo(json.dumps(rows, indent=2))
     else:
         console(240).print(render_table(rows, title, first))
+        if not rates and not ks:
+            from dwise_predict.serving.simulator import gain_decomposition
+
+            for g in gain_decomposition(rows):
+                typer.echo(f"{g['arrival']}: {g['step']} ({g['from']} → {g['to']}): {g['gain']:.2f}x")
         if rates:
             from dwise_predict.serving.simulator import ranking_pays_from
 

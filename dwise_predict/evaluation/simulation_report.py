@@ -61,6 +61,10 @@ def simulation_section(saved: dict, pngs: dict[str, bytes]) -> Section:
             f"(base {fmt(cost.get('base_ms'), 3)} ms, prefill block {fmt(cost.get('prefill_block_ms'), 3)} ms, "
             f"decode block {fmt(cost.get('decode_block_ms'), 3)} ms).")
     blocks: list = [scheduler_table(rows, group)]
+    if saved.get("gains"):
+        blocks.append(Table([group if group != "rate_rps" else "rate req/s", "step", "from", "to", "mean-latency gain"],
+                            [[str(g[group]), g["step"], g["from"], g["to"], f"{g['gain']:.2f}x"] for g in saved["gains"]],
+                            "Where the gain comes from (ratio of mean latency, from / to)"))
     for name, png in pngs.items():
         blocks.append(Figure(name, png, "Mean and p99 latency per scheduler (log scale)." if "categories" not in name
                              else "Per-category p99 latency."))

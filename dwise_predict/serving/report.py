@@ -60,8 +60,13 @@ def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
     write_csv(paths[0], rows)
-    atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or []},
-                                            indent=2, default=str).encode())
+    gains = []
+    if rows and "arrival" in rows[0]:
+        from dwise_predict.serving.simulator import gain_decomposition
+
+        gains = gain_decomposition(rows)
+    atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or [],
+                                             "gains": gains}, indent=2, default=str).encode())
     atomic_write_bytes(paths[2], _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem)))
     if tails:
         paths += [out / f"{stem}_categories.csv", out / f"{stem}_categories.png"]

@@ -713,6 +713,29 @@ def sweep_k(workload: SimRequests, config: SimConfig, ks: list[float], policies:
     return rows
 
 
+GAIN_STEPS = (
+    ("mixed batching", "sglang-default", "fcfs-mixed"),
+    ("ordering by prompt work", "fcfs-mixed", "dwise-zero"),
+    ("admission estimates", "dwise-zero", "dwise-admission"),
+    ("refinement (raw)", "dwise-admission", "dwise-raw"),
+    ("calibration", "dwise-raw", "dwise-refined"),
+    ("refinement (calibrated)", "dwise-admission", "dwise-refined"),
+    ("headroom to the oracle", "dwise-refined", "dwise-oracle"),
+)
+
+
+def gain_decomposition(rows: list[dict], group_key: str = "arrival") -> list[dict]:
+    """Where DWISE's gain over SGLang's default comes from: the mean-latency ratio of each step of
+    :data:`GAIN_STEPS` (from → to; > 1 means the step helps), per group, for the pairs present."""
+    out = []
+    for group in dict.fromkeys(r.get(group_key) for r in rows):
+        mean = {r["policy"]: r["mean_latency_s"] for r in rows if r.get(group_key) == group}
+        for step, a, b in GAIN_STEPS:
+            if a in mean and b in mean and mean[b] > 0:
+                out.append({group_key: group, "step": step, "from": a, "to": b, "gain": mean[a] / mean[b]})
+    return out
+
+
 def ranking_pays_from(rows: list[dict], policy: str = "dwise-refined", margin: float = 1.05) -> float | None:
     """The lowest swept rate from which ``policy`` beats ``fcfs-mixed`` on mean latency by ``margin``
     at every higher rate (below it, ranking stops paying: the queue is too short to reorder); None
