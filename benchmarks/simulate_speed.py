@@ -36,6 +36,7 @@ def main() -> None:
     workload.admission = workload.total_rounds * np.exp(rng.normal(0.0, 0.8, len(workload)))
     workload.refined = np.maximum(workload.total_rounds - 1 + rng.normal(0.0, 3.0, len(workload)), 0.0)
     workload.probe = np.maximum(workload.total_rounds - 1 + rng.normal(0.0, 6.0, len(workload)), 0.0)
+    workload.raw_refined = workload.refined * 1.3  # an uncalibrated scale, same order
     print(f"{len(workload)} requests, mean prompt blocks {workload.prompt_blocks.mean():.1f}, "
           f"mean denoising rounds {workload.total_rounds.mean():.1f}, B={args.slots}, k={args.k:g}")
 

@@ -362,9 +362,11 @@ def simulate(
         finished = np.zeros(n_run, dtype=bool)
         finished[dn_pos] = done_rounds[dn] >= total[dn]
         refined_now = None
-        if refined is not None:
-            refined_now = np.full(n_run, np.nan)
-            refined_now[dn_pos] = refined[dn]  # the policy uses it only on the first denoising round
+        if refined is not None and repeat == 1:  # the policy uses it only on the first denoising round
+            now_first = done_rounds[dn] == 1
+            if now_first.any():
+                refined_now = np.full(n_run, np.nan)
+                refined_now[dn_pos[now_first]] = refined[dn[now_first]]
         pol.complete_round(plan, finished, refined_now, repeat)
         fin = run[finished]
         finish_round[fin], finish_s[fin] = rounds, clock
