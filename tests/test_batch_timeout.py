@@ -122,3 +122,21 @@ def test_service_times_of_synchronized_batches_from_traces_and_a_round_cost():
     s = sync_batch_service_times(w, RoundCost(10, 1, 2, source="hand"), 2, n_batches=40, seed=0)
     assert set(np.round(s.samples * 1000, 6).tolist()) <= {14.0, 60.0, 66.0} and len(set(s.samples.tolist())) == 3
     assert s.batch_size == 2 and "hand" in s.source
+
+
+def test_cli_from_traces_and_a_round_profile(tmp_path, capsys):
+    from dwise_predict.traces import write_traces
+    from dwise_predict.traces.synthetic import make_synthetic_traces
+
+    traces = write_traces(make_synthetic_traces(n_requests=120, hidden_size=8, seed=1, block_size=16), tmp_path / "tr")
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"source": "unit profile", "base_ms": 40, "prefill_block_ms": 1, "decode_block_ms": 2}))
+    args = ["batch-timeout", "--traces", str(traces), "--round-profile", str(profile), "--batch-size", "4",
+            "--requests", "2000", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "unit profile" in result["settings"]["source"] and result["settings"]["batch_size"] == 4
+    s = result["settings"]["mean_s"]
+    assert [r["t_min_s"] for r in result["rows"]] == pytest.approx([s - s / (rho * 4) for rho in bt.PAPER_RHOS])
+    assert main(["batch-timeout", "--traces", str(traces)]) == 1
+    assert "--traces and --round-profile go together" in capsys.readouterr().err
