@@ -96,6 +96,19 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.model_executor.forward_batch_info", "ForwardMode.DLLM_EXTEND", "attribute"),
     Touch("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "call",
           ("self", "forward_batch", "skip_attn_backend_init", "pp_proxy_tensors")),
+    # lifecycle: reconcile with SGLang's queues, abort what can never fit, follow the prefix match
+    Touch(_SCHED, "DllmManager.staging_queue", "attribute"),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.abort_request", "call", ("self", "recv_req")),
+    Touch("sglang.srt.managers.io_struct", "AbortReq.finished_reason", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.output_ids", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.prefix_len", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "ScheduleBatch.reqs", "attribute"),
+    Touch("sglang.srt.managers.schedule_policy", "PrefillAdder.can_run_list", "attribute"),
+    # recording: the first forward's logits and mask positions
+    Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.mask_id", "attribute"),
+    Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.block_size", "attribute"),
+    # the launcher: the scheduler child's entry point
+    Touch("sglang.srt.entrypoints.engine", "Engine.run_scheduler_process_func", "attribute"),
 )
 
 
@@ -224,7 +237,9 @@ class _State:
         self.batch_prompt: dict = {}  # rid -> the request ran a prompt block in the batch being run
         self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
+        self.first_signals = None  # (B, 3) early signals of that forward (recording mode)
         self.forwards = 0  # forwards in the current step
+        self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
         self.checked = False  # the first refinement checked that the buffer was written
 
     def bind(self, scheduler) -> None:
@@ -491,7 +506,8 @@ def install(
             return
         reqs = [r for r in batch.reqs if r.rid in state.reqs]
         prompt = [state.batch_prompt.get(r.rid, r.is_dllm_prefill()) for r in reqs]
-        first = [i for i, r in enumerate(reqs) if not prompt[i] and state.policy.fields(r.rid)["denoising_rounds"] == 0]
+        first = [i for i, r in enumerate(reqs) if not prompt[i] and not getattr(r, "_dwise_rounds", 0)
+                 and state.policy.fields(r.rid)["denoising_rounds"] == 0]
         rows = {}
         if state.first_pooled is not None and (first or state.recorder is not None):
             import torch
@@ -518,7 +534,9 @@ def install(
             rounds = 1 if is_prompt else steps
             if state.recorder is not None:
                 row = state.first_pooled[rows[r.rid]] if state.first_pooled is not None else None
-                state.recorder.forward(r, is_prompt, row, rounds)
+                signals = state.first_signals[rows[r.rid]].tolist() if state.first_signals is not None else None
+                own = state.row_forwards[rows[r.rid]] if state.row_forwards else 0
+                state.recorder.forward(r, is_prompt, row, own or rounds, signals)
             if not is_prompt:
                 r._dwise_rounds = getattr(r, "_dwise_rounds", 0) + rounds
             for j in range(rounds):
@@ -534,7 +552,7 @@ def install(
     original_run = algorithm.run
 
     def run(self, model_runner, forward_batch, algo_states=None):
-        state.first_pooled, state.forwards = None, 0
+        state.first_pooled, state.first_signals, state.forwards = None, None, 0
         if state.pooled is not None:
             state.pooled.fill_(math.nan)  # what a replay that skipped the copy would leave: caught below
         forward = model_runner.forward
@@ -543,11 +561,29 @@ def install(
             out = forward(*args, **kwargs)
             if state.forwards == 0 and state.pooled is not None:
                 state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
+                if state.recorder is not None:  # recording: first-round early signals, before the step fills
+                    state.first_signals = state.recorder.signals(
+                        out.logits_output.full_logits, forward_batch.input_ids, self.mask_id, self.block_size,
+                        float(getattr(self, "threshold", 0.95)))
             state.forwards += 1
             return out
 
+        step = self.step
+        state.row_forwards = None
+
+        def counted_step(batch, full_logits, states):
+            done = step(batch, full_logits, states)
+            if state.row_forwards is None:
+                state.row_forwards = [0] * len(done)
+            for i, d in enumerate(done):  # a row's own forwards: those until its block first reported done
+                if d and not state.row_forwards[i]:
+                    state.row_forwards[i] = state.forwards
+            return done
+
         own = vars(model_runner).get("forward")
+        own_step = vars(self).get("step")
         model_runner.forward = counted_forward
+        self.step = counted_step
         try:
             return original_run(self, model_runner, forward_batch, algo_states)
         finally:
@@ -555,6 +591,10 @@ def install(
                 del model_runner.forward  # back to the class method
             else:
                 model_runner.forward = own
+            if own_step is None:
+                del self.step
+            else:
+                self.step = own_step
 
     original_logits = logits._get_dllm_logits
 
