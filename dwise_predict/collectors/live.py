@@ -214,7 +214,7 @@ def early_signals(full_logits, input_ids, mask_id: int, block_size: int, thresho
     probs = torch.softmax(logits, dim=-1)
     top = probs.max(dim=-1).values  # (B, bs)
     entropy = -(probs * torch.log(probs.clamp_min(1e-12))).sum(dim=-1)  # (B, bs)
-    masked = (input_ids.view(batch, block_size) == mask_id).float()
+    masked = (input_ids.view(batch, block_size) == mask_id).float().to(logits.device)
     count = masked.sum(dim=1).clamp_min(1.0)
     return torch.stack([((top > threshold).float() * masked).sum(1) / count, (top * masked).sum(1) / count,
                         (entropy * masked).sum(1) / count], dim=1)

@@ -7,22 +7,31 @@ against the committed snapshot ``tests/fakes/sglang_surface.json`` always.
 
 What the patch does, at the four points of seed 000 §5.1:
 
-- **admission** — ``SchedulerDllmMixin._fetch_waiting_reqs`` is replaced: new requests in the
-  scheduler's waiting queue are registered with a :class:`~dwise_predict.serving.policy.DwisePolicy`
-  (``P`` = full prompt blocks, ``r̂`` = the bundle's admission estimate, KV reservation = prompt +
-  output budget + slack blocks), the policy ranks waiting ∪ resident, and the admitted requests move
-  into the dLLM manager's queue (SGLang's resident set);
+- **admission** — ``SchedulerDllmMixin._fetch_waiting_reqs`` is replaced: the policy is first
+  reconciled with SGLang's own queues (requests SGLang finished or aborted leave it; retracted or
+  paused ones, back in the waiting queue, are registered again), new requests are registered with a
+  :class:`~dwise_predict.serving.policy.DwisePolicy` (``P`` = prompt blocks, ``r̂`` = the bundle's
+  admission estimate, KV reservation = prompt + output budget + slack blocks; a request whose
+  reservation exceeds the whole budget is aborted through SGLang's ``abort_request`` with a
+  message), the policy ranks waiting ∪ resident, and the admitted requests move into the dLLM
+  manager's queue (SGLang's resident set);
 - **batch formation** — ``SchedulerDllmMixin._process_dllm_batches`` is replaced: the ``B`` resident
   requests the policy picked go to SGLang's own ``_process_batch_by_phase``, prompt and denoising
-  blocks in one ``DLLM_EXTEND`` batch (no prefill-first barrier). Models that encode the prompt in a
-  separate pass (``requires_separate_context_encoding``) cannot mix phases: there the resident queue
-  is only reordered and SGLang's own batch former runs;
+  blocks in one ``DLLM_EXTEND`` batch (no prefill-first barrier). SGLang's adder still applies its
+  budgets (picks it leaves out are counted in :class:`HookStats`); after staging, ``P`` follows the
+  prefix SGLang matched (``engine.prefill_rounds``). Models that encode the prompt in a separate
+  pass (``requires_separate_context_encoding``) cannot mix phases: there the resident queue is only
+  reordered and SGLang's own batch former runs;
 - **result processing** — ``SchedulerDllmMixin.process_batch_result_dllm`` is wrapped: after SGLang
   commits outputs, the policy's fields are updated for every request of the batch, with the refined
-  estimate for requests whose first denoising round this was;
-- **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped to mean-pool the block's
-  final-layer hidden rows into a static buffer (a device copy, CUDA-graph capturable), and
-  ``DllmAlgorithm.run`` is wrapped to snapshot that buffer after the step's first forward pass.
+  estimate for requests whose first denoising round this was (and the recorder, in recording mode,
+  gets the request's forwards and pooled rows);
+- **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped to mean-pool each
+  request's block rows into a static buffer allocated at install (block size and largest batch
+  known then), so the copy is captured in SGLang's CUDA graphs and every replay writes it;
+  ``DllmAlgorithm.run`` is wrapped to fill that buffer with NaN before a step and snapshot it after
+  the step's first forward. The first refinement checks the snapshot: an unwritten buffer (a graph
+  captured before install) is a one-line :class:`ConfigError`, never silent zeros.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
@@ -30,6 +39,7 @@ synchronisation, as one batched call of the bundle's torch graph on the rows' de
 A scheduler step is one round only with ``--dllm-fdfo`` (one forward per step); without it SGLang
 runs every denoising round of a block inside one step, and the policy is advanced by the number of
 forwards the step ran (its ranking then changes per block, not per round). Use FDFO with DWISE.
+Install it in the scheduler process with :mod:`dwise_predict.serving.launcher`.
 """
 
 from __future__ import annotations
