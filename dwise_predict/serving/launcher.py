@@ -196,6 +196,9 @@ def serve(config: HookConfig, sglang_argv: list[str]) -> None:
 
     ``sglang_argv`` are SGLang's own server arguments. Runs until the server stops.
     """
+    problems = config.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
     try:
         from sglang.srt.entrypoints.http_server import launch_server
         from sglang.srt.plugins import load_plugins

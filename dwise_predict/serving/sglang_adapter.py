@@ -518,16 +518,15 @@ def install(
         prompt = [state.batch_prompt.get(r.rid, r.is_dllm_prefill()) for r in reqs]
         first = [i for i, r in enumerate(reqs) if not prompt[i] and not getattr(r, "_dwise_rounds", 0)
                  and state.policy.fields(r.rid)["denoising_rounds"] == 0]
-        rows = {}
-        if state.first_pooled is not None and (first or state.recorder is not None):
+        rows = {r.rid: batch.reqs.index(r) for r in reqs}
+        if state.first_pooled is not None and first:
             import torch
 
-            if not state.checked and first:
+            if not state.checked:
                 snap = state.first_pooled[[batch.reqs.index(reqs[i]) for i in first]]
                 if not bool(torch.isfinite(snap).all()):  # one sync, on the first refinement only
                     raise ConfigError(UNWRITTEN)
                 state.checked = True
-            rows = {r.rid: batch.reqs.index(r) for r in reqs}
         refined = {}
         if first and state.bundle is not None and state.first_pooled is not None:
             import torch

@@ -54,7 +54,8 @@ SGL = sglang_reference.load_scheduler()
 DllmConfig = SGL.DllmConfig
 DllmReqPhase = SGL.req.DllmReqPhase
 ReqDllmMixin = SGL.req.ReqDllmMixin
-SchedulerDllmMixin = SGL.SchedulerDllmMixin
+RealSchedulerDllmMixin = SGL.SchedulerDllmMixin
+SchedulerDllmMixin = RealSchedulerDllmMixin  # rebound to FakeDllmMixin below
 DllmManager = SGL.DllmManager
 DllmAlgorithm = SGL.base.DllmAlgorithm
 ForwardMode = SGL.ForwardMode
@@ -290,42 +291,12 @@ class FillAlgorithm(DllmAlgorithm):
 # --- sglang.srt.managers.scheduler --------------------------------------------------------------------
 
 
-class Scheduler(SchedulerDllmMixin):
-    """The scheduler state and the GPU-side methods SGLang's dLLM mixin calls."""
+class FakeDllmMixin(SchedulerDllmMixin):
+    """SGLang's ``SchedulerDllmMixin`` with its GPU-bound ``process_batch_result_dllm`` rewritten.
 
-    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9):
-        self.dllm_config = dllm_config
-        self.batch_capacity = batch_capacity
-        self.max_prefill_tokens = max_prefill_tokens
-        self.max_total_num_tokens = max_total_num_tokens
-        self.waiting_queue = []
-        self.enable_priority_preemption = False
-        self.truncation_align_size = None
-        self.tree_cache = RadixCache(dllm_config.block_size)
-        self.dllm_manager = DllmManager(dllm_config=dllm_config)
-        self.aborted: dict = {}  # rid -> the message the client got
-
-    # what SGLang's mixin calls on the scheduler
-    def get_num_allocatable_reqs(self, running_bs, num_held_rows=0):
-        return 10**9
-
-    def stash_chunked_request(self, req):
-        """``checkpoint_kv_cache``: cache the request's committed tokens; ``prefix_len = extend_end``."""
-        self.tree_cache.insert(req.full_untruncated_fill_ids, req.extend_end)
-        req.prefix_len = req.extend_end
-
-    def get_new_batch_dllm(self, running_batch=None):
-        """``SchedulerDllmMixin.get_new_batch_dllm`` with the fake adder and batch."""
-        if not self.waiting_queue and self.dllm_manager.is_empty():
-            return None
-        adder = PrefillAdder(self.dllm_config.block_size, self.batch_capacity, self.max_prefill_tokens)
-        self.dllm_manager.init_next_round()
-        self._fetch_waiting_reqs()
-        forward_mode = self._process_dllm_batches(adder, running_batch=SimpleNamespace(reqs=[], batch_is_full=False))
-        if not adder.can_run_list:
-            return None
-        self._update_state_for_batch(adder.can_run_list, adder)
-        return ScheduleBatch(adder.can_run_list, forward_mode)
+    It stands where the real mixin stands for the adapter (``resolve`` hands it out under that
+    name), so the adapter patches and wraps exactly what SGLang's ``Scheduler`` would inherit.
+    """
 
     def process_batch_result_dllm(self, batch, result):
         """SGLang's commit logic, without KV pools, streaming or metrics."""
@@ -368,6 +339,44 @@ class Scheduler(SchedulerDllmMixin):
         if req.finished():
             self.tree_cache.insert(req.full_untruncated_fill_ids, req.extend_end)
 
+
+class Scheduler(FakeDllmMixin):
+    """The scheduler state and the GPU-side methods SGLang's dLLM mixin calls."""
+
+    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9):
+        self.dllm_config = dllm_config
+        self.batch_capacity = batch_capacity
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_total_num_tokens = max_total_num_tokens
+        self.waiting_queue = []
+        self.enable_priority_preemption = False
+        self.truncation_align_size = None
+        self.tree_cache = RadixCache(dllm_config.block_size)
+        self.dllm_manager = DllmManager(dllm_config=dllm_config)
+        self.aborted: dict = {}  # rid -> the message the client got
+
+    # what SGLang's mixin calls on the scheduler
+    def get_num_allocatable_reqs(self, running_bs, num_held_rows=0):
+        return 10**9
+
+    def stash_chunked_request(self, req):
+        """``checkpoint_kv_cache``: cache the request's committed tokens; ``prefix_len = extend_end``."""
+        self.tree_cache.insert(req.full_untruncated_fill_ids, req.extend_end)
+        req.prefix_len = req.extend_end
+
+    def get_new_batch_dllm(self, running_batch=None):
+        """``SchedulerDllmMixin.get_new_batch_dllm`` with the fake adder and batch."""
+        if not self.waiting_queue and self.dllm_manager.is_empty():
+            return None
+        adder = PrefillAdder(self.dllm_config.block_size, self.batch_capacity, self.max_prefill_tokens)
+        self.dllm_manager.init_next_round()
+        self._fetch_waiting_reqs()
+        forward_mode = self._process_dllm_batches(adder, running_batch=SimpleNamespace(reqs=[], batch_is_full=False))
+        if not adder.can_run_list:
+            return None
+        self._update_state_for_batch(adder.can_run_list, adder)
+        return ScheduleBatch(adder.can_run_list, forward_mode)
+
     def abort_request(self, recv_req):
         """``Scheduler.abort_request``: pop from the waiting queue and from both dLLM queues."""
         kept = []
@@ -405,10 +414,12 @@ class Scheduler(SchedulerDllmMixin):
         return batch
 
 
+SchedulerDllmMixin = FakeDllmMixin
+
 MODULES = {
     "sglang.srt.dllm.config": SimpleNamespace(DllmConfig=DllmConfig),
     "sglang.srt.dllm.mixin.req": SimpleNamespace(DllmReqPhase=DllmReqPhase, ReqDllmMixin=ReqDllmMixin),
-    "sglang.srt.dllm.mixin.scheduler": SimpleNamespace(SchedulerDllmMixin=SchedulerDllmMixin, DllmManager=DllmManager),
+    "sglang.srt.dllm.mixin.scheduler": SimpleNamespace(SchedulerDllmMixin=FakeDllmMixin, DllmManager=DllmManager),
     "sglang.srt.dllm.algorithm.base": SimpleNamespace(DllmAlgorithm=DllmAlgorithm),
     "sglang.srt.layers.logits_processor": SimpleNamespace(LogitsProcessor=LogitsProcessor),
     "sglang.srt.managers.io_struct": SimpleNamespace(AbortReq=AbortReq),
