@@ -457,6 +457,11 @@ def install(
         if state.policy is None:
             state.bind(self)
         state.reconcile(self)
+        # finished while waiting (SGLang's set_finish_with_abort): SGLang's own path, not the policy's
+        done = [r for r in self.waiting_queue if r.finished() and r.rid not in state.reqs]
+        if done:
+            self.waiting_queue = [r for r in self.waiting_queue if not (r.finished() and r.rid not in state.reqs)]
+            self.dllm_manager.add_waiting_reqs(done)
         new = [r for r in self.waiting_queue if r.rid not in state.reqs]
         if new:
             state.register(self, new)
@@ -480,7 +485,9 @@ def install(
             self.dllm_manager.waiting_queue.sort(key=lambda r: rank.get(r.rid, len(rank)))
             mode = original_batches(self, adder, running_batch)
         else:
-            run = [resident[rid] for rid in state.run_rids if rid in resident]
+            # requests SGLang placed there without the policy (finished while waiting) run first, as they would
+            run = [r for rid, r in resident.items() if rid not in state.reqs]
+            run += [resident[rid] for rid in state.run_rids if rid in resident]
             prefill = [r for r in run if r.is_dllm_prefill()]
             decode = [r for r in run if not r.is_dllm_prefill()]
             self._process_batch_by_phase(adder, prefill, phase.STAGING_PREFILL, phase.INCOMING_PREFILL, running_batch)

@@ -392,7 +392,7 @@ class Scheduler(FakeDllmMixin):
     def retract(self, rids):
         """Retraction / ``pause_generation(mode="retract")``: KV released, back to the waiting queue."""
         manager = self.dllm_manager
-        out = [r for r in manager.waiting_queue if r.rid in rids]
+        out = [r for r in manager.waiting_queue if r.rid in rids and not r.finished()]
         manager.waiting_queue = [r for r in manager.waiting_queue if r.rid not in rids]
         manager.staging_queue = [r for r in manager.staging_queue if r.rid not in rids]
         for req in out:
