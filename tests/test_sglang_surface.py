@@ -83,7 +83,7 @@ def test_fake_instances_have_the_snapshot_attributes(touch):
     instances = {
         "DllmConfig": config,
         "DllmManager": sglang_fake.DllmManager(config),
-        "SchedulerDllmMixin": sglang_fake.Scheduler(config, 2, 1000),
+        "FakeDllmMixin": sglang_fake.Scheduler(config, 2, 1000),  # the fake's SchedulerDllmMixin
         "Scheduler": sglang_fake.Scheduler(config, 2, 1000),
         "Req": req,
         "ScheduleBatch": sglang_fake.ScheduleBatch([req], sglang_fake.ForwardMode.DLLM_EXTEND),

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dwise_predict.cli.options import log
+from dwise_predict.errors import ConfigError
 from dwise_predict.serving.launcher import HookConfig
 
 _DEFAULT = HookConfig()
@@ -49,6 +50,9 @@ def serve_command(
         hidden_size=hidden_size, tokenizer=tokenizer, record=None if record is None else str(record),
         record_every=record_every,
     )
+    problems = config.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
     if dry_run:
         typer.echo(json.dumps({"hook": describe(resolved(config)), "sglang_args": list(sglang_args or [])}, indent=2))
         return
