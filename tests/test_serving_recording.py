@@ -27,6 +27,7 @@ def workload(n_requests, seed, shared=0):
         n = int(rng.integers(3, 40))
         ids = [1 + t % 50 for t in range(min(shared, n))] + [100 + 1000 * (i + 100 * seed) + t for t in range(n - min(shared, n))]
         forwards = [int(x) for x in rng.integers(2, 7, size=int(rng.integers(1, 4)))]
+        forwards[0] = min(forwards[0], BS - n % BS + 1)  # at least one fill per step: r <= masked positions
         out.append((f"s{seed}-r{i:03d}", ids, forwards, rng.normal(size=H).astype(np.float32)))
     return out
 
