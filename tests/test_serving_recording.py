@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 import sglang_reference
 
@@ -101,3 +102,90 @@ def test_a_restart_resumes_and_dp_ranks_merge_into_traces_train_accepts(tmp_path
                          admission_min_child_samples=2)
     metrics = train_run(tmp_path / "all", tmp_path / "run", config)
     assert (tmp_path / "run" / "metrics.json").is_file() and isinstance(metrics, dict)
+
+
+class TinyModelRunner(fake.ModelRunner):
+    """The shipped tiny dLLM behind the fake's model runner (one request at a time): each forward is
+    one backend step over the request's block, the previous finished block committed in front of a
+    new block's first forward, as the collector's decoder does. The hook sees the window's final
+    hidden rows; the algorithm sees the model's logits."""
+
+    def __init__(self, backend):
+        super().__init__(backend.block_size, backend.hidden_size)
+        from dwise_predict.collectors.backends.base import StepBatch
+
+        self.backend, self.batch = backend, StepBatch
+        self.rid, self.context, self.last = None, None, None
+        backend.allocate(1)
+
+    def _step(self, ids, commit, out_start):
+        t = lambda v: torch.tensor([v])  # noqa: E731
+        return self.backend.step(self.batch(slots=t(0), input_ids=ids[None], n_valid=t(len(ids)), commit_len=t(commit),
+                                            out_start=t(out_start), window=self.block_size))
+
+    def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None, **kwargs):
+        self.calls += 1
+        (req,) = forward_batch.reqs
+        if req.rid != self.rid:
+            self.backend.reset_slot(0)
+            self.rid, self.context, self.last = req.rid, None, None
+        ids = forward_batch.input_ids.clone()
+        if req.is_dllm_prefill():
+            out = self._step(ids, self.block_size, 0)
+        elif self.last is not None and req.prefix_len != self.context:  # a new block: commit the last one
+            out = self._step(torch.cat([self.last, ids]), self.block_size, self.block_size)
+        else:
+            out = self._step(ids, 0, 0)
+        if not req.is_dllm_prefill():
+            self.context, self.last = req.prefix_len, ids
+        self.logits_processor._get_dllm_logits(out.hidden[0].float(), None, None)  # what the hook pools
+        return fake.SimpleNamespace(logits_output=fake.SimpleNamespace(full_logits=out.logits[0].float()),
+                                    can_run_graph=False)
+
+
+def test_recording_equals_collect_on_the_same_requests(tmp_path):
+    """The tiny dLLM served by the fake (SGLang's own LowConfidence loop) and recorded by the hook
+    gives the traces `collect` writes for the same requests."""
+    from dwise_predict.collectors.backends import load_backend
+    from dwise_predict.collectors.collect import collect
+    from dwise_predict.collectors.records import DecodingConfig
+    from dwise_predict.collectors.workloads import load_workload
+
+    budget = 40
+    collect("tiny", "tiny-default", tmp_path / "collected", DecodingConfig(algorithm="LowConfidence", budget=budget,
+                                                                           batch_size=1), limit=8)
+    want = load_traces(tmp_path / "collected")
+    backend = load_backend("tiny")
+    sgl = sglang_reference.load()
+    config = fake.DllmConfig(algorithm="LowConfidence", algorithm_config={}, block_size=backend.block_size,
+                             mask_id=backend.mask_token_id, max_running_requests=1)
+    algorithm = sgl.algorithms["LowConfidence"](config)  # SGLang's own class
+    manifest = live_manifest({"name": "tiny", "hidden_size": backend.hidden_size}, "LowConfidence", {},
+                             backend.block_size, budget)
+    recorder = LiveRecorder(tmp_path / "recorded", block_size=backend.block_size, every=4, manifest=manifest)
+    handle = install(None, slots=1, k=1, resolve=fake.resolve, block_size=backend.block_size, max_batch=1,
+                     device="cpu", hidden_size=backend.hidden_size, recorder=recorder)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=1, max_total_num_tokens=10**9)
+        sp = type("SP", (), {"max_new_tokens": budget})()
+        for r in load_workload("tiny-default", seed=0, limit=8).requests:
+            ids = backend.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
+            scheduler.waiting_queue.append(fake.Req(r.request_id, ids, sp, config, [], None, None,
+                                                    eos_token_id=backend.eos_token_id))
+        fake.serve(scheduler, algorithm, TinyModelRunner(backend))
+    finally:
+        handle.uninstall()
+        recorder.close()
+    got = load_traces(tmp_path / "recorded")
+    a = want.requests.set_index("request_id").sort_index()
+    b = got.requests.set_index("request_id").sort_index()
+    assert list(a.index) == list(b.index) and len(a) == 8
+    for col in ("prompt_tokens", "prompt_blocks", "total_rounds", "finish", "budget", "block_size"):
+        assert a[col].tolist() == b[col].tolist(), col
+    assert [list(x) for x in a["rounds_per_block"]] == [list(x) for x in b["rounds_per_block"]]
+    order_a = np.argsort(want.requests["request_id"].to_numpy())
+    order_b = np.argsort(got.requests["request_id"].to_numpy())
+    np.testing.assert_allclose(want.first_round[order_a], got.first_round[order_b], rtol=1e-4, atol=1e-5)
+    for col in ("frac_over_threshold", "mean_confidence", "mean_entropy"):
+        np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-4, atol=1e-5, err_msg=col)

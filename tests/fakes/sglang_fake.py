@@ -84,7 +84,8 @@ class AbortReq:
 class Req(ReqDllmMixin):
     """SGLang's request fields the dLLM path reads, with SGLang's own ``ReqDllmMixin``."""
 
-    def __init__(self, rid, origin_input_ids, sampling_params, dllm_config, rounds_per_block, hidden, features):
+    def __init__(self, rid, origin_input_ids, sampling_params, dllm_config, rounds_per_block, hidden, features,
+                 eos_token_id=None):
         self.rid = rid
         self.origin_input_ids = array("q", [int(t) for t in origin_input_ids])
         self.output_ids = array("q")
@@ -101,6 +102,7 @@ class Req(ReqDllmMixin):
         self.forwards_per_block = [int(x) for x in rounds_per_block]
         self.hidden = hidden
         self.features = features
+        self.eos_token_id = eos_token_id  # with a real model: finish on EOS or budget (update_finish_state)
         self.fills = 0  # fill steps done in the current block
         self.blocks_done = 0
 
@@ -332,7 +334,12 @@ class FakeDllmMixin(SchedulerDllmMixin):
         req.output_ids.extend(tokens)
         req.fills = 0
         req.blocks_done += 1
-        if req.blocks_done >= len(req.forwards_per_block):
+        if req.eos_token_id is not None:  # a real model: Req.update_finish_state
+            if req.eos_token_id in tokens:
+                req.finished_reason = "eos"
+            elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
+                req.finished_reason = "length"
+        elif req.blocks_done >= len(req.forwards_per_block):
             req.finished_reason = "eos"
         elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
             req.finished_reason = "length"
