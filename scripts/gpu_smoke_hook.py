@@ -17,7 +17,8 @@ runner does), and checks:
 3. a request aborted mid-run leaves the policy (and everything else still finishes);
 4. prompts sharing a prefix get P = prefill_rounds(n, block, cached prefix).
 
-Prints one line per check and exits 1 if any fails.
+Prints one line per check and exits 1 if any fails. ``--cpu`` runs the checks that need no GPU
+(eager pooling, abort, prefix) on the CPU, to test the script itself.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class TinyModel(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(V, H)
         layer = nn.TransformerEncoderLayer(H, 4, 4 * H, dropout=0.0, batch_first=True)
-        self.layers = nn.TransformerEncoder(layer, 2)
+        self.layers = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        if hasattr(torch.backends, "mha"):  # plain kernels: the fused fast path is not what we test
+            torch.backends.mha.set_fastpath_enabled(False)
 
     def forward(self, ids):
         return self.layers(self.embed(ids % V)).reshape(-1, H)  # (B*bs, H)
@@ -135,10 +138,16 @@ def expected_first_round(model, ids):
         return model(torch.tensor([block], device=DEVICE)).mean(dim=0).float().cpu().numpy()
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: this script checks CUDA-graph behaviour and needs a GPU", file=sys.stderr)
+def main(argv: list[str]) -> int:
+    global DEVICE
+    cpu = "--cpu" in argv
+    if cpu:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("no CUDA device: this script checks CUDA-graph behaviour and needs a GPU (--cpu: the rest only)",
+              file=sys.stderr)
         return 2
+    graphs = not cpu
     torch.manual_seed(0)
     model = TinyModel().to(DEVICE).eval()
     failures = []
@@ -152,24 +161,27 @@ def main() -> int:
 
     reqs = requests(24)
     serve(model, reqs, False, tmp / "eager")
-    serve(model, reqs, True, tmp / "graph")
-    eager, graph = load_traces(tmp / "eager"), load_traces(tmp / "graph")
-    same_rows = eager.requests["request_id"].tolist() == graph.requests["request_id"].tolist()
-    diff = float(np.abs(eager.first_round - graph.first_round).max()) if same_rows else float("inf")
-    check("graphs on/off record the same pooled vectors", same_rows and diff < 1e-4, f"(max |diff| {diff:.2e})")
+    eager = graph = load_traces(tmp / "eager")
+    if graphs:
+        serve(model, reqs, True, tmp / "graph")
+        graph = load_traces(tmp / "graph")
+        same_rows = eager.requests["request_id"].tolist() == graph.requests["request_id"].tolist()
+        diff = float(np.abs(eager.first_round - graph.first_round).max()) if same_rows else float("inf")
+        check("graphs on/off record the same pooled vectors", same_rows and diff < 1e-4, f"(max |diff| {diff:.2e})")
     want = np.stack([expected_first_round(model, dict((r, i) for r, i, _ in reqs)[rid])
                      for rid in graph.requests["request_id"]])
     diff = float(np.abs(graph.first_round - want).max())
     check("pooled vectors equal the model's first-round block mean", diff < 1e-3, f"(max |diff| {diff:.2e})")
 
-    try:
-        serve(model, reqs[:6], True, tmp / "early", capture_first=True)
-        check("a graph captured before install fails loudly", False, "(no error)")
-    except ConfigError as err:
-        check("a graph captured before install fails loudly", str(err) == UNWRITTEN)
+    if graphs:
+        try:
+            serve(model, reqs[:6], True, tmp / "early", capture_first=True)
+            check("a graph captured before install fails loudly", False, "(no error)")
+        except ConfigError as err:
+            check("a graph captured before install fails loudly", str(err) == UNWRITTEN)
 
     victim = reqs[3][0]
-    handle, scheduler = serve(model, reqs, True, tmp / "abort",
+    handle, scheduler = serve(model, reqs, graphs, tmp / "abort",
                               before_step=lambda step, s: step == 4 and s.abort_request(fake.AbortReq(rid=victim)))
     check("a request aborted mid-run leaves the policy",
           victim in scheduler.aborted and victim not in handle.state.policy._slot_of and handle.stats.vanished == 1
@@ -180,7 +192,7 @@ def main() -> int:
     rng = np.random.default_rng(1)
     shared = [(f"p{i}", [1 + t % 50 for t in range(96)] + [100 + 1000 * i + t for t in range(int(rng.integers(5, 60)))],
                [3]) for i in range(8)]
-    serve(model, shared, True, tmp / "prefix", slots=1)
+    serve(model, shared, graphs, tmp / "prefix", slots=1)
     rows = load_traces(tmp / "prefix").requests.set_index("request_id")
     got = [int(rows.loc[rid, "prefill_rounds"]) for rid, _, _ in shared]
     hit = [prefill_rounds(len(ids), BS, 96) for _, ids, _ in shared]
@@ -188,9 +200,10 @@ def main() -> int:
     ok = sum(g == h for g, h in zip(got, hit)) == len(shared) - 1 and sum(g == c for g, c in zip(got, cold)) == 1
     check("prompts sharing a prefix get P from the cached prefix", ok, f"(P {got}; cached {hit}; cold {cold})")
 
-    print(f"{len(failures)} failed, {time.perf_counter() - started:.1f} s on {torch.cuda.get_device_name()}")
+    where = "cpu" if cpu else torch.cuda.get_device_name()
+    print(f"{len(failures)} failed, {time.perf_counter() - started:.1f} s on {where}")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
