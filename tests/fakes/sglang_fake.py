@@ -22,9 +22,13 @@ Written here, for what needs a GPU or a real model (each mirrors the SGLang code
   sets ``prefix_len = extend_end``);
 - ``PrefillAdder``: SGLang's batch budgets (requests per batch, tokens per batch); a request that
   does not fit is left out of the step;
-- ``Scheduler``: ``get_new_batch_dllm`` with the fake adder, ``process_batch_result_dllm`` (sync:
+- ``FakeDllmMixin``: SGLang's ``SchedulerDllmMixin`` subclassed, with ``process_batch_result_dllm``
+  rewritten without KV pools, streaming and metrics (sync:
   commit the block's tokens; FDFO: keep an unresolved block in ``dllm_incomplete_ids``, commit a
-  resolved one, leftover prompt positions are not output), ``abort_request`` (pops from both
+  resolved one, leftover prompt positions are not output; a request finishes after its planned
+  blocks, or, given an EOS id, on EOS or budget as ``Req.update_finish_state`` does); ``resolve``
+  hands it out as ``SchedulerDllmMixin``, so the adapter patches what SGLang's ``Scheduler`` inherits;
+- ``Scheduler``: ``get_new_batch_dllm`` with the fake adder, ``abort_request`` (pops from both
   queues, as SGLang's does), ``retract`` (KV released, back to the waiting queue), and the step
   order of ``get_next_batch_to_run`` (``filter_finished_reqs``, then ``finish_dllm_forward``);
 - ``FillAlgorithm``: SGLang's ``DllmAlgorithm`` with a ``step`` that, like ``LowConfidence.step``,
