@@ -18,6 +18,7 @@ from dwise_predict.cli.collect import collect_command, traces_app, workload_app
 from dwise_predict.cli.dllm import dllm_app
 from dwise_predict.cli.evaluate import characterize_command, evaluate_command
 from dwise_predict.cli.quickstart import quickstart_command
+from dwise_predict.cli.serve import serve_command
 from dwise_predict.cli.simulate import simulate_command
 from dwise_predict.cli.train import compare_regressors_command, train_command
 from dwise_predict.errors import DwiseError
@@ -62,6 +63,8 @@ app.command("verify")(verify_command)
 app.command("publish")(publish_command)
 app.add_typer(zoo_app, name="zoo")
 app.command("simulate")(simulate_command)
+# everything after `--` is SGLang's own server arguments
+app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve_command)
 # ------------------------------------------------------------------------------------------------
 
 
