@@ -10,6 +10,7 @@ names the dLLM modules import (``ForwardBatch``, ``ModelRunner``, ``LogitsProces
 
 from __future__ import annotations
 
+import enum
 import importlib
 import sys
 import types
@@ -79,6 +80,28 @@ class _Placeholder:
     """A name that is imported for type hints only."""
 
 
+class ForwardMode(enum.IntEnum):
+    """Stand-in for ``forward_batch_info.ForwardMode``: the members the dLLM scheduler mixin uses."""
+
+    EXTEND = 1
+    DLLM_EXTEND = 2
+
+    def is_dllm_extend(self) -> bool:
+        return self == ForwardMode.DLLM_EXTEND
+
+
+class AddReqResult(enum.Enum):
+    """``schedule_policy.AddReqResult`` (the same three members)."""
+
+    CONTINUE = enum.auto()
+    NO_TOKEN = enum.auto()
+    OTHER = enum.auto()
+
+
+def _unused(*args, **kwargs):
+    raise NotImplementedError("a GPU-side SGLang function the CPU fake must not reach")
+
+
 def load() -> types.SimpleNamespace:
     """Import SGLang's dLLM modules from the unpacked wheel; skip the test when it is not there."""
     if not available():
@@ -90,7 +113,7 @@ def load() -> types.SimpleNamespace:
         for package in ("layers", "model_executor", "arg_groups", "configs"):
             _module(f"sglang.srt.{package}", src / "srt" / package)
         _module("sglang.srt.layers.logits_processor", LogitsProcessorOutput=LogitsProcessorOutput)
-        _module("sglang.srt.model_executor.forward_batch_info", ForwardBatch=ForwardBatch)
+        _module("sglang.srt.model_executor.forward_batch_info", ForwardBatch=ForwardBatch, ForwardMode=ForwardMode)
         _module("sglang.srt.model_executor.model_runner", ModelRunner=ModelRunner)
         _module("sglang.srt.server_args", ServerArgs=_Placeholder)
         _module("sglang.srt.utils", is_npu=lambda: False)
@@ -113,3 +136,31 @@ def make_algorithm(sgl, name: str, block_size: int, mask_id: int, params: dict |
                             mask_id=mask_id, max_running_requests=1, delete_token_id=delete_token_id,
                             split_token_id=split_token_id)
     return sgl.algorithms[name](config)
+
+
+def load_scheduler() -> types.SimpleNamespace:
+    """SGLang's ``srt/dllm/mixin/scheduler.py`` (``SchedulerDllmMixin``, ``DllmManager``), unmodified.
+
+    Its module-level imports beyond :func:`load`'s are the GPU-side scheduler modules
+    (``schedule_batch``, ``schedule_policy``, ``mem_cache.common``, ``observability``,
+    ``runtime_context``); they get stand-ins that hold the names it imports: the enums it reads
+    (``AddReqResult``, ``ForwardMode``) with SGLang's members, and functions that refuse to run for
+    the rest (the fake scheduler overrides the methods that would call them).
+    """
+    sgl = load()
+    if "sglang.srt.dllm.mixin.scheduler" not in sys.modules:
+        src = source_root() / "sglang"
+        for package in ("managers", "mem_cache", "observability"):
+            if f"sglang.srt.{package}" not in sys.modules:
+                _module(f"sglang.srt.{package}", src / "srt" / package)
+        _module("sglang.srt.managers.schedule_batch", FINISH_LENGTH=_unused, Req=_Placeholder, ScheduleBatch=_Placeholder)
+        _module("sglang.srt.managers.schedule_policy", AddReqResult=AddReqResult, PrefillAdder=_Placeholder)
+        _module("sglang.srt.mem_cache.common", release_kv_cache=_unused)
+        _module("sglang.srt.observability.req_time_stats", set_time_batch=lambda reqs, name: None)
+        _module("sglang.srt.runtime_context", get_exec=_unused, get_schedule=_unused)
+    scheduler = importlib.import_module("sglang.srt.dllm.mixin.scheduler")
+    return types.SimpleNamespace(
+        **vars(sgl), SchedulerDllmMixin=scheduler.SchedulerDllmMixin, DllmManager=scheduler.DllmManager,
+        ForwardMode=ForwardMode, AddReqResult=AddReqResult, scheduler_module=scheduler,
+        base=importlib.import_module("sglang.srt.dllm.algorithm.base"),
+    )

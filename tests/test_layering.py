@@ -37,7 +37,9 @@ ALLOWED: dict[str, set[str]] = {
     "exports": BASE | {"runs", "survival", "features"},
     # numpy + onnxruntime at serving time: features and identity are standard library; survival
     # only for the optional torch backend; exports only for the bundle manifest
-    "serving": BASE | {"exports", "survival", "features", "identity", "engine"},
+    # collectors: recording mode (traces from a live server) is a collector; the launcher imports
+    # collectors.live lazily, only in a scheduler process started with --record
+    "serving": BASE | {"exports", "survival", "features", "identity", "engine", "collectors"},
     "quickstart": BASE | {"collectors", "traces", "training", "evaluation", "exports", "serving"},
 }
 ALLOWED["cli"] = {ROOT, *ALLOWED} - {"cli"}  # the top: parses, calls any stage, prints

@@ -1,21 +1,35 @@
-"""The SGLang adapter driven through a faithful fake of SGLang's dLLM path (SGLang cannot run here).
+"""The SGLang adapter driven through a fake built on SGLang's own dLLM code (SGLang cannot run here).
 
-The strongest check: a fake server patched by the adapter finishes every request in exactly the
-round the simulator predicts for the same policy, so the served policy is the simulated one.
+The fake (``tests/fakes/sglang_fake.py``) runs SGLang 0.5.23's real ``ReqDllmMixin``,
+``SchedulerDllmMixin``, ``DllmManager`` and ``DllmAlgorithm.run`` from the wheel, so blocks cost
+r + 1 forwards, prompts lay out as full blocks plus a leftover block, prefixes hit a radix cache,
+and batches obey an adder's budgets. Each test below names the "Why" bullet of issue 16 it covers;
+each fails on the adapter before that issue.
 """
 
 import numpy as np
 import pytest
 import torch
 
-from dwise_predict.errors import BundleError, ConfigError
-from dwise_predict.serving.bundle import load_bundle
-from dwise_predict.serving.simulator import SimConfig, SimRequests, simulate
-from dwise_predict.serving.sglang_adapter import install
-from fakes import sglang_fake as fake
-from fakes.serving_bundle import served_bundle
+import sglang_reference
+
+if not sglang_reference.available():
+    pytest.skip(sglang_reference.SKIP_REASON, allow_module_level=True)
+
+from dwise_predict.engine import prefill_rounds  # noqa: E402
+from dwise_predict.errors import BundleError, ConfigError  # noqa: E402
+from dwise_predict.serving.bundle import load_bundle  # noqa: E402
+from dwise_predict.serving.simulator import SimConfig, SimRequests, simulate  # noqa: E402
+from dwise_predict.serving.sglang_adapter import UNWRITTEN, install  # noqa: E402
+from fakes import sglang_fake as fake  # noqa: E402
+from fakes.serving_bundle import served_bundle  # noqa: E402
 
 BS, BUDGET = 8, 256  # the bundle's block size; output budget in tokens
+
+
+class SP:
+    def __init__(self, max_new_tokens=BUDGET):
+        self.max_new_tokens = max_new_tokens
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +40,9 @@ def served():
     r = ds.requests.iloc[:40]
     P = np.maximum(r["prompt_blocks"].to_numpy(), 1)  # whole prompt blocks, so SGLang's P equals ours
     L = P * BS
-    rpb = [list(x) for x in r["rounds_per_block"]]
+    # a LowConfidence block costs r + 1 forwards, 2 <= r + 1 <= block + 1 (at least one fill per step;
+    # the synthetic traces are not bound by that, so clip them to what SGLang can run)
+    rpb = [[min(max(int(v), 2), BS + 1) for v in x] for x in r["rounds_per_block"]]
     features = np.stack([r["words"].to_numpy(), r["newlines"].to_numpy(), L], axis=1).astype(np.float32)
     hidden = ds.first_round[:40]
     workload = SimRequests(
@@ -38,16 +54,21 @@ def served():
     return bundle, workload, L, rpb, features, hidden
 
 
-def make_server(served, slots, max_running, fdfo=True):
+def prompt(i, n, shared=0):
+    """Prompt ids of request i: the first ``shared`` tokens common to all, the rest its own."""
+    return [1 + (t % 50) for t in range(shared)] + [100 + 1000 * i + t for t in range(n - shared)]
+
+
+def make_server(served, slots, max_running, fdfo=True, graph=False, max_prefill_tokens=10**9):
     _, workload, L, rpb, features, hidden = served
-    config = fake.DllmConfig("LowConfidence", {}, BS, 0, max_running, first_done_first_out_mode=fdfo)
-    scheduler = fake.Scheduler(config, batch_capacity=slots, max_total_num_tokens=10**12)
+    config = fake.config(BS, max_running, fdfo=fdfo)
+    scheduler = fake.Scheduler(config, batch_capacity=slots, max_total_num_tokens=10**12,
+                               max_prefill_tokens=max_prefill_tokens)
     for i, rid in enumerate(workload.request_ids):
-        scheduler.waiting_queue.append(
-            fake.Req(rid, [1] * int(L[i]), type("SP", (), {"max_new_tokens": BUDGET})(), config, rpb[i],
-                     hidden[i], tuple(features[i]))
-        )
-    return scheduler, fake.DllmAlgorithm(config), fake.ModelRunner(BS, hidden.shape[1])
+        scheduler.waiting_queue.append(fake.Req(rid, prompt(i, int(L[i])), SP(), config, rpb[i], hidden[i],
+                                                tuple(features[i])))
+    runner = fake.ModelRunner(BS, hidden.shape[1], cuda_graph=graph, max_bs=slots)
+    return scheduler, fake.FillAlgorithm(config), runner
 
 
 def finished_rounds(served, finished_at):
@@ -60,26 +81,66 @@ def simulated(served, policy, slots, k=8, kv_budget=None):
     return simulate(served[1], policy, cfg, (np.arange(n), np.zeros(n))).completion_round.tolist()
 
 
+def hooked(bundle, slots, k, **kw):
+    kw.setdefault("features", lambda req: req.features)
+    if bundle is not None:
+        kw.setdefault("block_size", BS)
+        kw.setdefault("device", "cpu")
+        kw.setdefault("max_batch", slots)
+    return install(bundle, slots=slots, k=k, resolve=fake.resolve, **kw)
+
+
+class RecordingBundle:
+    """The served bundle, remembering the pooled rows each refinement saw."""
+
+    def __init__(self, bundle):
+        self.bundle, self.seen = bundle, []
+        self.manifest, self.hidden_size = bundle.manifest, bundle.hidden_size
+
+    def admission(self, x):
+        return self.bundle.admission(x)
+
+    def refine(self, pooled, tokens, budget):
+        self.seen.append(pooled.clone())
+        return self.bundle.refine(pooled, tokens, budget)
+
+
+# --- the fake is SGLang's semantics, not ours ----------------------------------------------------------
+
+
+def test_fake_blocks_cost_r_plus_1_forwards_and_the_leftover_prompt_opens_the_first_block():
+    config = fake.config(BS, 1)
+    scheduler = fake.Scheduler(config, batch_capacity=1, max_total_num_tokens=10**9)
+    n, forwards = 20, [3, 5, 2]  # 2 full prompt blocks + 4 leftover tokens; fills 2, 4, 1
+    req = fake.Req("a", prompt(0, n), SP(), config, forwards, np.zeros(4, np.float32), (1, 0, n))
+    scheduler.waiting_queue.append(req)
+    runner = fake.ModelRunner(BS, 4)
+    fake.serve(scheduler, fake.FillAlgorithm(config), runner)
+    assert runner.calls == prefill_rounds(n, BS) + sum(forwards) == 2 + 10
+    assert len(req.output_ids) == (BS - n % BS) + BS + BS  # the leftover positions are not output
+
+
 def test_unpatched_fake_is_the_simulators_sglang_default(served):
     scheduler, algorithm, runner = make_server(served, slots=6, max_running=6)
     got = finished_rounds(served, fake.serve(scheduler, algorithm, runner))
     assert got == simulated(served, "sglang-default", slots=6)
 
 
+# --- the policy the hook serves is the simulated one ----------------------------------------------------
+
+
 @pytest.mark.parametrize("kv_blocks", [None, 300])
 def test_patched_fake_serves_exactly_the_simulated_dwise_schedule(served, kv_blocks):
-    bundle = served[0]
-    handle = install(bundle, slots=6, k=2, kv_budget_tokens=None if kv_blocks is None else kv_blocks * BS,
-                     features=lambda req: req.features, resolve=fake.resolve)
+    handle = hooked(served[0], slots=6, k=2, kv_budget_tokens=None if kv_blocks is None else kv_blocks * BS)
     try:
         scheduler, algorithm, runner = make_server(served, slots=6, max_running=12)
         got = finished_rounds(served, fake.serve(scheduler, algorithm, runner))
-        # the pooled first-round rows the adapter captured are the requests' hidden vectors
-        assert handle.state.pooled.shape[1] == bundle.hidden_size
+        assert handle.stats.refined == len(got) and handle.stats.finished == len(got)
+        assert handle.state.policy.n_resident == handle.state.policy.n_waiting == 0
     finally:
         handle.uninstall()
     assert got == simulated(served, "dwise-refined", slots=6, k=2, kv_budget=kv_blocks)
-    assert fake.SchedulerDllmMixin._fetch_waiting_reqs.__qualname__.startswith("SchedulerDllmMixin")  # restored
+    assert fake.SchedulerDllmMixin._fetch_waiting_reqs.__module__ == "sglang.srt.dllm.mixin.scheduler"  # restored
 
 
 def test_without_a_bundle_the_patch_ranks_by_prompt_blocks_only(served):
@@ -93,7 +154,7 @@ def test_without_a_bundle_the_patch_ranks_by_prompt_blocks_only(served):
 
 
 def test_sync_mode_advances_the_policy_by_every_forward_of_the_step(served):
-    handle = install(served[0], slots=6, k=2, features=lambda req: req.features, resolve=fake.resolve)
+    handle = hooked(served[0], slots=6, k=2)
     try:
         scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, fdfo=False)
         finished = fake.serve(scheduler, algorithm, runner)
@@ -104,6 +165,139 @@ def test_sync_mode_advances_the_policy_by_every_forward_of_the_step(served):
     assert len(finished) == len(work) and runner.calls >= work.sum() / 6
 
 
+# --- Why, CUDA graphs ------------------------------------------------------------------------------------
+
+
+def test_graph_replays_give_the_same_pooled_rows_as_eager_python(served):
+    """Graphs captured after install replay the pooling copy: refinement sees the true rows, not zeros."""
+    seen = {}
+    for graph in (False, True):
+        bundle = RecordingBundle(served[0])
+        handle = hooked(bundle, slots=6, k=2)
+        try:
+            scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, graph=graph)
+            fake.serve(scheduler, algorithm, runner)
+        finally:
+            handle.uninstall()
+        seen[graph] = torch.cat(bundle.seen)
+    torch.testing.assert_close(seen[True], seen[False])
+    hidden = torch.as_tensor(served[5])
+    # every pooled row is some request's hidden vector (the fake model's block rows)
+    match = (seen[True][:, None, :] - hidden[None]).abs().amax(dim=-1).amin(dim=1)
+    assert len(seen[True]) == 40 and float(match.max()) < 1e-5
+
+
+def test_a_graph_captured_before_install_fails_loudly_instead_of_refining_on_an_unwritten_buffer(served):
+    scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, graph=True)  # captured unhooked
+    handle = hooked(served[0], slots=6, k=2)
+    try:
+        with pytest.raises(ConfigError) as err:
+            fake.serve(scheduler, algorithm, runner)
+    finally:
+        handle.uninstall()
+    assert str(err.value) == UNWRITTEN and "\n" not in UNWRITTEN
+
+
+def test_refinement_needs_block_size_and_device_at_install(served):
+    with pytest.raises(ConfigError, match="need block_size and device at install time"):
+        install(served[0], features=lambda r: r.features, resolve=fake.resolve)
+    with pytest.raises(BundleError, match="block_size 8 but SGLang runs 32"):
+        install(served[0], features=lambda r: r.features, block_size=32, device="cpu", resolve=fake.resolve)
+
+
+# --- Why, lifecycle --------------------------------------------------------------------------------------
+
+
+def test_aborted_requests_leave_the_policy_and_new_ones_are_admitted_after_k_b_ghosts(served):
+    handle = hooked(served[0], slots=2, k=2)  # k*B = 4 residents
+    doomed = [str(r) for r in served[1].request_ids[:8]]
+
+    def abort_early(step, scheduler):
+        if step == 3:
+            for rid in doomed:
+                scheduler.abort_request(fake.AbortReq(rid=rid))
+
+    try:
+        scheduler, algorithm, runner = make_server(served, slots=2, max_running=4)
+        finished = fake.serve(scheduler, algorithm, runner, before_step=abort_early)
+        policy = handle.state.policy
+        assert all(rid not in policy._slot_of for rid in doomed)
+        assert policy.n_resident == policy.n_waiting == 0 and handle.stats.vanished == len(scheduler.aborted)
+    finally:
+        handle.uninstall()
+    assert set(finished) | set(scheduler.aborted) == {str(r) for r in served[1].request_ids}
+    assert len(finished) == 40 - len(scheduler.aborted) and set(scheduler.aborted) <= set(doomed)
+
+
+def test_retracted_requests_are_registered_again_and_finish(served):
+    handle = hooked(served[0], slots=3, k=2)
+
+    def retract(step, scheduler):
+        if step == 5:
+            live = [q for q in scheduler.dllm_manager.waiting_queue if not q.finished()]
+            scheduler.retract({r.rid for r in live[:3]})
+
+    try:
+        scheduler, algorithm, runner = make_server(served, slots=3, max_running=6)
+        finished = fake.serve(scheduler, algorithm, runner, before_step=retract)
+        assert handle.stats.retracted == 3
+        assert handle.state.policy.n_resident == handle.state.policy.n_waiting == 0
+    finally:
+        handle.uninstall()
+    assert len(finished) == 40
+
+
+def test_an_oversized_request_is_aborted_with_a_message_and_its_batch_proceeds(served):
+    handle = hooked(served[0], slots=4, k=2, kv_budget_tokens=300 * BS)  # every other request fits
+    try:
+        scheduler, algorithm, runner = make_server(served, slots=4, max_running=8)
+        big = scheduler.waiting_queue[5]
+        big.sampling_params = SP(10**6)
+        finished = fake.serve(scheduler, algorithm, runner)
+        assert handle.stats.oversized == 1
+    finally:
+        handle.uninstall()
+    assert list(scheduler.aborted) == [big.rid] and "worst-case KV reservation" in scheduler.aborted[big.rid]
+    assert len(finished) == 39 and big.rid not in finished
+
+
+def test_batch_budgets_that_override_dwise_order_are_counted(served):
+    handle = hooked(served[0], slots=6, k=2)
+    try:
+        scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, max_prefill_tokens=3 * BS)
+        finished = fake.serve(scheduler, algorithm, runner)
+        assert handle.stats.budget_overrides > 0
+    finally:
+        handle.uninstall()
+    assert len(finished) == 40
+
+
+# --- Why, units ------------------------------------------------------------------------------------------
+
+
+def test_p_follows_the_prefix_match(served):
+    config = fake.config(BS, 4)
+    handle = install(None, slots=2, k=2, resolve=fake.resolve)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=2, max_total_num_tokens=10**9)
+        a = fake.Req("a", prompt(0, 36, shared=24), SP(), config, [2, 2], np.zeros(4, np.float32), (1, 0, 36))
+        scheduler.waiting_queue.append(a)
+        runner, algorithm = fake.ModelRunner(BS, 4), fake.FillAlgorithm(config)
+        while not a.finished():
+            scheduler.step(algorithm, runner)
+        b = fake.Req("b", prompt(1, 36, shared=24), SP(), config, [2], np.zeros(4, np.float32), (1, 0, 36))
+        scheduler.waiting_queue.append(b)
+        scheduler.step(algorithm, runner)  # b staged: SGLang matched 24 cached tokens (3 blocks)
+        assert handle.state.policy.fields("b")["P"] == prefill_rounds(36, BS, 24) - 1 == 0
+        assert handle.stats.prefix_blocks == 3
+        before = runner.calls
+        while not b.finished():
+            scheduler.step(algorithm, runner)
+        assert runner.calls - before + 1 == prefill_rounds(36, BS, 24) + 2  # 1 prompt block + 2 forwards
+    finally:
+        handle.uninstall()
+
+
 def test_refusals_are_one_clear_line(served):
     with pytest.raises(ConfigError, match="needs prompt features"):
         install(served[0], resolve=fake.resolve)
@@ -111,30 +305,31 @@ def test_refusals_are_one_clear_line(served):
     try:
         scheduler, algorithm, runner = make_server(served, slots=8, max_running=16)
         with pytest.raises(ConfigError, match="--max-running-requests is 16: raise it to at least k\\*B"):
-            scheduler.get_new_batch_dllm(None)
+            scheduler.get_new_batch_dllm()
     finally:
         handle.uninstall()
-    handle = install(served[0], slots=2, k=1, features=lambda r: r.features, resolve=fake.resolve)
+    handle = hooked(served[0], slots=2, k=1)
     try:
-        config = fake.DllmConfig("LowConfidence", {}, 32, 0, 4)
+        config = fake.config(32, 4)
         scheduler = fake.Scheduler(config, 2, 10**9)
-        scheduler.waiting_queue.append(fake.Req("x", [1] * 64, type("SP", (), {"max_new_tokens": 64})(), config, [1],
-                                                np.zeros(32, np.float32), (1, 0, 64)))
-        with pytest.raises(BundleError, match="block_size 8 but SGLang runs 32"):
-            scheduler.get_new_batch_dllm(None)
+        scheduler.waiting_queue.append(fake.Req("x", prompt(0, 64), SP(64), config, [2], np.zeros(32, np.float32),
+                                                (1, 0, 64)))
+        with pytest.raises(ConfigError, match="installed for block_size 8 but SGLang runs 32"):
+            scheduler.get_new_batch_dllm()
     finally:
         handle.uninstall()
 
 
-def test_logits_hook_pools_block_rows_into_a_static_buffer(served):
-    handle = install(served[0], slots=2, k=1, features=lambda r: r.features, resolve=fake.resolve,
-                     device="cpu")
+def test_logits_hook_pools_block_rows_into_the_buffer_allocated_at_install(served):
+    handle = hooked(served[0], slots=2, k=1)
     try:
         buffer = handle.state.pooled
-        handle.state.block_size = BS
+        assert buffer.shape == (2, served[0].hidden_size) and bool(torch.isnan(buffer).all())
         rows = torch.arange(2 * BS * 32, dtype=torch.float32).view(2 * BS, 32)
         fake.LogitsProcessor()._get_dllm_logits(rows, None, None)
         assert handle.state.pooled is buffer  # written in place: the address a CUDA graph captured
         torch.testing.assert_close(buffer[:2], rows.view(2, BS, 32).mean(dim=1))
+        with pytest.raises(ConfigError, match="exceeds the pooling buffer's 2 rows"):
+            fake.LogitsProcessor()._get_dllm_logits(torch.zeros(3 * BS, 32), None, None)
     finally:
         handle.uninstall()

@@ -20,6 +20,7 @@ from dwise_predict.cli.dllm import dllm_app
 from dwise_predict.cli.evaluate import characterize_command, evaluate_command
 from dwise_predict.cli.quickstart import quickstart_command
 from dwise_predict.cli.round_profile import profile_rounds_command
+from dwise_predict.cli.serve import serve_command
 from dwise_predict.cli.simulate import simulate_command
 from dwise_predict.cli.train import compare_regressors_command, train_command
 from dwise_predict.errors import DwiseError
@@ -66,6 +67,8 @@ app.add_typer(zoo_app, name="zoo")
 app.command("simulate")(simulate_command)
 app.command("profile-rounds")(profile_rounds_command)
 app.command("batch-timeout")(batch_timeout_command)
+# everything after `--` is SGLang's own server arguments
+app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve_command)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -191,34 +191,48 @@ def _decode_request(backend, request, decoding: DecodingConfig) -> DecodeRequest
     return DecodeRequest(request.request_id, [int(t) for t in ids], int(budget))
 
 
+def contract_row(*, request_id, split, category, source, prompt, prompt_tokens, words, newlines, budget, block_size,
+                 prompt_blocks, rounds_per_block, output_tokens, finish, frac_over_threshold, mean_confidence,
+                 mean_entropy, wall_s) -> dict:
+    """The contract-1 columns of one request (``REQUEST_COLUMNS``), typed; shared by ``collect`` and
+    recording mode (:mod:`dwise_predict.collectors.live`)."""
+    rounds = list(map(int, rounds_per_block))
+    return {
+        "request_id": request_id,
+        "split": split,
+        "category": category,
+        "source": source,
+        "prompt": prompt,
+        "prompt_tokens": int(prompt_tokens),
+        "words": int(words),
+        "newlines": int(newlines),
+        "budget": int(budget),
+        "block_size": int(block_size),
+        "prompt_blocks": int(prompt_blocks),
+        "total_rounds": int(sum(rounds)),
+        "rounds_per_block": rounds,
+        "output_tokens": int(output_tokens),
+        "finish": finish,
+        "frac_over_threshold": float(frac_over_threshold),
+        "mean_confidence": float(mean_confidence),
+        "mean_entropy": float(mean_entropy),
+        "wall_s": float(wall_s),
+    }
+
+
 def _row(backend, request, index: int, budget: int, result: DecodeResult, source_type: str | None) -> dict:
     """One contract-1 row (plus output text, correctness where a reference exists, backend extras)."""
 
     text = backend.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-    row = {
-        "request_id": request.request_id,
-        "split": request.split,
-        "category": request.category,
-        "source": request.source,
-        "prompt": request.prompt,
-        "prompt_tokens": result.prompt_tokens,
-        "words": count_words(request.prompt),
-        "newlines": count_newlines(request.prompt),
-        "budget": budget,
-        "block_size": result.block_size,
-        "prompt_blocks": result.prompt_blocks,
-        "total_rounds": result.total_rounds,
-        "rounds_per_block": list(map(int, result.rounds_per_block)),
-        "output_tokens": result.output_tokens,
-        "finish": result.finish,
-        "frac_over_threshold": float(result.frac_over_threshold),
-        "mean_confidence": float(result.mean_confidence),
-        "mean_entropy": float(result.mean_entropy),
-        "wall_s": float(result.wall_s),
-        "output_text": text,
-        "correct": score_answer(request, text, source_type),
-        ORDER_COLUMN: index,
-    }
+    row = contract_row(
+        request_id=request.request_id, split=request.split, category=request.category, source=request.source,
+        prompt=request.prompt, prompt_tokens=result.prompt_tokens, words=count_words(request.prompt),
+        newlines=count_newlines(request.prompt), budget=budget, block_size=result.block_size,
+        prompt_blocks=result.prompt_blocks, rounds_per_block=result.rounds_per_block,
+        output_tokens=result.output_tokens, finish=result.finish, frac_over_threshold=result.frac_over_threshold,
+        mean_confidence=result.mean_confidence, mean_entropy=result.mean_entropy, wall_s=result.wall_s,
+    )
+    row.update({"output_text": text, "correct": score_answer(request, text, source_type), ORDER_COLUMN: index})
     row.update({k: v for k, v in result.extra.items() if isinstance(v, (bool, int, float, str)) and k not in row})
     return row
 

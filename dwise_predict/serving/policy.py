@@ -340,6 +340,25 @@ class DwisePolicy:
         if finished:
             self._release(np.array([slot], dtype=np.int64))
 
+    def set_prompt_blocks(self, request_id, prompt_blocks: int) -> None:
+        """Set ``P`` from what the server knows now (a prefix-cache hit covers some prompt blocks).
+
+        A waiting request keeps its place in the sorted waiting list under its new key.
+        """
+        slot = self._slot(request_id)
+        prompt_blocks = int(prompt_blocks)
+        if prompt_blocks < 0:
+            raise InputError(f"request {request_id!r}: prompt blocks must be >= 0, got {prompt_blocks}")
+        if prompt_blocks == self._P[slot]:
+            return
+        if self._state[slot] == WAITING:
+            old = next(e for e in self._waiting if e[2] == slot)
+            self._waiting.remove(old)
+            self._P[slot] = prompt_blocks
+            bisect.insort(self._waiting, (float(self._keys(np.array([slot]))[0]), old[1], slot))
+        else:
+            self._P[slot] = prompt_blocks
+
     def remove(self, request_id) -> None:
         """Drop a request in any state (abort), freeing its KV reservation."""
         slot = self._slot(request_id)

@@ -7,22 +7,31 @@ against the committed snapshot ``tests/fakes/sglang_surface.json`` always.
 
 What the patch does, at the four points of seed 000 §5.1:
 
-- **admission** — ``SchedulerDllmMixin._fetch_waiting_reqs`` is replaced: new requests in the
-  scheduler's waiting queue are registered with a :class:`~dwise_predict.serving.policy.DwisePolicy`
-  (``P`` = full prompt blocks, ``r̂`` = the bundle's admission estimate, KV reservation = prompt +
-  output budget + slack blocks), the policy ranks waiting ∪ resident, and the admitted requests move
-  into the dLLM manager's queue (SGLang's resident set);
+- **admission** — ``SchedulerDllmMixin._fetch_waiting_reqs`` is replaced: the policy is first
+  reconciled with SGLang's own queues (requests SGLang finished or aborted leave it; retracted or
+  paused ones, back in the waiting queue, are registered again), new requests are registered with a
+  :class:`~dwise_predict.serving.policy.DwisePolicy` (``P`` = prompt blocks, ``r̂`` = the bundle's
+  admission estimate, KV reservation = prompt + output budget + slack blocks; a request whose
+  reservation exceeds the whole budget is aborted through SGLang's ``abort_request`` with a
+  message), the policy ranks waiting ∪ resident, and the admitted requests move into the dLLM
+  manager's queue (SGLang's resident set);
 - **batch formation** — ``SchedulerDllmMixin._process_dllm_batches`` is replaced: the ``B`` resident
   requests the policy picked go to SGLang's own ``_process_batch_by_phase``, prompt and denoising
-  blocks in one ``DLLM_EXTEND`` batch (no prefill-first barrier). Models that encode the prompt in a
-  separate pass (``requires_separate_context_encoding``) cannot mix phases: there the resident queue
-  is only reordered and SGLang's own batch former runs;
+  blocks in one ``DLLM_EXTEND`` batch (no prefill-first barrier). SGLang's adder still applies its
+  budgets (picks it leaves out are counted in :class:`HookStats`); after staging, ``P`` follows the
+  prefix SGLang matched (``engine.prefill_rounds``). Models that encode the prompt in a separate
+  pass (``requires_separate_context_encoding``) cannot mix phases: there the resident queue is only
+  reordered and SGLang's own batch former runs;
 - **result processing** — ``SchedulerDllmMixin.process_batch_result_dllm`` is wrapped: after SGLang
   commits outputs, the policy's fields are updated for every request of the batch, with the refined
-  estimate for requests whose first denoising round this was;
-- **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped to mean-pool the block's
-  final-layer hidden rows into a static buffer (a device copy, CUDA-graph capturable), and
-  ``DllmAlgorithm.run`` is wrapped to snapshot that buffer after the step's first forward pass.
+  estimate for requests whose first denoising round this was (and the recorder, in recording mode,
+  gets the request's forwards and pooled rows);
+- **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped to mean-pool each
+  request's block rows into a static buffer allocated at install (block size and largest batch
+  known then), so the copy is captured in SGLang's CUDA graphs and every replay writes it;
+  ``DllmAlgorithm.run`` is wrapped to fill that buffer with NaN before a step and snapshot it after
+  the step's first forward. The first refinement checks the snapshot: an unwritten buffer (a graph
+  captured before install) is a one-line :class:`ConfigError`, never silent zeros.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
@@ -30,6 +39,7 @@ synchronisation, as one batched call of the bundle's torch graph on the rows' de
 A scheduler step is one round only with ``--dllm-fdfo`` (one forward per step); without it SGLang
 runs every denoising round of a block inside one step, and the policy is advanced by the number of
 forwards the step ran (its ranking then changes per block, not per round). Use FDFO with DWISE.
+Install it in the scheduler process with :mod:`dwise_predict.serving.launcher`.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from dwise_predict.engine import prefill_rounds
 from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.serving.policy import DwisePolicy
 
@@ -95,6 +106,19 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.model_executor.forward_batch_info", "ForwardMode.DLLM_EXTEND", "attribute"),
     Touch("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "call",
           ("self", "forward_batch", "skip_attn_backend_init", "pp_proxy_tensors")),
+    # lifecycle: reconcile with SGLang's queues, abort what can never fit, follow the prefix match
+    Touch(_SCHED, "DllmManager.staging_queue", "attribute"),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.abort_request", "call", ("self", "recv_req")),
+    Touch("sglang.srt.managers.io_struct", "AbortReq.finished_reason", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.output_ids", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.prefix_len", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "ScheduleBatch.reqs", "attribute"),
+    Touch("sglang.srt.managers.schedule_policy", "PrefillAdder.can_run_list", "attribute"),
+    # recording: the first forward's logits and mask positions
+    Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.mask_id", "attribute"),
+    Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.block_size", "attribute"),
+    # the launcher: the scheduler child's entry point
+    Touch("sglang.srt.entrypoints.engine", "Engine.run_scheduler_process_func", "attribute"),
 )
 
 
@@ -168,73 +192,175 @@ def surface_problems(found: dict[str, dict]) -> list[str]:
 
 # --- the runtime patch ----------------------------------------------------------------------------
 
+UNWRITTEN = (
+    "the first refinement read a pooling buffer the forward never wrote (CUDA-graph replays skip "
+    "Python): install the hook in the scheduler process before start-up (`dwise-predict serve`, or "
+    "sglang_adapter.install(..., block_size=, max_batch=, device=) before the graphs are captured)"
+)
+
+
+@dataclass
+class HookStats:
+    """What the hook did, for logs and tests (all counts since install).
+
+    rounds : scheduler steps the policy planned.
+    admitted : requests the policy moved into SGLang's dLLM queue.
+    finished : requests that left the policy because SGLang finished them.
+    vanished : requests that left because SGLang dropped them from every queue (``abort_request``).
+    retracted : requests SGLang sent back to its waiting queue (retraction, ``pause_generation``);
+        they are re-registered with the work they have left.
+    oversized : requests aborted because their KV reservation exceeds the whole budget.
+    prefix_blocks : prompt blocks a prefix-cache hit removed from ``P``.
+    budget_overrides : policy picks that SGLang's batch budget (its ``PrefillAdder``: tokens,
+        requests) left out of a step; DWISE's order yields to those budgets.
+    refined : requests refined on their first denoising round.
+    """
+
+    rounds: int = 0
+    admitted: int = 0
+    finished: int = 0
+    vanished: int = 0
+    retracted: int = 0
+    oversized: int = 0
+    prefix_blocks: int = 0
+    budget_overrides: int = 0
+    refined: int = 0
+
 
 class _State:
     """What the patched functions share: the policy, the bundle and the refinement buffers."""
 
-    def __init__(self, bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device):
+    def __init__(self, bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device,
+                 block_size, max_batch, recorder):
         self.bundle = bundle
         self.slots, self.k = slots, k
         self.kv_budget_tokens, self.kv_fraction, self.slack_blocks = kv_budget_tokens, kv_fraction, slack_blocks
         self.features = features
         self.device = device
+        self.recorder = recorder
         self.policy: DwisePolicy | None = None
-        self.block_size = 0
+        self.block_size = int(block_size or 0)
+        self.max_batch = int(max_batch or 0)
+        self.stats = HookStats()
         self.reqs: dict = {}  # rid -> Req, for requests the policy holds
         self.run_rids: list = []  # this round's picks, best rank first
-        self.batch_prompt: dict = {}  # rid -> processed a prompt block in the batch being run
-        self.pooled = None  # (max_rows, H) static buffer written inside the forward
+        self.batch_prompt: dict = {}  # rid -> the request ran a prompt block in the batch being run
+        self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
+        self.first_signals = None  # (B, 3) early signals of that forward (recording mode)
         self.forwards = 0  # forwards in the current step
+        self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
+        self.checked = False  # the first refinement checked that the buffer was written
 
     def bind(self, scheduler) -> None:
-        """Create the policy from the scheduler's dLLM config on first use."""
+        """Create the policy from the scheduler's dLLM config on first use (no allocation here)."""
         config = scheduler.dllm_config
+        if self.block_size and int(config.block_size) != self.block_size:
+            raise ConfigError(
+                f"the hook was installed for block_size {self.block_size} but SGLang runs {config.block_size}: "
+                "install it with SGLang's block size"
+            )
         self.block_size = int(config.block_size)
         if self.slots * self.k > config.max_running_requests:
             raise ConfigError(
                 f"DWISE keeps up to k*B = {self.slots * self.k:g} requests resident but SGLang's "
                 f"--max-running-requests is {config.max_running_requests}: raise it to at least k*B"
             )
-        if self.bundle is not None:
-            bundle_bs = (self.bundle.manifest.get("decoding") or {}).get("block_size")
-            if bundle_bs is not None and int(bundle_bs) != self.block_size:
-                raise BundleError(
-                    f"bundle was trained with block_size {bundle_bs} but SGLang runs {self.block_size}: "
-                    "export a bundle for this decoding config"
-                )
         budget = self.kv_budget_tokens
         if budget is None:
             budget = self.kv_fraction * float(scheduler.max_total_num_tokens)
         self.policy = DwisePolicy(self.slots, self.k, kv_budget=budget)
 
-    def register(self, reqs: list) -> None:
-        """Add newly arrived requests to the policy, with admission estimates in one batch."""
+    def reconcile(self, scheduler) -> None:
+        """Drop what SGLang no longer holds; re-register what it sent back to its waiting queue.
+
+        SGLang's ``abort_request`` pops requests from its queues and ``filter_finished_reqs`` drops
+        finished ones without telling a custom policy; retraction and ``pause_generation(retract)``
+        put resident requests back in ``scheduler.waiting_queue`` with their KV released.
+        """
+        manager = scheduler.dllm_manager
+        queued = {id(r) for r in scheduler.waiting_queue}
+        held = {id(r) for r in manager.waiting_queue} | {id(r) for r in manager.staging_queue}
+        for rid, req in list(self.reqs.items()):
+            if req.finished() or (id(req) not in queued and id(req) not in held):
+                self.policy.remove(rid)
+                del self.reqs[rid]
+                if req.finished():
+                    self.stats.finished += 1
+                else:
+                    self.stats.vanished += 1
+            elif id(req) in queued and self.policy.fields(rid)["state"] != "waiting":
+                self.policy.remove(rid)  # registered again below, with the work it has left
+                del self.reqs[rid]
+                self.stats.retracted += 1
+
+    def register(self, scheduler, reqs: list) -> None:
+        """Add newly arrived (or retracted) requests to the policy, admission estimates in one batch.
+
+        A request whose worst-case KV reservation exceeds the whole budget could never be admitted:
+        it is aborted through SGLang's own ``abort_request`` with a message saying so, and the rest
+        of the batch is registered.
+        """
         bs = self.block_size
-        prompt_len = [len(r.origin_input_ids) for r in reqs]
-        # SGLang prefills whole blocks only; a partial last block rides with the first output block.
-        P = [n // bs for n in prompt_len]
+        # what is still to encode: the prompt, plus the output of a retracted request (re-encoded)
+        seen = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        kv = [(math.ceil((len(r.origin_input_ids) + r.sampling_params.max_new_tokens) / bs) + self.slack_blocks) * bs
+              for r in reqs]
+        fits = [k <= self.policy.kv_budget for k in kv]
+        for req, k, ok in zip(reqs, kv, fits):
+            if not ok:
+                self.abort(scheduler, req, f"dwise: request {req.rid} needs a worst-case KV reservation of {k:g} "
+                                          f"tokens (prompt + max_new_tokens + slack) but the DWISE KV budget is "
+                                          f"{self.policy.kv_budget:g}: lower max_new_tokens or raise the budget")
+        reqs = [r for r, ok in zip(reqs, fits) if ok]
+        if not reqs:
+            return
+        seen = [n for n, ok in zip(seen, fits) if ok]
+        kv = [k for k, ok in zip(kv, fits) if ok]
+        # no prefix is matched before SGLang stages the request; P follows the match from then on
+        P = [prefill_rounds(n, bs) for n in seen]
         if self.bundle is not None:
             import numpy as np
 
             estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32)).tolist()
+            # a retracted request keeps its denoising progress: its admission estimate is what is left
+            estimates = [max(float(e) - getattr(r, "_dwise_rounds", 0), 0.0) for e, r in zip(estimates, reqs)]
         else:
             estimates = [0.0] * len(reqs)
-        kv = [
-            (math.ceil((n + r.sampling_params.max_new_tokens) / bs) + self.slack_blocks) * bs
-            for n, r in zip(prompt_len, reqs)
-        ]
         self.policy.add_many([r.rid for r in reqs], P, [max(float(e), 0.0) for e in estimates], kv)
         for r in reqs:
             self.reqs[r.rid] = r
+        if self.recorder is not None:
+            for r in reqs:
+                self.recorder.arrived(r, bs)
+
+    def abort(self, scheduler, req, message: str) -> None:
+        """Finish one request with an abort through SGLang's own path (the client gets ``message``)."""
+        abort_req = scheduler_abort_req(req.rid, message)
+        scheduler.abort_request(abort_req)
+        self.stats.oversized += 1
+
+
+_IO = "sglang.srt.managers.io_struct"
+_resolve_abort_req = None  # set by install(): the AbortReq class of the SGLang in use
+
+
+def scheduler_abort_req(rid, message: str):
+    """An ``AbortReq`` for one request that carries ``message`` to the client (HTTP 400)."""
+    return _resolve_abort_req(rid=rid, finished_reason={"type": "abort", "message": message, "status_code": 400,
+                                                        "err_type": "BadRequestError"})
 
 
 @dataclass
 class Installed:
-    """Handle on an installed patch: its shared state and ``uninstall()``."""
+    """Handle on an installed patch: its shared state, its stats and ``uninstall()``."""
 
     state: _State
     originals: list
+
+    @property
+    def stats(self) -> HookStats:
+        return self.state.stats
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self.originals):
@@ -252,11 +378,18 @@ def install(
     features=None,
     device=None,
     resolve=importlib.import_module,
+    *,
+    block_size: int | None = None,
+    max_batch: int | None = None,
+    hidden_size: int | None = None,
+    recorder=None,
 ) -> Installed:
     """Patch SGLang's dLLM scheduler (classes, so every scheduler in the process) with DWISE.
 
-    Call once in the scheduler process before the server starts serving (before CUDA-graph capture,
-    so the pooling copy is captured with the forward).
+    Call it in the scheduler process before the model runner starts (before CUDA-graph capture):
+    :func:`dwise_predict.serving.launcher.serve` does that in SGLang's spawned scheduler processes.
+    The pooling buffer is allocated here, once, so the copy into it is captured with the forward
+    and every replay writes it.
 
     Parameters
     ----------
@@ -270,21 +403,46 @@ def install(
     features : callable ``req -> (words, newlines, prompt_tokens)`` for admission; SGLang's ``Req``
         keeps token ids, not text, so pass e.g. ``lambda r: featurize(tokenizer.decode(r.origin_input_ids))``.
         Required with a bundle.
-    device : torch device of the model; with it, the pooling buffer is allocated now (needed when
-        the forward is captured in a CUDA graph).
+    device : torch device of the model (required with a bundle or a recorder).
+    block_size : SGLang's dLLM block size (required with a bundle or a recorder; checked against
+        the scheduler's config on its first step, and against the bundle's now).
+    max_batch : most requests in one forward (the largest captured CUDA-graph batch); the buffer
+        has ``max(max_batch, slots)`` rows. A forward with more rows fails loudly.
+    hidden_size : the model's hidden size when recording without a bundle.
+    recorder : an object with ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)``
+        and ``finished(req)`` (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
     resolve : module resolver (tests pass a fake SGLang here).
     """
+    global _resolve_abort_req
     if bundle is not None and features is None:
         raise ConfigError("the admission predictor needs prompt features: pass features=callable(req) -> (words, newlines, prompt_tokens)")
-    state = _State(bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device)
-    if device is not None and bundle is not None:
+    pooling = bundle is not None or recorder is not None
+    if pooling:
+        missing = [name for name, value in (("block_size", block_size), ("device", device)) if value is None]
+        if missing:
+            raise ConfigError(f"refinement and recording need {' and '.join(missing)} at install time (the pooling "
+                              "buffer is allocated before SGLang captures its CUDA graphs): pass them to install()")
+    if bundle is not None and block_size is not None:
+        bundle_bs = (bundle.manifest.get("decoding") or {}).get("block_size")
+        if bundle_bs is not None and int(bundle_bs) != int(block_size):
+            raise BundleError(
+                f"bundle was trained with block_size {bundle_bs} but SGLang runs {block_size}: "
+                "export a bundle for this decoding config"
+            )
+    state = _State(bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device,
+                   block_size, max_batch, recorder)
+    if pooling:
         import torch
 
-        state.pooled = torch.zeros(int(slots * k), bundle.hidden_size, device=device)
+        width = bundle.hidden_size if bundle is not None else hidden_size
+        if not width:
+            raise ConfigError("recording without a bundle needs hidden_size= (the model's hidden size)")
+        state.pooled = torch.full((max(int(max_batch or 0), int(slots)), int(width)), math.nan, device=device)
 
     sched_mod = resolve(_SCHED)
     req_mod = resolve("sglang.srt.dllm.mixin.req")
     fb_mod = resolve("sglang.srt.model_executor.forward_batch_info")
+    _resolve_abort_req = resolve(_IO).AbortReq
     mixin = sched_mod.SchedulerDllmMixin
     algorithm = resolve("sglang.srt.dllm.algorithm.base").DllmAlgorithm
     logits = resolve("sglang.srt.layers.logits_processor").LogitsProcessor
@@ -298,15 +456,23 @@ def install(
     def fetch_waiting_reqs(self):
         if state.policy is None:
             state.bind(self)
+        state.reconcile(self)
+        # finished while waiting (SGLang's set_finish_with_abort): SGLang's own path, not the policy's
+        done = [r for r in self.waiting_queue if r.finished() and r.rid not in state.reqs]
+        if done:
+            self.waiting_queue = [r for r in self.waiting_queue if not (r.finished() and r.rid not in state.reqs)]
+            self.dllm_manager.add_waiting_reqs(done)
         new = [r for r in self.waiting_queue if r.rid not in state.reqs]
         if new:
-            state.register(new)
+            state.register(self, new)
         plan = state.policy.schedule()
+        state.stats.rounds += 1
         if len(plan.admitted):
             admitted = set(state.policy.ids(plan.admitted))
             moving = [r for r in self.waiting_queue if r.rid in admitted]
             self.waiting_queue = [r for r in self.waiting_queue if r.rid not in admitted]
             self.dllm_manager.add_waiting_reqs(moving)
+            state.stats.admitted += len(moving)
         state.run_rids = state.policy.ids(plan.run)
 
     original_batches = mixin._process_dllm_batches
@@ -319,13 +485,34 @@ def install(
             self.dllm_manager.waiting_queue.sort(key=lambda r: rank.get(r.rid, len(rank)))
             mode = original_batches(self, adder, running_batch)
         else:
-            run = [resident[rid] for rid in state.run_rids if rid in resident]
+            # requests SGLang placed there without the policy (finished while waiting) run first, as they would
+            run = [r for rid, r in resident.items() if rid not in state.reqs]
+            run += [resident[rid] for rid in state.run_rids if rid in resident]
             prefill = [r for r in run if r.is_dllm_prefill()]
             decode = [r for r in run if not r.is_dllm_prefill()]
             self._process_batch_by_phase(adder, prefill, phase.STAGING_PREFILL, phase.INCOMING_PREFILL, running_batch)
             self._process_batch_by_phase(adder, decode, phase.STAGING_DECODE, phase.INCOMING_DECODE, running_batch)
             mode = fb_mod.ForwardMode.DLLM_EXTEND
-        state.batch_prompt = {rid: r.is_dllm_prefill() for rid, r in resident.items()}
+        staged = adder.can_run_list
+        taken = {r.rid for r in staged}
+        state.stats.budget_overrides += sum(rid not in taken for rid in state.run_rids if rid in resident)
+        # the phase each request runs in is known only now: SGLang matched its prefix while staging it
+        state.batch_prompt = {}
+        for r in staged:
+            if r.rid not in state.reqs:
+                continue
+            prompt = r.is_dllm_prefill()
+            state.batch_prompt[r.rid] = prompt
+            fields = state.policy.fields(r.rid)
+            if prompt:
+                left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), state.block_size, r.prefix_len)
+            else:
+                left = 0
+            if left < fields["P"]:
+                if fields["denoising_rounds"] == 0 and not getattr(r, "_dwise_prompt_seen", False):
+                    state.stats.prefix_blocks += fields["P"] - left
+                state.policy.set_prompt_blocks(r.rid, left)
+            r._dwise_prompt_seen = True
         return mode
 
     original_result = mixin.process_batch_result_dllm
@@ -335,43 +522,84 @@ def install(
         if state.policy is None:
             return
         reqs = [r for r in batch.reqs if r.rid in state.reqs]
-        prompt = [state.batch_prompt.get(r.rid, False) for r in reqs]
-        first = [i for i, r in enumerate(reqs) if not prompt[i] and state.policy.fields(r.rid)["denoising_rounds"] == 0]
+        prompt = [state.batch_prompt.get(r.rid, r.is_dllm_prefill()) for r in reqs]
+        first = [i for i, r in enumerate(reqs) if not prompt[i] and not getattr(r, "_dwise_rounds", 0)
+                 and state.policy.fields(r.rid)["denoising_rounds"] == 0]
+        rows = {r.rid: batch.reqs.index(r) for r in reqs}
+        if state.first_pooled is not None and first:
+            import torch
+
+            if not state.checked:
+                snap = state.first_pooled[[batch.reqs.index(reqs[i]) for i in first]]
+                if not bool(torch.isfinite(snap).all()):  # one sync, on the first refinement only
+                    raise ConfigError(UNWRITTEN)
+                state.checked = True
         refined = {}
         if first and state.bundle is not None and state.first_pooled is not None:
             import torch
 
-            rows = [batch.reqs.index(reqs[i]) for i in first]
-            pooled = state.first_pooled[torch.tensor(rows, device=state.first_pooled.device)]
+            index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
+            pooled = state.first_pooled[index]
             tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
             budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
             values = state.bundle.refine(pooled.float(), tokens, budget).tolist()  # after SGLang's own sync
             refined = {reqs[i].rid: v for i, v in zip(first, values)}
+            state.stats.refined += len(refined)
         steps = max(state.forwards, 1)
         for r, is_prompt in zip(reqs, prompt):
             rounds = 1 if is_prompt else steps
+            if state.recorder is not None:
+                row = state.first_pooled[rows[r.rid]] if state.first_pooled is not None else None
+                signals = state.first_signals[rows[r.rid]].tolist() if state.first_signals is not None else None
+                own = state.row_forwards[rows[r.rid]] if state.row_forwards else 0
+                state.recorder.forward(r, is_prompt, row, own or rounds, signals)
+            if not is_prompt:
+                r._dwise_rounds = getattr(r, "_dwise_rounds", 0) + rounds
             for j in range(rounds):
                 last = j == rounds - 1
                 state.policy.complete(r.rid, refined=refined.get(r.rid) if j == 0 else None,
                                       finished=last and r.finished(), prompt=is_prompt)
             if r.finished():
                 del state.reqs[r.rid]
+                state.stats.finished += 1
+                if state.recorder is not None:
+                    state.recorder.finished(r)
 
     original_run = algorithm.run
 
     def run(self, model_runner, forward_batch, algo_states=None):
-        state.first_pooled, state.forwards = None, 0
+        state.first_pooled, state.first_signals, state.forwards = None, None, 0
+        if state.pooled is not None:
+            state.pooled.fill_(math.nan)  # what a replay that skipped the copy would leave: caught below
         forward = model_runner.forward
 
         def counted_forward(*args, **kwargs):
             out = forward(*args, **kwargs)
             if state.forwards == 0 and state.pooled is not None:
                 state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
+                if state.recorder is not None:  # recording: first-round early signals, before the step fills
+                    state.first_signals = state.recorder.signals(
+                        out.logits_output.full_logits, forward_batch.input_ids, self.mask_id, self.block_size,
+                        float(getattr(self, "threshold", 0.95)))
             state.forwards += 1
             return out
 
+        step = self.step
+        state.row_forwards = None
+
+        def counted_step(batch, full_logits, states):
+            done = step(batch, full_logits, states)
+            if state.row_forwards is None:
+                state.row_forwards = [0] * len(done)
+            for i, d in enumerate(done):  # a row's own forwards: those until its block first reported done
+                if d and not state.row_forwards[i]:
+                    state.row_forwards[i] = state.forwards
+            return done
+
         own = vars(model_runner).get("forward")
+        own_step = vars(self).get("step")
         model_runner.forward = counted_forward
+        self.step = counted_step
         try:
             return original_run(self, model_runner, forward_batch, algo_states)
         finally:
@@ -379,18 +607,22 @@ def install(
                 del model_runner.forward  # back to the class method
             else:
                 model_runner.forward = own
+            if own_step is None:
+                del self.step
+            else:
+                self.step = own_step
 
     original_logits = logits._get_dllm_logits
 
     def get_dllm_logits(self, hidden_states, lm_head, logits_metadata):
-        if state.block_size and state.bundle is not None:
-            pooled = hidden_states.view(-1, state.block_size, hidden_states.shape[-1]).mean(dim=1)  # (B, H)
-            if state.pooled is None or state.pooled.shape[0] < pooled.shape[0]:
-                import torch
-
-                state.pooled = torch.zeros(max(pooled.shape[0], int(state.slots * state.k)), pooled.shape[1],
-                                           device=hidden_states.device)
-            state.pooled[: pooled.shape[0]].copy_(pooled)
+        buffer = state.pooled
+        if buffer is not None:
+            rows = hidden_states.shape[0] // state.block_size
+            if rows > buffer.shape[0]:
+                raise ConfigError(f"a forward of {rows} requests exceeds the pooling buffer's {buffer.shape[0]} rows: "
+                                  "install the hook with max_batch at least SGLang's largest CUDA-graph batch")
+            # mean of each request's block rows, written in place: the address a CUDA graph captured
+            buffer[:rows].copy_(hidden_states.view(rows, state.block_size, hidden_states.shape[-1]).mean(dim=1))
         return original_logits(self, hidden_states, lm_head, logits_metadata)
 
     patch(mixin, "_fetch_waiting_reqs", fetch_waiting_reqs)

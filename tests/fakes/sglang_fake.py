@@ -1,96 +1,155 @@
-"""A small, faithful fake of the part of SGLang 0.5.23's dLLM path that the DWISE adapter touches.
+"""A CPU fake of SGLang 0.5.23's dLLM serving path, built around SGLang's own pure-Python pieces.
 
-Same module paths, class names, method names and parameters as the real source (checked against
-``sglang_surface.json`` by ``tests/test_sglang_surface.py``), and the same control flow:
-``get_new_batch_dllm`` -> ``dllm_manager.init_next_round`` -> ``_fetch_waiting_reqs`` (FCFS up to
-``max_running_requests``) -> ``_process_dllm_batches`` (prefill first, else decode, through
-``_process_batch_by_phase``) -> ``DllmAlgorithm.run`` (``_run_fdfo``: one forward; ``_run_sync``:
-forwards until the block is done) -> ``model_runner.forward`` -> ``LogitsProcessor._get_dllm_logits``
--> ``process_batch_result_dllm``. What it leaves out: KV pools, the prefix cache, token ids and real
-logits. A fake request knows its true denoising rounds per output block and its first-round hidden
-vector; the fake model emits that vector on every row of the block.
+Loaded from the wheel (``tests/sglang_reference.py``; ``scripts/fetch_sglang.py`` fetches it), and
+used unmodified:
+
+- ``srt/dllm/mixin/req.py`` — ``ReqDllmMixin`` (``init_diffusion_llm``, ``_init_fill_ids_for_dllm``,
+  ``_update_block_offset_for_dllm``, ``determine_dllm_phase``: phases follow the prefix match, the
+  leftover prompt tokens open the first output block) and ``DllmReqPhase``;
+- ``srt/dllm/mixin/scheduler.py`` — ``SchedulerDllmMixin`` (``_fetch_waiting_reqs``,
+  ``_process_dllm_batches``, ``_process_batch_by_phase``, ``process_dllm_incoming_reqs``,
+  ``process_dllm_staging_reqs``, ``_update_state_for_batch``, ``finish_dllm_forward``) and
+  ``DllmManager`` (queues, ``pop_aborted_reqs``, ``filter_finished_reqs``, ``init_next_round``);
+- ``srt/dllm/algorithm/base.py`` — ``DllmAlgorithm.run`` / ``_run_sync`` / ``_run_fdfo``, the loop
+  that makes a KV-keeping block filled in r steps cost r + 1 forwards;
+- ``srt/dllm/config.py`` — ``DllmConfig``.
+
+Written here, for what needs a GPU or a real model (each mirrors the SGLang code it names):
+
+- ``Req``: token arrays, ``prefix_len``, ``init_next_round_input`` (``schedule_batch.Req``: fill
+  ids, prefix match bounded to real tokens on block boundaries, phase);
+- ``RadixCache``: block-aligned prefixes of committed tokens (``checkpoint_kv_cache`` inserts and
+  sets ``prefix_len = extend_end``);
+- ``PrefillAdder``: SGLang's batch budgets (requests per batch, tokens per batch); a request that
+  does not fit is left out of the step;
+- ``FakeDllmMixin``: SGLang's ``SchedulerDllmMixin`` subclassed, with ``process_batch_result_dllm``
+  rewritten without KV pools, streaming and metrics (sync:
+  commit the block's tokens; FDFO: keep an unresolved block in ``dllm_incomplete_ids``, commit a
+  resolved one, leftover prompt positions are not output; a request finishes after its planned
+  blocks, or, given an EOS id, on EOS or budget as ``Req.update_finish_state`` does); ``resolve``
+  hands it out as ``SchedulerDllmMixin``, so the adapter patches what SGLang's ``Scheduler`` inherits;
+- ``Scheduler``: ``get_new_batch_dllm`` with the fake adder, ``abort_request`` (pops from both
+  queues, as SGLang's does), ``retract`` (KV released, back to the waiting queue), and the step
+  order of ``get_next_batch_to_run`` (``filter_finished_reqs``, then ``finish_dllm_forward``);
+- ``FillAlgorithm``: SGLang's ``DllmAlgorithm`` with a ``step`` that, like ``LowConfidence.step``,
+  reports *done* when the forward's input held no mask and otherwise fills masks so that block b
+  of a request is filled in ``forwards[b] - 1`` steps (so it costs ``forwards[b]`` forwards);
+- ``ModelRunner``: every row of a request's block carries the request's hidden vector; with
+  ``cuda_graph=True`` the logits path is recorded once at ``capture()`` (start-up) and every
+  forward replays the recorded tensor operations without running any Python hook, as a CUDA graph
+  replay does.
+
+A fake request knows its forwards per output block (SGLang units, as traces record them) and its
+first-round hidden vector.
 """
 
 from __future__ import annotations
 
-import enum
+from array import array
 from types import SimpleNamespace
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
 
-# --- sglang.srt.dllm.config ------------------------------------------------------------------------
+import sglang_reference
 
-
-class DllmConfig:
-    def __init__(self, algorithm, algorithm_config, block_size, mask_id, max_running_requests,
-                 first_done_first_out_mode=False, requires_separate_context_encoding=False,
-                 capture_input_preparation=False, delete_token_id=None, split_token_id=None):
-        self.algorithm = algorithm
-        self.algorithm_config = algorithm_config
-        self.block_size = block_size
-        self.mask_id = mask_id
-        self.max_running_requests = max_running_requests
-        self.first_done_first_out_mode = first_done_first_out_mode
-        self.requires_separate_context_encoding = requires_separate_context_encoding
-
-
-# --- sglang.srt.dllm.mixin.req ----------------------------------------------------------------------
-
-
-class DllmReqPhase(str, enum.Enum):
-    STAGING_PREFILL = "staging_prefill"
-    STAGING_DECODE = "staging_decode"
-    INCOMING_PREFILL = "incoming_prefill"
-    INCOMING_DECODE = "incoming_decode"
+SGL = sglang_reference.load_scheduler()
+DllmConfig = SGL.DllmConfig
+DllmReqPhase = SGL.req.DllmReqPhase
+ReqDllmMixin = SGL.req.ReqDllmMixin
+RealSchedulerDllmMixin = SGL.SchedulerDllmMixin
+SchedulerDllmMixin = RealSchedulerDllmMixin  # rebound to FakeDllmMixin below
+DllmManager = SGL.DllmManager
+DllmAlgorithm = SGL.base.DllmAlgorithm
+ForwardMode = SGL.ForwardMode
+AddReqResult = SGL.AddReqResult
+MASK = 0  # mask id; prompt and output tokens are >= 1
+FILL = 7  # the token the fake model "predicts"
 
 
-class ReqDllmMixin:
-    def is_dllm_prefill(self):
-        return self.dllm_phase in [DllmReqPhase.STAGING_PREFILL, DllmReqPhase.INCOMING_PREFILL]
+def config(block_size, max_running_requests, fdfo=True, mask_id=MASK):
+    """SGLang's real ``DllmConfig`` for LowConfidence."""
+    return DllmConfig(algorithm="LowConfidence", algorithm_config={}, block_size=block_size, mask_id=mask_id,
+                      max_running_requests=max_running_requests, first_done_first_out_mode=fdfo)
 
 
-# --- sglang.srt.managers.schedule_batch ------------------------------------------------------------
+# --- sglang.srt.managers.io_struct -------------------------------------------------------------------
+
+
+class AbortReq:
+    def __init__(self, rid="", abort_all=False, finished_reason=None, abort_message=None):
+        self.rid, self.abort_all, self.finished_reason, self.abort_message = rid, abort_all, finished_reason, abort_message
+
+
+# --- sglang.srt.managers.schedule_batch --------------------------------------------------------------
 
 
 class Req(ReqDllmMixin):
-    """rid, origin_input_ids, sampling_params as in SGLang; the rest drives the fake model."""
+    """SGLang's request fields the dLLM path reads, with SGLang's own ``ReqDllmMixin``."""
 
-    def __init__(self, rid, origin_input_ids, sampling_params, dllm_config, rounds_per_block, hidden, features):
+    def __init__(self, rid, origin_input_ids, sampling_params, dllm_config, rounds_per_block, hidden, features,
+                 eos_token_id=None):
         self.rid = rid
-        self.origin_input_ids = origin_input_ids
+        self.origin_input_ids = array("q", [int(t) for t in origin_input_ids])
+        self.output_ids = array("q")
         self.sampling_params = sampling_params
-        self.output_ids = []
-        self.dllm_config = dllm_config
         self.finished_reason = None
-        bs = dllm_config.block_size
-        self.dllm_phase = DllmReqPhase.INCOMING_DECODE if len(origin_input_ids) < bs else DllmReqPhase.INCOMING_PREFILL
-        # fake-only state
-        self.rounds_per_block = list(rounds_per_block)
+        self.prefix_len = 0
+        self.extend_end = 0
+        self.dllm_initialized = False
+        self.full_untruncated_fill_ids = array("q")
+        self.inflight_middle_chunks = 0
+        self.kv = SimpleNamespace(holds_kv=False)
+        self.init_diffusion_llm(dllm_config)  # SGLang's: the first phase from the prompt length
+        # fake-only: forwards per output block (SGLang units) and the model's hidden vector
+        self.forwards_per_block = [int(x) for x in rounds_per_block]
         self.hidden = hidden
         self.features = features
-        self.prefilled = 0
-        self.block = 0
-        self.block_rounds = 0
+        self.eos_token_id = eos_token_id  # with a real model: finish on EOS or budget (update_finish_state)
+        self.fills = 0  # fill steps done in the current block
+        self.blocks_done = 0
 
     def finished(self):
         return self.finished_reason is not None
 
-    def advance_prefill(self):
-        self.prefilled += 1
-        done = self.prefilled == len(self.origin_input_ids) // self.dllm_config.block_size
-        self.dllm_phase = DllmReqPhase.STAGING_DECODE if done else DllmReqPhase.STAGING_PREFILL
+    def init_next_round_input(self, tree_cache=None):
+        """``schedule_batch.Req.init_next_round_input``, dLLM path."""
+        self._init_fill_ids_for_dllm()
+        if tree_cache is not None:
+            self.prefix_len = tree_cache.match(self)
+            self._update_block_offset_for_dllm()
+        self.determine_dllm_phase()
 
-    def denoise(self) -> bool:
-        """One denoising round; True when it completes the current block."""
-        self.block_rounds += 1
-        return self.block_rounds == self.rounds_per_block[self.block]
+    def block_input(self):
+        """The block this request's next forward runs: its unresolved block, or the next block of fill ids."""
+        if self.dllm_incomplete_ids:
+            return list(self.dllm_incomplete_ids)
+        bs = self.dllm_config.block_size
+        return list(self.full_untruncated_fill_ids[self.prefix_len:self.prefix_len + bs])
 
-    def commit_block(self):
-        self.output_ids.extend([0] * self.dllm_config.block_size)
-        self.block, self.block_rounds = self.block + 1, 0
-        self.dllm_phase = DllmReqPhase.STAGING_DECODE
-        if self.block == len(self.rounds_per_block):
-            self.finished_reason = "eos"
+
+class RadixCache:
+    """Block-aligned prefixes of committed tokens (what SGLang's radix cache hands a dLLM request)."""
+
+    def __init__(self, block_size):
+        self.block_size = block_size
+        self.prefixes: set = set()
+
+    def match(self, req) -> int:
+        # real tokens only, on block boundaries (Req._compute_max_prefix_len for dLLM)
+        ids = req.full_untruncated_fill_ids
+        committed = len(req.origin_input_ids) + len(req.output_ids)
+        limit = min(len(ids) - 1, committed) // self.block_size * self.block_size
+        best = 0
+        for end in range(self.block_size, limit + 1, self.block_size):
+            if tuple(ids[:end]) in self.prefixes:
+                best = end
+        return best
+
+    def insert(self, ids, end):
+        for stop in range(self.block_size, end // self.block_size * self.block_size + 1, self.block_size):
+            self.prefixes.add(tuple(ids[:stop]))
 
 
 class ScheduleBatch:
@@ -102,12 +161,33 @@ class ScheduleBatch:
         return len(self.reqs)
 
 
-# --- sglang.srt.model_executor.forward_batch_info ---------------------------------------------------
+class PrefillAdder:
+    """SGLang's batch budgets: at most ``max_requests`` requests and ``max_tokens`` tokens per step."""
+
+    def __init__(self, block_size, max_requests, max_tokens):
+        self.block_size, self.max_requests, self.max_tokens = block_size, max_requests, max_tokens
+        self.can_run_list = []
+        self.preempt_list = []
+        self.tokens = 0
+
+    def _add(self, req):
+        if len(self.can_run_list) >= self.max_requests:
+            return AddReqResult.OTHER
+        if self.tokens + self.block_size > self.max_tokens:
+            return AddReqResult.NO_TOKEN
+        req.extend_end = req.prefix_len + self.block_size  # one block per forward (_get_dllm_extend_len)
+        self.tokens += self.block_size
+        self.can_run_list.append(req)
+        return AddReqResult.CONTINUE
+
+    def add_one_req(self, req, has_chunked_req=False, truncation_align_size=None):
+        return self._add(req)
+
+    def add_dllm_staging_req(self, req):
+        return self._add(req)
 
 
-class ForwardMode(enum.IntEnum):
-    EXTEND = 1
-    DLLM_EXTEND = 2
+# --- sglang.srt.model_executor ------------------------------------------------------------------------
 
 
 class ForwardBatch:
@@ -115,9 +195,11 @@ class ForwardBatch:
         self.batch_size = batch.batch_size()
         self.reqs = batch.reqs
         self.forward_mode = batch.forward_mode
+        self.input_ids = torch.tensor([t for r in batch.reqs for t in r.block_input()], dtype=torch.long)
+        self.dllm_prompt_mask = None
 
-
-# --- sglang.srt.layers.logits_processor ---------------------------------------------------------------
+    def mark_forward_metadata_ready(self, replan_equivalent=True):
+        pass
 
 
 class LogitsProcessor:
@@ -125,177 +207,235 @@ class LogitsProcessor:
         return SimpleNamespace(full_logits=hidden_states.sum(dim=-1, keepdim=True), next_token_logits=None)
 
 
-# --- sglang.srt.model_executor.model_runner -------------------------------------------------------------
+class _Tape(TorchDispatchMode):
+    """Records the tensor operations of one call (what a CUDA graph captures)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+def _replay(ops, result):
+    """Run recorded operations again on the same static tensors; no Python of the original call runs."""
+    new = {}
+
+    def sub(x):
+        return new.get(id(x), x) if isinstance(x, torch.Tensor) else x
+
+    for func, args, kwargs, out in ops:
+        again = func(*tree_map(sub, args), **tree_map(sub, kwargs))
+        for old, fresh in zip(tree_flatten(out)[0], tree_flatten(again)[0]):
+            if isinstance(old, torch.Tensor):
+                new[id(old)] = fresh
+    return sub(result)
 
 
 class ModelRunner:
-    def __init__(self, block_size, hidden_size):
+    """Every row of a request's block carries its hidden vector; optionally replayed like a CUDA graph."""
+
+    def __init__(self, block_size, hidden_size, cuda_graph=False, max_bs=16):
         self.block_size, self.hidden_size = block_size, hidden_size
         self.logits_processor = LogitsProcessor()
         self.calls = 0
+        self.cuda_graph, self.max_bs = cuda_graph, max_bs
+        self.graph = None
+        if cuda_graph:
+            self.capture()
+
+    def capture(self):
+        """Start-up capture: the logits path runs once on static buffers, recorded."""
+        self.static_hidden = torch.zeros(self.max_bs * self.block_size, self.hidden_size)
+        with _Tape() as tape:
+            out = self.logits_processor._get_dllm_logits(self.static_hidden, None, None)
+        self.graph = (tape.ops, out.full_logits)
 
     def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None, reinit_attn_backend=False,
                 split_forward_count=1):
         self.calls += 1
         rows = torch.stack([torch.as_tensor(r.hidden, dtype=torch.float32) for r in forward_batch.reqs])  # (B, H)
         hidden_states = rows[:, None, :].expand(-1, self.block_size, -1).reshape(-1, self.hidden_size)  # (B*bs, H)
+        if self.graph is not None and forward_batch.batch_size <= self.max_bs:
+            self.static_hidden.zero_()
+            self.static_hidden[: hidden_states.shape[0]].copy_(hidden_states)
+            ops, result = self.graph
+            full = _replay(ops, result)[: hidden_states.shape[0]]
+            return SimpleNamespace(logits_output=SimpleNamespace(full_logits=full), can_run_graph=True)
         logits = self.logits_processor._get_dllm_logits(hidden_states, None, None)
         return SimpleNamespace(logits_output=logits, can_run_graph=False)
 
 
-# --- sglang.srt.dllm.algorithm.base ----------------------------------------------------------------------
+# --- sglang.srt.dllm.algorithm ------------------------------------------------------------------------
 
 
-class DllmAlgorithm:
-    def __init__(self, config: DllmConfig):
-        self.block_size = config.block_size
-        self.fdfo = config.first_done_first_out_mode
-
-    def max_steps(self, block_size):
-        return block_size + 1
+class FillAlgorithm(DllmAlgorithm):
+    """SGLang's ``DllmAlgorithm`` (its ``run`` loops) with a LowConfidence-shaped ``step``."""
 
     def step(self, forward_batch, full_logits, states):
-        # a prompt block is all prompt: done at once; a denoising block advances one round
-        return [True if r.is_dllm_prefill() else r.denoise() for r in forward_batch.reqs]
-
-    def run(self, model_runner, forward_batch, algo_states=None):
-        if self.fdfo:
-            return self._run_fdfo(model_runner, forward_batch, algo_states)
-        return self._run_sync(model_runner, forward_batch)
-
-    def _run_sync(self, model_runner, forward_batch):
-        out = model_runner.forward(forward_batch, pp_proxy_tensors=None)
-        done = self.step(forward_batch, out.logits_output.full_logits, None)
-        while not all(done):
-            out = model_runner.forward(forward_batch, pp_proxy_tensors=None)
-            done = [d or (not r.is_dllm_prefill() and r.denoise()) for d, r in zip(done, forward_batch.reqs)]
-        return out.logits_output, [[0]] * forward_batch.batch_size, None, None, out.can_run_graph
-
-    def _run_fdfo(self, model_runner, forward_batch, algo_states):
-        out = model_runner.forward(forward_batch, pp_proxy_tensors=None)
-        done = self.step(forward_batch, out.logits_output.full_logits, algo_states)
-        accept = [self.block_size if d else 0 for d in done]
-        return out.logits_output, [[0]] * forward_batch.batch_size, accept, [None] * len(done), out.can_run_graph
+        bs = self.block_size
+        ids = forward_batch.input_ids.view(forward_batch.batch_size, bs)  # (B, bs), filled in place
+        done = []
+        for i, req in enumerate(forward_batch.reqs):
+            masked = (ids[i] == self.mask_id).nonzero().flatten().tolist()
+            if not masked:  # done is decided before filling: this forward persisted the last fill
+                done.append(True)
+                continue
+            steps = max(req.forwards_per_block[min(req.blocks_done, len(req.forwards_per_block) - 1)] - 1, 1)
+            left = max(steps - req.fills, 1)
+            take = -(-len(masked) // left)
+            for pos in masked[:take]:
+                ids[i, pos] = FILL
+            req.fills += 1
+            done.append(False)
+        return done
 
 
-# --- sglang.srt.dllm.mixin.scheduler ---------------------------------------------------------------------
+# --- sglang.srt.managers.scheduler --------------------------------------------------------------------
 
 
-class Adder:
-    """PrefillAdder stand-in: takes requests while there is room in the batch."""
+class FakeDllmMixin(SchedulerDllmMixin):
+    """SGLang's ``SchedulerDllmMixin`` with its GPU-bound ``process_batch_result_dllm`` rewritten.
 
-    def __init__(self, capacity):
-        self.capacity = capacity
-        self.can_run_list = []
-
-    def add(self, req):
-        if len(self.can_run_list) >= self.capacity:
-            return False
-        self.can_run_list.append(req)
-        return True
-
-
-class SchedulerDllmMixin:
-    def init_diffusion_llm(self):
-        self.dllm_manager = DllmManager(dllm_config=self.dllm_config)
-
-    def get_new_batch_dllm(self, running_batch):
-        if not self.waiting_queue and self.dllm_manager.is_empty():
-            return None
-        adder = Adder(self.batch_capacity)
-        self.dllm_manager.init_next_round()
-        self._fetch_waiting_reqs()
-        forward_mode = self._process_dllm_batches(adder, running_batch=running_batch)
-        if not adder.can_run_list:
-            return None
-        self.dllm_manager.add_staging_reqs(adder.can_run_list)
-        return ScheduleBatch(adder.can_run_list, forward_mode)
+    It stands where the real mixin stands for the adapter (``resolve`` hands it out under that
+    name), so the adapter patches and wraps exactly what SGLang's ``Scheduler`` would inherit.
+    """
 
     def process_batch_result_dllm(self, batch, result):
-        _, _, accept, _, _ = result
+        """SGLang's commit logic, without KV pools, streaming or metrics."""
+        _, next_token_ids, accept, _, _ = result
+        bs = self.dllm_config.block_size
+        fdfo = self.dllm_config.first_done_first_out_mode
+        if not (fdfo or next_token_ids):
+            return
         for idx, req in enumerate(batch.reqs):
-            if req.is_dllm_prefill():
-                req.advance_prefill()
-            elif accept is None or accept[idx]:
-                req.commit_block()
+            if req.finished():
+                continue
+            if not fdfo:
+                tokens = [int(t) for t in next_token_ids[idx]]
+                if not tokens:
+                    continue
+                req.full_untruncated_fill_ids[req.extend_end - len(tokens):req.extend_end] = array("q", tokens)
+                self._commit(req, tokens)
+                continue
+            tokens = [int(t) for t in next_token_ids[idx]]
+            if accept[idx] == 0:
+                req.dllm_incomplete_ids = array("q", tokens)
+                continue
+            req.dllm_incomplete_ids = array("q")
+            req.full_untruncated_fill_ids[req.extend_end - bs:req.extend_end] = array("q", tokens)
+            len_input, len_fill = len(req.origin_input_ids), req.extend_end
+            if len_fill <= len_input:
+                continue  # a prompt block
+            if len_fill - len(tokens) < len_input:
+                tokens = tokens[len_input - len_fill:]  # leftover prompt positions are not output
+            self._commit(req, tokens)
 
-    def _fetch_waiting_reqs(self):
-        room = self.dllm_config.max_running_requests - len(self.dllm_manager.waiting_queue)
-        n = min(room, len(self.waiting_queue))
-        if n > 0:
-            self.dllm_manager.add_waiting_reqs(self.waiting_queue[:n])
-            self.waiting_queue = self.waiting_queue[n:]
-
-    def _process_dllm_batches(self, adder, running_batch):
-        prefill_reqs = self.dllm_manager.get_prefill_requests()
-        if prefill_reqs:
-            self._process_batch_by_phase(adder, prefill_reqs, DllmReqPhase.STAGING_PREFILL,
-                                         DllmReqPhase.INCOMING_PREFILL, running_batch=running_batch)
-            return ForwardMode.EXTEND if self.dllm_config.requires_separate_context_encoding else ForwardMode.DLLM_EXTEND
-        decode_reqs = self.dllm_manager.get_decode_requests()
-        self._process_batch_by_phase(adder, decode_reqs, DllmReqPhase.STAGING_DECODE, DllmReqPhase.INCOMING_DECODE,
-                                     running_batch=running_batch)
-        return ForwardMode.DLLM_EXTEND
-
-    def _process_batch_by_phase(self, adder, batch, staging_phase, incoming_phase, running_batch):
-        for phase in (staging_phase, incoming_phase):
-            for req in (r for r in batch if r.dllm_phase == phase):
-                if not adder.add(req):
-                    return
-
-
-class DllmManager:
-    def __init__(self, dllm_config=None):
-        self.dllm_config = dllm_config
-        self.waiting_queue = []
-        self.staging_queue = []
-
-    def get_prefill_requests(self):
-        return [req for req in self.waiting_queue if req.is_dllm_prefill()]
-
-    def get_decode_requests(self):
-        return [req for req in self.waiting_queue if not req.is_dllm_prefill()]
-
-    def add_waiting_reqs(self, reqs):
-        reqs = reqs if isinstance(reqs, list) else [reqs]
-        existing = {r.rid for r in self.waiting_queue}
-        if any(r.rid in existing for r in reqs):
-            raise RuntimeError("Redundant requests detected in dLLM requests.")
-        self.waiting_queue.extend(reqs)
-
-    def add_staging_reqs(self, reqs):
-        self.staging_queue.extend(reqs if isinstance(reqs, list) else [reqs])
-
-    def is_empty(self):
-        return len(self.waiting_queue) == 0
-
-    def filter_finished_reqs(self):
-        self.waiting_queue = [r for r in self.waiting_queue if not r.finished()]
-        self.staging_queue = [r for r in self.staging_queue if not r.finished()]
-
-    def init_next_round(self):
-        self.staging_queue = []
+    def _commit(self, req, tokens):
+        req.output_ids.extend(tokens)
+        req.fills = 0
+        req.blocks_done += 1
+        if req.eos_token_id is not None:  # a real model: Req.update_finish_state
+            if req.eos_token_id in tokens:
+                req.finished_reason = "eos"
+            elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
+                req.finished_reason = "length"
+        elif req.blocks_done >= len(req.forwards_per_block):
+            req.finished_reason = "eos"
+        elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
+            req.finished_reason = "length"
+        if req.finished():
+            self.tree_cache.insert(req.full_untruncated_fill_ids, req.extend_end)
 
 
-# --- sglang.srt.managers.scheduler -------------------------------------------------------------------------
+class Scheduler(FakeDllmMixin):
+    """The scheduler state and the GPU-side methods SGLang's dLLM mixin calls."""
 
-
-class Scheduler(SchedulerDllmMixin):
-    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens):
+    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9):
         self.dllm_config = dllm_config
         self.batch_capacity = batch_capacity
+        self.max_prefill_tokens = max_prefill_tokens
         self.max_total_num_tokens = max_total_num_tokens
         self.waiting_queue = []
-        self.init_diffusion_llm()
+        self.enable_priority_preemption = False
+        self.truncation_align_size = None
+        self.tree_cache = RadixCache(dllm_config.block_size)
+        self.dllm_manager = DllmManager(dllm_config=dllm_config)
+        self.aborted: dict = {}  # rid -> the message the client got
 
+    # what SGLang's mixin calls on the scheduler
+    def get_num_allocatable_reqs(self, running_bs, num_held_rows=0):
+        return 10**9
+
+    def stash_chunked_request(self, req):
+        """``checkpoint_kv_cache``: cache the request's committed tokens; ``prefix_len = extend_end``."""
+        self.tree_cache.insert(req.full_untruncated_fill_ids, req.extend_end)
+        req.prefix_len = req.extend_end
+
+    def get_new_batch_dllm(self, running_batch=None):
+        """``SchedulerDllmMixin.get_new_batch_dllm`` with the fake adder and batch."""
+        if not self.waiting_queue and self.dllm_manager.is_empty():
+            return None
+        adder = PrefillAdder(self.dllm_config.block_size, self.batch_capacity, self.max_prefill_tokens)
+        self.dllm_manager.init_next_round()
+        self._fetch_waiting_reqs()
+        forward_mode = self._process_dllm_batches(adder, running_batch=SimpleNamespace(reqs=[], batch_is_full=False))
+        if not adder.can_run_list:
+            return None
+        self._update_state_for_batch(adder.can_run_list, adder)
+        return ScheduleBatch(adder.can_run_list, forward_mode)
+
+    def abort_request(self, recv_req):
+        """``Scheduler.abort_request``: pop from the waiting queue and from both dLLM queues."""
+        kept = []
+        for req in self.waiting_queue:
+            if recv_req.abort_all or req.rid.startswith(recv_req.rid):
+                self.aborted[req.rid] = (recv_req.finished_reason or {}).get("message", "aborted")
+            else:
+                kept.append(req)
+        self.waiting_queue = kept
+        for req in self.dllm_manager.pop_aborted_reqs(recv_req.abort_all, recv_req.rid):
+            self.aborted[req.rid] = (recv_req.finished_reason or {}).get("message", "aborted")
+
+    def retract(self, rids):
+        """Retraction / ``pause_generation(mode="retract")``: KV released, back to the waiting queue."""
+        manager = self.dllm_manager
+        out = [r for r in manager.waiting_queue if r.rid in rids and not r.finished()]
+        manager.waiting_queue = [r for r in manager.waiting_queue if r.rid not in rids]
+        manager.staging_queue = [r for r in manager.staging_queue if r.rid not in rids]
+        for req in out:
+            req.prefix_len, req.dllm_initialized, req.fills = 0, False, 0
+            req.dllm_incomplete_ids = array("q")
+            req.init_diffusion_llm(req.dllm_config)
+            self.waiting_queue.append(req)
+
+    def step(self, algorithm, runner):
+        """One scheduler iteration (``get_next_batch_to_run`` order); returns the batch or None."""
+        self.dllm_manager.filter_finished_reqs()
+        for req in list(self.dllm_manager.staging_queue):
+            self.finish_dllm_forward(req)
+        batch = self.get_new_batch_dllm()
+        if batch is None:
+            return None
+        result = algorithm.run(runner, ForwardBatch(batch), None)
+        self.process_batch_result_dllm(batch, result)
+        return batch
+
+
+SchedulerDllmMixin = FakeDllmMixin
 
 MODULES = {
     "sglang.srt.dllm.config": SimpleNamespace(DllmConfig=DllmConfig),
     "sglang.srt.dllm.mixin.req": SimpleNamespace(DllmReqPhase=DllmReqPhase, ReqDllmMixin=ReqDllmMixin),
-    "sglang.srt.dllm.mixin.scheduler": SimpleNamespace(SchedulerDllmMixin=SchedulerDllmMixin, DllmManager=DllmManager),
+    "sglang.srt.dllm.mixin.scheduler": SimpleNamespace(SchedulerDllmMixin=FakeDllmMixin, DllmManager=DllmManager),
     "sglang.srt.dllm.algorithm.base": SimpleNamespace(DllmAlgorithm=DllmAlgorithm),
     "sglang.srt.layers.logits_processor": SimpleNamespace(LogitsProcessor=LogitsProcessor),
+    "sglang.srt.managers.io_struct": SimpleNamespace(AbortReq=AbortReq),
     "sglang.srt.managers.schedule_batch": SimpleNamespace(Req=Req, ScheduleBatch=ScheduleBatch),
+    "sglang.srt.managers.schedule_policy": SimpleNamespace(PrefillAdder=PrefillAdder),
     "sglang.srt.managers.scheduler": SimpleNamespace(Scheduler=Scheduler),
     "sglang.srt.model_executor.forward_batch_info": SimpleNamespace(ForwardMode=ForwardMode, ForwardBatch=ForwardBatch),
     "sglang.srt.model_executor.model_runner": SimpleNamespace(ModelRunner=ModelRunner),
@@ -306,23 +446,25 @@ def resolve(name: str):
     return MODULES[name]
 
 
-def serve(scheduler: Scheduler, algorithm: DllmAlgorithm, runner: ModelRunner, max_steps: int = 100_000) -> dict:
-    """Drive the fake server until every request is done; returns {rid: round it finished in}.
+def serve(scheduler: Scheduler, algorithm: DllmAlgorithm, runner: ModelRunner, max_steps: int = 100_000,
+          before_step=None) -> dict:
+    """Drive the fake server until every request is done or aborted; returns {rid: forward it finished in}.
 
-    A round is one model forward, so sync-mode steps count every forward they ran.
+    ``before_step(step_index, scheduler)`` runs before each iteration (aborts, retractions).
     """
     all_reqs = list(scheduler.waiting_queue)
     finished_at = {}
-    for _ in range(max_steps):
-        batch = scheduler.get_new_batch_dllm(None)
+    for step in range(max_steps):
+        if before_step is not None:
+            before_step(step, scheduler)
+        batch = scheduler.step(algorithm, runner)
         if batch is None:
-            break
-        result = algorithm.run(runner, ForwardBatch(batch), None)
-        scheduler.process_batch_result_dllm(batch, result)
+            if not scheduler.waiting_queue and scheduler.dllm_manager.is_empty():
+                break
+            continue
         for req in batch.reqs:
             if req.finished() and req.rid not in finished_at:
                 finished_at[req.rid] = runner.calls
-        scheduler.dllm_manager.filter_finished_reqs()
-    missing = [r.rid for r in all_reqs if r.rid not in finished_at]
+    missing = [r.rid for r in all_reqs if r.rid not in finished_at and r.rid not in scheduler.aborted]
     assert not missing, f"fake server stalled with {missing} unfinished"
     return finished_at

@@ -1,0 +1,61 @@
+"""Typer command `serve` (thin: build the hook config, call the launcher)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dwise_predict.cli.options import log
+from dwise_predict.errors import ConfigError
+from dwise_predict.serving.launcher import HookConfig
+
+_DEFAULT = HookConfig()
+
+
+def serve_command(
+    sglang_args: Annotated[Optional[list[str]], typer.Argument(help="SGLang's own server arguments, after `--` (as for `sglang serve` / `python -m sglang.launch_server`).")] = None,
+    bundle: Annotated[Optional[Path], typer.Option(help="Predictor bundle (`dwise-predict export`): schedule with DWISE.")] = None,
+    record: Annotated[Optional[Path], typer.Option(help="Recording mode: write contract-1 traces of the finished requests here (one subdirectory per DP rank; join them with `traces merge`).")] = None,
+    slots: Annotated[int, typer.Option(help="B: requests per round (match SGLang's batch capacity).")] = _DEFAULT.slots,
+    k: Annotated[float, typer.Option("--k", help="Resident-set multiplier; SGLang's --max-running-requests must be at least k*B.")] = _DEFAULT.k,
+    kv_budget_tokens: Annotated[Optional[float], typer.Option(help="KV tokens for reservations [default: --kv-fraction of SGLang's pool].")] = None,
+    kv_fraction: Annotated[float, typer.Option(help="Share of SGLang's KV pool DWISE reserves from.")] = _DEFAULT.kv_fraction,
+    slack_blocks: Annotated[int, typer.Option(help="Extra blocks reserved per resident request.")] = _DEFAULT.slack_blocks,
+    block_size: Annotated[Optional[int], typer.Option(help="SGLang's dLLM block size [default: the bundle's].")] = None,
+    hidden_size: Annotated[Optional[int], typer.Option(help="The model's hidden size (recording without a bundle).")] = None,
+    max_batch: Annotated[Optional[int], typer.Option(help="Largest batch of one forward [default: max(--slots, SGLang's --cuda-graph-max-bs*)].")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer for the prompt features [default: SGLang's --tokenizer-path or --model-path].")] = None,
+    record_every: Annotated[int, typer.Option(help="Finished requests per committed trace shard.")] = _DEFAULT.record_every,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, print the hook config as JSON, start nothing.")] = False,
+) -> None:
+    """Run SGLang's HTTP server with the DWISE hook installed in every scheduler process.
+
+    Start SGLang with --dllm-fdfo (a scheduler step is then one round) and --max-running-requests
+    at least k*B. Needs sglang==0.5.23 (CUDA) in this environment.
+
+    Examples:
+
+        dwise-predict serve --bundle bundle/ -- --model-path inclusionAI/LLaDA2.0-mini --dllm-algorithm LowConfidence --dllm-fdfo --max-running-requests 1024
+
+        dwise-predict serve --bundle bundle/ --record traces/live -- --model-path ... --dllm-fdfo --dp-size 4
+    """
+    from dwise_predict.serving.launcher import describe, resolved, serve
+
+    config = HookConfig(
+        bundle=None if bundle is None else str(bundle), slots=slots, k=k, kv_budget_tokens=kv_budget_tokens,
+        kv_fraction=kv_fraction, slack_blocks=slack_blocks, block_size=block_size, max_batch=max_batch,
+        hidden_size=hidden_size, tokenizer=tokenizer, record=None if record is None else str(record),
+        record_every=record_every,
+    )
+    problems = config.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if dry_run:
+        typer.echo(json.dumps({"hook": describe(resolved(config)), "sglang_args": list(sglang_args or [])}, indent=2))
+        return
+    log(f"dwise-predict serve: SGLang with the DWISE hook ({'bundle ' + str(bundle) if bundle else 'r_hat = 0'}"
+        f"{', recording to ' + str(record) if record else ''})")
+    serve(config, list(sglang_args or []))

@@ -1,0 +1,225 @@
+"""Recording mode: contract-1 traces written by the serving hook from a live SGLang server.
+
+The SGLang hook (:mod:`dwise_predict.serving.sglang_adapter`) calls a :class:`LiveRecorder` from
+inside the scheduler process: ``arrived`` when a request is registered, ``forward`` after every
+step that ran it (with the pooled rows of the step's first forward and the early signals of that
+forward), ``finished`` when SGLang finishes it. Finished requests are committed in shards through
+the same :class:`~dwise_predict.collectors.store.TraceStore` as ``collect`` (atomic, append-only,
+resumable: a restarted server appends new shards and skips request ids a shard already holds), and
+:meth:`LiveRecorder.close` consolidates them. Each data-parallel rank records into its own
+directory; ``dwise-predict traces merge`` joins them.
+
+Units are SGLang's own, because SGLang ran them: ``prompt_blocks`` is ``floor(n / block_size)``
+(the schema's definition, without a prefix cache); the prefill forwards that actually ran, after
+prefix-cache hits, are in the extra column ``prefill_rounds``; ``rounds_per_block`` counts the
+forwards of each output block (r + 1 for LowConfidence). ``split`` is drawn from a hash of the
+request id (20 % eval), ``category`` is ``live`` and ``source`` ``sglang``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dwise_predict.collectors.collect import contract_row
+from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
+from dwise_predict.engine import ENGINE
+from dwise_predict.versions import package_versions
+
+EVAL_FRACTION = 0.2
+
+
+def live_split(request_id: str) -> str:
+    """``eval`` for a stable 20 % of request ids, else ``train``."""
+    digest = int(hashlib.sha256(str(request_id).encode()).hexdigest()[:8], 16)
+    return "eval" if digest / 0xFFFFFFFF < EVAL_FRACTION else "train"
+
+
+def live_manifest(model: dict, algorithm: str, algorithm_config: dict, block_size: int, budget: int,
+                  dtype: str = "bfloat16", batch_size: int = 0) -> dict:
+    """The manifest of a recording: model fingerprint, SGLang's decoding config, engine, versions."""
+    return {
+        "model": dict(model),
+        "decoding": {
+            "algorithm": algorithm,
+            "algorithm_config": dict(algorithm_config),
+            "block_size": int(block_size),
+            "budget": int(budget),
+            "dtype": dtype,
+            "batch_size": int(batch_size),
+            "params": {},
+            "engine": ENGINE,
+            "engine_faithful": True,
+        },
+        "workload": {"name": "live", "spec": "sglang", "seed": None, "limit": None, "shard": None,
+                     "composition": {}, "plan": {}},
+        "collection": {"recorder": "sglang-hook"},
+        "versions": package_versions(),
+    }
+
+
+class _Open:
+    """What the recorder knows of one request between arrival and finish."""
+
+    def __init__(self, index, features, block_size, prompt_tokens):
+        self.index = index
+        self.features = features
+        self.block_size = block_size
+        self.prompt_tokens = prompt_tokens
+        self.started = time.perf_counter()
+        self.prefill = 0
+        self.blocks: list[int] = []
+        self.current = 0
+        self.outputs = 0
+        self.first_round = None
+        self.prompt_last = None
+        self.signals = (0.0, 0.0, 0.0)
+
+
+class LiveRecorder:
+    """Writes the requests a hooked SGLang scheduler finishes as contract-1 shards under ``out``.
+
+    Parameters
+    ----------
+    out : trace directory (one per data-parallel rank).
+    block_size : SGLang's dLLM block size.
+    features : ``req -> (words, newlines, prompt_tokens)`` (the hook's admission features); the
+        prompt text, when the features decoded it, is kept as ``req._dwise_text``.
+    every : finished requests per committed shard.
+    manifest : the recording's manifest (:func:`live_manifest`); by default built from ``bundle``'s
+        model fingerprint and decoding config (a bundle directory) when given.
+    """
+
+    def __init__(self, out, block_size: int, features=None, every: int = 64, manifest: dict | None = None,
+                 bundle: str | None = None):
+        self.out = Path(out)
+        self.block_size = int(block_size)
+        self.features = features
+        self.every = int(every)
+        if manifest is None:
+            import json
+
+            model, decoding = {}, {}
+            if bundle is not None:
+                spec = json.loads((Path(bundle) / "bundle.json").read_text())
+                model, decoding = spec.get("model") or {}, spec.get("decoding") or {}
+            manifest = live_manifest(model, decoding.get("algorithm") or "LowConfidence",
+                                     decoding.get("algorithm_config") or {}, self.block_size,
+                                     int(decoding.get("budget") or 0), decoding.get("dtype") or "bfloat16")
+        self.store = TraceStore(self.out).__enter__()
+        self.store.begin(manifest)
+        self.done = self.store.finished_ids()
+        self.open: dict = {}
+        self.rows: list = []
+        self.first: list = []
+        self.last: list = []
+        self.next_index = len(self.done)
+        self.written = 0
+
+    # --- events from the hook -----------------------------------------------------------------------
+
+    def arrived(self, req, block_size: int) -> None:
+        rid = str(req.rid)
+        if rid in self.done or rid in self.open:
+            return
+        features = self.features(req) if self.features is not None else (0, 0, len(req.origin_input_ids))
+        self.open[rid] = _Open(self.next_index, features, block_size, len(req.origin_input_ids))
+        self.next_index += 1
+
+    def forward(self, req, prompt: bool, pooled_row, rounds: int, signals=None) -> None:
+        """One step ran ``req``: a prompt block, or ``rounds`` forwards of its current output block."""
+        entry = self.open.get(str(req.rid))
+        if entry is None:
+            return
+        if prompt:
+            entry.prefill += 1
+            if pooled_row is not None:
+                entry.prompt_last = pooled_row.float().cpu().numpy()
+            return
+        if entry.first_round is None and pooled_row is not None:
+            entry.first_round = pooled_row.float().cpu().numpy()  # the first denoising round's pooled rows
+            if signals is not None:
+                entry.signals = tuple(float(x) for x in signals)
+        entry.current += rounds
+        if len(req.output_ids) > entry.outputs or req.finished():  # the step committed the block
+            entry.blocks.append(entry.current)
+            entry.current, entry.outputs = 0, len(req.output_ids)
+
+    def finished(self, req) -> None:
+        rid = str(req.rid)
+        entry = self.open.pop(rid, None)
+        if entry is None or entry.first_round is None:
+            return
+        reason = req.finished_reason
+        kind = str(getattr(reason, "to_json", lambda: {"type": reason})().get("type", reason)).lower()
+        if "abort" in kind:
+            return  # an aborted request did not run to its end: not a trace
+        if entry.current:
+            entry.blocks.append(entry.current)
+        words, newlines, _ = entry.features
+        frac, conf, ent = entry.signals
+        row = contract_row(
+            request_id=rid, split=live_split(rid), category="live", source="sglang",
+            prompt=getattr(req, "_dwise_text", "") or "", prompt_tokens=entry.prompt_tokens, words=int(words),
+            newlines=int(newlines), budget=int(req.sampling_params.max_new_tokens), block_size=entry.block_size,
+            prompt_blocks=entry.prompt_tokens // entry.block_size, rounds_per_block=entry.blocks,
+            output_tokens=len(req.output_ids), finish="budget" if "length" in kind else "eos",
+            frac_over_threshold=frac, mean_confidence=conf, mean_entropy=ent,
+            wall_s=time.perf_counter() - entry.started,
+        )
+        row["prefill_rounds"] = entry.prefill
+        row[ORDER_COLUMN] = entry.index
+        self.rows.append(row)
+        self.first.append(entry.first_round)
+        self.last.append(entry.prompt_last if entry.prompt_last is not None else np.zeros_like(entry.first_round))
+        self.done.add(rid)
+        if len(self.rows) >= self.every:
+            self.flush()
+
+    # --- shards -------------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Commit the finished requests held in memory as one shard."""
+        if not self.rows:
+            return
+        self.store.write_shard(pd.DataFrame(self.rows), np.stack(self.first), np.stack(self.last))
+        self.written += len(self.rows)
+        self.rows, self.first, self.last = [], [], []
+
+    def close(self) -> Path:
+        """Flush, consolidate ``requests.parquet`` + ``hidden.safetensors``, release the directory."""
+        try:
+            self.flush()
+            if self.done:
+                self.store.consolidate({"requests": len(self.done)})
+        finally:
+            self.store.__exit__(None, None, None)
+        return self.out
+
+
+def early_signals(full_logits, input_ids, mask_id: int, block_size: int, threshold: float):
+    """(B, 3) first-round signals per request: fraction of masked positions with top-1 prob above
+    ``threshold``, mean top-1 prob and mean entropy (nats) over masked positions; zeros without masks.
+
+    Device tensor ops only (no sync): the recorder reads them with the pooled rows.
+    """
+    import torch
+
+    batch = input_ids.numel() // block_size
+    logits = full_logits.float().view(batch, block_size, -1)  # (B, bs, V)
+    probs = torch.softmax(logits, dim=-1)
+    top = probs.max(dim=-1).values  # (B, bs)
+    entropy = -(probs * torch.log(probs.clamp_min(1e-12))).sum(dim=-1)  # (B, bs)
+    masked = (input_ids.view(batch, block_size) == mask_id).float().to(logits.device)
+    count = masked.sum(dim=1).clamp_min(1.0)
+    return torch.stack([((top > threshold).float() * masked).sum(1) / count, (top * masked).sum(1) / count,
+                        (entropy * masked).sum(1) / count], dim=1)
+
+
+LiveRecorder.signals = staticmethod(early_signals)
+
+__all__ = ["LiveRecorder", "live_manifest", "live_split", "early_signals"]

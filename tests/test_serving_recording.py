@@ -1,0 +1,191 @@
+"""Recording mode: the hook writes contract-1 traces of live traffic (here: the fake SGLang server)."""
+
+import numpy as np
+import pytest
+import torch
+
+import sglang_reference
+
+if not sglang_reference.available():
+    pytest.skip(sglang_reference.SKIP_REASON, allow_module_level=True)
+
+from dwise_predict.collectors.live import LiveRecorder, live_manifest  # noqa: E402
+from dwise_predict.collectors.store import merge  # noqa: E402
+from dwise_predict.engine import ENGINE, prefill_rounds  # noqa: E402
+from dwise_predict.serving.sglang_adapter import install  # noqa: E402
+from dwise_predict.traces import load_traces  # noqa: E402
+from dwise_predict.training.config import TrainConfig  # noqa: E402
+from dwise_predict.training.run import train_run  # noqa: E402
+from fakes import sglang_fake as fake  # noqa: E402
+
+BS, H = 8, 16
+
+
+def workload(n_requests, seed, shared=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_requests):
+        n = int(rng.integers(3, 40))
+        ids = [1 + t % 50 for t in range(min(shared, n))] + [100 + 1000 * (i + 100 * seed) + t for t in range(n - min(shared, n))]
+        forwards = [int(x) for x in rng.integers(2, 7, size=int(rng.integers(1, 4)))]
+        forwards[0] = min(forwards[0], BS - n % BS + 1)  # at least one fill per step: r <= masked positions
+        out.append((f"s{seed}-r{i:03d}", ids, forwards, rng.normal(size=H).astype(np.float32)))
+    return out
+
+
+def record(out, requests, fdfo=True, graph=False):
+    config = fake.config(BS, 8, fdfo=fdfo)
+    manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
+                             "LowConfidence", {"threshold": 0.95}, BS, 64)
+    recorder = LiveRecorder(out, block_size=BS, features=lambda r: (len(r.origin_input_ids) // 2, 1, len(r.origin_input_ids)),
+                            every=7, manifest=manifest)
+    handle = install(None, slots=4, k=2, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu",
+                     hidden_size=H, recorder=recorder)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=10**9)
+        sp = type("SP", (), {"max_new_tokens": 64})()
+        reqs = [fake.Req(rid, ids, sp, config, forwards, hidden, None) for rid, ids, forwards, hidden in requests]
+        scheduler.waiting_queue.extend(reqs)
+        fake.serve(scheduler, fake.FillAlgorithm(config), fake.ModelRunner(BS, H, cuda_graph=graph, max_bs=4))
+    finally:
+        handle.uninstall()
+        recorder.close()
+    return reqs
+
+
+def test_recorded_traces_are_the_servers_own_counts(tmp_path):
+    requests = workload(30, seed=0)
+    reqs = record(tmp_path / "t", requests)
+    ds = load_traces(tmp_path / "t")  # contract 1, validated
+    assert ds.manifest["decoding"]["engine"] == ENGINE and ds.manifest["schema_version"] == 2
+    rows = ds.requests.set_index("request_id")
+    assert sorted(rows.index) == sorted(r[0] for r in requests)
+    for (rid, ids, forwards, hidden), req in zip(requests, reqs):
+        row = rows.loc[rid]
+        assert list(row["rounds_per_block"]) == forwards and row["total_rounds"] == sum(forwards)
+        assert row["prompt_blocks"] == len(ids) // BS == row["prefill_rounds"] == prefill_rounds(len(ids), BS)
+        assert row["output_tokens"] == len(req.output_ids) and row["finish"] == "eos"
+        i = ds.requests.index[ds.requests["request_id"] == rid][0]
+        np.testing.assert_allclose(ds.first_round[i], hidden, rtol=1e-6)  # the pooled first-round rows
+    assert set(ds.requests["split"]) == {"train", "eval"}
+
+
+def test_graph_replays_and_sync_mode_record_the_same_traces(tmp_path):
+    requests = workload(12, seed=1)
+    record(tmp_path / "eager", requests)
+    record(tmp_path / "graph", requests, graph=True)
+    record(tmp_path / "sync", requests, fdfo=False)
+    a, b, c = (load_traces(tmp_path / d) for d in ("eager", "graph", "sync"))
+    cols = ["request_id", "rounds_per_block", "prompt_blocks", "output_tokens"]
+    for other in (b, c):
+        assert a.requests[cols].astype(str).equals(other.requests[cols].astype(str))
+        np.testing.assert_allclose(a.first_round, other.first_round)
+
+
+def test_prefix_hits_lower_the_prefill_forwards_recorded(tmp_path):
+    requests = workload(10, seed=2, shared=24)
+    record(tmp_path / "t", requests)
+    rows = load_traces(tmp_path / "t").requests
+    long = rows[rows["prompt_tokens"] >= 24]
+    assert (long["prefill_rounds"] < long["prompt_blocks"]).any()  # later ones found 3 blocks cached
+    assert (long["prefill_rounds"] >= long["prompt_blocks"] - 24 // BS).all()
+
+
+def test_a_restart_resumes_and_dp_ranks_merge_into_traces_train_accepts(tmp_path):
+    first, second = workload(40, seed=3), workload(40, seed=4)
+    record(tmp_path / "dp0", first[:20])
+    record(tmp_path / "dp0", first[20:] + first[:5])  # a restarted server; 5 ids it already recorded
+    record(tmp_path / "dp1", second)
+    merged = load_traces(merge([tmp_path / "dp0", tmp_path / "dp1"], tmp_path / "all"))
+    assert len(merged) == 80 and merged.requests["request_id"].is_unique
+    config = TrainConfig(members=1, max_epochs=2, patience=1, width=16, bootstrap=10, admission_trees=5,
+                         admission_min_child_samples=2)
+    metrics = train_run(tmp_path / "all", tmp_path / "run", config)
+    assert (tmp_path / "run" / "metrics.json").is_file() and isinstance(metrics, dict)
+
+
+class TinyModelRunner(fake.ModelRunner):
+    """The shipped tiny dLLM behind the fake's model runner (one request at a time): each forward is
+    one backend step over the request's block, the previous finished block committed in front of a
+    new block's first forward, as the collector's decoder does. The hook sees the window's final
+    hidden rows; the algorithm sees the model's logits."""
+
+    def __init__(self, backend):
+        super().__init__(backend.block_size, backend.hidden_size)
+        from dwise_predict.collectors.backends.base import StepBatch
+
+        self.backend, self.batch = backend, StepBatch
+        self.rid, self.context, self.last = None, None, None
+        backend.allocate(1)
+
+    def _step(self, ids, commit, out_start):
+        t = lambda v: torch.tensor([v])  # noqa: E731
+        return self.backend.step(self.batch(slots=t(0), input_ids=ids[None], n_valid=t(len(ids)), commit_len=t(commit),
+                                            out_start=t(out_start), window=self.block_size))
+
+    def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None, **kwargs):
+        self.calls += 1
+        (req,) = forward_batch.reqs
+        if req.rid != self.rid:
+            self.backend.reset_slot(0)
+            self.rid, self.context, self.last = req.rid, None, None
+        ids = forward_batch.input_ids.clone()
+        if req.is_dllm_prefill():
+            out = self._step(ids, self.block_size, 0)
+        elif self.last is not None and req.prefix_len != self.context:  # a new block: commit the last one
+            out = self._step(torch.cat([self.last, ids]), self.block_size, self.block_size)
+        else:
+            out = self._step(ids, 0, 0)
+        if not req.is_dllm_prefill():
+            self.context, self.last = req.prefix_len, ids
+        self.logits_processor._get_dllm_logits(out.hidden[0].float(), None, None)  # what the hook pools
+        return fake.SimpleNamespace(logits_output=fake.SimpleNamespace(full_logits=out.logits[0].float()),
+                                    can_run_graph=False)
+
+
+def test_recording_equals_collect_on_the_same_requests(tmp_path):
+    """The tiny dLLM served by the fake (SGLang's own LowConfidence loop) and recorded by the hook
+    gives the traces `collect` writes for the same requests."""
+    from dwise_predict.collectors.backends import load_backend
+    from dwise_predict.collectors.collect import collect
+    from dwise_predict.collectors.records import DecodingConfig
+    from dwise_predict.collectors.workloads import load_workload
+
+    budget = 40
+    collect("tiny", "tiny-default", tmp_path / "collected", DecodingConfig(algorithm="LowConfidence", budget=budget,
+                                                                           batch_size=1), limit=8)
+    want = load_traces(tmp_path / "collected")
+    backend = load_backend("tiny")
+    sgl = sglang_reference.load()
+    config = fake.DllmConfig(algorithm="LowConfidence", algorithm_config={}, block_size=backend.block_size,
+                             mask_id=backend.mask_token_id, max_running_requests=1)
+    algorithm = sgl.algorithms["LowConfidence"](config)  # SGLang's own class
+    manifest = live_manifest({"name": "tiny", "hidden_size": backend.hidden_size}, "LowConfidence", {},
+                             backend.block_size, budget)
+    recorder = LiveRecorder(tmp_path / "recorded", block_size=backend.block_size, every=4, manifest=manifest)
+    handle = install(None, slots=1, k=1, resolve=fake.resolve, block_size=backend.block_size, max_batch=1,
+                     device="cpu", hidden_size=backend.hidden_size, recorder=recorder)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=1, max_total_num_tokens=10**9)
+        sp = type("SP", (), {"max_new_tokens": budget})()
+        for r in load_workload("tiny-default", seed=0, limit=8).requests:
+            ids = backend.tokenizer.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
+            scheduler.waiting_queue.append(fake.Req(r.request_id, ids, sp, config, [], None, None,
+                                                    eos_token_id=backend.eos_token_id))
+        fake.serve(scheduler, algorithm, TinyModelRunner(backend))
+    finally:
+        handle.uninstall()
+        recorder.close()
+    got = load_traces(tmp_path / "recorded")
+    a = want.requests.set_index("request_id").sort_index()
+    b = got.requests.set_index("request_id").sort_index()
+    assert list(a.index) == list(b.index) and len(a) == 8
+    for col in ("prompt_tokens", "prompt_blocks", "total_rounds", "finish", "budget", "block_size"):
+        assert a[col].tolist() == b[col].tolist(), col
+    assert [list(x) for x in a["rounds_per_block"]] == [list(x) for x in b["rounds_per_block"]]
+    order_a = np.argsort(want.requests["request_id"].to_numpy())
+    order_b = np.argsort(got.requests["request_id"].to_numpy())
+    np.testing.assert_allclose(want.first_round[order_a], got.first_round[order_b], rtol=1e-4, atol=1e-5)
+    for col in ("frac_over_threshold", "mean_confidence", "mean_entropy"):
+        np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-4, atol=1e-5, err_msg=col)
