@@ -23,11 +23,12 @@ from dwise_predict.dllm.corpus import (
 N_PER_CATEGORY = 40
 SEED = 7
 
-# Accuracy the shipped weights reach (seed-7 prompts, 12,500-step recipe, measured 2026-11-30): code 0.85,
-# mcq 0.53 (chance 0.25; 0.45 on 200 prompts), instruction 0.42, math 0.33 (a two-digit answer: chance
-# ~0.01), multilingual_math 0.07, hard_mcq 0.15 (chance 0.20), long_context 0.00. The bars below pin what
-# holds, a few requests under the measured figure; the known gaps are strict xfails.
-REQUIRED = {"code": 0.7, "mcq": 0.45, "instruction": 0.3, "math": 0.2}
+# Accuracy the shipped weights reach (seed-7 prompts, 12,500-step recipe on the engine's block grid,
+# SGLang's LowConfidence at 0.95, measured 2026-11-30): code 0.85, mcq 0.53 (chance 0.25), instruction
+# 0.53, math 0.35 (a two-digit answer: chance ~0.01), multilingual_math 0.03, hard_mcq 0.23 (chance
+# 0.20), long_context 0.00. The bars below pin what holds, a few requests under the measured figure;
+# the known gaps are strict xfails.
+REQUIRED = {"code": 0.7, "mcq": 0.45, "instruction": 0.4, "math": 0.25}
 KNOWN_GAPS = {"hard_mcq": 0.4, "long_context": 0.25}  # 2x chance for 5 options; any real retrieval
 
 
@@ -110,9 +111,17 @@ def test_no_category_has_constant_rounds_and_medians_differ(decoded):
 def test_rounds_follow_the_work_the_prompt_asks_for(decoded):
     """Inside a category, more requested work (the count the prompt states) means more rounds."""
     rounds, counts = _by_category(decoded, "rounds"), _by_category(decoded, "count")
-    for c in ("instruction", "math", "multilingual_math", "hard_mcq", "long_context"):
+    for c in ("math", "multilingual_math", "hard_mcq", "long_context"):
         rho = spearmanr(counts[c], rounds[c])[0]
         assert rho > 0.3, (c, rho)
+
+
+def test_instruction_rounds_do_not_follow_its_output_length(decoded):
+    """Instruction prompts ask for a run of consecutive numbers: the longer runs come out longer but
+    are filled many positions per step, so rounds barely follow the requested count (measured ρ 0.11
+    against 0.33 for output tokens). Output length misorders work here (seed 000, Table 12)."""
+    rounds, counts = _by_category(decoded, "rounds"), _by_category(decoded, "count")
+    assert abs(spearmanr(counts["instruction"], rounds["instruction"])[0]) < 0.3
 
 
 def test_accuracy_on_deterministic_categories_is_far_above_chance(decoded):
@@ -124,7 +133,7 @@ def test_accuracy_on_deterministic_categories_is_far_above_chance(decoded):
 
 
 @pytest.mark.parametrize("category", sorted(KNOWN_GAPS))
-@pytest.mark.xfail(strict=True, reason="known gap of the shipped weights: hard MCQ at chance (0.15 vs "
+@pytest.mark.xfail(strict=True, reason="known gap of the shipped weights: hard MCQ near chance (0.23 vs "
                    "0.20) and no multi-needle retrieval (0.00) within the 20-minute CPU recipe")
 def test_known_gaps_hard_mcq_and_long_context(decoded, category):
     correct = _by_category(decoded, "correct")
