@@ -3,8 +3,17 @@
 - :func:`atomic_write` (+ ``_bytes``, ``_text``, :func:`write_json`, :func:`write_csv`): temp file beside the target +
   rename, so a reader, or a rerun after an interrupt, sees the old file or the new one, never half.
 - :func:`atomic_dir`: the same for a whole directory (a run, a bundle, a pulled bundle, a model).
+- :func:`claim_output`: what every command that writes a directory does first: refuse an ``--out``
+  that is, contains or lies inside one of its inputs, or that holds something not recognisably
+  ours, then hold the output's lock.
 - :class:`FileLock`: ``fcntl.flock`` on a lock file, so the OS releases it when its holder dies;
-  a crashed writer never leaves a lock behind that a user has to delete by hand.
+  a crashed writer never leaves a lock behind that a user has to delete by hand. This is the one
+  lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it
+  (:func:`output_lock`), a directory written in place (a trace store, a zoo) by a ``.lock`` inside.
+
+Temporary files and directories are named ``.NAME.tmp-PID``; those of processes that no longer run
+are removed by the next write of the same target, and an overwrite interrupted between its two
+renames is put back (:func:`sweep_stale`).
 - :func:`sha256_file`.
 
 Standard library only, so the serving side may import it.
@@ -23,7 +32,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dwise_predict.errors import StoreError
+from dwise_predict.errors import InputError, StoreError
+
+TMP_MARK = ".tmp-"
 
 
 def atomic_write(target: str | os.PathLike, write: Callable[[Path], None], durable: bool = False) -> Path:
@@ -33,9 +44,11 @@ def atomic_write(target: str | os.PathLike, write: Callable[[Path], None], durab
         collection store commits shards this way; reports and models don't need to).
     """
     target = Path(target)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    sweep_stale(target)
+    tmp = _tmp_path(target)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # whatever wrote it (safetensors, mkstemp), what we publish is meant to be read
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -119,7 +132,7 @@ def atomic_dir(out: str | os.PathLike, merge: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         for path in tmp.iterdir():
-            path.chmod(0o644)  # temporary files are private; what we publish is meant to be read
+            path.chmod(0o755 if path.is_dir() else 0o644)  # temporary files are private; what we publish is meant to be read
         if merge:
             out.mkdir(exist_ok=True)
             for path in sorted(tmp.iterdir()):
@@ -145,14 +158,37 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _tmp_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}")
+
+
+def sweep_stale(target: str | os.PathLike) -> None:
+    """Remove the temporary files and directories of ``target`` left by processes that no longer run.
+
+    An overwrite killed between its two renames (old ``target`` moved aside, new one not yet in
+    place) left the old directory as ``.NAME.tmp-PID-old``: it is renamed back to ``target``, so a
+    rerun starts from the state before the interrupted command.
+    """
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    for stale in sorted(target.parent.glob(f".{target.name}{TMP_MARK}*")):
+        pid = stale.name.removesuffix("-old").rsplit("-", 1)[-1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if stale.name.endswith("-old") and stale.is_dir() and not os.path.lexists(target):
+            os.replace(stale, target)
+        elif stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def _fresh_tmp_dir(out: Path) -> Path:
     """A new hidden directory next to ``out``; removes leftovers of processes that no longer run."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = stale.name.removesuffix("-old").rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    sweep_stale(out)
+    tmp = _tmp_path(out)
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
@@ -160,6 +196,73 @@ def _fresh_tmp_dir(out: Path) -> Path:
     except OSError as err:
         raise StoreError(f"cannot write next to {out}: {err.strerror}") from None
     return tmp
+
+
+def refuse_aliasing(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None]) -> None:
+    """Raise :class:`InputError` when ``out`` is, contains or lies inside one of ``inputs``.
+
+    ``inputs`` maps how the message names an input (``"TRACES"``, ``"--run"``) to its path (None:
+    not given). Paths are compared after resolving links, so ``d/..`` and a symlink alias too.
+    """
+    target = Path(out).resolve()
+    for label, path in inputs.items():
+        if path is None:
+            continue
+        source = Path(path).resolve()
+        if target == source:
+            relation = "is"
+        elif target in source.parents:
+            relation = "contains"
+        elif source in target.parents:
+            relation = "lies inside"
+        else:
+            continue
+        raise InputError(f"--out {out} {relation} the input {label} {path}: a command never writes over its "
+                         "inputs; choose an --out outside them")
+
+
+def output_lock(out: str | os.PathLike) -> FileLock:
+    """The lock of a directory that is written whole: ``.NAME.lock`` beside it (it survives the swap)."""
+    out = Path(out)
+    return FileLock(out.parent / f".{out.name}.lock", lambda holder: (
+        f"{out} is being written by another dwise-predict process (pid {holder}): wait for it to finish, "
+        "or choose another --out"))
+
+
+@contextmanager
+def claim_output(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None], what: str, marker: str,
+                 replace: bool = False, flag: str | None = None) -> Iterator[Path]:
+    """Check ``out`` may be written and hold its lock (:func:`output_lock`) for the block.
+
+    Refused: an ``out`` that aliases an input (:func:`refuse_aliasing`), a file, a dangling link,
+    and a non-empty directory unless ``replace`` and it is recognisably a ``what`` (it holds
+    ``marker``): a trace dataset or a foreign folder is never replaced. ``flag`` names the option
+    that sets ``replace`` (None: the command always replaces its own kind of output). An overwrite
+    interrupted by a crash is restored first (:func:`sweep_stale`).
+    """
+    out = Path(out)
+    if os.path.islink(out) and not out.exists():
+        raise InputError(f"--out {out} is a link to {os.readlink(out)}, which does not exist: remove the link "
+                         "or choose another --out")
+    refuse_aliasing(out, inputs)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: give a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = output_lock(out).__enter__()
+    except OSError as err:
+        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another --out") from None
+    try:
+        sweep_stale(out)
+        if out.is_dir() and any(out.iterdir()):
+            if not (out / marker).is_file():
+                raise StoreError(f"{out} holds files but is not a {what} (no {marker}): it is never replaced; "
+                                 "choose a new or empty --out")
+            if not replace:
+                raise StoreError(f"{out} already exists: choose another --out or pass {flag} to replace it")
+        yield out
+    finally:
+        lock.__exit__()
 
 
 def _alive(pid: int) -> bool:
