@@ -28,7 +28,7 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -198,14 +198,14 @@ def _fresh_tmp_dir(out: Path) -> Path:
     return tmp
 
 
-def refuse_aliasing(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None]) -> None:
+def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]]) -> None:
     """Raise :class:`InputError` when ``out`` is, contains or lies inside one of ``inputs``.
 
-    ``inputs`` maps how the message names an input (``"TRACES"``, ``"--run"``) to its path (None:
+    ``inputs`` pairs how the message names an input (``"TRACES"``, ``"--run"``) with its path (None:
     not given). Paths are compared after resolving links, so ``d/..`` and a symlink alias too.
     """
     target = Path(out).resolve()
-    for label, path in inputs.items():
+    for label, path in inputs:
         if path is None:
             continue
         source = Path(path).resolve()
@@ -230,7 +230,7 @@ def output_lock(out: str | os.PathLike) -> FileLock:
 
 
 @contextmanager
-def claim_output(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None], what: str, marker: str,
+def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]], what: str, marker: str,
                  replace: bool = False, flag: str | None = None) -> Iterator[Path]:
     """Check ``out`` may be written and hold its lock (:func:`output_lock`) for the block.
 
@@ -259,7 +259,8 @@ def claim_output(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | N
                 raise StoreError(f"{out} holds files but is not a {what} (no {marker}): it is never replaced; "
                                  "choose a new or empty --out")
             if not replace:
-                raise StoreError(f"{out} already exists: choose another --out or pass {flag} to replace it")
+                raise StoreError(f"{out} already exists: choose another --out"
+                                 + (f" or pass {flag} to replace it" if flag else ""))
         yield out
     finally:
         lock.__exit__()

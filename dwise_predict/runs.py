@@ -38,6 +38,7 @@ REQUIRED_FILES = (
     "refine.json",
     "calibration.json",
 )
+RUN_MARKER = "refine.json"  # a directory holding it is a run: `train --overwrite` may replace it
 REFINE_SPEC_KEYS = ("hidden_size", "in_features", "num_rounds", "width", "members", "prompt_norm", "budget_norm")
 
 

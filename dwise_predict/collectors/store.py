@@ -35,9 +35,10 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import FileLock, atomic_write_bytes
+from dwise_predict.files import FileLock, atomic_write_bytes, refuse_aliasing
 from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.dataset import (
+    HIDDEN_FILE,
     MANIFEST_FILE,
     REQUESTS_FILE,
     SCHEMA_VERSION,
@@ -262,6 +263,16 @@ class TraceStore:
             atomic_write_bytes(stem.with_suffix(".parquet"), table.getvalue(), durable=True)
         return stem.with_suffix(".parquet")
 
+    def mark_incomplete(self) -> None:
+        """Before decoding more requests into a finished collection (a larger ``--limit``): remove its
+        consolidated files, which the shards reproduce, so that until the new consolidation no reader
+        takes the directory for a complete dataset."""
+        if not any((self.out / SHARDS_DIR).glob("shard-*.parquet")):
+            return
+        with _store_errors(self.out):
+            for name in (REQUESTS_FILE, HIDDEN_FILE):  # requests.parquet first: readers test it for completeness
+                (self.out / name).unlink(missing_ok=True)
+
     # -- consolidation -----------------------------------------------------------------------------
 
     def consolidate(self, counts: dict | None = None) -> Path:
@@ -288,6 +299,7 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
     """
     if not dirs:
         raise StoreError("traces merge needs at least one input directory")
+    refuse_aliasing(out, [("DIRS", d) for d in dirs])
     inputs = []
     for d in map(Path, dirs):
         if not (d / MANIFEST_FILE).is_file():

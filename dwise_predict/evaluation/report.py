@@ -77,9 +77,9 @@ def write_characterization(result: dict, datasets, out: str | os.PathLike) -> Pa
     """``characterization.json``, ``.html``, ``.md`` and plots of ``result`` in ``out`` (created);
     ``datasets`` are the trace datasets it measured. Returns the HTML path."""
     from dwise_predict.evaluation.document import write_document
-    from dwise_predict.evaluation.evaluate import prepare_out
 
-    out = prepare_out(out)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     write_json(out / "characterization.json", result)
     requests = pd.concat([d.requests for d in datasets], ignore_index=True)
     html_path, _ = write_document(characterization_document(result, requests), out, stem="characterization")

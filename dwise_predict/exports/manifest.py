@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
@@ -23,6 +24,8 @@ from dwise_predict.files import atomic_write_bytes, sha256_file
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"
+# a bundle name or zoo version: use fullmatch (``$`` would also accept a trailing newline)
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 def canonical_json(manifest: dict) -> bytes:

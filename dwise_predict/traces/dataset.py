@@ -159,7 +159,8 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
     for name in (MANIFEST_FILE, REQUESTS_FILE, HIDDEN_FILE):
         if not (path / name).is_file():
             hint = (
-                "run `dwise-predict traces merge` to consolidate its shards"
+                "its collection is unfinished: rerun the same `dwise-predict collect` command to finish it "
+                "(for --shard parts, combine them with `dwise-predict traces merge`)"
                 if (path / "shards").is_dir()
                 else "it is not a complete trace dataset"
             )
