@@ -25,7 +25,7 @@ import tarfile
 from pathlib import Path
 
 from dwise_predict.errors import BundleError, InputError, StoreError
-from dwise_predict.exports.manifest import BUNDLE_FILE, NAME_PATTERN, check_files, read_bundle_manifest, unlisted_files
+from dwise_predict.exports.manifest import BUNDLE_FILE, NAME_PATTERN, check_files, read_bundle_manifest
 from dwise_predict.files import FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, sha256_file
 
 INDEX_FILE = "index.json"
@@ -164,9 +164,6 @@ def _pull(zoo: Path, entry: dict, out: Path) -> Path:
         _extract_flat(tar_path, tmp)
         manifest = read_bundle_manifest(tmp)
         check_files(tmp, manifest)
-        extra = unlisted_files(tmp, manifest)
-        if extra:
-            raise BundleError(f"{tar_path} holds files that its bundle.json does not list ({', '.join(extra)})")
     return out
 
 

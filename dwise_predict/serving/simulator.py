@@ -83,7 +83,7 @@ class SimConfig:
             problems.append(f"--kv-budget must be positive (blocks), got {self.kv_budget}")
         if self.kv_slack_blocks < 0:
             problems.append(f"--kv-slack must be >= 0, got {self.kv_slack_blocks}")
-        if self.round_ms < 0 or self.slot_ms < 0 or self.round_ms + self.slot_ms <= 0:
+        if not (self.round_ms >= 0 and self.slot_ms >= 0 and 0 < self.round_ms + self.slot_ms < math.inf):
             problems.append(f"--round-ms and --slot-ms must be >= 0 and not both 0, got {self.round_ms}, {self.slot_ms}")
         if self.arrival not in ARRIVALS:
             problems.append(f"--arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
@@ -438,7 +438,9 @@ def parse_rates(text: str, workload: SimRequests, config: SimConfig) -> list[flo
     """``"1,2,4"`` (req/s) or ``"0.5x,1x,2x"`` (multiples of :func:`service_rate`) -> req/s."""
     rates = []
     unit = None
-    for item in (t.strip() for t in text.split(",") if t.strip()):
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            raise ConfigError(f"--rates {text!r} has an empty item: give e.g. 0.5x,1x,2x or 4,8,16")
         try:
             if item.endswith("x"):
                 factor = float(item[:-1])
