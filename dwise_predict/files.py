@@ -22,6 +22,7 @@ Standard library only, so the serving side may import it.
 from __future__ import annotations
 
 import csv
+import errno
 import fcntl
 import hashlib
 import io
@@ -35,6 +36,30 @@ from pathlib import Path
 from dwise_predict.errors import InputError, StoreError
 
 TMP_MARK = ".tmp-"
+# what a failed write means to a user, by errno
+WRITE_FAILURES = {
+    errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk is full", errno.EFBIG: "the disk is full",
+    errno.EACCES: "it is not writable", errno.EPERM: "it is not writable", errno.EROFS: "it is not writable",
+}
+
+
+@contextmanager
+def write_errors(out: str | os.PathLike, fix: str, every: bool = False) -> Iterator[None]:
+    """Turn an ``OSError`` while writing ``out`` into one :class:`StoreError` line ending in ``fix``.
+
+    every : any ``OSError`` (the block only writes); otherwise only a full disk and a read-only or
+        forbidden target, so that a missing input still reports itself.
+    """
+    try:
+        yield
+    except OSError as exc:
+        what = WRITE_FAILURES.get(exc.errno)
+        if what is None and exc.errno in (errno.ENOTDIR, errno.EEXIST):
+            what = "a file is in the way of the directory"
+        if what is None and not every:
+            raise
+        what = what or exc.strerror or str(exc)
+        raise StoreError(f"cannot write to {out} ({what}: {exc.filename or out}): {fix}") from None
 
 
 def atomic_write(target: str | os.PathLike, write: Callable[[Path], None], durable: bool = False) -> Path:
@@ -125,20 +150,22 @@ def atomic_dir(out: str | os.PathLike, merge: bool = False) -> Iterator[Path]:
     Raises
     ------
     StoreError
-        The directory beside ``out`` cannot be written.
+        The directory beside ``out`` cannot be written, or the disk fills or turns read-only while
+        the block writes (:func:`write_errors`).
     """
     out = Path(out)
     tmp = _fresh_tmp_dir(out)
     try:
-        yield tmp
-        for path in tmp.iterdir():
-            path.chmod(0o755 if path.is_dir() else 0o644)  # temporary files are private; what we publish is meant to be read
-        if merge:
-            out.mkdir(exist_ok=True)
-            for path in sorted(tmp.iterdir()):
-                os.replace(path, out / path.name)
-        else:
-            _replace_dir(tmp, out)
+        with write_errors(out, "nothing was replaced; free space or fix permissions and rerun the same command"):
+            yield tmp
+            for path in tmp.iterdir():
+                path.chmod(0o755 if path.is_dir() else 0o644)  # temporary files are private; what we publish is meant to be read
+            if merge:
+                out.mkdir(exist_ok=True)
+                for path in sorted(tmp.iterdir()):
+                    os.replace(path, out / path.name)
+            else:
+                _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

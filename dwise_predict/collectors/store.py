@@ -22,7 +22,6 @@ batch size is recorded but not part of the identity, so a run can resume with an
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -35,7 +34,7 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import FileLock, atomic_write_bytes, refuse_aliasing
+from dwise_predict.files import FileLock, atomic_write_bytes, refuse_aliasing, write_errors
 from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.dataset import (
     HIDDEN_FILE,
@@ -377,27 +376,7 @@ def _unique_rows(requests: pd.DataFrame) -> np.ndarray:
     return ~dup
 
 
-class _store_errors:
-    """Turn an OSError while writing ``out`` into one clear :class:`StoreError` line."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, OSError):
-            return False
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            what = "the disk is full"
-        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            what = "it is not writable"
-        elif exc.errno in (errno.ENOTDIR, errno.EEXIST):
-            what = "a file is in the way of the directory"
-        else:
-            what = exc.strerror or str(exc)
-        raise StoreError(
-            f"cannot write to {self.out} ({what}: {exc.filename or self.out}); shards already written stay "
-            "readable: free space or fix permissions and rerun the same command to resume, or choose another --out"
-        ) from None
+def _store_errors(out: Path):
+    """Turn an OSError while writing the store ``out`` into one clear :class:`StoreError` line."""
+    return write_errors(out, "shards already written stay readable: free space or fix permissions and rerun the "
+                             "same command to resume, or choose another --out", every=True)
