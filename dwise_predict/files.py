@@ -262,9 +262,10 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
     """Check ``out`` may be written and hold its lock (:func:`output_lock`) for the block.
 
     Refused: an ``out`` that aliases an input (:func:`refuse_aliasing`), a file, a dangling link,
-    and a non-empty directory unless ``replace`` and it is recognisably a ``what`` (it holds
+    and a non-empty directory unless ``replace`` and it is recognisably ``what`` (it holds
     ``marker``): a trace dataset or a foreign folder is never replaced. ``flag`` names the option
-    that sets ``replace`` (None: the command always replaces its own kind of output). An overwrite
+    that sets ``replace`` (None: the command always replaces its own kind of output); ``what`` is
+    how messages call that kind (``"a run directory"``). An overwrite
     interrupted by a crash is restored first (:func:`sweep_stale`).
     """
     out = Path(out)
@@ -283,7 +284,7 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
         sweep_stale(out)
         if out.is_dir() and any(out.iterdir()):
             if not (out / marker).is_file():
-                raise StoreError(f"{out} holds files but is not a {what} (no {marker}): it is never replaced; "
+                raise StoreError(f"{out} holds files but is not {what} (no {marker}): it is never replaced; "
                                  "choose a new or empty --out")
             if not replace:
                 raise StoreError(f"{out} already exists: choose another --out"

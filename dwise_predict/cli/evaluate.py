@@ -131,7 +131,7 @@ def characterize_command(
     from dwise_predict.files import claim_output
 
     inputs = [("TRACES", path) for path in traces]
-    with claim_output(out, inputs, "characterization", "characterization.json", replace=True) if out else nullcontext():
+    with claim_output(out, inputs, "a characterization", "characterization.json", replace=True) if out else nullcontext():
         datasets = load_many(traces)
         result = characterize(datasets)
         if out is not None:

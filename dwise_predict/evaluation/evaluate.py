@@ -222,7 +222,7 @@ def claim_evaluation_out(out: str | os.PathLike, traces: Sequence[str | os.PathL
     :func:`dwise_predict.files.claim_output`): an earlier evaluation there is replaced, the traces,
     the run or a foreign folder never are."""
     inputs = [*(("TRACES", path) for path in traces), ("--run", run)]
-    return claim_output(out, inputs, "evaluation", EVALUATION_MARKER, replace=True)
+    return claim_output(out, inputs, "an evaluation", EVALUATION_MARKER, replace=True)
 
 
 def write_evaluation(evaluation: Evaluation, out: str | os.PathLike) -> dict[str, Path]:

@@ -104,7 +104,7 @@ def export_bundle(
             dt.datetime.fromisoformat(created)
         except ValueError:
             raise InputError(f"--created '{created}' is not an ISO-8601 time (e.g. 2026-01-01T00:00:00+00:00)") from None
-    with claim_output(out, [("RUN", run)], "bundle", BUNDLE_FILE, replace=force, flag="--force"):
+    with claim_output(out, [("RUN", run)], "a bundle", BUNDLE_FILE, replace=force, flag="--force"):
         run_files = load_run(run)
         _export(run_files, out, name, created, n_probes, seed)
     return out

@@ -145,7 +145,7 @@ def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
     zoo = Path(zoo)
     entry = find_entry(zoo, ref)
     out = Path(out) if out is not None else Path(f"{entry['name']}-{entry['version']}")
-    with claim_output(out, [("--zoo", zoo)], "bundle", BUNDLE_FILE):
+    with claim_output(out, [("--zoo", zoo)], "a bundle", BUNDLE_FILE):
         return _pull(zoo, entry, out)
 
 

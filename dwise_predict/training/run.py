@@ -45,7 +45,7 @@ def train_run(
     config = config or TrainConfig()
     config.check()
     source = traces.path if isinstance(traces, TraceDataset) else traces
-    with claim_output(out, [("TRACES", source)], "run directory", RUN_MARKER, replace=overwrite, flag="--overwrite"):
+    with claim_output(out, [("TRACES", source)], "a run directory", RUN_MARKER, replace=overwrite, flag="--overwrite"):
         ds = traces if isinstance(traces, TraceDataset) else load_traces(traces)
         train, eval_ds = ds.split("train"), ds.split("eval")
         if len(eval_ds) == 0:
