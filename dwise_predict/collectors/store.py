@@ -201,6 +201,9 @@ class TraceStore:
                     f"{self.out} has shards but no {MANIFEST_FILE}: it was not written by this version of "
                     "dwise-predict; choose another --out"
                 )
+            if any(not p.name.startswith(".") and p.name != SHARDS_DIR for p in self.out.iterdir()):  # lock, temp files
+                raise StoreError(f"{self.out} holds files but is not a trace collection (no {MANIFEST_FILE}): "
+                                 "traces are never written into another folder; choose a new or empty --out")
             return
         if not has_shards and not (self.out / REQUESTS_FILE).is_file():
             return  # a run that stopped before its first shard binds nothing

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.manifest import BUNDLE_FILE, NAME_PATTERN, check_files, read_bundle_manifest
-from dwise_predict.files import FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, sha256_file
+from dwise_predict.files import FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, sha256_file, write_errors
 
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
@@ -56,6 +56,11 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
         require_verified(bundle)
     else:
         check_files(bundle, manifest)
+    with write_errors(zoo, "nothing was published; free space or fix permissions and rerun the same command"):
+        return _publish(bundle, zoo, manifest, name, version)
+
+
+def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | None) -> dict:
     zoo.mkdir(parents=True, exist_ok=True)
     with FileLock(zoo / LOCK_FILE, lambda holder: f"the zoo {zoo} is locked by another publish (pid {holder}): wait for it to finish"):
         index = read_index(zoo, missing_ok=True)

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from dwise_predict.files import atomic_write_bytes, write_csv
+from dwise_predict.files import atomic_write_bytes, write_csv, write_errors
 
 TABLE_COLUMNS = (
     ("arrival", "arrival", "{}"),
@@ -38,11 +38,12 @@ def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arriv
 
 def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict) -> list[Path]:
     """``<stem>.csv``, ``<stem>.json`` (rows + settings) and ``<stem>.png`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
-    write_csv(paths[0], rows)
-    atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
-    atomic_write_bytes(paths[2], _plot(rows, stem == "sweep"))
+    with write_errors(out, "free space or fix permissions and rerun the same command"):
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(paths[0], rows)
+        atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
+        atomic_write_bytes(paths[2], _plot(rows, stem == "sweep"))
     return paths
 
 
