@@ -9,7 +9,7 @@ import torch
 from export_helpers import HIDDEN, make_run
 
 from dwise_predict.cli import main
-from dwise_predict.errors import BundleError, InputError
+from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
 from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, read_bundle_manifest, sha256_file
 from dwise_predict.exports.refine_export import FusedRefineGraph
@@ -132,8 +132,9 @@ def test_existing_out_is_refused_and_kept(run, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(InputError, match="already exists.*--force"):
-        export_bundle(run, out)
+    for force in (False, True):  # a folder that is not a bundle is never replaced, not even with --force
+        with pytest.raises(StoreError, match="is not a bundle.*never replaced"):
+            export_bundle(run, out, force=force)
     assert (out / "keep.txt").read_text() == "mine"
 
 
@@ -149,7 +150,7 @@ def test_incomplete_run_is_refused_in_one_line_and_nothing_written(run, tmp_path
     assert err.count("\n") == 0 and missing in err
     if missing == "calibration.json":
         assert "uncalibrated" in err
-    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.tmp-*"))
 
 
 def test_failed_export_leaves_nothing(run, tmp_path, monkeypatch):
@@ -161,7 +162,7 @@ def test_failed_export_leaves_nothing(run, tmp_path, monkeypatch):
     monkeypatch.setattr(bundle_module, "export_onnx", boom)
     with pytest.raises(BundleError, match="simulated"):
         export_bundle(run, tmp_path / "b")
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".b.lock"]  # no bundle, no temporary; the lock file, unlocked
 
 
 def test_run_with_other_hidden_size_is_refused(run, tmp_path):

@@ -117,8 +117,9 @@ def test_bad_inputs_raise_typed_errors(small, tmp_path):
         TrainConfig.from_dict({"hidden": 3})
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    with pytest.raises(StoreError, match="already exists"):
-        train_run(small, tmp_path / "taken", TrainConfig(**FAST))
+    for overwrite in (False, True):  # a folder that is not a run is never replaced
+        with pytest.raises(StoreError, match="is not a run directory.*never replaced"):
+            train_run(small, tmp_path / "taken", TrainConfig(**FAST), overwrite=overwrite)
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
 
@@ -131,7 +132,7 @@ def test_failed_train_leaves_nothing_that_looks_complete(small, tmp_path, monkey
     monkeypatch.setattr(training, "_plot_curves", boom)  # dies halfway through writing the run
     with pytest.raises(KeyboardInterrupt):
         train_run(small, tmp_path / "run", TrainConfig(**FAST))
-    assert list(tmp_path.iterdir()) == []  # no run dir, no temporary left behind
+    assert [p.name for p in tmp_path.iterdir()] == [".run.lock"]  # no run dir, no temporary; the lock file, unlocked
     monkeypatch.undo()
     train_run(small, tmp_path / "run", TrainConfig(**FAST))  # rerunning just works
     assert {p.name for p in (tmp_path / "run").iterdir()} == RUN_FILES
