@@ -10,11 +10,12 @@
   a crashed writer never leaves a lock behind that a user has to delete by hand. This is the one
   lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it
   (:func:`output_lock`), a directory written in place (a trace store, a zoo) by a ``.lock`` inside.
+- :func:`write_errors`: a full or read-only disk as one line.
+- :func:`sha256_file`.
 
 Temporary files and directories are named ``.NAME.tmp-PID``; those of processes that no longer run
 are removed by the next write of the same target, and an overwrite interrupted between its two
 renames is put back (:func:`sweep_stale`).
-- :func:`sha256_file`.
 
 Standard library only, so the serving side may import it.
 """

@@ -66,7 +66,7 @@ def traces_with(edit: Callable[[pd.DataFrame], pd.DataFrame]):
 
 def set_column(name, value, row=0):
     def edit(table):
-        table[name] = table[name].astype(object)
+        table[name] = table[name].astype(object if value is None or isinstance(value, str) else float)
         table.at[row, name] = value
         return table
     return edit
@@ -276,7 +276,7 @@ CASES = [
     Case("traces-manifest-not-utf8", ["train", "{bad}", "--out", "{tmp}/r"], ("not valid json",), file_in_copy("traces", "manifest.json", b"\xff\xfe{")),
     Case("traces-zero-rows", ["train", "{bad}", "--out", "{tmp}/r"], ("holds no requests", "dwise-predict collect"), zero_rows),
     Case("traces-null-category", ["train", "{bad}", "--out", "{tmp}/r"], ("category", "non-empty string"), traces_with(set_column("category", None))),
-    Case("traces-int-category", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("category", "non-empty string"), traces_with(set_column("category", 7))),
+    Case("traces-int-category", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("category", "non-empty string"), traces_with(lambda t: t.assign(category=7))),
     Case("traces-fractional-rounds", ["train", "{bad}", "--out", "{tmp}/r"], ("total_rounds", "whole numbers"), traces_with(set_column("total_rounds", 3.5))),
     Case("traces-negative-rounds", ["characterize", "{bad}"], ("total_rounds", "whole numbers >= 1"), traces_with(set_column("total_rounds", -4))),
     Case("traces-billion-rounds", ["train", "{bad}", "--out", "{tmp}/r"], ("total_rounds", "more than a budget", "corrupt"), traces_with(set_column("total_rounds", 10**9))),

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except DwiseError as err:
         if os.environ.get("DWISE_DEBUG"):
             raise
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {_one_line(str(err))}", err=True)
         return 1
     except typer.Exit as exit_:
         return exit_.exit_code
@@ -104,6 +104,11 @@ def _usage_error(err: TyperException) -> int:
         typer.echo(ctx.get_help())
         return 0
     command = ctx.command_path if ctx is not None else app.info.name
-    message = " ".join(err.format_message().split()).rstrip(".")
+    message = _one_line(err.format_message()).rstrip(".")
     typer.echo(f"error: {message}: see `{command} --help`", err=True)
     return err.exit_code
+
+
+def _one_line(message: str) -> str:
+    """A message as one line: a user's value holding a newline (``--version '7\\n'``) shows it escaped."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")
