@@ -136,6 +136,21 @@ def incomplete_collection(w, tmp):
     return {"bad": bad}
 
 
+def incomplete_collection_with_manifest(text: str):
+    """An interrupted collection (one committed shard, not consolidated) whose manifest is damaged."""
+    def setup(w, tmp):
+        from dwise_predict.collectors.store import TraceStore
+        from dwise_predict.traces import load_traces
+
+        ds = load_traces(w["traces"])
+        bad = tmp / "bad"
+        with TraceStore(bad, ds.manifest) as store:
+            store.write_shard(ds.requests.assign(workload_index=range(len(ds))), ds.first_round, ds.prompt_last)
+        (bad / "manifest.json").write_text(text)
+        return {"bad": bad}
+    return setup
+
+
 def zero_rows(w, tmp):
     from safetensors.numpy import save_file
     import numpy as np
@@ -280,6 +295,8 @@ CASES = [
     Case("traces-fractional-rounds", ["train", "{bad}", "--out", "{tmp}/r"], ("total_rounds", "whole numbers"), traces_with(set_column("total_rounds", 3.5))),
     Case("traces-negative-rounds", ["characterize", "{bad}"], ("total_rounds", "whole numbers >= 1"), traces_with(set_column("total_rounds", -4))),
     Case("traces-billion-rounds", ["train", "{bad}", "--out", "{tmp}/r"], ("total_rounds", "more than a budget", "corrupt"), traces_with(set_column("total_rounds", 10**9))),
+    Case("merge-manifest-not-object", ["traces", "merge", "{bad}", "--out", "{tmp}/m"], ("must hold a json object", "damaged"), file_in_copy("traces", "manifest.json", "3")),
+    Case("show-collecting-manifest-not-object", ["traces", "show", "{bad}"], ("must hold a json object",), incomplete_collection_with_manifest("[]")),
     Case("traces-garbage-parquet", ["traces", "show", "{bad}"], ("cannot read traces",), file_in_copy("traces", "requests.parquet", b"garbage")),
     Case("traces-no-hidden", ["train", "{bad}", "--out", "{tmp}/r"], ("has no hidden.safetensors",), removed_in_copy("traces", "hidden.safetensors")),
     Case("traces-unfinished-collection", ["train", "{bad}", "--out", "{tmp}/r"], ("unfinished", "rerun the same `dwise-predict collect`"), incomplete_collection),

@@ -34,7 +34,7 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import FileLock, atomic_write_bytes, refuse_aliasing, write_errors
+from dwise_predict.files import FileLock, atomic_write_bytes, read_json_object, refuse_aliasing, write_errors
 from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.dataset import (
     HIDDEN_FILE,
@@ -207,10 +207,7 @@ class TraceStore:
             return
         if not has_shards and not (self.out / REQUESTS_FILE).is_file():
             return  # a run that stopped before its first shard binds nothing
-        try:
-            theirs = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise StoreError(f"{path} is not valid JSON ({err}): choose another --out") from None
+        theirs = read_json_object(path, StoreError, fix="choose another --out")
         fix = "choose another --out (or delete that directory to start over)"
         check_compatible(theirs, self.manifest, str(self.out), fix)
         for key in ("name", "seed", "shard"):
@@ -306,10 +303,7 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
     for d in map(Path, dirs):
         if not (d / MANIFEST_FILE).is_file():
             raise StoreError(f"{d} is not a collection directory (no {MANIFEST_FILE}): check the path")
-        try:
-            manifest = json.loads((d / MANIFEST_FILE).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise StoreError(f"{d / MANIFEST_FILE} is not valid JSON ({err}): that directory is damaged") from None
+        manifest = read_json_object(d / MANIFEST_FILE, StoreError, fix="that directory is damaged")
         shards = read_shards(d) if (d / SHARDS_DIR).is_dir() else []
         if not shards:
             try:
