@@ -101,7 +101,7 @@ def test_train_overwrite_killed_at_each_rename_keeps_a_whole_run(small, tmp_path
 
 
 @pytest.mark.slow
-def test_overwrite_killed_between_its_two_renames_is_restored_by_any_rerun(small, tmp_path):
+def test_overwrite_killed_between_its_two_renames_is_restored_by_the_next_writer(small, tmp_path):
     """The swap moves the old run aside, then the new one in: a kill in between left no RUN at all."""
     from dwise_predict.runs import load_run
 
@@ -112,9 +112,9 @@ def test_overwrite_killed_between_its_two_renames_is_restored_by_any_rerun(small
     shutil.copytree(small["run"], out)
     argv[3] = out
     assert _harness(k, argv).returncode == -signal.SIGKILL
-    assert not out.exists() and len(_debris(out)) == 1  # the old run sits aside
-    # a rerun that fails before writing (here: bad options) still puts the old run back
-    assert main(["train", str(small["traces"]), "--out", str(out), "--members", "0"]) == 1
+    assert not out.exists() and len(_debris(out)) == 2  # the old run aside, the new one not yet in place
+    # the next writer of the run puts the old one back first, even when it then fails (missing traces)
+    assert main(["train", str(tmp_path / "missing"), "--out", str(out), "--overwrite"]) == 1
     assert _files(out) == _files(small["run"]) and _debris(out) == []
     load_run(out)
 
@@ -126,6 +126,7 @@ def test_evaluate_killed_at_renames_leaves_a_whole_report(small, tmp_path):
     base = ["evaluate", small["traces"], "--run", small["run"]]
     first = tmp_path / "first"
     assert main([str(a) for a in [*base, "--out", first]]) == 0
+    shutil.copytree(first, tmp_path / "count")  # count the renames of a replacing evaluation
     for k in _kill_points([*base, "--out", tmp_path / "count"], sample=4):
         out = tmp_path / f"k{k}"
         shutil.copytree(first, out)

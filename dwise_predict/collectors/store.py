@@ -269,7 +269,7 @@ class TraceStore:
         if not any((self.out / SHARDS_DIR).glob("shard-*.parquet")):
             return
         with _store_errors(self.out):
-            for name in (REQUESTS_FILE, HIDDEN_FILE):  # requests.parquet first: readers test it for completeness
+            for name in (REQUESTS_FILE, HIDDEN_FILE):  # requests.parquet first: its presence marks a whole dataset
                 (self.out / name).unlink(missing_ok=True)
 
     # -- consolidation -----------------------------------------------------------------------------

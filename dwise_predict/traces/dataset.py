@@ -228,7 +228,6 @@ def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
     )
     manifest["hidden_size"] = ds.hidden_size
     columns = list(REQUEST_COLUMNS) + [c for c in ds.requests.columns if c not in REQUEST_COLUMNS]
-    atomic_write(path / REQUESTS_FILE, lambda tmp: ds.requests[columns].to_parquet(tmp, index=False))
     atomic_write(
         path / HIDDEN_FILE,
         lambda tmp: save_file(
@@ -239,6 +238,8 @@ def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
             str(tmp),
         ),
     )
-    # The manifest goes last: its presence marks a complete dataset.
     atomic_write(path / MANIFEST_FILE, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
+    # The request table goes last: its presence marks a complete dataset (a collection directory
+    # holds a manifest from its start, and `collect` removes the table before it adds requests).
+    atomic_write(path / REQUESTS_FILE, lambda tmp: ds.requests[columns].to_parquet(tmp, index=False))
     return path
