@@ -495,8 +495,9 @@ def replay(
         raise ConfigError(f"--policies {', '.join(missing)} need predictions: pass --bundle")
     policies = policies or allowed
     kv_reservations(requests, config)
+    swept = parse_rates(rates, requests, config) if rates else None  # a bad --rates is refused before any output
     if log is not None:
         log(f"replaying {len(requests)} requests under {len(policies)} policies")
-    if rates:
-        return sweep(requests, config, parse_rates(rates, requests, config), policies), policies
+    if swept is not None:
+        return sweep(requests, config, swept, policies), policies
     return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies), policies
