@@ -165,6 +165,7 @@ def test_extending_a_finished_collect_reads_as_incomplete_until_it_finishes(tmp_
     capsys.readouterr()
     whole = tmp_path / "whole"
     assert main([str(a) for a in ["collect", *flags, "--limit", "12", "--out", whole]]) == 0
+    capsys.readouterr()
     expected = load_traces(whole).requests["request_id"].tolist()
 
     count = tmp_path / "count"
@@ -275,6 +276,17 @@ def test_full_disk_at_train_and_export_is_one_line_and_leaves_nothing(small, sma
         assert "\n" not in err and "the disk is full" in err and "rerun the same command" in err, err
         assert not [p for p in small_disk.iterdir() if not p.name.endswith(".lock")]  # no half output, no temp dir
     assert _files(small["traces"]) | {f"run/{k}": v for k, v in _files(small["run"]).items()} == inputs
+
+
+def test_full_disk_at_consolidation_is_one_line(small, small_disk, capsys):
+    stat = os.statvfs(small_disk)
+    (small_disk / "filler").write_bytes(b"x" * (stat.f_bavail * stat.f_frsize - 8192))  # 8 KiB left
+    before = _files(small["traces"])
+    assert main(["traces", "merge", str(small["traces"]), "--out", str(small_disk / "merged")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the disk is full" in err and "rerun the same command" in err, err
+    assert not (small_disk / "merged" / "requests.parquet").exists()  # nothing that reads as complete
+    assert _files(small["traces"]) == before
 
 
 def test_read_only_disk_is_one_line(small, small_disk, capsys):

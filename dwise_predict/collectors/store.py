@@ -310,7 +310,9 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
                 ds = load_traces(d)
             except TraceError as err:
                 raise StoreError(f"{d} holds no shards and no readable traces: {err}") from None
-            shards = [Shard(ds.requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE)]
+            # a dataset written elsewhere (not by collect) may lack the workload order: keep its row order
+            requests = ds.requests if ORDER_COLUMN in ds.requests else ds.requests.assign(**{ORDER_COLUMN: range(len(ds))})
+            shards = [Shard(requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE)]
         inputs.append((d, manifest, shards))
     first_dir, first, _ = inputs[0]
     for d, manifest, _ in inputs:

@@ -169,7 +169,7 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
     The exported graph (fused) must agree with the eager ensemble before anything is written: a
     disagreement here is a bug in the exporter, not in the user's run.
     """
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     spec = run.refine_spec
     hidden = int(spec["hidden_size"])
@@ -195,7 +195,7 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
         "admission.features": features,
         "admission.total_rounds": predict_total_rounds(booster, features).astype(np.float32),
     }
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, str(path))
+    path.write_bytes(save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}))  # a full disk: OSError
 
 
 def _quantise_if_ranking_holds(bundle: Path) -> float:

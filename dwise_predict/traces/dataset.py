@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import TraceError
-from dwise_predict.files import atomic_write, read_json_object
+from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
 
 SCHEMA_VERSION = 2  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config)
 MANIFEST_FILE = "manifest.json"
@@ -215,7 +215,7 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
 
 def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
     """Write a consolidated trace directory; each file lands atomically (temp file + rename)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -228,16 +228,11 @@ def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
     )
     manifest["hidden_size"] = ds.hidden_size
     columns = list(REQUEST_COLUMNS) + [c for c in ds.requests.columns if c not in REQUEST_COLUMNS]
-    atomic_write(
-        path / HIDDEN_FILE,
-        lambda tmp: save_file(
-            {
-                "first_round": np.ascontiguousarray(ds.first_round, dtype=np.float32),
-                "prompt_last": np.ascontiguousarray(ds.prompt_last, dtype=np.float32),
-            },
-            str(tmp),
-        ),
-    )
+    # serialised in memory, written by Python: a full disk is an OSError (safetensors' own writer
+    # raises its SafetensorError instead), which the callers turn into one line
+    hidden = save({"first_round": np.ascontiguousarray(ds.first_round, dtype=np.float32),
+                   "prompt_last": np.ascontiguousarray(ds.prompt_last, dtype=np.float32)})
+    atomic_write_bytes(path / HIDDEN_FILE, hidden)
     atomic_write(path / MANIFEST_FILE, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
     # The request table goes last: its presence marks a complete dataset (a collection directory
     # holds a manifest from its start, and `collect` removes the table before it adds requests).

@@ -62,10 +62,10 @@ def train_run(
 
 def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict, config: TrainConfig) -> None:
     """Write every file of the run directory format (:mod:`dwise_predict.runs`) into ``run``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     predictors.admission.save(run)
-    save_file(predictors.ensemble.state(), str(run / "refine.safetensors"))
+    (run / "refine.safetensors").write_bytes(save(predictors.ensemble.state()))  # a full disk: OSError, not SafetensorError
     _write_json(run / "refine.json", predictors.ensemble.spec())
     _write_json(run / "calibration.json", predictors.calibrator.to_json())
     _write_json(run / "curves.json", {"members": predictors.ensemble.history_})
