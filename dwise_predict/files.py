@@ -8,7 +8,7 @@
   ours, then hold the output's lock.
 - :class:`FileLock`: ``fcntl.flock`` on a lock file, so the OS releases it when its holder dies;
   a crashed writer never leaves a lock behind that a user has to delete by hand. This is the one
-  lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it
+  lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it, removed on release
   (:func:`output_lock`), a directory written in place (a trace store, a zoo) by a ``.lock`` inside.
 - :func:`write_errors`: a full or read-only disk as one line.
 - :func:`sha256_file`.
@@ -250,11 +250,12 @@ def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os
 
 
 def output_lock(out: str | os.PathLike) -> FileLock:
-    """The lock of a directory that is written whole: ``.NAME.lock`` beside it (it survives the swap)."""
+    """The lock of a directory that is written whole: ``.NAME.lock`` beside it (it survives the swap;
+    removed on release)."""
     out = Path(out)
     return FileLock(out.parent / f".{out.name}.lock", lambda holder: (
         f"{out} is being written by another dwise-predict process (pid {holder}): wait for it to finish, "
-        "or choose another --out"))
+        "or choose another --out"), transient=True)
 
 
 @contextmanager
@@ -309,22 +310,30 @@ class FileLock:
     """An exclusive, non-blocking ``fcntl.flock`` on ``path``, holding the holder's pid.
 
     The OS drops the lock when the holder exits, however it exits; the file itself stays (empty of
-    meaning once unlocked). ``busy`` turns the holder's pid into the :class:`StoreError` message.
+    meaning once unlocked), unless ``transient``: then the holder removes it on release, and an
+    acquirer that locked a file removed meanwhile tries again on the new one (so a lock file is
+    left only by a killed holder, and the next holder takes it over). ``busy`` turns the holder's
+    pid into the :class:`StoreError` message.
     """
 
-    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str]):
+    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str], transient: bool = False):
         self.path = Path(path)
         self.busy = busy
+        self.transient = transient
         self._fd: int | None = None
 
     def __enter__(self) -> "FileLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise StoreError(self.busy(holder)) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise StoreError(self.busy(holder)) from None
+            if not self.transient or _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it while we opened it: lock the one at the path now
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
@@ -332,9 +341,20 @@ class FileLock:
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
+            if self.transient:
+                self.path.unlink(missing_ok=True)  # still locked: nobody can hold the file we remove
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    there = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -192,7 +192,11 @@ def test_a_second_writer_of_the_same_run_is_refused_at_once(small, tmp_path, cap
         assert main(["train", str(small["traces"]), "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"being written by another dwise-predict process (pid {os.getpid()})" in err
-    assert not out.exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # the lock file goes with its release
+    (tmp_path / ".run.lock").write_text("12345")  # left by a holder killed with -9: its flock went with it
+    with output_lock(out):
+        pass
+    assert list(tmp_path.iterdir()) == []
 
 
 def _dead_pid() -> int:
