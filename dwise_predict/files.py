@@ -3,9 +3,19 @@
 - :func:`atomic_write` (+ ``_bytes``, ``_text``, :func:`write_json`, :func:`write_csv`): temp file beside the target +
   rename, so a reader, or a rerun after an interrupt, sees the old file or the new one, never half.
 - :func:`atomic_dir`: the same for a whole directory (a run, a bundle, a pulled bundle, a model).
+- :func:`claim_output`: what every command that writes a directory does first: refuse an ``--out``
+  that is, contains or lies inside one of its inputs, or that holds something not recognisably
+  ours, then hold the output's lock.
 - :class:`FileLock`: ``fcntl.flock`` on a lock file, so the OS releases it when its holder dies;
-  a crashed writer never leaves a lock behind that a user has to delete by hand.
+  a crashed writer never leaves a lock behind that a user has to delete by hand. This is the one
+  lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it, removed on release
+  (:func:`output_lock`), a directory written in place (a trace store, a zoo) by a ``.lock`` inside.
+- :func:`write_errors`: a full or read-only disk as one line.
 - :func:`sha256_file`.
+
+Temporary files and directories are named ``.NAME.tmp-PID``; those of processes that no longer run
+are removed by the next write of the same target, and an overwrite interrupted between its two
+renames is put back (:func:`sweep_stale`).
 
 Standard library only, so the serving side may import it.
 """
@@ -13,17 +23,44 @@ Standard library only, so the serving side may import it.
 from __future__ import annotations
 
 import csv
+import errno
 import fcntl
 import hashlib
 import io
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dwise_predict.errors import StoreError
+from dwise_predict.errors import InputError, StoreError
+
+TMP_MARK = ".tmp-"
+# what a failed write means to a user, by errno
+WRITE_FAILURES = {
+    errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk is full", errno.EFBIG: "the disk is full",
+    errno.EACCES: "it is not writable", errno.EPERM: "it is not writable", errno.EROFS: "it is not writable",
+}
+
+
+@contextmanager
+def write_errors(out: str | os.PathLike, fix: str, every: bool = False) -> Iterator[None]:
+    """Turn an ``OSError`` while writing ``out`` into one :class:`StoreError` line ending in ``fix``.
+
+    every : any ``OSError`` (the block only writes); otherwise only a full disk and a read-only or
+        forbidden target, so that a missing input still reports itself.
+    """
+    try:
+        yield
+    except OSError as exc:
+        what = WRITE_FAILURES.get(exc.errno)
+        if what is None and exc.errno in (errno.ENOTDIR, errno.EEXIST):
+            what = "a file is in the way of the directory"
+        if what is None and not every:
+            raise
+        what = what or exc.strerror or str(exc)
+        raise StoreError(f"cannot write to {out} ({what}: {exc.filename or out}): {fix}") from None
 
 
 def atomic_write(target: str | os.PathLike, write: Callable[[Path], None], durable: bool = False) -> Path:
@@ -33,9 +70,11 @@ def atomic_write(target: str | os.PathLike, write: Callable[[Path], None], durab
         collection store commits shards this way; reports and models don't need to).
     """
     target = Path(target)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    sweep_stale(target)
+    tmp = _tmp_path(target)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # whatever wrote it (safetensors, mkstemp), what we publish is meant to be read
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -112,20 +151,22 @@ def atomic_dir(out: str | os.PathLike, merge: bool = False) -> Iterator[Path]:
     Raises
     ------
     StoreError
-        The directory beside ``out`` cannot be written.
+        The directory beside ``out`` cannot be written, or the disk fills or turns read-only while
+        the block writes (:func:`write_errors`).
     """
     out = Path(out)
     tmp = _fresh_tmp_dir(out)
     try:
-        yield tmp
-        for path in tmp.iterdir():
-            path.chmod(0o644)  # temporary files are private; what we publish is meant to be read
-        if merge:
-            out.mkdir(exist_ok=True)
-            for path in sorted(tmp.iterdir()):
-                os.replace(path, out / path.name)
-        else:
-            _replace_dir(tmp, out)
+        with write_errors(out, "nothing was replaced; free space or fix permissions and rerun the same command"):
+            yield tmp
+            for path in tmp.iterdir():
+                path.chmod(0o755 if path.is_dir() else 0o644)  # temporary files are private; what we publish is meant to be read
+            if merge:
+                out.mkdir(exist_ok=True)
+                for path in sorted(tmp.iterdir()):
+                    os.replace(path, out / path.name)
+            else:
+                _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -145,14 +186,37 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _tmp_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}")
+
+
+def sweep_stale(target: str | os.PathLike) -> None:
+    """Remove the temporary files and directories of ``target`` left by processes that no longer run.
+
+    An overwrite killed between its two renames (old ``target`` moved aside, new one not yet in
+    place) left the old directory as ``.NAME.tmp-PID-old``: it is renamed back to ``target``, so a
+    rerun starts from the state before the interrupted command.
+    """
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    for stale in sorted(target.parent.glob(f".{target.name}{TMP_MARK}*")):
+        pid = stale.name.removesuffix("-old").rsplit("-", 1)[-1]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if stale.name.endswith("-old") and stale.is_dir() and not os.path.lexists(target):
+            os.replace(stale, target)
+        elif stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def _fresh_tmp_dir(out: Path) -> Path:
     """A new hidden directory next to ``out``; removes leftovers of processes that no longer run."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = stale.name.removesuffix("-old").rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    sweep_stale(out)
+    tmp = _tmp_path(out)
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
@@ -160,6 +224,76 @@ def _fresh_tmp_dir(out: Path) -> Path:
     except OSError as err:
         raise StoreError(f"cannot write next to {out}: {err.strerror}") from None
     return tmp
+
+
+def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]]) -> None:
+    """Raise :class:`InputError` when ``out`` is, contains or lies inside one of ``inputs``.
+
+    ``inputs`` pairs how the message names an input (``"TRACES"``, ``"--run"``) with its path (None:
+    not given). Paths are compared after resolving links, so ``d/..`` and a symlink alias too.
+    """
+    target = Path(out).resolve()
+    for label, path in inputs:
+        if path is None:
+            continue
+        source = Path(path).resolve()
+        if target == source:
+            relation = "is"
+        elif target in source.parents:
+            relation = "contains"
+        elif source in target.parents:
+            relation = "lies inside"
+        else:
+            continue
+        raise InputError(f"--out {out} {relation} the input {label} {path}: a command never writes over its "
+                         "inputs; choose an --out outside them")
+
+
+def output_lock(out: str | os.PathLike) -> FileLock:
+    """The lock of a directory that is written whole: ``.NAME.lock`` beside it (it survives the swap;
+    removed on release)."""
+    out = Path(out)
+    return FileLock(out.parent / f".{out.name}.lock", lambda holder: (
+        f"{out} is being written by another dwise-predict process (pid {holder}): wait for it to finish, "
+        "or choose another --out"), transient=True)
+
+
+@contextmanager
+def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]], what: str, marker: str,
+                 replace: bool = False, flag: str | None = None) -> Iterator[Path]:
+    """Check ``out`` may be written and hold its lock (:func:`output_lock`) for the block.
+
+    Refused: an ``out`` that aliases an input (:func:`refuse_aliasing`), a file, a dangling link,
+    and a non-empty directory unless ``replace`` and it is recognisably ``what`` (it holds
+    ``marker``): a trace dataset or a foreign folder is never replaced. ``flag`` names the option
+    that sets ``replace`` (None: the command always replaces its own kind of output); ``what`` is
+    how messages call that kind (``"a run directory"``). An overwrite
+    interrupted by a crash is restored first (:func:`sweep_stale`).
+    """
+    out = Path(out)
+    if os.path.islink(out) and not out.exists():
+        raise InputError(f"--out {out} is a link to {os.readlink(out)}, which does not exist: remove the link "
+                         "or choose another --out")
+    refuse_aliasing(out, inputs)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: give a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = output_lock(out).__enter__()
+    except OSError as err:
+        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another --out") from None
+    try:
+        sweep_stale(out)
+        if out.is_dir() and any(out.iterdir()):
+            if not (out / marker).is_file():
+                raise StoreError(f"{out} holds files but is not {what} (no {marker}): it is never replaced; "
+                                 "choose a new or empty --out")
+            if not replace:
+                raise StoreError(f"{out} already exists: choose another --out"
+                                 + (f" or pass {flag} to replace it" if flag else ""))
+        yield out
+    finally:
+        lock.__exit__()
 
 
 def _alive(pid: int) -> bool:
@@ -176,22 +310,30 @@ class FileLock:
     """An exclusive, non-blocking ``fcntl.flock`` on ``path``, holding the holder's pid.
 
     The OS drops the lock when the holder exits, however it exits; the file itself stays (empty of
-    meaning once unlocked). ``busy`` turns the holder's pid into the :class:`StoreError` message.
+    meaning once unlocked), unless ``transient``: then the holder removes it on release, and an
+    acquirer that locked a file removed meanwhile tries again on the new one (so a lock file is
+    left only by a killed holder, and the next holder takes it over). ``busy`` turns the holder's
+    pid into the :class:`StoreError` message.
     """
 
-    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str]):
+    def __init__(self, path: str | os.PathLike, busy: Callable[[str], str], transient: bool = False):
         self.path = Path(path)
         self.busy = busy
+        self.transient = transient
         self._fd: int | None = None
 
     def __enter__(self) -> "FileLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise StoreError(self.busy(holder)) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise StoreError(self.busy(holder)) from None
+            if not self.transient or _same_file(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it while we opened it: lock the one at the path now
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
@@ -199,9 +341,20 @@ class FileLock:
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
+            if self.transient:
+                self.path.unlink(missing_ok=True)  # still locked: nobody can hold the file we remove
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    there = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -2,8 +2,9 @@
 
 collect → train → evaluate (with leave-one-category-out) → export → verify → simulate, each stage
 writing into its own folder under ``out``. Every stage finishes by renaming its output into place,
-so an interrupted quickstart resumes at the first stage whose output is missing (and ``collect``
-itself resumes mid-stage from its shards).
+and counts as done only when every file it writes is there (:data:`STAGE_FILES`), so an
+interrupted quickstart resumes at the first stage whose output is missing or partial (and
+``collect`` itself resumes mid-stage from its shards).
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from pathlib import Path
 from typing import Callable
 
 from dwise_predict.errors import BundleError
+from dwise_predict.files import atomic_write_text
 
 STAGES = ("collect", "train", "evaluate", "export", "verify", "simulate")
+# what each resumable stage leaves in its folder; the stage is redone unless all of it is there
+STAGE_FILES = {
+    "run": ("config.json", "metrics.json", "admission.txt", "refine.safetensors", "refine.json", "calibration.json"),
+    "report": ("evaluation.json", "metrics.json", "predictions.parquet", "report.html", "report.md"),
+    "bundle": ("bundle.json", "README.md", "admission.onnx", "refine.onnx", "refine.pt"),
+}
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ def run_quickstart(
     """
     from dwise_predict.collectors.collect import collect
     from dwise_predict.collectors.records import DecodingConfig
-    from dwise_predict.evaluation.evaluate import evaluate, write_evaluation
+    from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
     from dwise_predict.exports.bundle import export_bundle
     from dwise_predict.exports.verify import verify_bundle
     from dwise_predict.serving.bundle import load_bundle
@@ -86,20 +94,21 @@ def run_quickstart(
     epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}
     train_config = TrainConfig(seed=config.seed, **epochs)
     log(f"{next(step)}: admission LightGBM + calibrated survival ensemble → {paths['run']}")
-    if not (paths["run"] / "metrics.json").is_file():
-        train_run(paths["traces"], paths["run"], train_config)
+    if not _done(paths, "run"):
+        train_run(paths["traces"], paths["run"], train_config, overwrite=True)
     metrics = json.loads((paths["run"] / "metrics.json").read_text())
 
     log(f"{next(step)}: held-out categories, baselines, report → {paths['report']}")
-    if not (paths["report"] / "evaluation.json").is_file():
-        evaluation = evaluate([paths["traces"]], run=paths["run"], loco=config.loco, jobs=config.jobs,
-                              config=train_config, log=lambda line: log(f"    {line}"))
-        write_evaluation(evaluation, paths["report"])
+    if not _done(paths, "report"):
+        with claim_evaluation_out(paths["report"], [paths["traces"]], paths["run"]):
+            evaluation = evaluate([paths["traces"]], run=paths["run"], loco=config.loco, jobs=config.jobs,
+                                  config=train_config, log=lambda line: log(f"    {line}"))
+            write_evaluation(evaluation, paths["report"])
     evaluation = json.loads((paths["report"] / "evaluation.json").read_text())
 
     log(f"{next(step)}: ONNX + TorchScript bundle → {paths['bundle']}")
-    if not (paths["bundle"] / "bundle.json").is_file():
-        export_bundle(paths["run"], paths["bundle"])
+    if not _done(paths, "bundle"):
+        export_bundle(paths["run"], paths["bundle"], force=True)
 
     log(f"{next(step)}: hashes and parity in a fresh process")
     report = verify_bundle(paths["bundle"])
@@ -115,8 +124,12 @@ def run_quickstart(
     write_outputs(rows, paths["simulate"], "simulate", {"slots": config.slots, "k": config.k, "seed": config.seed})
 
     summary = _summary(paths, metrics, evaluation, rows, report.ok)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _done(paths: dict[str, Path], stage: str) -> bool:
+    return all((paths[stage] / name).is_file() for name in STAGE_FILES[stage])
 
 
 def _summary(paths: dict[str, Path], metrics: dict, evaluation: dict, rows: list[dict], verified: bool) -> dict:

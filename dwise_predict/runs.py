@@ -24,6 +24,7 @@ Export reads only these files, never CLI flags, so a bundle is fully determined 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ REQUIRED_FILES = (
     "refine.json",
     "calibration.json",
 )
+RUN_MARKER = "refine.json"  # a directory holding it is a run: `train --overwrite` may replace it
 REFINE_SPEC_KEYS = ("hidden_size", "in_features", "num_rounds", "width", "members", "prompt_norm", "budget_norm")
 
 
@@ -83,22 +85,29 @@ def load_run(path: str | Path) -> RunFiles:
     parsed = {name: _read_json(path / name) for name in ("config.json", "metrics.json", "refine.json", "calibration.json")}
     loco = _read_json(path / "loco.json") if (path / "loco.json").is_file() else None
     spec, calibration = parsed["refine.json"], parsed["calibration.json"]
-    absent = [key for key in REFINE_SPEC_KEYS if key not in spec]
+    absent = [key for key in REFINE_SPEC_KEYS if not _is_number(spec.get(key))]
     if absent:
-        raise InputError(f"{path / 'refine.json'} lacks {', '.join(absent)}: re-run `dwise-predict train`")
+        raise InputError(f"{path / 'refine.json'} lacks numbers {', '.join(absent)}: re-run `dwise-predict train`")
     xs, ys = calibration.get("x"), calibration.get("y")
-    if not isinstance(xs, list) or not isinstance(ys, list) or not xs or len(xs) != len(ys):
+    if (not isinstance(xs, list) or not isinstance(ys, list) or not xs or len(xs) != len(ys)
+            or not all(map(_is_number, xs + ys))):
         raise InputError(
-            f"{path / 'calibration.json'} needs equal-length non-empty lists 'x' and 'y': re-run `dwise-predict train`"
+            f"{path / 'calibration.json'} needs equal-length non-empty lists of numbers 'x' and 'y': "
+            "re-run `dwise-predict train`"
         )
     if any(b < a for a, b in zip(xs, xs[1:])):
         raise InputError(f"{path / 'calibration.json'}: knots 'x' must be increasing; re-run `dwise-predict train`")
-    if "model" not in parsed["config.json"].get("traces", {}):
+    traces = parsed["config.json"].get("traces")
+    if not isinstance(traces, dict) or not isinstance(traces.get("model"), dict):
         raise InputError(
             f"{path / 'config.json'} has no traces.model fingerprint: a bundle must name the dLLM it was trained "
             "for; re-run `dwise-predict train`"
         )
     return RunFiles(path, parsed["config.json"], parsed["metrics.json"], spec, calibration, loco)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _read_json(path: Path) -> dict:

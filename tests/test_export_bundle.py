@@ -9,7 +9,7 @@ import torch
 from export_helpers import HIDDEN, make_run
 
 from dwise_predict.cli import main
-from dwise_predict.errors import BundleError, InputError
+from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
 from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, read_bundle_manifest, sha256_file
 from dwise_predict.exports.refine_export import FusedRefineGraph
@@ -132,8 +132,9 @@ def test_existing_out_is_refused_and_kept(run, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(InputError, match="already exists.*--force"):
-        export_bundle(run, out)
+    for force in (False, True):  # a folder that is not a bundle is never replaced, not even with --force
+        with pytest.raises(StoreError, match="is not a bundle.*never replaced"):
+            export_bundle(run, out, force=force)
     assert (out / "keep.txt").read_text() == "mine"
 
 

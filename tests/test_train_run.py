@@ -117,8 +117,9 @@ def test_bad_inputs_raise_typed_errors(small, tmp_path):
         TrainConfig.from_dict({"hidden": 3})
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    with pytest.raises(StoreError, match="already exists"):
-        train_run(small, tmp_path / "taken", TrainConfig(**FAST))
+    for overwrite in (False, True):  # a folder that is not a run is never replaced
+        with pytest.raises(StoreError, match="is not a run directory.*never replaced"):
+            train_run(small, tmp_path / "taken", TrainConfig(**FAST), overwrite=overwrite)
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
 

@@ -117,8 +117,8 @@ def test_hostile_tar_members_are_refused(tmp_path, name, kind):
 def test_pull_refuses_existing_out_and_unknown_names(bundle, tmp_path):
     zoo = tmp_path / "zoo"
     publish(bundle, zoo, verify=False)
-    (tmp_path / "taken").mkdir()
-    with pytest.raises(InputError, match="already exists"):
+    pull(zoo, "tiny", tmp_path / "taken")
+    with pytest.raises(StoreError, match="already exists: choose another --out$"):
         pull(zoo, "tiny", tmp_path / "taken")
     with pytest.raises(InputError, match="no bundle named 'nope'"):
         pull(zoo, "nope", tmp_path / "x")

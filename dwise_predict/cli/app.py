@@ -24,6 +24,7 @@ from dwise_predict.cli.serve import serve_command
 from dwise_predict.cli.simulate import simulate_command
 from dwise_predict.cli.train import compare_regressors_command, train_command
 from dwise_predict.errors import DwiseError
+from typer.exceptions import TyperException
 
 app = typer.Typer(
     name="dwise-predict",
@@ -76,28 +77,45 @@ INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app and turn user errors into one line on stderr and exit code 1."""
+    """Entry point: run the app and turn user errors into one line on stderr and exit code 1.
+
+    The one table of what a failure prints: a :class:`DwiseError` (ours) or a command-line usage
+    error (typer's: unknown option or command, missing argument, bad value) is one line and exit 1
+    or 2; Ctrl-C is one line and 130; anything else is a bug and keeps its traceback.
+    ``DWISE_DEBUG=1`` re-raises ours with the traceback.
+    """
     try:
         # standalone_mode=False: click returns a command's typer.Exit code instead of exiting
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=argv, prog_name="dwise-predict", standalone_mode=False)
         if code == INTERRUPTED:  # typer turns Ctrl-C into this code without a word; no command returns it
             typer.echo("interrupted: rerun the same command to resume", err=True)
     except DwiseError as err:
         if os.environ.get("DWISE_DEBUG"):
             raise
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {_one_line(str(err))}", err=True)
         return 1
     except typer.Exit as exit_:
         return exit_.exit_code
     except typer.Abort:
         typer.echo("aborted", err=True)
         return INTERRUPTED
-    except Exception as err:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(err, click.exceptions.ClickException):
-            err.show()
-            return err.exit_code
-        raise
+    except TyperException as err:  # typer's bundled click: usage errors carry their own exit code
+        return _usage_error(err)
     return code if isinstance(code, int) else 0
 
+
+def _usage_error(err: TyperException) -> int:
+    """One line for a command-line mistake, naming it and the command whose --help lists the options."""
+    ctx = getattr(err, "ctx", None)
+    if type(err).__name__ == "NoArgsIsHelpError":  # a group or command given nothing: its help is the answer
+        typer.echo(ctx.get_help())
+        return 0
+    command = ctx.command_path if ctx is not None else app.info.name
+    message = _one_line(err.format_message()).rstrip(".")
+    typer.echo(f"error: {message}: see `{command} --help`", err=True)
+    return err.exit_code
+
+
+def _one_line(message: str) -> str:
+    """A message as one line: a user's value holding a newline (``--version '7\\n'``) shows it escaped."""
+    return message.replace("\r", "\\r").replace("\n", "\\n")

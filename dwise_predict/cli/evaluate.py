@@ -39,7 +39,7 @@ def evaluate_command(
 
         dwise-predict evaluate traces_a/ traces_b/ --out eval/ --json
     """
-    from dwise_predict.evaluation.evaluate import evaluate, prepare_out, write_evaluation
+    from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
     from dwise_predict.training import TrainConfig
 
     problems = []
@@ -49,16 +49,14 @@ def evaluate_command(
         problems.append(f"--min-requests must be at least 2 (a rank correlation needs two requests), got {min_requests}")
     if config is not None and not config.is_file():
         problems.append(f"--config {config} is not a file")
-    if out.exists() and not out.is_dir():
-        problems.append(f"--out {out} is a file: give a directory")
     if problems:
         raise ConfigError("; ".join(problems))
     train_config = TrainConfig.from_file(config) if config is not None else None
 
-    prepare_out(out)
-    evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
-                          config=train_config, log=log)
-    written = write_evaluation(evaluation, out)
+    with claim_evaluation_out(out, traces, run):
+        evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
+                              config=train_config, log=log)
+        written = write_evaluation(evaluation, out)
     log(f"wrote {written['report_html']} and {len(written) - 1} more files in {out}")
     if json_out:
         typer.echo(json.dumps(evaluation.result, indent=2, default=str))
@@ -125,18 +123,20 @@ def characterize_command(
 
         dwise-predict characterize traces/ --json
     """
+    from contextlib import nullcontext
+
     from dwise_predict.evaluation.characterize import characterize
     from dwise_predict.evaluation.inputs import load_many
+    from dwise_predict.evaluation.report import write_characterization
+    from dwise_predict.files import claim_output
 
-    if out is not None and out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file: give a directory")
-    datasets = load_many(traces)
-    result = characterize(datasets)
-    if out is not None:
-        from dwise_predict.evaluation.report import write_characterization
-
-        html_path = write_characterization(result, datasets, out)
-        log(f"wrote {html_path}, characterization.md, characterization.json and plots in {out}")
+    inputs = [("TRACES", path) for path in traces]
+    with claim_output(out, inputs, "a characterization", "characterization.json", replace=True) if out else nullcontext():
+        datasets = load_many(traces)
+        result = characterize(datasets)
+        if out is not None:
+            html_path = write_characterization(result, datasets, out)
+            log(f"wrote {html_path}, characterization.md, characterization.json and plots in {out}")
     if json_out:
         typer.echo(json.dumps(result, indent=2, default=str))
     else:

@@ -74,6 +74,7 @@ def simulate_command(
 
     from dwise_predict.serving.report import render_table, write_outputs
     from dwise_predict.serving.simulator import POLICIES, replay, sim_requests_from_traces
+    from dwise_predict.files import refuse_aliasing
     from dwise_predict.traces import load_traces
 
     problems = []
@@ -81,6 +82,8 @@ def simulate_command(
     unknown = [p for p in chosen or [] if p not in POLICIES]
     if unknown:
         problems.append(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
+    if rates is not None and not rates.strip():
+        problems.append("--rates is empty: give e.g. 0.5x,1x,2x or 4,8,16, or leave it out")
     if rates and rate:
         problems.append("--rate and --rates conflict: --rates sweeps several rates, --rate sets one")
     if ks and rates:
@@ -115,6 +118,8 @@ def simulate_command(
         from dwise_predict.serving.round_cost import load_round_cost
 
         config = replace(config, round_cost=load_round_cost(round_profile))
+    if out is not None:
+        refuse_aliasing(out, [("TRACES", traces), ("--bundle", bundle)])
 
     ds = load_traces(traces)
     loaded = None

@@ -174,6 +174,7 @@ def compare_regressors_command(
 
     from dwise_predict.admission.compare import compare_regressors, write_comparison
     from dwise_predict.features.prompt import PromptFeaturizer, load_tokenizer
+    from dwise_predict.files import refuse_aliasing
     from dwise_predict.traces import load_traces
 
     problems = []
@@ -185,6 +186,8 @@ def compare_regressors_command(
         problems.append(f"--out {out} is a file: give a directory")
     if problems:
         raise ConfigError("; ".join(problems))
+    if out is not None:
+        refuse_aliasing(out, [("TRACES", traces)])
 
     ds = load_traces(traces)
     train = ds.split("train")

@@ -30,6 +30,7 @@ from dwise_predict.engine import ENGINE
 from dwise_predict.engine.algorithms import default_algorithm, make_rule
 from dwise_predict.errors import ConfigError, ModelError
 from dwise_predict.features.prompt import count_newlines, count_words
+from dwise_predict.files import refuse_aliasing
 from dwise_predict.versions import package_versions
 
 SHARD_REQUESTS_PER_SLOT = 8  # default requests_per_shard = 8 x batch size: short tails, little loss on a crash
@@ -121,6 +122,8 @@ def collect(
     from dwise_predict.collectors.workloads import load_workload
 
     decoding = decoding or DecodingConfig()
+    refuse_aliasing(out, [(flag, path) for flag, path in (("--model", model), ("--workload", workload))
+                          if Path(path).exists()])
     shard = parse_shard(shard)
     per_shard = requests_per_shard or SHARD_REQUESTS_PER_SLOT * decoding.batch_size
     if per_shard <= 0:
@@ -141,6 +144,8 @@ def collect(
         done = store.finished_ids()
         state = CollectProgress(total=sum(len(run) for run in owned))
         state.resumed = state.done = sum(requests[i].request_id in done for run in owned for i in run)
+        if state.done < state.total:
+            store.mark_incomplete()
         _report(progress, state)
         for run in owned:
             todo = [i for i in run if requests[i].request_id not in done]

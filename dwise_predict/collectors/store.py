@@ -22,7 +22,6 @@ batch size is recorded but not part of the identity, so a run can resume with an
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -35,9 +34,10 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import FileLock, atomic_write_bytes
+from dwise_predict.files import FileLock, atomic_write_bytes, read_json_object, refuse_aliasing, write_errors
 from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.dataset import (
+    HIDDEN_FILE,
     MANIFEST_FILE,
     REQUESTS_FILE,
     SCHEMA_VERSION,
@@ -201,13 +201,13 @@ class TraceStore:
                     f"{self.out} has shards but no {MANIFEST_FILE}: it was not written by this version of "
                     "dwise-predict; choose another --out"
                 )
+            if any(not p.name.startswith(".") and p.name != SHARDS_DIR for p in self.out.iterdir()):  # lock, temp files
+                raise StoreError(f"{self.out} holds files but is not a trace collection (no {MANIFEST_FILE}): "
+                                 "traces are never written into another folder; choose a new or empty --out")
             return
         if not has_shards and not (self.out / REQUESTS_FILE).is_file():
             return  # a run that stopped before its first shard binds nothing
-        try:
-            theirs = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise StoreError(f"{path} is not valid JSON ({err}): choose another --out") from None
+        theirs = read_json_object(path, StoreError, fix="choose another --out")
         fix = "choose another --out (or delete that directory to start over)"
         check_compatible(theirs, self.manifest, str(self.out), fix)
         for key in ("name", "seed", "shard"):
@@ -262,6 +262,16 @@ class TraceStore:
             atomic_write_bytes(stem.with_suffix(".parquet"), table.getvalue(), durable=True)
         return stem.with_suffix(".parquet")
 
+    def mark_incomplete(self) -> None:
+        """Before decoding more requests into a finished collection (a larger ``--limit``): remove its
+        consolidated files, which the shards reproduce, so that until the new consolidation no reader
+        takes the directory for a complete dataset."""
+        if not any((self.out / SHARDS_DIR).glob("shard-*.parquet")):
+            return
+        with _store_errors(self.out):
+            for name in (REQUESTS_FILE, HIDDEN_FILE):  # requests.parquet first: its presence marks a whole dataset
+                (self.out / name).unlink(missing_ok=True)
+
     # -- consolidation -----------------------------------------------------------------------------
 
     def consolidate(self, counts: dict | None = None) -> Path:
@@ -288,21 +298,21 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
     """
     if not dirs:
         raise StoreError("traces merge needs at least one input directory")
+    refuse_aliasing(out, [("DIRS", d) for d in dirs])
     inputs = []
     for d in map(Path, dirs):
         if not (d / MANIFEST_FILE).is_file():
             raise StoreError(f"{d} is not a collection directory (no {MANIFEST_FILE}): check the path")
-        try:
-            manifest = json.loads((d / MANIFEST_FILE).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise StoreError(f"{d / MANIFEST_FILE} is not valid JSON ({err}): that directory is damaged") from None
+        manifest = read_json_object(d / MANIFEST_FILE, StoreError, fix="that directory is damaged")
         shards = read_shards(d) if (d / SHARDS_DIR).is_dir() else []
         if not shards:
             try:
                 ds = load_traces(d)
             except TraceError as err:
                 raise StoreError(f"{d} holds no shards and no readable traces: {err}") from None
-            shards = [Shard(ds.requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE)]
+            # a dataset written elsewhere (not by collect) may lack the workload order: keep its row order
+            requests = ds.requests if ORDER_COLUMN in ds.requests else ds.requests.assign(**{ORDER_COLUMN: range(len(ds))})
+            shards = [Shard(requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE)]
         inputs.append((d, manifest, shards))
     first_dir, first, _ = inputs[0]
     for d, manifest, _ in inputs:
@@ -365,27 +375,7 @@ def _unique_rows(requests: pd.DataFrame) -> np.ndarray:
     return ~dup
 
 
-class _store_errors:
-    """Turn an OSError while writing ``out`` into one clear :class:`StoreError` line."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, OSError):
-            return False
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            what = "the disk is full"
-        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            what = "it is not writable"
-        elif exc.errno in (errno.ENOTDIR, errno.EEXIST):
-            what = "a file is in the way of the directory"
-        else:
-            what = exc.strerror or str(exc)
-        raise StoreError(
-            f"cannot write to {self.out} ({what}: {exc.filename or self.out}); shards already written stay "
-            "readable: free space or fix permissions and rerun the same command to resume, or choose another --out"
-        ) from None
+def _store_errors(out: Path):
+    """Turn an OSError while writing the store ``out`` into one clear :class:`StoreError` line."""
+    return write_errors(out, "shards already written stay readable: free space or fix permissions and rerun the "
+                             "same command to resume, or choose another --out", every=True)

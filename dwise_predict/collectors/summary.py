@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import DwiseError
+from dwise_predict.files import read_json_object
 
 ALL = "all"
 
@@ -66,5 +66,5 @@ def read_for_summary(path: str | Path) -> tuple[pd.DataFrame, dict, bool]:
     shards = read_shards(path) if (path / MANIFEST_FILE).is_file() else []
     if not shards:
         raise DwiseError(f"{path} holds no traces: run `dwise-predict collect --out {path}` first")
-    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest = read_json_object(path / MANIFEST_FILE, DwiseError, fix="the collection is damaged; collect it again")
     return pd.concat([s.requests for s in shards], ignore_index=True), manifest, False

@@ -34,8 +34,12 @@ from dwise_predict.collectors import sources as src
 from dwise_predict.errors import InputError
 
 SPLITS = ("train", "eval")
+# Bounds on what a spec may ask for, checked before generating: a source gives at most 100,000 requests
+# (the paper's whole workload is 6,144), a needle prompt at most a long-context model's window.
+MAX_COUNT = 100_000
+MAX_PROMPT_WORDS = 1_000_000
 DEFAULT_TRAIN_FRACTION = 1 / 3  # Table 1 of the DWISE paper: 2,048 train per 4,096 eval
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # fullmatch: no trailing newline
 
 _COMMON_KEYS = {"type", "name", "category", "count", "train", "eval", "split", "train_fraction", "budget"}
 _ROW_KEYS = set(src.RowMapping.KEYS)
@@ -188,9 +192,11 @@ class SourceSpec:
     where: str
 
 
-def _int(value: Any, key: str, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InputError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+def _int(value: Any, key: str, where: str, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
+    """A count from a spec, bounded before anything is allocated for it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise InputError(f"{where}: {key} must be an integer from {minimum} to {maximum:,}, got {value!r}: "
+                         "fix it in the spec")
     return value
 
 
@@ -230,11 +236,11 @@ def parse_sources(data: dict, label: str) -> list[SourceSpec]:
             known = sorted((_COMMON_KEYS | SOURCE_KEYS[kind]) - {"type"})
             raise InputError(f"{where} (type {kind}): unknown option(s) {', '.join(sorted(bad))}; known: {', '.join(known)}")
         category = entry.get("category")
-        if not isinstance(category, str) or not _NAME.match(category):
+        if not isinstance(category, str) or not _NAME.fullmatch(category):
             raise InputError(f"{where}: category must be a name of letters, digits, '_', '.', '-', got {category!r}")
         options = {k: v for k, v in entry.items() if k not in _COMMON_KEYS}
         name = entry.get("name", _default_name(kind, category, options))
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise InputError(f"{where}: name must be letters, digits, '_', '.', '-', got {name!r}")
         if name in names:
             raise InputError(f"{where}: source name {name!r} is used twice; give each source its own name")
@@ -334,7 +340,7 @@ def _generated_items(spec: SourceSpec, n: int, seed: int) -> list[src.Item]:
     opts = dict(spec.options)
     for key in ("target_words", "target_tokens", "min_needles", "max_needles"):
         if key in opts:
-            _int(opts[key], key, spec.where, minimum=1)
+            _int(opts[key], key, spec.where, minimum=1, maximum=MAX_PROMPT_WORDS)
     if isinstance(opts.get("jitter", 0.0), bool) or not isinstance(opts.get("jitter", 0.0), (int, float)):
         raise InputError(f"{spec.where}: jitter must be a number in [0, 1), got {opts['jitter']!r}")
     words = target_words(opts.pop("target_words", None), opts.pop("target_tokens", None))

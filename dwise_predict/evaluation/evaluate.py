@@ -34,13 +34,15 @@ from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco as loco_mod
 from dwise_predict.evaluation.baselines import baseline_table
 from dwise_predict.evaluation.characterize import characterize, output_vs_work
-from dwise_predict.files import atomic_write, write_json
+from dwise_predict.files import atomic_dir, atomic_write, claim_output, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
 from dwise_predict.evaluation.pool import RetrainTask, fit, run_tasks
 from dwise_predict.evaluation.report import survival_examples
 from dwise_predict.runs import load_run
 from dwise_predict.traces import TraceDataset
 from dwise_predict.versions import package_versions
+
+EVALUATION_MARKER = "evaluation.json"  # a directory holding it is an evaluation: the next one replaces it
 
 PROMPT_HIDDEN_TASK = "__prompt_hidden_state__"  # not a category name: categories are plain words
 SURVIVAL_EXAMPLES = 4
@@ -214,21 +216,29 @@ def evaluate(
     return Evaluation(result, arrays)
 
 
-def prepare_out(out: str | os.PathLike) -> Path:
-    """Create the output directory (refusing a path that is a file)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file: give a directory for the report")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+def claim_evaluation_out(out: str | os.PathLike, traces: Sequence[str | os.PathLike],
+                         run: str | os.PathLike | None = None):
+    """Check ``out`` can take an evaluation and lock it for the ``with`` block (see
+    :func:`dwise_predict.files.claim_output`): an earlier evaluation there is replaced, the traces,
+    the run or a foreign folder never are."""
+    inputs = [*(("TRACES", path) for path in traces), ("--run", run)]
+    return claim_output(out, inputs, "an evaluation", EVALUATION_MARKER, replace=True)
 
 
 def write_evaluation(evaluation: Evaluation, out: str | os.PathLike) -> dict[str, Path]:
-    """Write the JSON files, predictions and report of ``evaluation`` into ``out``; returns name -> path."""
+    """Write the JSON files, predictions and report of ``evaluation`` as the directory ``out``; returns
+    name -> path. The directory appears whole, replacing an earlier evaluation there (none of its
+    files, e.g. a ``loco.json`` of other traces, stays behind)."""
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        written = _write_evaluation(evaluation, tmp)
+    return {name: out / path.relative_to(tmp) for name, path in written.items()}
+
+
+def _write_evaluation(evaluation: Evaluation, out: Path) -> dict[str, Path]:
     from dwise_predict.evaluation.document import write_document
     from dwise_predict.evaluation.report import evaluation_document
 
-    out = prepare_out(out)
     result, arrays = evaluation.result, evaluation.arrays
     written = {}
     sections = {"metrics": result["metrics"], "calibration": result["calibration"], "baselines": result["baselines"],

@@ -14,7 +14,7 @@ import pandas as pd
 
 from dwise_predict.evaluation import plots
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
-from dwise_predict.files import write_json
+from dwise_predict.files import write_errors, write_json
 
 
 def _arrow(pair: dict) -> str:
@@ -77,12 +77,13 @@ def write_characterization(result: dict, datasets, out: str | os.PathLike) -> Pa
     """``characterization.json``, ``.html``, ``.md`` and plots of ``result`` in ``out`` (created);
     ``datasets`` are the trace datasets it measured. Returns the HTML path."""
     from dwise_predict.evaluation.document import write_document
-    from dwise_predict.evaluation.evaluate import prepare_out
 
-    out = prepare_out(out)
-    write_json(out / "characterization.json", result)
+    out = Path(out)
     requests = pd.concat([d.requests for d in datasets], ignore_index=True)
-    html_path, _ = write_document(characterization_document(result, requests), out, stem="characterization")
+    with write_errors(out, "free space or fix permissions and rerun the same command"):
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "characterization.json", result)
+        html_path, _ = write_document(characterization_document(result, requests), out, stem="characterization")
     return html_path
 
 

@@ -38,10 +38,10 @@ from dwise_predict.exports.admission_export import (
     load_booster,
     predict_total_rounds,
 )
-from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, write_bundle_manifest
+from dwise_predict.exports.manifest import BUNDLE_FILE, BUNDLE_SCHEMA_VERSION, NAME_PATTERN, write_bundle_manifest
 from dwise_predict.exports.model_card import model_card
 from dwise_predict.features.prompt import FEATURE_NAMES
-from dwise_predict.files import atomic_dir, sha256_file
+from dwise_predict.files import atomic_dir, claim_output, sha256_file
 from dwise_predict.exports.refine_export import (
     ONNX_OPSET as REFINE_OPSET,
     INT8_MIN_SPEARMAN,
@@ -55,7 +55,6 @@ from dwise_predict.runs import RunFiles, load_run
 from dwise_predict.versions import package_versions
 
 PROBES_FILE = "probes.safetensors"
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # What each artifact is, for loaders choosing a path: pickle-bearing files load only after their hash matches.
 ARTIFACTS = {
     "refine.safetensors": {"role": "refine weights", "format": "safetensors", "pickle": False},
@@ -88,16 +87,16 @@ def export_bundle(
     name : bundle name for the zoo (default: the run directory's name); letters, digits, ``._-``.
     created : ISO-8601 creation time recorded in ``bundle.json`` (default: now, UTC). Pass a fixed
         value for byte-identical ``bundle.json`` files across exports of the same run.
-    force : replace an existing ``out`` (the old bundle stays intact until the new one is complete).
+    force : replace an existing bundle at ``out`` (the old one stays intact until the new one is
+        complete); anything else at ``out`` (a run, traces, a foreign folder) is never replaced, and
+        ``out`` may not be, contain or lie inside ``run``.
     n_probes, seed : how many probe rows ``verify`` compares on, drawn from the run's input
         statistics with this seed.
     """
     out = Path(out)
     name = name or _sanitise(Path(run).resolve().name)
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise InputError(f"--name '{name}' must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    if out.exists() and not force:
-        raise InputError(f"{out} already exists: choose another --out or pass --force to replace it")
     if created is None:
         created = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
     else:
@@ -105,7 +104,13 @@ def export_bundle(
             dt.datetime.fromisoformat(created)
         except ValueError:
             raise InputError(f"--created '{created}' is not an ISO-8601 time (e.g. 2026-01-01T00:00:00+00:00)") from None
-    run_files = load_run(run)
+    with claim_output(out, [("RUN", run)], "a bundle", BUNDLE_FILE, replace=force, flag="--force"):
+        run_files = load_run(run)
+        _export(run_files, out, name, created, n_probes, seed)
+    return out
+
+
+def _export(run_files: RunFiles, out: Path, name: str, created: str, n_probes: int, seed: int) -> None:
     graph = _rebuild_graph(run_files)
     fused = FusedRefineGraph(graph).eval()
 
@@ -127,7 +132,6 @@ def export_bundle(
             p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())
         }
         write_bundle_manifest(tmp, manifest)
-    return out
 
 
 def _rebuild_graph(run: RunFiles):
@@ -165,7 +169,7 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
     The exported graph (fused) must agree with the eager ensemble before anything is written: a
     disagreement here is a bug in the exporter, not in the user's run.
     """
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     spec = run.refine_spec
     hidden = int(spec["hidden_size"])
@@ -191,7 +195,7 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
         "admission.features": features,
         "admission.total_rounds": predict_total_rounds(booster, features).astype(np.float32),
     }
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}, str(path))
+    path.write_bytes(save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()}))  # a full disk: OSError
 
 
 def _quantise_if_ranking_holds(bundle: Path) -> float:

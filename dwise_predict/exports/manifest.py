@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
@@ -23,6 +24,8 @@ from dwise_predict.files import atomic_write_bytes, sha256_file
 BUNDLE_SCHEMA_VERSION = 1
 BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"
+# a bundle name or zoo version: use fullmatch (``$`` would also accept a trailing newline)
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
 def canonical_json(manifest: dict) -> bytes:
@@ -72,6 +75,13 @@ def read_bundle_manifest(bundle: str | Path) -> dict:
         sealed = b""
     if raw != sealed:
         raise BundleError(f"{path} does not match its {SEAL_KEY} seal: the file was modified or corrupted")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and type(entry.get("bytes")) is int
+        for entry in files.values()
+    ):
+        raise BundleError(f"{path}: 'files' must map each file name to {{sha256, bytes}}: the bundle is corrupt; "
+                          "re-export or re-pull it")
     return manifest
 
 
@@ -81,12 +91,19 @@ def unlisted_files(bundle: str | Path, manifest: dict) -> list[str]:
     return sorted(p.name for p in Path(bundle).iterdir() if p.name not in listed)
 
 
-def check_files(bundle: str | Path, manifest: dict, names: list[str] | None = None) -> None:
-    """Check size and sha256 of the named files (default: every file in the manifest).
+def check_files(bundle: str | Path, manifest: dict, names: list[str] | None = None,
+                refuse_unlisted: bool = True) -> None:
+    """Check size and sha256 of the named files (default: every file in the manifest), and that the
+    directory holds no file the manifest does not list (``verify`` reports those in its own row).
 
-    Raises :class:`BundleError` naming the first file that is missing, has the wrong size or hash.
+    Raises :class:`BundleError` naming the first file that is missing, has the wrong size or hash,
+    or is not listed.
     """
     bundle = Path(bundle)
+    extra = unlisted_files(bundle, manifest) if refuse_unlisted else []
+    if extra:
+        raise BundleError(f"{bundle} holds files that its {BUNDLE_FILE} does not list ({', '.join(extra)}): they were "
+                          "added after export; re-export or re-pull the bundle")
     files = manifest.get("files", {})
     for name in names if names is not None else sorted(files):
         entry = files.get(name)

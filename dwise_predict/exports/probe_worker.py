@@ -93,7 +93,7 @@ def main(bundle: str) -> dict:
 
     torch.set_num_threads(1)
     manifest = read_bundle_manifest(bundle)
-    check_files(bundle, manifest)  # again, in this process, before deserialising anything
+    check_files(bundle, manifest, refuse_unlisted=False)  # again, in this process, before deserialising anything; verify reports unlisted files
     root = Path(bundle)
     probes = load_file(str(root / manifest["probes"]))
     inputs = [probes[f"refine.{name}"] for name in ("first_round", "prompt_tokens", "budget")]

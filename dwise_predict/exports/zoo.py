@@ -20,19 +20,18 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
-import re
 import shutil
 import tarfile
 from pathlib import Path
 
 from dwise_predict.errors import BundleError, InputError, StoreError
-from dwise_predict.exports.manifest import BUNDLE_FILE, check_files, read_bundle_manifest, unlisted_files
-from dwise_predict.files import FileLock, atomic_dir, atomic_write, atomic_write_text, sha256_file
+from dwise_predict.exports.manifest import BUNDLE_FILE, NAME_PATTERN, check_files, read_bundle_manifest
+from dwise_predict.files import FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, sha256_file, write_errors
 
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
 ZOO_SCHEMA_VERSION = 1
-PART_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+ENTRY_KEYS = ("name", "version", "file", "sha256")  # what list, show, pull and publish read of an entry
 
 
 def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, version: str | None = None,
@@ -47,7 +46,7 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
     manifest = read_bundle_manifest(bundle)
     name = name or manifest.get("name", "")
     for flag, value in (("--name", name), ("--version", version)):
-        if value is not None and not PART_PATTERN.match(value):
+        if value is not None and not NAME_PATTERN.fullmatch(value):
             raise InputError(
                 f"{flag} '{value}' must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
@@ -57,6 +56,11 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
         require_verified(bundle)
     else:
         check_files(bundle, manifest)
+    with write_errors(zoo, "nothing was published; free space or fix permissions and rerun the same command"):
+        return _publish(bundle, zoo, manifest, name, version)
+
+
+def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | None) -> dict:
     zoo.mkdir(parents=True, exist_ok=True)
     with FileLock(zoo / LOCK_FILE, lambda holder: f"the zoo {zoo} is locked by another publish (pid {holder}): wait for it to finish"):
         index = read_index(zoo, missing_ok=True)
@@ -114,6 +118,10 @@ def read_index(zoo: str | Path, missing_ok: bool = False) -> dict:
     if not isinstance(index.get("schema_version"), int) or index["schema_version"] > ZOO_SCHEMA_VERSION:
         raise StoreError(f"zoo index {path} has schema {index.get('schema_version')!r}, newer than this "
                          f"dwise-predict reads ({ZOO_SCHEMA_VERSION}): upgrade dwise-predict")
+    for i, entry in enumerate(index["bundles"]):
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) for k in ENTRY_KEYS):
+            raise StoreError(f"zoo index {path}: entry {i} is not an object with string {', '.join(ENTRY_KEYS)}: "
+                             "restore the index from a backup; nothing was changed")
     return index
 
 
@@ -142,8 +150,11 @@ def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
     zoo = Path(zoo)
     entry = find_entry(zoo, ref)
     out = Path(out) if out is not None else Path(f"{entry['name']}-{entry['version']}")
-    if out.exists():
-        raise InputError(f"{out} already exists: pull into a new directory with --out")
+    with claim_output(out, [("--zoo", zoo)], "a bundle", BUNDLE_FILE):
+        return _pull(zoo, entry, out)
+
+
+def _pull(zoo: Path, entry: dict, out: Path) -> Path:
     tar_path = zoo / entry["file"]
     if not tar_path.is_file():
         raise StoreError(
@@ -158,9 +169,6 @@ def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
         _extract_flat(tar_path, tmp)
         manifest = read_bundle_manifest(tmp)
         check_files(tmp, manifest)
-        extra = unlisted_files(tmp, manifest)
-        if extra:
-            raise BundleError(f"{tar_path} holds files that its bundle.json does not list ({', '.join(extra)})")
     return out
 
 

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from dwise_predict.files import atomic_write_bytes, write_csv
+from dwise_predict.files import atomic_write_bytes, write_csv, write_errors
 
 TABLE_COLUMNS = (
     ("arrival", "arrival", "{}"),
@@ -57,21 +57,22 @@ def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arriv
 def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails: list[dict] | None = None) -> list[Path]:
     """``<stem>.csv``, ``<stem>.json`` (rows + settings + per-category tails) and ``<stem>.png`` in
     ``out``; with ``tails``, also ``<stem>_categories.csv`` and ``<stem>_categories.png``."""
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
-    write_csv(paths[0], rows)
     gains = []
     if rows and "arrival" in rows[0]:
         from dwise_predict.serving.simulator import gain_decomposition
 
         gains = gain_decomposition(rows)
-    atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or [],
-                                             "gains": gains}, indent=2, default=str).encode())
-    atomic_write_bytes(paths[2], _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem)))
-    if tails:
-        paths += [out / f"{stem}_categories.csv", out / f"{stem}_categories.png"]
-        write_csv(paths[3], tails)
-        atomic_write_bytes(paths[4], category_plot(tails))
+    with write_errors(out, "free space or fix permissions and rerun the same command"):
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(paths[0], rows)
+        atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or [],
+                                                 "gains": gains}, indent=2, default=str).encode())
+        atomic_write_bytes(paths[2], _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem)))
+        if tails:
+            paths += [out / f"{stem}_categories.csv", out / f"{stem}_categories.png"]
+            write_csv(paths[3], tails)
+            atomic_write_bytes(paths[4], category_plot(tails))
     return paths
 
 

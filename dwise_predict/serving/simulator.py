@@ -79,7 +79,7 @@ class SimConfig:
             problems.append(f"--kv-budget must be positive (blocks), got {self.kv_budget}")
         if self.kv_slack_blocks < 0:
             problems.append(f"--kv-slack must be >= 0, got {self.kv_slack_blocks}")
-        if self.round_ms < 0 or self.slot_ms < 0 or self.round_ms + self.slot_ms <= 0:
+        if not (self.round_ms >= 0 and self.slot_ms >= 0 and 0 < self.round_ms + self.slot_ms < math.inf):
             problems.append(f"--round-ms and --slot-ms must be >= 0 and not both 0, got {self.round_ms}, {self.slot_ms}")
         if self.arrival not in ARRIVALS:
             problems.append(f"--arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
@@ -666,7 +666,9 @@ def parse_rates(text: str, workload: SimRequests, config: SimConfig) -> list[flo
     """``"1,2,4"`` (req/s) or ``"0.5x,1x,2x"`` (multiples of :func:`service_rate`) -> req/s."""
     rates = []
     unit = None
-    for item in (t.strip() for t in text.split(",") if t.strip()):
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            raise ConfigError(f"--rates {text!r} has an empty item: give e.g. 0.5x,1x,2x or 4,8,16")
         try:
             if item.endswith("x"):
                 factor = float(item[:-1])
@@ -788,10 +790,11 @@ def replay(
         raise ConfigError(f"--policies {', '.join(missing)} need predictions: pass --bundle (trail: traces with a train split)")
     policies = policies or allowed
     kv_reservations(requests, config)
+    swept = parse_rates(rates, requests, config) if rates else None  # a bad --rates is refused before any output
     if log is not None:
         log(f"replaying {len(requests)} requests under {len(policies)} policies")
-    if rates:
-        return sweep(requests, config, parse_rates(rates, requests, config), policies), policies
+    if swept is not None:
+        return sweep(requests, config, swept, policies), policies
     if ks:
         pattern = (patterns or ["burst"])[0]
         k_rate = None if pattern == "burst" else parse_rates(rate or "1.5x", requests, config)[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dwise_predict.errors import InputError
+from dwise_predict.errors import ConfigError, InputError
 from dwise_predict.survival.labels import RemainingRoundsLabels, informative
 from dwise_predict.survival.loss import logistic_hazard_nll
 from dwise_predict.survival.network import HazardMLP, RefineGraph, build_refine_graph, refine_state, survival_from_logits
@@ -140,8 +140,11 @@ class SurvivalEnsemble:
                 if val_loss < best_loss:
                     best_loss, best_epoch = val_loss, epoch
                     best_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-                elif epoch - best_epoch >= self.patience:
-                    break
+                elif epoch - best_epoch >= self.patience or not np.isfinite(train_curve[-1]):
+                    break  # no progress, or diverged: the best epoch so far is kept
+            if best_state is None:
+                raise ConfigError(f"the survival member with seed {seed} diverged (validation loss {val_loss:g} "
+                                  f"from the first epoch): lower the learning rate (--lr {self.lr:g})")
             net.load_state_dict(best_state)
             net.eval()
         return net, {"train_loss": train_curve, "val_loss": val_curve, "best_epoch": best_epoch}

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import TraceError
-from dwise_predict.files import atomic_write
+from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
 
 SCHEMA_VERSION = 2  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config)
 MANIFEST_FILE = "manifest.json"
@@ -58,6 +58,13 @@ NUMERIC_COLUMNS = (
     "prompt_tokens", "words", "newlines", "budget", "block_size", "prompt_blocks", "total_rounds",
     "output_tokens", "frac_over_threshold", "mean_confidence", "mean_entropy", "wall_s",
 )
+# counts: whole numbers, at least this much
+COUNT_COLUMNS = {"prompt_tokens": 0, "words": 0, "newlines": 0, "budget": 1, "block_size": 1, "prompt_blocks": 0,
+                 "total_rounds": 1, "output_tokens": 0}
+# A block of b tokens takes at most b + 1 forwards under LowConfidence; this bound leaves room for
+# algorithms that edit tokens and is checked before anything is sized by the round count (the
+# survival model's horizon K), so a corrupt count cannot make training allocate terabytes.
+MAX_ROUNDS_PER_TOKEN = 8
 
 
 @dataclass
@@ -140,10 +147,25 @@ def validate(ds: TraceDataset) -> None:
     bad_split = set(ds.requests["split"].unique()) - {"train", "eval"}
     if bad_split:
         raise TraceError(f"split{where} must be 'train' or 'eval', found {sorted(bad_split)}")
+    bad_category = [v for v in ds.requests["category"].unique() if not isinstance(v, str) or not v]
+    if bad_category:
+        raise TraceError(f"category{where} must be a non-empty string, found {bad_category[0]!r}: fix those rows")
+    values = {}
     for col in NUMERIC_COLUMNS:
-        values = pd.to_numeric(ds.requests[col], errors="coerce").to_numpy(dtype=float)
-        if not np.isfinite(values).all():
+        values[col] = pd.to_numeric(ds.requests[col], errors="coerce").to_numpy(dtype=float)
+        if not np.isfinite(values[col]).all():
             raise TraceError(f"column '{col}'{where} holds NaN, inf or non-numbers: drop or fix those rows")
+    for col, least in COUNT_COLUMNS.items():
+        bad = (values[col] != np.floor(values[col])) | (values[col] < least)
+        if bad.any():
+            raise TraceError(f"column '{col}'{where} must hold whole numbers >= {least}, found "
+                             f"{values[col][bad][0]:g}: drop or fix those rows")
+    reachable = MAX_ROUNDS_PER_TOKEN * (values["budget"] + values["block_size"])
+    if (values["total_rounds"] > reachable).any():
+        i = int(np.argmax(values["total_rounds"] > reachable))
+        raise TraceError(f"total_rounds{where} of request {ds.requests['request_id'].iloc[i]!r} is "
+                         f"{values['total_rounds'][i]:g}, more than a budget of {values['budget'][i]:g} tokens can "
+                         "take: the traces are corrupt; drop or fix those rows")
     for name in HIDDEN_TENSORS:
         if not np.isfinite(getattr(ds, name)).all():
             raise TraceError(f"hidden state '{name}'{where} holds NaN or inf: drop those requests")
@@ -159,15 +181,13 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
     for name in (MANIFEST_FILE, REQUESTS_FILE, HIDDEN_FILE):
         if not (path / name).is_file():
             hint = (
-                "run `dwise-predict traces merge` to consolidate its shards"
+                "its collection is unfinished: rerun the same `dwise-predict collect` command to finish it "
+                "(for --shard parts, combine them with `dwise-predict traces merge`)"
                 if (path / "shards").is_dir()
                 else "it is not a complete trace dataset"
             )
             raise TraceError(f"{path} has no {name}: {hint}")
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-    except json.JSONDecodeError as err:
-        raise TraceError(f"{path / MANIFEST_FILE} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    manifest = read_json_object(path / MANIFEST_FILE, TraceError, fix="the trace dataset is damaged; collect it again")
     version = manifest.get("schema_version")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise TraceError(
@@ -182,6 +202,8 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
     missing = [t for t in HIDDEN_TENSORS if t not in tensors]
     if missing:
         raise TraceError(f"{path / HIDDEN_FILE} lacks tensors {', '.join(missing)}")
+    if len(requests) == 0:
+        raise TraceError(f"{path} holds no requests: collect some with `dwise-predict collect --out {path}`")
     return TraceDataset(
         requests,
         tensors["first_round"].astype(np.float32, copy=False),
@@ -193,7 +215,7 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
 
 def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
     """Write a consolidated trace directory; each file lands atomically (temp file + rename)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -206,17 +228,13 @@ def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
     )
     manifest["hidden_size"] = ds.hidden_size
     columns = list(REQUEST_COLUMNS) + [c for c in ds.requests.columns if c not in REQUEST_COLUMNS]
-    atomic_write(path / REQUESTS_FILE, lambda tmp: ds.requests[columns].to_parquet(tmp, index=False))
-    atomic_write(
-        path / HIDDEN_FILE,
-        lambda tmp: save_file(
-            {
-                "first_round": np.ascontiguousarray(ds.first_round, dtype=np.float32),
-                "prompt_last": np.ascontiguousarray(ds.prompt_last, dtype=np.float32),
-            },
-            str(tmp),
-        ),
-    )
-    # The manifest goes last: its presence marks a complete dataset.
+    # serialised in memory, written by Python: a full disk is an OSError (safetensors' own writer
+    # raises its SafetensorError instead), which the callers turn into one line
+    hidden = save({"first_round": np.ascontiguousarray(ds.first_round, dtype=np.float32),
+                   "prompt_last": np.ascontiguousarray(ds.prompt_last, dtype=np.float32)})
+    atomic_write_bytes(path / HIDDEN_FILE, hidden)
     atomic_write(path / MANIFEST_FILE, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
+    # The request table goes last: its presence marks a complete dataset (a collection directory
+    # holds a manifest from its start, and `collect` removes the table before it adds requests).
+    atomic_write(path / REQUESTS_FILE, lambda tmp: ds.requests[columns].to_parquet(tmp, index=False))
     return path

@@ -12,6 +12,15 @@ from dwise_predict.files import read_json_object
 _RECORD_KEYS = {"seeds", "versions", "traces"}  # what config.json records besides the options
 
 
+def _fits(value, default) -> bool:
+    """Whether a JSON value has the type of an option's default (an int is a float; a bool is neither)."""
+    if isinstance(value, bool):
+        return isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
 @dataclass
 class TrainConfig:
     """Every knob of a training run (saved whole in config.json).
@@ -81,6 +90,10 @@ class TrainConfig:
         unknown = sorted(set(data) - names - _RECORD_KEYS)
         if unknown:
             raise ConfigError(f"unknown training options {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        wrong = [f"{f.name} must be {type(f.default).__name__}, got {data[f.name]!r}"
+                 for f in dataclasses.fields(cls) if f.init and f.name in data and not _fits(data[f.name], f.default)]
+        if wrong:
+            raise ConfigError("; ".join(wrong))
         config = cls(**{k: v for k, v in data.items() if k in names})
         config.check()
         return config

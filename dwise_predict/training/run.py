@@ -5,7 +5,10 @@ into a hidden temporary directory next to ``RUN`` and renames it to ``RUN`` only
 (:func:`dwise_predict.files.atomic_dir`), so an interrupted or failed train never leaves a
 directory that looks complete: rerunning the same command simply starts the run again (leftover
 temporary directories of dead processes are removed). An existing ``RUN`` is never touched unless
-``overwrite=True``, and then it is replaced only once the new run is complete.
+``overwrite=True``, and then it is replaced only once the new run is complete, and only when it is a
+run directory (a trace dataset or a foreign folder never is); an overwrite killed between its two
+renames is put back by the rerun. ``RUN`` may not be, contain or lie inside the traces, and is
+locked for the whole run, so a second ``train`` into the same ``RUN`` is refused at once.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from pathlib import Path
 from typing import Callable
 
 from dwise_predict.admission.model import AdmissionModel
-from dwise_predict.errors import InputError, StoreError, TraceError
-from dwise_predict.files import atomic_dir
-from dwise_predict.runs import RunFiles, load_run
+from dwise_predict.errors import InputError, TraceError
+from dwise_predict.files import atomic_dir, claim_output
+from dwise_predict.runs import RUN_MARKER, RunFiles, load_run
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import TraceDataset, load_traces
@@ -41,29 +44,28 @@ def train_run(
     """
     config = config or TrainConfig()
     config.check()
-    out = Path(out)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise StoreError(f"{out} already exists: choose another --out or pass --overwrite to replace it")
-    ds = traces if isinstance(traces, TraceDataset) else load_traces(traces)
-    train, eval_ds = ds.split("train"), ds.split("eval")
-    if len(eval_ds) == 0:
-        raise TraceError("the traces have no 'eval' split: collect with an eval fraction, or mark some requests eval")
+    source = traces.path if isinstance(traces, TraceDataset) else traces
+    with claim_output(out, [("TRACES", source)], "a run directory", RUN_MARKER, replace=overwrite, flag="--overwrite"):
+        ds = traces if isinstance(traces, TraceDataset) else load_traces(traces)
+        train, eval_ds = ds.split("train"), ds.split("eval")
+        if len(eval_ds) == 0:
+            raise TraceError("the traces have no 'eval' split: collect with an eval fraction, or mark some requests eval")
 
-    predictors = fit_predictors(train, config, progress)
-    with torch_threads(config.num_threads):
-        metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
+        predictors = fit_predictors(train, config, progress)
+        with torch_threads(config.num_threads):
+            metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
 
-    with atomic_dir(out) as tmp:
-        write_run(tmp, ds, predictors, metrics, config)
+        with atomic_dir(out) as tmp:
+            write_run(tmp, ds, predictors, metrics, config)
     return metrics
 
 
 def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict, config: TrainConfig) -> None:
     """Write every file of the run directory format (:mod:`dwise_predict.runs`) into ``run``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     predictors.admission.save(run)
-    save_file(predictors.ensemble.state(), str(run / "refine.safetensors"))
+    (run / "refine.safetensors").write_bytes(save(predictors.ensemble.state()))  # a full disk: OSError, not SafetensorError
     _write_json(run / "refine.json", predictors.ensemble.spec())
     _write_json(run / "calibration.json", predictors.calibrator.to_json())
     _write_json(run / "curves.json", {"members": predictors.ensemble.history_})

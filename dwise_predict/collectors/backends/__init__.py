@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from dwise_predict.collectors.backends.base import check_device
 from dwise_predict.errors import ModelError
+from dwise_predict.files import read_json_object
 
 TINY = "tiny"
 TINY_MODEL_TYPE = "dwise_tiny_dllm"
@@ -38,6 +39,7 @@ def load_backend(model: str, trust_remote_code: bool = False, dtype: str = "floa
     """
     from dwise_predict.dllm import TINY_MODEL_DIR
 
+    check_device(device)
     path = TINY_MODEL_DIR if model == TINY else Path(model).expanduser()
     config = read_config(path, model)
     # transformers draws its own progress bar while loading weights; ours owns stderr.
@@ -71,7 +73,4 @@ def read_config(path: Path, model: str) -> dict:
         raise ModelError(f"no model directory at {model}{hint}; pass --model tiny or a local model directory")
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json: it is not a transformers model directory")
-    try:
-        return json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as err:
-        raise ModelError(f"{path / 'config.json'} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    return read_json_object(path / "config.json", ModelError, fix="re-save the model (save_pretrained)")

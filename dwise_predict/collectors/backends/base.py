@@ -20,13 +20,35 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from safetensors import SafetensorError
 
+from dwise_predict.errors import ModelError
 from dwise_predict.files import sha256_file
+
+# What transformers' loaders raise for a damaged or hostile model directory: truncated, empty or
+# garbage weights, shapes that do not fit the config, a pickle refused by weights-only loading.
+LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
+def check_device(device: str) -> torch.device:
+    """``--device`` as a torch device that exists here; :class:`ModelError` otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ModelError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"--device {device}: this machine (or this torch build) has no CUDA device; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here; pick another index")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"--device {device}: only cpu and cuda devices are supported")
+    return dev
 
 # the dtype names of DecodingConfig.dtype, as torch dtypes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dwise_predict.collectors.backends.base import DTYPES, StepBatch, StepOutput, directory_fingerprint
+from dwise_predict.collectors.backends.base import DTYPES, LOAD_ERRORS, StepBatch, StepOutput, directory_fingerprint
 from dwise_predict.errors import ModelError
 
 # Block sizes of known architectures (SGLang's DllmConfig); a config's own block_size wins.
@@ -156,7 +156,7 @@ def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = 
         try:
             model = auto.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
             break
-        except (OSError, ValueError) as err:
+        except LOAD_ERRORS as err:
             last_error = err
     else:
         raise ModelError(f"cannot load the model in {path}: {last_error}")

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dwise_predict.collectors.backends.base import LOAD_ERRORS
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.errors import ConfigError, ModelError
 
@@ -80,7 +81,7 @@ class DiffusionGemmaBackend:
                 self.path, dtype=getattr(torch, dtype)
             ).to(self.device).eval()
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        except (OSError, ValueError) as err:
+        except LOAD_ERRORS as err:
             raise ModelError(f"cannot load DiffusionGemma from {self.path}: {err}") from None
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ModelError(f"the tokenizer in {self.path} has no chat template: add chat_template.jinja")

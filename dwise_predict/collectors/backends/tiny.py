@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from dwise_predict.collectors.backends.base import DTYPES, StepBatch, StepOutput, directory_fingerprint
+from dwise_predict.collectors.backends.base import DTYPES, LOAD_ERRORS, StepBatch, StepOutput, directory_fingerprint
 from dwise_predict.errors import ModelError
+from dwise_predict.files import read_json_object
 
 
 class TinyBackend:
@@ -74,10 +74,7 @@ def load_tiny_backend(path: str | Path | None = None, dtype: str = "float32") ->
         raise ModelError(f"model directory {model_dir} does not exist; {hint}")
     if not config_file.is_file():
         raise ModelError(f"{model_dir} has no config.json: pass a directory saved with save_pretrained")
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"{config_file} is not readable JSON ({exc}): re-save the model") from exc
+    config = read_json_object(config_file, ModelError, fix="re-save the model")
     if config.get("mask_token_id") is None:
         raise ModelError(f"{model_dir} is not a block-diffusion LM: its config has no mask_token_id")
     if config.get("model_type") != "dwise_tiny_dllm":
@@ -92,7 +89,7 @@ def load_tiny_backend(path: str | Path | None = None, dtype: str = "float32") ->
     hf_logging.disable_progress_bar()  # a 27-tensor model needs no "Loading weights" bar on stderr
     try:
         model = AutoModel.from_pretrained(model_dir, dtype=DTYPES[dtype])
-    except (OSError, ValueError) as exc:
+    except LOAD_ERRORS as exc:
         raise ModelError(f"cannot load the model in {model_dir}: {exc}") from exc
     finally:
         if bars:

@@ -1,0 +1,403 @@
+"""One line per mistake (issue 17): a table of bad inputs across every command.
+
+Each case runs the CLI in-process and asserts: exit code not 0, exactly one line on stderr, the
+words that name the problem and the fix, and every file that existed before (the shared trace
+dataset, run, bundle, zoo and model, and the case's own bad input) byte-identical afterwards. New
+files may only be lock files. All cases share one small world built once per module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+import pytest
+import torch
+
+from collect_helpers import make_tiny_dir
+from dwise_predict.cli import main
+from evaluate_helpers import fast_config, make_traces, write
+
+CREATED = "2026-01-01T00:00:00+00:00"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict:
+    from dwise_predict.exports.bundle import export_bundle
+    from dwise_predict.exports.zoo import publish
+    from dwise_predict.training import train_run
+
+    root = tmp_path_factory.mktemp("world")
+    traces = write(make_traces(n_requests=160), root / "d" / "traces")
+    run = root / "run"
+    train_run(traces, run, fast_config())
+    bundle = export_bundle(run, root / "bundle", name="tiny", created=CREATED)
+    zoo = root / "zoo"
+    publish(bundle, zoo, verify=False)
+    foreign = root / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone else's folder")
+    return {"root": root, "d": root / "d", "traces": traces, "run": run, "bundle": bundle, "zoo": zoo,
+            "model": make_tiny_dir(root / "model"), "foreign": foreign}
+
+
+# --- setups: each builds the case's bad input under tmp and returns extra placeholders ------------
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def traces_with(edit: Callable[[pd.DataFrame], pd.DataFrame]):
+    """A copy of the traces whose request table is rewritten by ``edit`` (bypassing validation)."""
+    def setup(w, tmp):
+        bad = _copy(w["traces"], tmp / "bad")
+        table = pd.read_parquet(bad / "requests.parquet")
+        edit(table).to_parquet(bad / "requests.parquet", index=False)
+        return {"bad": bad}
+    return setup
+
+
+def set_column(name, value, row=0):
+    def edit(table):
+        table[name] = table[name].astype(object if value is None or isinstance(value, str) else float)
+        table.at[row, name] = value
+        return table
+    return edit
+
+
+def file_in_copy(key: str, name: str, content: bytes | str):
+    """A copy of world[key] with ``name`` replaced by ``content`` (bytes, or text)."""
+    def setup(w, tmp):
+        bad = _copy(w[key], tmp / "bad")
+        data = content.encode() if isinstance(content, str) else content
+        (bad / name).write_bytes(data)
+        return {"bad": bad}
+    return setup
+
+
+def json_in_copy(key: str, name: str, edit: Callable[[dict], object]):
+    def setup(w, tmp):
+        bad = _copy(w[key], tmp / "bad")
+        (bad / name).write_text(json.dumps(edit(json.loads((bad / name).read_text()))))
+        return {"bad": bad}
+    return setup
+
+
+def removed_in_copy(key: str, name: str):
+    def setup(w, tmp):
+        bad = _copy(w[key], tmp / "bad")
+        (bad / name).unlink()
+        return {"bad": bad}
+    return setup
+
+
+def spec(text: str):
+    def setup(w, tmp):
+        path = tmp / "spec.toml"
+        path.write_text(text)
+        return {"spec": path}
+    return setup
+
+
+def text_file(name: str, content: bytes | str):
+    def setup(w, tmp):
+        path = tmp / name
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        return {"file": path}
+    return setup
+
+
+def nested_traces(w, tmp):
+    traces = _copy(w["traces"], tmp / "d" / "traces")
+    return {"nested": traces}
+
+
+def dangling_link(w, tmp):
+    (tmp / "link").symlink_to(tmp / "nowhere")
+    return {"link": tmp / "link"}
+
+
+def a_file(w, tmp):
+    (tmp / "file").write_text("x")
+    return {"file": tmp / "file"}
+
+
+def incomplete_collection(w, tmp):
+    bad = _copy(w["traces"], tmp / "bad")
+    (bad / "shards").mkdir()
+    (bad / "requests.parquet").unlink()
+    return {"bad": bad}
+
+
+def incomplete_collection_with_manifest(text: str):
+    """An interrupted collection (one committed shard, not consolidated) whose manifest is damaged."""
+    def setup(w, tmp):
+        from dwise_predict.collectors.store import TraceStore
+        from dwise_predict.traces import load_traces
+
+        ds = load_traces(w["traces"])
+        bad = tmp / "bad"
+        with TraceStore(bad, ds.manifest) as store:
+            store.write_shard(ds.requests.assign(workload_index=range(len(ds))), ds.first_round, ds.prompt_last)
+        (bad / "manifest.json").write_text(text)
+        return {"bad": bad}
+    return setup
+
+
+def zero_rows(w, tmp):
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    bad = _copy(w["traces"], tmp / "bad")
+    pd.read_parquet(bad / "requests.parquet").iloc[:0].to_parquet(bad / "requests.parquet", index=False)
+    save_file({"first_round": np.zeros((0, 16), np.float32), "prompt_last": np.zeros((0, 16), np.float32)},
+              str(bad / "hidden.safetensors"))
+    return {"bad": bad}
+
+
+def resealed_bundle(edit: Callable[[dict], None]):
+    def setup(w, tmp):
+        from dwise_predict.exports.manifest import seal_manifest
+
+        bad = _copy(w["bundle"], tmp / "bad")
+        manifest = json.loads((bad / "bundle.json").read_text())
+        edit(manifest)
+        (bad / "bundle.json").write_bytes(seal_manifest(manifest))
+        return {"bad": bad}
+    return setup
+
+
+def bundle_with_extra_file(w, tmp):
+    bad = _copy(w["bundle"], tmp / "bad")
+    (bad / "extra.onnx").write_bytes(b"planted")
+    return {"bad": bad}
+
+
+def zoo_index(content: str):
+    def setup(w, tmp):
+        zoo = tmp / "zoo"
+        zoo.mkdir()
+        (zoo / "index.json").write_text(content)
+        return {"badzoo": zoo}
+    return setup
+
+
+def model_with(name: str | None, content: bytes | None, config_edit: Callable[[dict], object] | None = None,
+               drop: str | None = None):
+    """A copy of the tiny model directory with one file replaced, its config edited or a file dropped."""
+    def setup(w, tmp):
+        bad = _copy(w["model"], tmp / "m")
+        if drop:
+            (bad / drop).unlink()
+        if name:
+            (bad / name).write_bytes(content)
+        if config_edit:
+            (bad / "config.json").write_text(json.dumps(config_edit(json.loads((bad / "config.json").read_text()))))
+        return {"m": bad}
+    return setup
+
+
+class _Planted:
+    """Unpickling this would create a marker file: a pickle payload that must never run."""
+
+    marker = "/tmp/dwise-pickle-ran"
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def truncated_weights(w, tmp):
+    bad = _copy(w["model"], tmp / "m")
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return {"m": bad}
+
+
+def wider_config(config):
+    return {**config, "hidden_size": config["hidden_size"] * 2}
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    id: str
+    argv: list[str]
+    words: tuple[str, ...]  # lower-case substrings of the one stderr line: the problem and the fix
+    setup: Callable | None = None
+    code: int = 1
+    env: dict = field(default_factory=dict)
+
+
+HELP = "--help`"
+Q = "--limit 2 --out {tmp}/o"
+CASES = [
+    # command-line usage: typer's errors, one line naming the command's --help
+    Case("usage-limit-not-int", ["collect", "--limit", "abc", "--out", "{tmp}/o"], ("'--limit'", "integer", HELP), code=2),
+    Case("usage-unknown-option", ["collect", "--bogus"], ("no such option: --bogus", "dwise-predict collect --help"), code=2),
+    Case("usage-train-no-args", ["train"], ("missing argument", "dwise-predict train --help"), code=2),
+    Case("usage-unknown-command", ["nosuch"], ("no such command 'nosuch'", "dwise-predict --help"), code=2),
+    Case("usage-dtype-choice", ["collect", "--dtype", "int8", "--out", "{tmp}/o"], ("'--dtype'", "int8", HELP), code=2),
+    Case("usage-evaluate-no-out", ["evaluate", "{traces}"], ("missing option '--out'", HELP), code=2),
+    Case("usage-export-no-out", ["export", "{run}"], ("missing option '--out'", HELP), code=2),
+    Case("usage-slots-not-int", ["simulate", "{traces}", "--slots", "many"], ("'--slots'", HELP), code=2),
+    Case("usage-zoo-pull-no-ref", ["zoo", "pull", "--zoo", "{zoo}"], ("missing argument", "zoo pull --help"), code=2),
+    Case("usage-traces-show-no-path", ["traces", "show"], ("missing argument", "traces show --help"), code=2),
+    Case("usage-train-tiny-steps", ["dllm", "train-tiny", "--out", "{tmp}/m", "--steps", "abc"], ("'--steps'", "dllm train-tiny --help"), code=2),
+    Case("usage-publish-no-zoo", ["publish", "{bundle}"], ("missing option '--zoo'", HELP), code=2),
+    Case("usage-epochs-float", ["train", "{traces}", "--out", "{tmp}/r", "--max-epochs", "1.5"], ("'--max-epochs'", HELP), code=2),
+    # inputs and outputs never alias; --overwrite / --force replace only our own kind of directory
+    Case("evaluate-out-is-run", ["evaluate", "{traces}", "--run", "{run}", "--out", "{run}"], ("is the input --run", "outside")),
+    Case("evaluate-out-is-traces", ["evaluate", "{traces}", "--out", "{traces}"], ("is the input traces", "outside")),
+    Case("evaluate-out-inside-traces", ["evaluate", "{traces}", "--out", "{traces}/eval"], ("lies inside the input traces",)),
+    Case("evaluate-out-foreign", ["evaluate", "{traces}", "--out", "{foreign}"], ("not an evaluation", "new or empty --out")),
+    Case("train-out-is-traces", ["train", "{traces}", "--out", "{traces}", "--overwrite"], ("is the input traces", "outside")),
+    Case("train-out-contains-traces", ["train", "{nested}", "--out", "{tmp}/d", "--overwrite"], ("contains the input traces",), nested_traces),
+    Case("train-overwrite-foreign", ["train", "{traces}", "--out", "{foreign}", "--overwrite"], ("not a run directory", "never replaced")),
+    Case("train-overwrite-traces-elsewhere", ["train", "{traces}", "--out", "{bad}", "--overwrite"], ("not a run directory",), removed_in_copy("traces", "manifest.json")),
+    Case("train-out-exists", ["train", "{traces}", "--out", "{run}"], ("already exists", "--overwrite")),
+    Case("train-out-dangling-link", ["train", "{traces}", "--out", "{link}"], ("is a link to", "does not exist"), dangling_link),
+    Case("train-out-file", ["train", "{traces}", "--out", "{file}"], ("is a file", "directory"), a_file),
+    Case("export-out-is-run", ["export", "{run}", "--out", "{run}", "--force"], ("is the input run", "outside")),
+    Case("export-out-inside-run", ["export", "{run}", "--out", "{run}/bundle"], ("lies inside the input run",)),
+    Case("export-force-over-traces", ["export", "{run}", "--out", "{traces}", "--force"], ("not a bundle", "never replaced")),
+    Case("export-out-exists", ["export", "{run}", "--out", "{bundle}"], ("already exists", "--force")),
+    Case("merge-out-is-input", ["traces", "merge", "{traces}", "--out", "{traces}"], ("is the input dirs",)),
+    Case("pull-out-is-zoo", ["zoo", "pull", "tiny", "--zoo", "{zoo}", "--out", "{zoo}"], ("is the input --zoo",)),
+    Case("pull-out-foreign", ["zoo", "pull", "tiny", "--zoo", "{zoo}", "--out", "{foreign}"], ("not a bundle", "never replaced")),
+    Case("characterize-out-inside-traces", ["characterize", "{traces}", "--out", "{traces}/c"], ("lies inside the input traces",)),
+    Case("simulate-out-is-traces", ["simulate", "{traces}", "--out", "{traces}"], ("is the input traces",)),
+    Case("collect-into-foreign", ["collect", "--limit", "2", "--out", "{foreign}"], ("not a trace collection", "new or empty --out")),
+    Case("compare-out-is-traces", ["compare-regressors", "{traces}", "--out", "{traces}"], ("is the input traces",)),
+    Case("collect-out-is-model", ["collect", "--model", "{model}", "--out", "{model}"], ("is the input --model",)),
+    # counts bounded before anything is allocated (this spec used to hang and eat memory)
+    Case("workload-show-huge-count", ["workload", "show", "{spec}"], ("train must be an integer from 0 to 100,000", "fix it in the spec"),
+         spec('[[sources]]\ntype = "tiny"\ncategory = "chat"\ntrain = 100000000000\neval = 1\n')),
+    Case("collect-huge-count", ["collect", "--workload", "{spec}", "--limit", "4", "--out", "{tmp}/o"], ("100,000",),
+         spec('[[sources]]\ntype = "tiny"\ncategory = "chat"\ntrain = 100000000000\neval = 1\n')),
+    Case("workload-huge-needles", ["workload", "show", "{spec}"], ("target_words", "1,000,000"),
+         spec('[[sources]]\ntype = "multi_needle"\ncategory = "long"\ncount = 2\ntarget_words = 10000000000\n')),
+    Case("workload-category-newline", ["workload", "show", "{spec}"], ("category must be a name",),
+         spec('[[sources]]\ntype = "tiny"\ncategory = "chat\\n"\ncount = 2\n')),
+    # damaged trace datasets
+    Case("traces-manifest-not-object", ["train", "{bad}", "--out", "{tmp}/r"], ("must hold a json object", "collect it again"), file_in_copy("traces", "manifest.json", "[1, 2]")),
+    Case("traces-manifest-not-utf8", ["train", "{bad}", "--out", "{tmp}/r"], ("not valid json",), file_in_copy("traces", "manifest.json", b"\xff\xfe{")),
+    Case("traces-zero-rows", ["train", "{bad}", "--out", "{tmp}/r"], ("holds no requests", "dwise-predict collect"), zero_rows),
+    Case("traces-null-category", ["train", "{bad}", "--out", "{tmp}/r"], ("category", "non-empty string"), traces_with(set_column("category", None))),
+    Case("traces-int-category", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("category", "non-empty string"), traces_with(lambda t: t.assign(category=7))),
+    Case("traces-fractional-rounds", ["train", "{bad}", "--out", "{tmp}/r"], ("total_rounds", "whole numbers"), traces_with(set_column("total_rounds", 3.5))),
+    Case("traces-negative-rounds", ["characterize", "{bad}"], ("total_rounds", "whole numbers >= 1"), traces_with(set_column("total_rounds", -4))),
+    Case("traces-billion-rounds", ["train", "{bad}", "--out", "{tmp}/r"], ("total_rounds", "more than a budget", "corrupt"), traces_with(set_column("total_rounds", 10**9))),
+    Case("merge-manifest-not-object", ["traces", "merge", "{bad}", "--out", "{tmp}/m"], ("must hold a json object", "damaged"), file_in_copy("traces", "manifest.json", "3")),
+    Case("show-collecting-manifest-not-object", ["traces", "show", "{bad}"], ("must hold a json object",), incomplete_collection_with_manifest("[]")),
+    Case("traces-garbage-parquet", ["traces", "show", "{bad}"], ("cannot read traces",), file_in_copy("traces", "requests.parquet", b"garbage")),
+    Case("traces-no-hidden", ["train", "{bad}", "--out", "{tmp}/r"], ("has no hidden.safetensors",), removed_in_copy("traces", "hidden.safetensors")),
+    Case("traces-unfinished-collection", ["train", "{bad}", "--out", "{tmp}/r"], ("unfinished", "rerun the same `dwise-predict collect`"), incomplete_collection),
+    # training options
+    Case("config-wrong-type", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"], ("members must be int",), text_file("c.json", '{"members": "3"}')),
+    Case("config-not-json", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"], ("not valid json",), text_file("c.json", "{members")),
+    Case("config-not-object", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"], ("must hold a json object",), text_file("c.json", "[3]")),
+    Case("config-bool-for-float", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"], ("lr must be float",), text_file("c.json", '{"lr": true}')),
+    Case("train-diverging-lr", ["train", "{traces}", "--out", "{tmp}/r", "--lr", "1e30", "--members", "1", "--width", "8",
+                                 "--max-epochs", "3", "--patience", "1"], ("diverged", "lower the learning rate")),
+    Case("train-zero-members", ["train", "{traces}", "--out", "{tmp}/r", "--members", "0"], ("members must be >= 1",)),
+    # damaged runs
+    Case("run-calibration-strings", ["export", "{bad}", "--out", "{tmp}/b"], ("calibration.json", "numbers", "dwise-predict train"), json_in_copy("run", "calibration.json", lambda c: {**c, "x": ["a"] * len(c["x"])})),
+    Case("run-config-traces-not-object", ["export", "{bad}", "--out", "{tmp}/b"], ("traces.model", "dwise-predict train"), json_in_copy("run", "config.json", lambda c: {**c, "traces": 3})),
+    Case("run-config-not-object", ["evaluate", "{traces}", "--run", "{bad}", "--out", "{tmp}/e"], ("must hold a json object", "dwise-predict train"), file_in_copy("run", "config.json", "[]")),
+    Case("run-calibration-not-utf8", ["export", "{bad}", "--out", "{tmp}/b"], ("not valid json",), file_in_copy("run", "calibration.json", b"\xff\xff")),
+    Case("run-refine-spec-string", ["export", "{bad}", "--out", "{tmp}/b"], ("refine.json", "hidden_size"), json_in_copy("run", "refine.json", lambda s: {**s, "hidden_size": "16"})),
+    Case("run-truncated-weights", ["export", "{bad}", "--out", "{tmp}/b"], ("refine.safetensors", "dwise-predict train"), file_in_copy("run", "refine.safetensors", b"\x08\x00")),
+    Case("run-missing-metrics", ["export", "{bad}", "--out", "{tmp}/b"], ("lacks metrics.json",), removed_in_copy("run", "metrics.json")),
+    # bundles and zoos
+    Case("verify-not-a-bundle", ["verify", "{foreign}"], ("is not a bundle", "dwise-predict export")),
+    Case("verify-files-entry-malformed", ["verify", "{bad}"], ("'files' must map", "re-export"), resealed_bundle(lambda m: m["files"].update({"admission.txt": "abc"}))),
+    Case("verify-files-not-object", ["verify", "{bad}"], ("'files' must map",), resealed_bundle(lambda m: m.update(files=[1]))),
+    Case("simulate-bundle-unlisted-file", ["simulate", "{traces}", "--bundle", "{bad}"], ("does not list (extra.onnx)", "re-export"), bundle_with_extra_file),
+    Case("publish-version-newline", ["publish", "{bundle}", "--zoo", "{tmp}/z", "--version", "7\n"], ("--version", "letters, digits")),
+    Case("publish-name-newline", ["publish", "{bundle}", "--zoo", "{tmp}/z", "--name", "tiny\n"], ("--name",)),
+    Case("zoo-index-entry-not-object", ["zoo", "list", "--zoo", "{badzoo}"], ("entry 0", "restore the index"), zoo_index('{"schema_version": 1, "bundles": [3]}')),
+    Case("zoo-index-entry-no-name", ["zoo", "show", "x", "--zoo", "{badzoo}"], ("entry 0",), zoo_index('{"schema_version": 1, "bundles": [{"version": "1"}]}')),
+    Case("zoo-index-not-json", ["zoo", "pull", "x", "--zoo", "{badzoo}", "--out", "{tmp}/p"], ("not valid json", "restore"), zoo_index("{")),
+    Case("zoo-missing", ["zoo", "list", "--zoo", "{tmp}/none"], ("no zoo at", "dwise-predict publish")),
+    Case("zoo-pull-unknown", ["zoo", "pull", "nothere", "--zoo", "{zoo}", "--out", "{tmp}/p"], ("no bundle named 'nothere'", "zoo list")),
+    # model directories and devices
+    Case("model-config-not-object", ["collect", "--model", "{m}", *Q.split()], ("must hold a json object", "re-save"), model_with("config.json", b"[1]")),
+    Case("model-config-not-utf8", ["collect", "--model", "{m}", *Q.split()], ("not valid json",), model_with("config.json", b"\xff{")),
+    Case("model-garbage-weights", ["collect", "--model", "{m}", *Q.split()], ("cannot load the model",), model_with("model.safetensors", b"garbage garbage")),
+    Case("model-empty-weights", ["collect", "--model", "{m}", *Q.split()], ("cannot load the model",), model_with("model.safetensors", b"")),
+    Case("model-truncated-weights", ["collect", "--model", "{m}", *Q.split()], ("cannot load the model",), truncated_weights),
+    Case("model-mismatched-shapes", ["collect", "--model", "{m}", *Q.split()], ("cannot load the model",), model_with(None, None, wider_config)),
+    Case("model-pickle-weights", ["collect", "--model", "{m}", *Q.split()], ("cannot load the model",),
+         model_with("pytorch_model.bin", pickle.dumps({"weight": _Planted()}), drop="model.safetensors")),
+    Case("device-bogus", ["collect", "--device", "bogus", *Q.split()], ("--device 'bogus'", "cpu, cuda")),
+    Case("device-cuda-absent", ["collect", "--device", "cuda", *Q.split()], ("no cuda device", "--device cpu")),
+    Case("model-missing", ["collect", "--model", "{tmp}/nothing", *Q.split()], ("no model directory", "--model tiny")),
+    # options of simulate, collect, quickstart, compare-regressors
+    Case("simulate-round-ms-nan", ["simulate", "{traces}", "--round-ms", "nan"], ("--round-ms",)),
+    Case("simulate-rates-empty-item", ["simulate", "{traces}", "--rates", "1x,,2x"], ("empty item",)),
+    Case("simulate-rates-empty", ["simulate", "{traces}", "--rates", ""], ("--rates is empty",)),
+    Case("simulate-unknown-policy", ["simulate", "{traces}", "--policies", "nope"], ("--policies", "choose from")),
+    Case("collect-limit-zero", ["collect", "--limit", "0", "--out", "{tmp}/o"], ("--limit must be positive",)),
+    Case("collect-shard-bad", ["collect", "--shard", "3/2", "--out", "{tmp}/o"], ("--shard", "0 <= i < n")),
+    Case("collect-algorithm-config-list", ["collect", "--algorithm-config", "[1]", "--out", "{tmp}/o"], ("--algorithm-config", "json object")),
+    Case("quickstart-limit-zero", ["quickstart", "--limit", "0", "--out", "{tmp}/q"], ("--limit must be at least 1",)),
+    Case("compare-folds-one", ["compare-regressors", "{traces}", "--folds", "1"], ("--folds must be at least 2",)),
+]
+
+
+def _snapshot(*roots: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for root in roots for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_and_changes_nothing(case, world, tmp_path, capsys, monkeypatch):
+    if case.id == "device-cuda-absent" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is valid here")
+    monkeypatch.delenv("DWISE_ZOO", raising=False)
+    monkeypatch.delenv("DWISE_DEBUG", raising=False)
+    values = {**world, "tmp": tmp_path}
+    if case.setup is not None:
+        values.update(case.setup(world, tmp_path))
+    argv = [arg.format(**values) for arg in case.argv]
+    before = _snapshot(world["root"], tmp_path)
+
+    code = main(argv)
+
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == case.code, err
+    assert len(lines) == 1, err
+    for word in case.words:
+        assert word.lower() in lines[0].lower(), lines[0]
+    after = _snapshot(world["root"], tmp_path)
+    assert {k: after.get(k) for k in before} == before, "an input changed"
+    assert all(Path(p).name.endswith(".lock") for p in set(after) - set(before)), set(after) - set(before)
+    assert not Path(_Planted.marker).exists(), "a pickle payload ran"
+
+
+def test_the_table_covers_every_command():
+    import typer.main
+
+    from dwise_predict.cli import app
+
+    def names(group, prefix=()):
+        for name, cmd in group.commands.items():
+            if hasattr(cmd, "commands"):
+                yield from names(cmd, prefix + (name,))
+            else:
+                yield " ".join(prefix + (name,))
+
+    tried = {" ".join(a for a in c.argv[:2] if not a.startswith(("-", "{"))) for c in CASES}
+    tried |= {c.argv[0] for c in CASES}
+    untested = {n for n in names(typer.main.get_command(app)) if n not in tried}
+    assert not untested, untested
+    assert len(CASES) >= 60

@@ -1,0 +1,300 @@
+"""Nothing lost, nothing hangs (issue 17): crashes at every atomic rename, a full or read-only disk,
+concurrent writers, stale temporary files, and resuming after each.
+
+The kill-on-rename harness (``tests/kill_on_rename.py``) SIGKILLs a command just before its N-th
+``os.replace``; after each kill the output is either the old one or the new one, complete, once the
+next writer of that output has swept the debris, and rerunning the same command finishes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collect_helpers import make_tiny_dir
+from dwise_predict.cli import main
+from dwise_predict.files import TMP_MARK, atomic_dir, atomic_write_text, claim_output, output_lock, sweep_stale
+from evaluate_helpers import FAST_CONFIG, fast_config, make_traces, write
+
+HARNESS = Path(__file__).with_name("kill_on_rename.py")
+FAST_FLAGS = ["--members", "1", "--width", "32", "--max-epochs", "20", "--patience", "3", "--lr", "0.01",
+              "--batch-size", "32"]
+assert FAST_CONFIG["members"] == 1 and FAST_CONFIG["width"] == 32  # the flags train what fast_config() does
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> dict:
+    from dwise_predict.training import train_run
+
+    root = tmp_path_factory.mktemp("small")
+    traces = write(make_traces(n_requests=160), root / "traces")
+    run = root / "run"
+    train_run(traces, run, fast_config())
+    return {"traces": traces, "run": run}
+
+
+def _harness(kill_at: int, argv: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(HARNESS), str(kill_at), *map(str, argv)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def _count_renames(argv: list[str]) -> int:
+    done = _harness(0, argv)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.strip().splitlines()[-1].split(": ")[1])
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _debris(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.glob(f".{path.name}{TMP_MARK}*"))
+
+
+def _kill_points(argv: list[str], sample: int | None = None) -> list[int]:
+    """1..K for a command making K renames; with ``sample``, the first, a middle one and the last two."""
+    k = _count_renames(argv)
+    assert k >= 2
+    points = list(range(1, k + 1))
+    if sample is not None and k > sample:
+        points = sorted({1, k // 2, k - 1, k})
+    return points
+
+
+# --- kill before each rename, then resume --------------------------------------------------------
+
+@pytest.mark.slow
+def test_train_overwrite_killed_at_each_rename_keeps_a_whole_run(small, tmp_path):
+    from dwise_predict.runs import load_run
+
+    old = _files(small["run"])
+
+    def argv(out):
+        return ["train", small["traces"], "--out", out, "--overwrite", *FAST_FLAGS]
+
+    scratch = tmp_path / "count" / "run"
+    shutil.copytree(small["run"], scratch)
+    for k in _kill_points(argv(scratch)):
+        out = tmp_path / f"k{k}" / "run"
+        shutil.copytree(small["run"], out)
+        killed = _harness(k, argv(out))
+        assert killed.returncode == -signal.SIGKILL, (k, killed.stderr[-2000:])
+        sweep_stale(out)  # what the next writer of this run does first
+        assert _debris(out) == [], k
+        load_run(out)  # the old run or the new one, whole
+        if _files(out) != old:
+            assert (out / "metrics.json").is_file() and (out / "curves.png").is_file(), k
+        assert main([str(a) for a in argv(out)]) == 0, k  # the rerun finishes
+        load_run(out)
+        assert _debris(out) == []
+
+
+@pytest.mark.slow
+def test_overwrite_killed_between_its_two_renames_is_restored_by_the_next_writer(small, tmp_path):
+    """The swap moves the old run aside, then the new one in: a kill in between left no RUN at all."""
+    from dwise_predict.runs import load_run
+
+    argv = ["train", small["traces"], "--out", tmp_path / "count" / "run", "--overwrite", *FAST_FLAGS]
+    shutil.copytree(small["run"], tmp_path / "count" / "run")
+    k = _count_renames(argv)  # the last two renames are the swap
+    out = tmp_path / "run"
+    shutil.copytree(small["run"], out)
+    argv[3] = out
+    assert _harness(k, argv).returncode == -signal.SIGKILL
+    assert not out.exists() and len(_debris(out)) == 2  # the old run aside, the new one not yet in place
+    # the next writer of the run puts the old one back first, even when it then fails (missing traces)
+    assert main(["train", str(tmp_path / "missing"), "--out", str(out), "--overwrite"]) == 1
+    assert _files(out) == _files(small["run"]) and _debris(out) == []
+    load_run(out)
+
+
+@pytest.mark.slow
+def test_evaluate_killed_at_renames_leaves_a_whole_report(small, tmp_path):
+    from dwise_predict.evaluation.evaluate import EVALUATION_MARKER
+
+    base = ["evaluate", small["traces"], "--run", small["run"]]
+    first = tmp_path / "first"
+    assert main([str(a) for a in [*base, "--out", first]]) == 0
+    shutil.copytree(first, tmp_path / "count")  # count the renames of a replacing evaluation
+    for k in _kill_points([*base, "--out", tmp_path / "count"], sample=4):
+        out = tmp_path / f"k{k}"
+        shutil.copytree(first, out)
+        assert _harness(k, [*base, "--out", out]).returncode == -signal.SIGKILL, k
+        sweep_stale(out)
+        for name in (EVALUATION_MARKER, "report.html", "report.md", "predictions.parquet"):
+            assert (out / name).is_file(), (k, name)  # quickstart's report stage is done iff all exist
+        assert _debris(out) == []
+    assert main([str(a) for a in [*base, "--out", out]]) == 0
+
+
+@pytest.mark.slow
+def test_publish_killed_at_each_rename_resumes_and_leaves_no_lock_or_temp(small, tmp_path):
+    from dwise_predict.exports.bundle import export_bundle
+    from dwise_predict.exports.zoo import list_entries
+
+    bundle = export_bundle(small["run"], tmp_path / "bundle", name="tiny", created="2026-01-01T00:00:00+00:00")
+    for k in _kill_points(["publish", bundle, "--zoo", tmp_path / "count"]):
+        zoo = tmp_path / f"zoo{k}"
+        assert _harness(k, ["publish", bundle, "--zoo", zoo]).returncode == -signal.SIGKILL, k
+        assert not (zoo / "index.json").exists() or list_entries(zoo) == []  # nothing half-published
+        assert main(["publish", str(bundle), "--zoo", str(zoo)]) == 0, k  # the lock died with its holder
+        assert [e["version"] for e in list_entries(zoo)] == ["1"]
+        assert not [p for p in zoo.rglob("*") if TMP_MARK in p.name], k  # the killed run's temp files swept
+
+
+@pytest.mark.slow
+def test_extending_a_finished_collect_reads_as_incomplete_until_it_finishes(tmp_path, capsys):
+    from dwise_predict.errors import TraceError
+    from dwise_predict.traces import load_traces
+
+    model = make_tiny_dir(tmp_path / "model")
+    flags = ["--model", model, "--batch-size", "4", "--budget", "24", "--requests-per-shard", "4"]
+    base = tmp_path / "base"
+    assert main([str(a) for a in ["collect", *flags, "--limit", "8", "--out", base]]) == 0
+    capsys.readouterr()
+    whole = tmp_path / "whole"
+    assert main([str(a) for a in ["collect", *flags, "--limit", "12", "--out", whole]]) == 0
+    capsys.readouterr()
+    expected = load_traces(whole).requests["request_id"].tolist()
+
+    count = tmp_path / "count"
+    shutil.copytree(base, count)
+    points = _kill_points(["collect", *flags, "--limit", "12", "--out", count])
+    for k in points[1:-1]:  # after the new manifest, before the consolidated manifest
+        out = tmp_path / f"k{k}"
+        shutil.copytree(base, out)
+        assert _harness(k, ["collect", *flags, "--limit", "12", "--out", out]).returncode == -signal.SIGKILL, k
+        with pytest.raises(TraceError, match="unfinished.*rerun the same `dwise-predict collect`"):
+            load_traces(out)  # what train and evaluate read
+        assert main(["traces", "show", str(out), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["complete"] is False, k
+        assert main([str(a) for a in ["collect", *flags, "--limit", "12", "--out", out]]) == 0
+        assert load_traces(out).requests["request_id"].tolist() == expected, k
+        capsys.readouterr()
+
+
+# --- concurrent writers, stale temporary files ---------------------------------------------------
+
+def test_a_second_writer_of_the_same_run_is_refused_at_once(small, tmp_path, capsys):
+    out = tmp_path / "run"
+    with output_lock(out):  # another `train --out run` (or export, evaluate) is running
+        assert main(["train", str(small["traces"]), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"being written by another dwise-predict process (pid {os.getpid()})" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # the lock file goes with its release
+    (tmp_path / ".run.lock").write_text("12345")  # left by a holder killed with -9: its flock went with it
+    with output_lock(out):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_temp_files_of_dead_processes_are_swept_and_live_ones_kept(tmp_path):
+    target = tmp_path / "index.json"
+    dead, live = tmp_path / f".index.json{TMP_MARK}{_dead_pid()}", tmp_path / f".index.json{TMP_MARK}{os.getppid()}"
+    dead.write_text("debris")
+    live.write_text("another process is writing")
+    atomic_write_text(target, "{}")
+    assert not dead.exists() and live.exists() and target.read_text() == "{}"
+    assert oct(target.stat().st_mode & 0o777) == "0o644"
+
+
+def test_an_interrupted_swap_is_put_back_before_anything_else(tmp_path):
+    out = tmp_path / "bundle"
+    aside = tmp_path / f".bundle{TMP_MARK}{_dead_pid()}-old"
+    aside.mkdir()
+    (aside / "bundle.json").write_text("old")
+    with claim_output(out, [], "a bundle", "bundle.json", replace=True, flag="--force"):
+        assert (out / "bundle.json").read_text() == "old"
+    assert not aside.exists()
+
+
+def test_atomic_dir_publishes_readable_subdirectories(tmp_path):
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "plots").mkdir()
+        (tmp / "plots" / "a.png").write_bytes(b"png")
+    assert (tmp_path / "out" / "plots" / "a.png").read_bytes() == b"png"
+
+
+def test_a_new_evaluation_leaves_no_file_of_the_old_one(small, tmp_path):
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "evaluation.json").write_text("{}")
+    (out / "loco.json").write_text('{"stale": "another dataset"}')
+    assert main(["evaluate", str(small["traces"]), "--run", str(small["run"]), "--out", str(out), "--json"]) == 0
+    assert not (out / "loco.json").exists() and (out / "report.html").is_file()
+
+
+def test_quickstart_stage_is_redone_unless_all_its_files_exist(tmp_path):
+    from dwise_predict.quickstart import STAGE_FILES, _done, stage_paths
+
+    paths = stage_paths(tmp_path)
+    paths["report"].mkdir(parents=True)
+    (paths["report"] / "evaluation.json").write_text("{}")  # killed before report.html was written
+    assert not _done(paths, "report")
+    for name in STAGE_FILES["report"]:
+        (paths["report"] / name).write_text("x")
+    assert _done(paths, "report")
+
+
+# --- a full or read-only disk ---------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs (root only); skipped where the machine does not allow mounting one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_at_train_and_export_is_one_line_and_leaves_nothing(small, small_disk, capsys):
+    inputs = _files(small["traces"]) | {f"run/{k}": v for k, v in _files(small["run"]).items()}
+    for argv in (["train", small["traces"], "--out", small_disk / "run", *FAST_FLAGS],
+                 ["export", small["run"], "--out", small_disk / "bundle"]):
+        assert main([str(a) for a in argv]) == 1
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "the disk is full" in err and "rerun the same command" in err, err
+        assert not [p for p in small_disk.iterdir() if not p.name.endswith(".lock")]  # no half output, no temp dir
+    assert _files(small["traces"]) | {f"run/{k}": v for k, v in _files(small["run"]).items()} == inputs
+
+
+def test_full_disk_at_consolidation_is_one_line(small, small_disk, capsys):
+    stat = os.statvfs(small_disk)
+    (small_disk / "filler").write_bytes(b"x" * (stat.f_bavail * stat.f_frsize - 8192))  # 8 KiB left
+    before = _files(small["traces"])
+    assert main(["traces", "merge", str(small["traces"]), "--out", str(small_disk / "merged")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the disk is full" in err and "rerun the same command" in err, err
+    assert not (small_disk / "merged" / "requests.parquet").exists()  # nothing that reads as complete
+    assert _files(small["traces"]) == before
+
+
+def test_read_only_disk_is_one_line(small, small_disk, capsys):
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    assert main(["train", str(small["traces"]), "--out", str(small_disk / "run")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "cannot write next to" in err and "read-only" in err.lower(), err
