@@ -350,6 +350,14 @@ CASES = [
     Case("collect-algorithm-config-list", ["collect", "--algorithm-config", "[1]", "--out", "{tmp}/o"], ("--algorithm-config", "json object")),
     Case("quickstart-limit-zero", ["quickstart", "--limit", "0", "--out", "{tmp}/q"], ("--limit must be at least 1",)),
     Case("compare-folds-one", ["compare-regressors", "{traces}", "--folds", "1"], ("--folds must be at least 2",)),
+    # the scheduling lab and the serving hook
+    Case("batch-timeout-missing-file", ["batch-timeout", "--service-times", "{tmp}/none.json"],
+         ("service-time file", "does not exist")),
+    Case("batch-timeout-negative", ["batch-timeout", "--timeout", "-1"], ("--timeout must be >= 0",)),
+    Case("profile-rounds-device-bogus", ["profile-rounds", "--device", "bogus", "--out", "{tmp}/p.json"],
+         ("--device 'bogus'", "cpu, cuda")),
+    Case("serve-bundle-missing", ["serve", "--bundle", "{tmp}/nothing", "--dry-run"],
+         ("no bundle.json", "dwise-predict export")),
 ]
 
 
