@@ -23,6 +23,7 @@ def evaluate_command(
     jobs: Annotated[Optional[int], typer.Option(help="Parallel retrainings (one core each; default: one per core).")] = None,
     min_requests: Annotated[int, typer.Option(help="Fewest train and eval requests of a category evaluated in LOCO.")] = 10,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json; default: the run's, else the defaults).")] = None,
+    ablate: Annotated[Optional[list[str]], typer.Option("--ablate", help="Ablation to run, repeatable: inputs, train-size or seeds (tables in ablations.md/.html and ablation_*.json).")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Evaluate both predictors: main split, calibration, baselines, LOCO, output length vs work.
@@ -38,6 +39,8 @@ def evaluate_command(
         dwise-predict evaluate traces/ --run run/ --hold-out mcq --out eval/ --jobs 4
 
         dwise-predict evaluate traces_a/ traces_b/ --out eval/ --json
+
+        dwise-predict evaluate traces/ --run run/ --ablate inputs --ablate seeds --out eval/
     """
     from dwise_predict.evaluation.evaluate import evaluate, prepare_out, write_evaluation
     from dwise_predict.training import TrainConfig
@@ -51,13 +54,18 @@ def evaluate_command(
         problems.append(f"--config {config} is not a file")
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} is a file: give a directory")
+    from dwise_predict.evaluation.ablate import KINDS
+
+    bad = [k for k in ablate or () if k not in KINDS]
+    if bad:
+        problems.append(f"--ablate {', '.join(bad)}: unknown ablation; choose from {', '.join(KINDS)}")
     if problems:
         raise ConfigError("; ".join(problems))
     train_config = TrainConfig.from_file(config) if config is not None else None
 
     prepare_out(out)
     evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
-                          config=train_config, log=log)
+                          config=train_config, log=log, ablate=tuple(ablate or ()))
     written = write_evaluation(evaluation, out)
     log(f"wrote {written['report_html']} and {len(written) - 1} more files in {out}")
     if json_out:
@@ -97,6 +105,13 @@ def _print_evaluation(result: dict) -> None:
                           f"refined ρ {arrow(h['refined'])}")
         for s in loco["skipped"]:
             screen.print(f"skipped {s['category']}: {s['reason']}")
+
+    from dwise_predict.evaluation.report import winner_lines
+
+    for line in winner_lines(result.get("winner")):
+        screen.print(line)
+    for item in result.get("ablations") or []:
+        screen.print(f"ablation {item['kind']}: {item['verdict']['text']}")
 
     table = Table(title="Baselines (remaining rounds, evaluation split)")
     for col in ("predictor", "ρ", "τ", "R²"):
