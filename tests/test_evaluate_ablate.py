@@ -100,3 +100,24 @@ def test_cli_ablate_writes_tables_and_the_report_names_the_winner(tmp_path, caps
     assert main(["evaluate", str(traces), "--out", str(out), "--ablate", "layers"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ablate layers" in err[0]
+
+
+def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_path, capsys):
+    a = make_traces(seed=1)
+    b = make_traces(seed=2)
+    b.manifest["model"] = {**b.manifest["model"], "name": "other-model", "config_hash": "other"}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    out = tmp_path / "table"
+    args = ["evaluate", str(write(a, tmp_path / "a")), str(write(b, tmp_path / "b")), "--across", "--out", str(out),
+            "--config", str(config)]
+    assert main(args + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["model"] for r in result["rows"]][1].startswith("other-model")
+    assert len(result["rows"]) == 2 and (out / "across.md").is_file()
+    for r in result["rows"]:
+        assert r["candidate"] in ("survival", "ridge", "survival+ridge")
+        assert r["refined"]["within_category_mean"] > r["admission"]["within_category_mean"]  # h1 sees difficulty
+        assert set(r["cv"]) == {"survival", "ridge", "survival+ridge"}
+    assert main(args + ["--loco"]) == 1
+    assert "drop --loco" in capsys.readouterr().err
