@@ -89,6 +89,7 @@ def test_cli_ablate_writes_tables_and_the_report_names_the_winner(tmp_path, caps
     table = json.loads((out / "ablation_inputs.json").read_text())
     assert table["kind"] == "inputs" and len(table["rows"]) == 9
     assert (out / "ablations.md").is_file() and (out / "ablations.html").is_file()
+    assert (out / "plots" / "ablation_inputs.png").stat().st_size > 1000
     result = json.loads((out / "evaluation.json").read_text())
     winner = result["winner"]
     assert winner["candidate"] == result["metrics"]["refine_candidate"]

@@ -27,7 +27,7 @@ import numpy as np
 from scipy import stats
 
 from dwise_predict.errors import InputError
-from dwise_predict.evaluation.document import Document, Section, Table, fmt
+from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
 from dwise_predict.evaluation.pool import fit
 from dwise_predict.traces import TraceDataset
 
@@ -290,7 +290,12 @@ def ablation_table(result: dict) -> Table:
 def ablation_document(results: list[dict]) -> Document:
     sections = []
     for result in results:
-        blocks: list = [result["verdict"]["text"] + ".", ablation_table(result)]
+        from dwise_predict.evaluation.plots import ablation_bars
+
+        kind = result["kind"]
+        blocks: list = [result["verdict"]["text"] + ".", ablation_table(result),
+                        Figure(f"ablation_{kind.replace('-', '_')}", ablation_bars(result["rows"], f"Ablation: {kind}"),
+                               "ρ overall and mean within-category ρ per setting, with 95% bootstrap intervals.")]
         if "summary" in result:
             summary = Table(["candidate", "ρ mean ± sd", "within-category ρ mean ± sd", "chosen per seed"], [
                 [c, _pm(s["spearman"]), _pm(s["within_category_mean"]), ", ".join(str(x["chosen"]) for x in s["seeds"])]
