@@ -147,6 +147,7 @@ def test_auto_picks_the_best_cv_candidate_and_records_every_score(traces, tmp_pa
     selection = json.loads((run / "candidates.json").read_text())
     assert selection["mode"] == "cv" and selection["folds"] == 3
     assert set(selection["candidates"]) == set(CANDIDATES)
+    assert len(CANDIDATES) == 4 and "ridge-within" in CANDIDATES
     scores = {c: s["cv_within_category"] for c, s in selection["candidates"].items()}
     assert selection["chosen"] == max(scores, key=scores.get)
     # an 8-epoch, width-16 ensemble cannot match a linear head on a linear problem
@@ -182,7 +183,7 @@ def test_well_trained_reference_can_win(traces):
     assert out["chosen"] == max(scores, key=scores.get)
 
 
-@pytest.mark.parametrize("candidate", ["ridge", "survival+ridge"])
+@pytest.mark.parametrize("candidate", ["ridge", "survival+ridge", "ridge-within"])
 def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, candidate, capsys):
     run, bundle = tmp_path / "run", tmp_path / "bundle"
     train_run(traces, run, TrainConfig(**FAST, refine=candidate))
@@ -226,3 +227,18 @@ def test_config_rejects_unknown_refine_and_too_few_folds():
         TrainConfig(refine="xgboost", cv_folds=1).check()
     assert TrainConfig.from_dict({"exclude": ["mcq"]}).exclude == ("mcq",)
     fit_predictors  # imported for the layering of this module's subject
+
+
+def test_ridge_within_transfers_to_a_held_out_category():
+    ds = make_synthetic_traces(800, 32, difficulty_scale=1.0, seed=1)
+    tr, ev = ds.split("train"), ds.split("eval")
+    seen = tr.subset(tr.requests["category"].to_numpy() != "mcq")
+    held = ev.subset(ev.requests["category"].to_numpy() == "mcq")
+    t = Targets.of(seen)
+    within = RidgeHead().fit(*inputs(seen), t.remaining, t.events, groups=seen.requests["category"].to_numpy())
+    plain = RidgeHead().fit(*inputs(seen), t.remaining, t.events)
+    truth = Targets.of(held).remaining
+    rho_within = M.spearman(within.ensemble().predict_raw(*inputs(held)), truth)
+    rho_plain = M.spearman(plain.ensemble().predict_raw(*inputs(held)), truth)
+    assert rho_within > 0.6 and rho_within >= rho_plain - 0.05  # a category never seen in training
+    assert within.ensemble().candidate == "ridge-within" and "alpha_within" in within.record()

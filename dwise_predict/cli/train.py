@@ -28,7 +28,7 @@ def train_command(
     lr: Annotated[float, typer.Option(help="Adam learning rate of the survival MLPs.")] = _DEFAULT.lr,
     batch_size: Annotated[int, typer.Option(help="Requests per optimisation step.")] = _DEFAULT.batch_size,
     val_fraction: Annotated[float, typer.Option(help="Share of the train split held out for early stopping.")] = _DEFAULT.val_fraction,
-    refine: Annotated[str, typer.Option(help="Refinement predictor to ship: auto (pick by grouped K-fold CV on the train split, within-category rho), survival (the paper's ensemble), ridge, or survival+ridge.")] = _DEFAULT.refine,
+    refine: Annotated[str, typer.Option(help="Refinement predictor to ship: auto (pick by grouped K-fold CV on the train split, within-category rho), survival (the paper's ensemble), ridge, survival+ridge or ridge-within (see docs/training.md).")] = _DEFAULT.refine,
     cv_folds: Annotated[int, typer.Option(help="Folds of the cross-validation that --refine auto uses.")] = _DEFAULT.cv_folds,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave this category out of training (both predictors and calibration); repeatable. The eval split keeps it (reported as held out).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = _DEFAULT.num_threads,

@@ -144,6 +144,10 @@ def _fmt(value) -> str:
 def _refine_words(refine: dict) -> str:
     """The refinement candidate the run chose (refine.json's ``candidate``; older runs: the ensemble)."""
     candidate = refine.get("candidate", "survival")
+    if candidate == "ridge-within":
+        return ("a two-stage ridge head (within-category directions first, then the levels between categories; "
+                "log1p target), written as one width-2 survival member whose hazard logit is minus the ridge score "
+                "(`candidate: ridge-within`)")
     if candidate == "ridge":
         return ("a ridge head on the standardised input (log1p target, penalty by leave-one-out), written as one "
                 "width-2 survival member whose hazard logit is minus the ridge score (`candidate: ridge`)")

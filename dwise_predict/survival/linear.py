@@ -50,7 +50,8 @@ class RidgeHead:
     def __init__(self, alphas: tuple[float, ...] = DEFAULT_ALPHAS):
         self.alphas = tuple(alphas)
 
-    def fit(self, hidden, prompt_tokens, budget, remaining, events=None, like: SurvivalEnsemble | None = None) -> "RidgeHead":
+    def fit(self, hidden, prompt_tokens, budget, remaining, events=None, like: SurvivalEnsemble | None = None,
+            groups=None) -> "RidgeHead":
         """Fit on finished requests.
 
         Parameters
@@ -58,6 +59,12 @@ class RidgeHead:
         hidden : array of shape (N, H); prompt_tokens, budget, remaining, events : arrays of shape (N,).
         like : a fitted :class:`SurvivalEnsemble` on the same requests whose standardisation, K and
             norms to share (so the ridge member can join its graph); fitted here when None.
+        groups : array of shape (N,), request categories, or None. Given, the fit has two stages
+            (candidate ``ridge-within``): first a ridge on inputs and targets centred *within each
+            category* — only the directions that order requests inside a category, which is what a
+            category never seen in training can reuse — then a ridge of the residual on the raw
+            inputs for the levels between categories. Both stages are linear, so the result is one
+            weight vector; serving needs no category.
         """
         if not self.alphas or min(self.alphas) <= 0:
             raise InputError(f"ridge penalties must be > 0, got {self.alphas}")
@@ -71,7 +78,19 @@ class RidgeHead:
             raise InputError(f"the ridge head needs at least 4 finished training requests, got {int(done.sum())}")
         x = base.standardise(hidden, prompt_tokens, budget)[done].double().numpy()  # (n, D)
         y = np.log1p(remaining[done])  # (n,)
-        self.coef_, self.intercept_, self.alpha_, self.loo_mse_ = _ridge_loo(x, y, self.alphas)
+        self.within_ = groups is not None
+        if not self.within_:
+            self.coef_, self.intercept_, self.alpha_, self.loo_mse_ = _ridge_loo(x, y, self.alphas)
+            return self
+        g = np.asarray(groups).astype(str)[done]
+        xc, yc = x.copy(), y.copy()
+        for cat in np.unique(g):
+            rows = g == cat
+            xc[rows] -= x[rows].mean(axis=0)
+            yc[rows] -= y[rows].mean()
+        w1, _, self.alpha_within_, self.loo_mse_within_ = _ridge_loo(xc, yc, self.alphas)
+        w2, self.intercept_, self.alpha_, self.loo_mse_ = _ridge_loo(x, y - x @ w1, self.alphas)
+        self.coef_ = w1 + w2
         return self
 
     def member(self, width: int = 2) -> HazardMLP:
@@ -93,9 +112,10 @@ class RidgeHead:
         return net.eval()
 
     def ensemble(self) -> SurvivalEnsemble:
-        """The ridge alone as a one-member :class:`SurvivalEnsemble` (candidate ``"ridge"``)."""
+        """The ridge alone as a one-member :class:`SurvivalEnsemble` (candidate ``"ridge"``, or
+        ``"ridge-within"`` when fitted with groups)."""
         ensemble = self.base_.with_members([self.member(2)], seeds=(), width=2)
-        ensemble.candidate = "ridge"
+        ensemble.candidate = "ridge-within" if self.within_ else "ridge"
         return ensemble
 
     def score(self, hidden, prompt_tokens, budget) -> np.ndarray:
@@ -104,7 +124,10 @@ class RidgeHead:
         return x @ self.coef_ + self.intercept_
 
     def record(self) -> dict:
-        return {"alpha": self.alpha_, "loo_mse": self.loo_mse_, "alphas": list(self.alphas)}
+        out = {"alpha": self.alpha_, "loo_mse": self.loo_mse_, "alphas": list(self.alphas)}
+        if self.within_:
+            out.update(alpha_within=self.alpha_within_, loo_mse_within=self.loo_mse_within_)
+        return out
 
 
 def blend(ensemble: SurvivalEnsemble, ridge: RidgeHead) -> SurvivalEnsemble:

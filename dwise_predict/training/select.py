@@ -6,7 +6,10 @@ Candidates (all one graph family, so all export under contract 2 — see
 
 - ``survival`` — the paper's seed ensemble of survival MLPs (the reference);
 - ``ridge`` — ridge of ``log1p(remaining)`` on the standardised state, penalty by leave-one-out;
-- ``survival+ridge`` — both in one graph, the raw estimate averaged over all members.
+- ``survival+ridge`` — both in one graph, the raw estimate averaged over all members;
+- ``ridge-within`` — the ridge fitted in two stages, first on inputs centred within each category
+  (directions that order requests *inside* a category, what an unseen category can reuse), then the
+  residual's levels between categories; still one linear score, so serving needs no category.
 
 Folds are grouped by prompt text (requests sharing a prompt, e.g. one prompt at several budgets,
 never sit on both sides) and dealt per category, so every validation fold holds every category.
@@ -25,7 +28,7 @@ from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.survival.linear import RidgeHead, blend
 from dwise_predict.traces import TraceDataset
 
-CANDIDATES = ("survival", "ridge", "survival+ridge")
+CANDIDATES = ("survival", "ridge", "survival+ridge", "ridge-within")
 
 
 def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
@@ -45,11 +48,13 @@ def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
     return fold
 
 
-def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.ndarray, make_ensemble, progress=None):
+def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.ndarray, make_ensemble, progress=None,
+                  groups=None):
     """Fit candidate ``name`` on ``inputs`` (hidden, prompt_tokens, budget): a fitted SurvivalEnsemble
-    (the graph) and a record of what was chosen inside it (e.g. the ridge penalty)."""
-    if name == "ridge":
-        ridge = RidgeHead().fit(*inputs, remaining, events)
+    (the graph) and a record of what was chosen inside it (e.g. the ridge penalty). ``groups``: the
+    requests' categories (``ridge-within`` needs them)."""
+    if name in ("ridge", "ridge-within"):
+        ridge = RidgeHead().fit(*inputs, remaining, events, groups=groups if name == "ridge-within" else None)
         return ridge.ensemble(), {"ridge": ridge.record()}
     ensemble = make_ensemble().fit(*inputs, remaining, events, progress=progress)
     if name == "survival":
@@ -66,7 +71,8 @@ def cross_validate(
     fold = grouped_folds(train, folds, seed)
     n = len(train)
     oof = {name: np.full(n, np.nan) for name in candidates}
-    need_survival = any(c != "ridge" for c in candidates)
+    need_survival = any(c in ("survival", "survival+ridge") for c in candidates)
+    cats = train.requests["category"].astype(str).to_numpy()
     for k in range(folds):
         fit_rows, val_rows = fold != k, fold == k
         if not val_rows.any() or fit_rows.sum() < 8:
@@ -87,7 +93,9 @@ def cross_validate(
             oof["ridge"][val_rows] = ridge_raw
         if "survival+ridge" in oof:
             oof["survival+ridge"][val_rows] = (members * surv + ridge_raw) / (members + 1)
-    cats = train.requests["category"].astype(str).to_numpy()
+        if "ridge-within" in oof:
+            within = RidgeHead().fit(*fit_in, remaining[fit_rows], events[fit_rows], groups=cats[fit_rows])
+            oof["ridge-within"][val_rows] = within.ensemble().predict_raw(*val_in)
     scored = events & np.isfinite(oof[candidates[0]])
     scores = {}
     for name in candidates:
