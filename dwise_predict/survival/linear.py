@@ -147,35 +147,34 @@ def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas) -> tuple[np.ndarray, float,
 
     One eigendecomposition of the smaller Gram matrix serves every alpha: with the centred
     ``X = U diag(s) V^T``, the fit is ``U diag(s^2 / (s^2 + a)) U^T y`` and the hat diagonal
-    ``sum_k U_ik^2 s_k^2 / (s_k^2 + a) + 1/n``.
+    ``sum_k U_ik^2 s_k^2 / (s_k^2 + a) + 1/n``. The algebra runs in torch (float64, on the caller's
+    torch thread count): numpy's OpenBLAS ``eigh`` of a 1,453 x 1,453 Gram matrix took 6.6 s on two
+    busy cores against 0.9 s for torch's.
     """
     n, d = x.shape
-    x_mean, y_mean = x.mean(axis=0), y.mean()
-    xc, yc = x - x_mean, y - y_mean
-    if n <= d:
-        lam, u = np.linalg.eigh(xc @ xc.T)  # (n,), (n, n)
-    else:
-        lam, v = np.linalg.eigh(xc.T @ xc)  # (d,), (d, d)
-    keep = lam > max(lam.max(), 1e-300) * 1e-12
+    xt = torch.as_tensor(x, dtype=torch.float64)
+    yt = torch.as_tensor(y, dtype=torch.float64)
+    x_mean, y_mean = xt.mean(dim=0), yt.mean()
+    xc, yc = xt - x_mean, yt - y_mean
+    small = n <= d
+    lam, vecs = torch.linalg.eigh(xc @ xc.T if small else xc.T @ xc)  # (r,), (n or d, r)
+    keep = lam > max(float(lam.max()), 1e-300) * 1e-12
     lam = lam[keep]
-    if n <= d:
-        u = u[:, keep]
+    if small:
+        u = vecs[:, keep]  # (n, r)
     else:
-        v = v[:, keep]
-        u = (xc @ v) / np.sqrt(lam)  # (n, r)
+        v = vecs[:, keep]  # (d, r)
+        u = (xc @ v) / torch.sqrt(lam)  # (n, r)
     uty = u.T @ yc
-    u2 = u**2
+    u2 = u * u
     best = None
     for a in alphas:
         f = lam / (lam + a)
         resid = yc - u @ (f * uty)
         hat = u2 @ f + 1.0 / n
-        mse = float(np.mean((resid / np.maximum(1.0 - hat, 1e-9)) ** 2))
+        mse = float(torch.mean((resid / torch.clamp(1.0 - hat, min=1e-9)) ** 2))
         if best is None or mse < best[1] - 1e-12:
-            best = (a, mse)
+            best = (float(a), mse)
     a, mse = best
-    if n <= d:
-        coef = xc.T @ (u @ (uty / (lam + a)))
-    else:
-        coef = v @ (np.sqrt(lam) * uty / (lam + a))
-    return coef, float(y_mean - x_mean @ coef), float(a), mse
+    coef = xc.T @ (u @ (uty / (lam + a))) if small else v @ (torch.sqrt(lam) * uty / (lam + a))
+    return coef.numpy(), float(y_mean - x_mean @ coef), a, mse
