@@ -74,7 +74,7 @@ def test_train_size_and_seeds_ablations(split):
     assert set(summary) == {"survival", "ridge", "auto"}
     assert summary["ridge"]["within_category_mean"]["sd"] == pytest.approx(0.0)  # ridge has no seed
     assert len(summary["auto"]["seeds"]) == 5
-    assert all(s["chosen"] in ("survival", "ridge", "survival+ridge", "ridge-within") for s in summary["auto"]["seeds"])
+    assert all(s["chosen"] in ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca") for s in summary["auto"]["seeds"])
     assert "seeds" in seeds["verdict"]["text"]
 
 
@@ -117,8 +117,8 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
     assert [r["model"] for r in result["rows"]][1].startswith("other-model")
     assert len(result["rows"]) == 2 and (out / "across.md").is_file()
     for r in result["rows"]:
-        assert r["candidate"] in ("survival", "ridge", "survival+ridge", "ridge-within")
+        assert r["candidate"] in ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca")
         assert r["refined"]["within_category_mean"] > r["admission"]["within_category_mean"]  # h1 sees difficulty
-        assert set(r["cv"]) == {"survival", "ridge", "survival+ridge", "ridge-within"}
+        assert set(r["cv"]) == {"survival", "ridge", "survival+ridge", "ridge-within", "survival-pca"}
     assert main(args + ["--loco"]) == 1
     assert "drop --loco" in capsys.readouterr().err

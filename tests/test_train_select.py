@@ -147,7 +147,7 @@ def test_auto_picks_the_best_cv_candidate_and_records_every_score(traces, tmp_pa
     selection = json.loads((run / "candidates.json").read_text())
     assert selection["mode"] == "cv" and selection["folds"] == 3
     assert set(selection["candidates"]) == set(CANDIDATES)
-    assert len(CANDIDATES) == 4 and "ridge-within" in CANDIDATES
+    assert len(CANDIDATES) == 5 and "ridge-within" in CANDIDATES
     scores = {c: s["cv_within_category"] for c, s in selection["candidates"].items()}
     assert selection["chosen"] == max(scores, key=scores.get)
     # an 8-epoch, width-16 ensemble cannot match a linear head on a linear problem
@@ -183,7 +183,7 @@ def test_well_trained_reference_can_win(traces):
     assert out["chosen"] == max(scores, key=scores.get)
 
 
-@pytest.mark.parametrize("candidate", ["ridge", "survival+ridge", "ridge-within"])
+@pytest.mark.parametrize("candidate", ["ridge", "survival+ridge", "ridge-within", "survival-pca"])
 def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, candidate, capsys):
     run, bundle = tmp_path / "run", tmp_path / "bundle"
     train_run(traces, run, TrainConfig(**FAST, refine=candidate))
@@ -242,3 +242,19 @@ def test_ridge_within_transfers_to_a_held_out_category():
     rho_plain = M.spearman(plain.ensemble().predict_raw(*inputs(held)), truth)
     assert rho_within > 0.6 and rho_within >= rho_plain - 0.05  # a category never seen in training
     assert within.ensemble().candidate == "ridge-within" and "alpha_within" in within.record()
+
+
+def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
+    from dwise_predict.survival.linear import fit_pca_survival
+
+    ds = make_synthetic_traces(400, 48, seed=8)
+    tr, ev = ds.split("train"), ds.split("eval")
+    t = Targets.of(tr)
+    make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=5, split_seed=0)  # noqa: E731
+    folded = fit_pca_survival(make, *inputs(tr), t.remaining, t.events, components=8)
+    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 50
+    x = folded.standardise(*inputs(ev)).double()
+    z = (x @ folded.projection_).float().numpy()
+    zeros = np.zeros(len(ev), np.float32)
+    np.testing.assert_allclose(folded.predict_raw(*inputs(ev)), folded.inner_.predict_raw(z, zeros, zeros),
+                               rtol=1e-4, atol=1e-4)

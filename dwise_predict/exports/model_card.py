@@ -144,6 +144,10 @@ def _fmt(value) -> str:
 def _refine_words(refine: dict) -> str:
     """The refinement candidate the run chose (refine.json's ``candidate``; older runs: the ensemble)."""
     candidate = refine.get("candidate", "survival")
+    if candidate == "survival-pca":
+        return (f"a {refine['members']}-seed ensemble of discrete-time survival MLPs (width {refine['width']}) trained on "
+                "the top principal components of the standardised input, the projection folded into the first layer "
+                "(`candidate: survival-pca`)")
     if candidate == "ridge-within":
         return ("a two-stage ridge head (within-category directions first, then the levels between categories; "
                 "log1p target), written as one width-2 survival member whose hazard logit is minus the ridge score "

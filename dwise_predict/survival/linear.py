@@ -178,3 +178,44 @@ def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas) -> tuple[np.ndarray, float,
     a, mse = best
     coef = xc.T @ (u @ (uty / (lam + a))) if small else v @ (torch.sqrt(lam) * uty / (lam + a))
     return coef.numpy(), float(y_mean - x_mean @ coef), a, mse
+
+
+def fit_pca_survival(make_ensemble, hidden, prompt_tokens, budget, remaining, events=None, components: int = 32,
+                     progress=None) -> SurvivalEnsemble:
+    """The survival ensemble trained on the top ``components`` principal components of the standardised
+    input, folded back into ordinary members on the full input (candidate ``"survival-pca"``).
+
+    With a few hundred training requests and H in the hundreds or thousands, the first layer of the
+    reference has far more weights than requests; projecting first is the classic remedy. The
+    projection is linear, so it folds into ``fc1``: with ``z = P^T x_std`` standardised again by the
+    inner ensemble (mean ``m``, deviation ``s``), ``fc1(z_std) = (W diag(1/s) P^T) x_std + (b - W m/s)``
+    — a plain ``HazardMLP`` on the bundle's input, and the graph is unchanged.
+    """
+    base = SurvivalEnsemble(seeds=())
+    base.prepare(hidden, prompt_tokens, budget, remaining, events)
+    x = base.standardise(hidden, prompt_tokens, budget).double()  # (N, D)
+    xc = x - x.mean(dim=0)
+    _, _, vh = torch.linalg.svd(xc, full_matrices=False)  # vh: (r, D)
+    k = max(1, min(components, vh.shape[0]))
+    proj = vh[:k].T.contiguous()  # (D, k)
+    z = (x @ proj).float().numpy()  # (N, k)
+    zeros = np.zeros(z.shape[0], dtype=np.float32)  # the projection already holds prompt tokens and budget
+    inner = make_ensemble().fit(z, zeros, zeros, remaining, events, progress=progress)
+    if inner.num_rounds_ != base.num_rounds_:
+        raise InputError("internal error: the projected ensemble has another K than the full one")
+    mean, std = inner.input_mean_[:k].double(), inner.input_std_[:k].double()
+    members = []
+    for m in inner.members_:
+        w = m.fc1.weight.detach().double()[:, :k]  # (W, k); the two zero columns standardise to 0
+        net = HazardMLP(x.shape[1], inner.num_rounds_, inner.width, 0.0)
+        with torch.no_grad():
+            net.fc1.weight.copy_(((w / std) @ proj.T).float())
+            net.fc1.bias.copy_((m.fc1.bias.detach().double() - w @ (mean / std)).float())
+            net.fc2.load_state_dict(m.fc2.state_dict())
+        members.append(net.eval())
+    out = base.with_members(members, seeds=inner.seeds, width=inner.width, history=inner.history_)
+    out.dropout = inner.dropout
+    out.candidate = "survival-pca"
+    out.projection_ = proj  # (D, k), for checks; not written (the folded fc1 holds it)
+    out.inner_ = inner
+    return out

@@ -9,7 +9,9 @@ Candidates (all one graph family, so all export under contract 2 — see
 - ``survival+ridge`` — both in one graph, the raw estimate averaged over all members;
 - ``ridge-within`` — the ridge fitted in two stages, first on inputs centred within each category
   (directions that order requests *inside* a category, what an unseen category can reuse), then the
-  residual's levels between categories; still one linear score, so serving needs no category.
+  residual's levels between categories; still one linear score, so serving needs no category;
+- ``survival-pca`` — the ensemble trained on the top 32 principal components of the standardised
+  input, the projection folded into the members' first layer (fewer weights than requests).
 
 Folds are grouped by prompt text (requests sharing a prompt, e.g. one prompt at several budgets,
 never sit on both sides) and dealt per category, so every validation fold holds every category.
@@ -25,10 +27,10 @@ import numpy as np
 
 from dwise_predict import metrics as M
 from dwise_predict.survival.ensemble import SurvivalEnsemble
-from dwise_predict.survival.linear import RidgeHead, blend
+from dwise_predict.survival.linear import RidgeHead, blend, fit_pca_survival
 from dwise_predict.traces import TraceDataset
 
-CANDIDATES = ("survival", "ridge", "survival+ridge", "ridge-within")
+CANDIDATES = ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca")
 
 
 def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
@@ -56,6 +58,8 @@ def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.nd
     if name in ("ridge", "ridge-within"):
         ridge = RidgeHead().fit(*inputs, remaining, events, groups=groups if name == "ridge-within" else None)
         return ridge.ensemble(), {"ridge": ridge.record()}
+    if name == "survival-pca":
+        return fit_pca_survival(make_ensemble, *inputs, remaining, events, progress=progress), {}
     ensemble = make_ensemble().fit(*inputs, remaining, events, progress=progress)
     if name == "survival":
         return ensemble, {}
@@ -93,6 +97,9 @@ def cross_validate(
             oof["ridge"][val_rows] = ridge_raw
         if "survival+ridge" in oof:
             oof["survival+ridge"][val_rows] = (members * surv + ridge_raw) / (members + 1)
+        if "survival-pca" in oof:
+            pca = fit_pca_survival(make_ensemble, *fit_in, remaining[fit_rows], events[fit_rows])
+            oof["survival-pca"][val_rows] = pca.predict_raw(*val_in)
         if "ridge-within" in oof:
             within = RidgeHead().fit(*fit_in, remaining[fit_rows], events[fit_rows], groups=cats[fit_rows])
             oof["ridge-within"][val_rows] = within.ensemble().predict_raw(*val_in)
