@@ -96,7 +96,7 @@ def histogram_figure(requests: pd.DataFrame, name: str = "round_histograms") -> 
 
 def _split_table(metrics: dict) -> Table:
     rows = []
-    for key, label in (("admission", "admission (prompt features)"), ("refined", "refined (calibrated ensemble)")):
+    for key, label in (("admission", "admission (prompt features)"), ("refined", f"refined (calibrated, candidate {metrics.get('refine_candidate', 'survival')})")):
         block = metrics[key]
         ci = block.get("spearman_ci")
         rows.append([
