@@ -20,7 +20,7 @@ from dwise_predict.survival.linear import RidgeHead, blend
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import load_traces, write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
-from dwise_predict.training import Targets, TrainConfig, fit_predictors, load_predictors, train_run
+from dwise_predict.training import Targets, TrainConfig, load_predictors, train_run
 from dwise_predict.training.select import CANDIDATES, grouped_folds
 
 torch.set_num_threads(1)
@@ -204,7 +204,10 @@ def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, 
     np.testing.assert_allclose(ts_out, expected, rtol=1e-3, atol=1e-3)
     assert M.spearman(onnx_out, expected) > 0.999
     manifest = json.loads((bundle / "bundle.json").read_text())
-    assert "candidate" not in json.dumps(manifest) or candidate in json.dumps(manifest)
+    assert manifest["inputs"]["refine"]["candidate"] == candidate
+    assert manifest["metrics"]["refine_candidate"] == candidate
+    card = (bundle / "README.md").read_text()
+    assert f"candidate: {candidate}" in card
 
 
 def test_blend_is_one_graph_of_equal_width_members():
@@ -226,7 +229,7 @@ def test_config_rejects_unknown_refine_and_too_few_folds():
     with pytest.raises(ConfigError, match="refine must be one of auto.*cv_folds must be >= 2"):
         TrainConfig(refine="xgboost", cv_folds=1).check()
     assert TrainConfig.from_dict({"exclude": ["mcq"]}).exclude == ("mcq",)
-    fit_predictors  # imported for the layering of this module's subject
+    assert TrainConfig(exclude=["a", "b"]).to_dict()["exclude"] == ["a", "b"]
 
 
 def test_ridge_within_transfers_to_a_held_out_category():

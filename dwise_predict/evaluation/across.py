@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation.document import Document, Section, Table, fmt
@@ -83,7 +81,3 @@ def across_document(result: dict) -> Document:
     table = Table(cols, rows, "Predictors per trace set (each trained on its own train split, scored on its eval split)")
     return Document("dwise-predict: predictors across trace sets", [], [Section("Across trace sets", "", [table])])
 
-
-def mean_or_none(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(np.mean(values)) if values else None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 
 from dwise_predict import metrics as M
-from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.survival.linear import RidgeHead, blend, fit_pca_survival
 from dwise_predict.traces import TraceDataset
 
