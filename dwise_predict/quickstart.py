@@ -85,7 +85,7 @@ def run_quickstart(
 
     epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}
     train_config = TrainConfig(seed=config.seed, **epochs)
-    log(f"{next(step)}: admission LightGBM + calibrated survival ensemble → {paths['run']}")
+    log(f"{next(step)}: admission LightGBM + refinement predictor (candidate chosen by CV) → {paths['run']}")
     if not (paths["run"] / "metrics.json").is_file():
         train_run(paths["traces"], paths["run"], train_config)
     metrics = json.loads((paths["run"] / "metrics.json").read_text())

@@ -36,11 +36,14 @@ def train_command(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory (only once the new run is complete).")] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Train the admission (LightGBM) and refinement (calibrated survival ensemble) predictors.
+    """Train the admission (LightGBM) and refinement (calibrated, one of several candidates) predictors.
 
     Fits on the traces' train split, reports on their eval split, and writes the run directory
     (config.json, metrics.json, admission.txt/.json, refine.safetensors/.json, calibration.json,
-    curves.json/.png). The directory appears only when complete; after an interruption, rerun the
+    candidates.json, curves.json/.png). With --refine auto (default) the refinement predictor is the
+    candidate with the best grouped K-fold CV within-category rho on the train split: the paper's
+    survival ensemble, a ridge head, both, a two-stage ridge, or the ensemble on principal
+    components; every one exports under the same bundle contract. The directory appears only when complete; after an interruption, rerun the
     same command.
 
     Examples:
