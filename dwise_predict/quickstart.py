@@ -93,7 +93,7 @@ def run_quickstart(
 
     epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}
     train_config = TrainConfig(seed=config.seed, **epochs)
-    log(f"{next(step)}: admission LightGBM + calibrated survival ensemble → {paths['run']}")
+    log(f"{next(step)}: admission LightGBM + refinement predictor (candidate chosen by CV) → {paths['run']}")
     if not _done(paths, "run"):
         train_run(paths["traces"], paths["run"], train_config, overwrite=True)
     metrics = json.loads((paths["run"] / "metrics.json").read_text())

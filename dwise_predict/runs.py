@@ -13,8 +13,9 @@ training and exports, because exports must not import the training stack::
       admission.json      {"features", "target", "params"}
       refine.safetensors  network.refine_state(...): input_mean, input_std [H+2], member{i}.fc1/fc2
       refine.json         {"hidden_size", "in_features", "num_rounds", "width", "dropout", "members",
-                           "seeds", "prompt_norm", "budget_norm", "target"}
+                           "seeds", "prompt_norm", "budget_norm", "target", "candidate"}
       calibration.json    {"x": [...], "y": [...], "fitted_on": "train", "statistic"}
+      candidates.json     the refinement candidate search (training.select): CV scores, chosen candidate
       curves.json         per member: seed, train_loss, val_loss per epoch, best_epoch
       curves.png          training curves
       loco.json           optional

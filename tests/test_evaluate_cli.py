@@ -147,5 +147,5 @@ def test_censored_requests_are_left_out_of_the_rank_tables(tmp_path):
     n_eval = int((ds.requests["split"] == "eval").sum())
     assert result["traces"]["n_eval"] == n_eval
     assert result["traces"]["n_eval_finished"] == n_eval - int(censored.sum())
-    ensemble = next(r for r in result["baselines"] if r["name"] == "calibrated survival ensemble")
+    ensemble = next(r for r in result["baselines"] if r["name"] == "refinement predictor (shipped)")
     assert ensemble["spearman"] == pytest.approx(result["metrics"]["refined"]["spearman"])  # same requests

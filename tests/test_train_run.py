@@ -23,16 +23,17 @@ from dwise_predict.traces import write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 torch.set_num_threads(1)
-FAST = dict(width=16, members=2, max_epochs=6, patience=3, bootstrap=50, num_threads=1)
+# the reference refinement predictor (the paper's survival ensemble); tests/test_train_select.py covers "auto"
+FAST = dict(width=16, members=2, max_epochs=6, patience=3, bootstrap=50, num_threads=1, refine="survival")
 RUN_FILES = {"config.json", "metrics.json", "admission.txt", "admission.json", "refine.safetensors", "refine.json",
-             "calibration.json", "curves.json", "curves.png"}
+             "calibration.json", "candidates.json", "curves.json", "curves.png"}
 
 
 def test_known_answer_refined_tracks_oracle_and_calibration_fixes_the_ratio():
     # 3,000 training and 9,000 eval requests: the median ratio on the eval split is then precise to ~2%
     ds = make_synthetic_traces(12000, 64, eval_fraction=0.75, seed=1)
     train, eval_ds = ds.split("train"), ds.split("eval")
-    predictors = fit_predictors(train, TrainConfig(width=64, num_threads=1))
+    predictors = fit_predictors(train, TrainConfig(width=64, num_threads=1, refine="survival"))
     metrics = evaluate_predictors(predictors, eval_ds, bootstrap=0)
     remaining = Targets.of(eval_ds).remaining
     oracle = M.spearman(eval_ds.requests["oracle_remaining"], remaining)
@@ -58,7 +59,9 @@ def test_run_directory_layout_and_reload(small, tmp_path):
     run = tmp_path / "run"
     assert {p.name for p in run.iterdir()} == RUN_FILES
     assert json.loads((run / "metrics.json").read_text()) == metrics
-    assert set(metrics) == {"n_train", "n_eval", "admission", "refined", "refined_raw", "calibration"}
+    assert set(metrics) == {"n_train", "n_eval", "refine_candidate", "admission", "refined", "refined_raw", "calibration"}
+    assert metrics["refine_candidate"] == "survival"
+    assert json.loads((run / "candidates.json").read_text()) == {"mode": "fixed", "candidates": {}, "chosen": "survival"}
     config = json.loads((run / "config.json").read_text())
     assert config["seeds"] == [0, 1] and config["traces"]["hidden_size"] == 8
     assert len(config["traces"]["fingerprint"]) == 64 and "torch" in config["versions"]

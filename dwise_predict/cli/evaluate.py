@@ -23,6 +23,8 @@ def evaluate_command(
     jobs: Annotated[Optional[int], typer.Option(help="Parallel retrainings (one core each; default: one per core).")] = None,
     min_requests: Annotated[int, typer.Option(help="Fewest train and eval requests of a category evaluated in LOCO.")] = 10,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json; default: the run's, else the defaults).")] = None,
+    ablate: Annotated[Optional[list[str]], typer.Option("--ablate", help="Ablation to run, repeatable: inputs, train-size or seeds (tables in ablations.md/.html and ablation_*.json).")] = None,
+    across: Annotated[bool, typer.Option("--across", help="Treat each TRACES set separately (different models allowed): train and score on each, one Table-8-style table (across.json, across.md/.html).")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Evaluate both predictors: main split, calibration, baselines, LOCO, output length vs work.
@@ -38,6 +40,10 @@ def evaluate_command(
         dwise-predict evaluate traces/ --run run/ --hold-out mcq --out eval/ --jobs 4
 
         dwise-predict evaluate traces_a/ traces_b/ --out eval/ --json
+
+        dwise-predict evaluate traces/ --run run/ --ablate inputs --ablate seeds --out eval/
+
+        dwise-predict evaluate traces_model_a/ traces_model_b/ --across --out table8/
     """
     from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
     from dwise_predict.training import TrainConfig
@@ -49,19 +55,50 @@ def evaluate_command(
         problems.append(f"--min-requests must be at least 2 (a rank correlation needs two requests), got {min_requests}")
     if config is not None and not config.is_file():
         problems.append(f"--config {config} is not a file")
+    from dwise_predict.evaluation.ablate import KINDS
+
+    bad = [k for k in ablate or () if k not in KINDS]
+    if bad:
+        problems.append(f"--ablate {', '.join(bad)}: unknown ablation; choose from {', '.join(KINDS)}")
+    if across:
+        clash = [flag for flag, used in (("--run", run is not None), ("--loco", loco), ("--hold-out", hold_out is not None),
+                                         ("--ablate", bool(ablate))) if used]
+        if clash:
+            problems.append(f"--across trains on each trace set itself: drop {', '.join(clash)}")
     if problems:
         raise ConfigError("; ".join(problems))
     train_config = TrainConfig.from_file(config) if config is not None else None
+    if across:
+        _across(traces, out, train_config or TrainConfig(), json_out)
+        return
 
     with claim_evaluation_out(out, traces, run):
         evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
-                              config=train_config, log=log)
+                              config=train_config, log=log, ablate=tuple(ablate or ()))
         written = write_evaluation(evaluation, out)
     log(f"wrote {written['report_html']} and {len(written) - 1} more files in {out}")
     if json_out:
         typer.echo(json.dumps(evaluation.result, indent=2, default=str))
     else:
         _print_evaluation(evaluation.result)
+
+
+def _across(traces, out: Path, config, json_out: bool) -> None:
+    from dwise_predict.evaluation.across import across_document, across_sets
+    from dwise_predict.evaluation.document import to_markdown, write_document
+    from dwise_predict.evaluation.evaluate import prepare_out
+    from dwise_predict.files import write_json
+
+    prepare_out(out)
+    result = across_sets(traces, config, log=log)
+    write_json(out / "across.json", result)
+    document = across_document(result)
+    html_path, _ = write_document(document, out, stem="across")
+    log(f"wrote {html_path}, across.md and across.json in {out}")
+    if json_out:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    else:
+        typer.echo(to_markdown(document))
 
 
 def _print_evaluation(result: dict) -> None:
@@ -95,6 +132,13 @@ def _print_evaluation(result: dict) -> None:
                           f"refined ρ {arrow(h['refined'])}")
         for s in loco["skipped"]:
             screen.print(f"skipped {s['category']}: {s['reason']}")
+
+    from dwise_predict.evaluation.report import winner_lines
+
+    for line in winner_lines(result.get("winner")):
+        screen.print(line)
+    for item in result.get("ablations") or []:
+        screen.print(f"ablation {item['kind']}: {item['verdict']['text']}")
 
     table = Table(title="Baselines (remaining rounds, evaluation split)")
     for col in ("predictor", "ρ", "τ", "R²"):

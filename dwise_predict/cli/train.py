@@ -28,16 +28,22 @@ def train_command(
     lr: Annotated[float, typer.Option(help="Adam learning rate of the survival MLPs.")] = _DEFAULT.lr,
     batch_size: Annotated[int, typer.Option(help="Requests per optimisation step.")] = _DEFAULT.batch_size,
     val_fraction: Annotated[float, typer.Option(help="Share of the train split held out for early stopping.")] = _DEFAULT.val_fraction,
+    refine: Annotated[str, typer.Option(help="Refinement predictor to ship: auto (pick by grouped K-fold CV on the train split, within-category rho), survival (the paper's ensemble), ridge, survival+ridge or ridge-within (see docs/training.md).")] = _DEFAULT.refine,
+    cv_folds: Annotated[int, typer.Option(help="Folds of the cross-validation that --refine auto uses.")] = _DEFAULT.cv_folds,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave this category out of training (both predictors and calibration); repeatable. The eval split keeps it (reported as held out).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = _DEFAULT.num_threads,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json) instead of the flags above.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory (only once the new run is complete).")] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Train the admission (LightGBM) and refinement (calibrated survival ensemble) predictors.
+    """Train the admission (LightGBM) and refinement (calibrated, one of several candidates) predictors.
 
     Fits on the traces' train split, reports on their eval split, and writes the run directory
     (config.json, metrics.json, admission.txt/.json, refine.safetensors/.json, calibration.json,
-    curves.json/.png). The directory appears only when complete; after an interruption, rerun the
+    candidates.json, curves.json/.png). With --refine auto (default) the refinement predictor is the
+    candidate with the best grouped K-fold CV within-category rho on the train split: the paper's
+    survival ensemble, a ridge head, both, a two-stage ridge, or the ensemble on principal
+    components; every one exports under the same bundle contract. The directory appears only when complete; after an interruption, rerun the
     same command.
 
     Examples:
@@ -47,13 +53,16 @@ def train_command(
         dwise-predict train traces/ --out run/ --seed 1 --max-epochs 50 --json
 
         dwise-predict train traces/ --out run/ --config other_run/config.json --overwrite
+
+        dwise-predict train traces/ --out run-no-mcq/ --exclude mcq --exclude hard_mcq
     """
     from dwise_predict.training import train_run
 
     flags = {"--seed": ("seed", seed), "--max-epochs": ("max_epochs", max_epochs), "--patience": ("patience", patience),
              "--members": ("members", members), "--width": ("width", width), "--lr": ("lr", lr),
              "--batch-size": ("batch_size", batch_size), "--val-fraction": ("val_fraction", val_fraction),
-             "--threads": ("num_threads", threads)}
+             "--threads": ("num_threads", threads), "--refine": ("refine", refine), "--cv-folds": ("cv_folds", cv_folds),
+             "--exclude": ("exclude", tuple(exclude or ()))}
     problems = []
     if config is not None and not config.is_file():
         problems.append(f"--config {config} is not a file")
@@ -72,7 +81,7 @@ def train_command(
 
     with _EpochProgress(train_config) as progress:
         metrics = train_run(traces, out, train_config, overwrite=overwrite, progress=progress)
-    log(f"wrote run directory {out}")
+    log(f"wrote run directory {out} (refinement predictor: {metrics.get('refine_candidate')})")
     if json_out:
         typer.echo(json.dumps(metrics, indent=2))
     else:
@@ -126,7 +135,7 @@ def _print_summary(metrics: dict) -> None:
     for label, key, ratio in (
         ("admission (prompt features)", "admission", cal["median_ratio_admission"]),
         ("refined, raw", "refined_raw", cal["median_ratio_raw"]),
-        ("refined, calibrated", "refined", cal["median_ratio_calibrated"]),
+        (f"refined ({metrics.get('refine_candidate', 'survival')}), calibrated", "refined", cal["median_ratio_calibrated"]),
     ):
         block = metrics[key]
         ci = block.get("spearman_ci")

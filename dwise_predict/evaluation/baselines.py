@@ -16,7 +16,9 @@ rounds scale) and mean within-category ρ against the actual remaining rounds:
   probabilities (TRAIL refines output-length estimates from runtime embeddings this way);
 - **ridge on the first-round hidden state** — ridge regression (α chosen by cross-validation) on
   ``log1p(remaining)``;
-- **calibrated survival ensemble** — the shipped refinement predictor;
+- **refinement predictor (shipped)** — the run's refinement predictor, whichever candidate `train`
+  chose (the paper's calibrated survival ensemble, or a ridge head in the same graph; see
+  :mod:`dwise_predict.training.select`);
 - **oracles** — the actual remaining rounds (ρ = 1, the ceiling), the actual output tokens (what a
   perfect output-length ranker would use; R² is not comparable there, tokens are not rounds), and
   for synthetic traces the true expected remaining rounds (``oracle_remaining``).
@@ -119,30 +121,18 @@ def ridge_hidden(train: TraceDataset, eval_ds: TraceDataset) -> np.ndarray:
     return np.clip(np.expm1(model.predict(x_eval)), 0.0, None)
 
 
-def baseline_table(
+def baseline_predictions(
     train: TraceDataset,
     eval_ds: TraceDataset,
     admission_total: np.ndarray,
     refined: np.ndarray,
     prompt_hidden_refined: np.ndarray | None,
     seed: int = 0,
-) -> list[dict]:
-    """Score every baseline on ``eval_ds``.
-
-    Parameters
-    ----------
-    admission_total : array of shape (n_eval,), the admission predictor's total rounds.
-    refined : array of shape (n_eval,), the calibrated survival ensemble's remaining rounds.
-    prompt_hidden_refined : array of shape (n_eval,), the refinement recipe retrained on the prompt
-        hidden state (None leaves that row out).
-
-    Returns
-    -------
-    list of rows ``{"name", "input", "spearman", "kendall", "r2", "within_category_mean"}``, in
-    the order: admission, prompt-state survival, early signals, probe, ridge, ensemble, oracles.
-    """
+    candidate: str = "survival",
+) -> list[tuple[str, str, np.ndarray, bool]]:
+    """Every baseline's predictions of remaining rounds on ``eval_ds``: ``(name, input, pred (n_eval,),
+    comparable scale)`` in the order of :func:`baseline_table`."""
     true = remaining_rounds(eval_ds)
-    cats = eval_ds.requests["category"].astype(str).to_numpy()
     rows: list[tuple[str, str, np.ndarray, bool]] = [
         ("admission LightGBM", "words, newlines, prompt tokens", np.asarray(admission_total, float) - 1.0, True)
     ]
@@ -153,11 +143,48 @@ def baseline_table(
         rows.append((f"early signal: {name}", what, pred, True))
     rows.append(("TRAIL-style probe", "first-round hidden state (bins)", trail_probe(train, eval_ds, seed=seed), True))
     rows.append(("ridge on first-round state", "first-round hidden state", ridge_hidden(train, eval_ds), True))
-    rows.append(("calibrated survival ensemble", "first-round hidden state, prompt tokens, budget", refined, True))
+    rows.append((SHIPPED, f"first-round hidden state, prompt tokens, budget (candidate: {candidate})", refined, True))
     rows.append(("oracle: actual remaining rounds", "the answer", true, True))
     rows.append(("oracle: actual output tokens", "output length (not rounds)",
                  eval_ds.requests["output_tokens"].to_numpy(dtype=float), False))
     if "oracle_remaining" in eval_ds.requests.columns:
         rows.append(("oracle: expected remaining (synthetic)", "true hazard",
                      eval_ds.requests["oracle_remaining"].to_numpy(dtype=float), True))
-    return [{"name": n, "input": i, **score(p, true, cats, comparable)} for n, i, p, comparable in rows]
+    return rows
+
+
+def baseline_table(
+    train: TraceDataset,
+    eval_ds: TraceDataset,
+    admission_total: np.ndarray,
+    refined: np.ndarray,
+    prompt_hidden_refined: np.ndarray | None,
+    seed: int = 0,
+    candidate: str = "survival",
+    predictions: list | None = None,
+) -> list[dict]:
+    """Score every baseline on ``eval_ds``.
+
+    Parameters
+    ----------
+    admission_total : array of shape (n_eval,), the admission predictor's total rounds.
+    refined : array of shape (n_eval,), the shipped refinement predictor's calibrated remaining rounds.
+    prompt_hidden_refined : array of shape (n_eval,), the refinement recipe retrained on the prompt
+        hidden state (None leaves that row out).
+    candidate : the refinement candidate behind ``refined`` (named in its row's input).
+    predictions : :func:`baseline_predictions`' result when the caller has it already.
+
+    Returns
+    -------
+    list of rows ``{"name", "input", "spearman", "kendall", "r2", "within_category_mean"}``, in
+    the order: admission, prompt-state survival, early signals, probe, ridge, shipped, oracles.
+    """
+    true = remaining_rounds(eval_ds)
+    cats = eval_ds.requests["category"].astype(str).to_numpy()
+    if predictions is None:
+        predictions = baseline_predictions(train, eval_ds, admission_total, refined, prompt_hidden_refined, seed,
+                                           candidate)
+    return [{"name": n, "input": i, **score(p, true, cats, comparable)} for n, i, p, comparable in predictions]
+
+
+SHIPPED = "refinement predictor (shipped)"

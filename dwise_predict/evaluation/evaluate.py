@@ -32,7 +32,7 @@ import pandas as pd
 
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco as loco_mod
-from dwise_predict.evaluation.baselines import baseline_table
+from dwise_predict.evaluation.baselines import SHIPPED, baseline_predictions, baseline_table, remaining_rounds
 from dwise_predict.evaluation.characterize import characterize, output_vs_work
 from dwise_predict.files import atomic_dir, atomic_write, claim_output, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
@@ -107,6 +107,7 @@ def evaluate(
     min_requests: int = loco_mod.MIN_REQUESTS,
     config=None,
     log: Callable[[str], None] | None = None,
+    ablate: Sequence[str] = (),
 ) -> Evaluation:
     """Evaluate the predictors on the traces' evaluation split.
 
@@ -122,6 +123,7 @@ def evaluate(
     config : a ``TrainConfig`` for every (re)training; default: the run's recorded config, else
         ``TrainConfig()``.
     log : progress messages (to stderr in the CLI).
+    ablate : ablations to run (``inputs``, ``train-size``, ``seeds``; see :mod:`.ablate`).
 
     Raises
     ------
@@ -138,6 +140,11 @@ def evaluate(
     _fail_fast(ds, train, eval_ds)
     if hold_out is not None:
         loco_mod.check_categories(train, eval_ds, [hold_out])
+    from dwise_predict.evaluation import ablate as ablate_mod
+
+    unknown = [k for k in ablate if k not in ablate_mod.KINDS]
+    if unknown:
+        raise InputError(f"--ablate {', '.join(unknown)}: unknown; choose from {', '.join(ablate_mod.KINDS)}")
 
     if run is not None:
         run_files = load_run(run)
@@ -179,8 +186,17 @@ def evaluate(
 
     log("fitting baselines")
     finished_train = train.subset(Targets.of(train).events)
-    baselines = baseline_table(finished_train, scored, preds["admission"], preds["refined"],
-                               retrained[PROMPT_HIDDEN_TASK]["refined"], seed=config.seed)
+    candidate = predictors.ensemble.candidate
+    predictions = baseline_predictions(finished_train, scored, preds["admission"], preds["refined"],
+                                       retrained[PROMPT_HIDDEN_TASK]["refined"], config.seed, candidate)
+    baselines = baseline_table(finished_train, scored, preds["admission"], preds["refined"], None,
+                               predictions=predictions)
+    winner = _winner(predictions, scored, candidate, config)
+
+    ablations = []
+    for kind in dict.fromkeys(ablate):
+        log(f"ablation: {kind}")
+        ablations.append(ablate_mod.ablate(kind, finished_train, scored, config, n_boot=_n_boot(config), log=log))
 
     arrays = {"eval_requests": scored.requests, "all_requests": ds.requests, **preds}
     arrays["survival"] = survival_examples(
@@ -207,6 +223,9 @@ def evaluate(
         "metrics": metrics,
         "calibration": _calibration_rows(metrics),
         "baselines": baselines,
+        "winner": winner,
+        "selection": predictors.selection,
+        "ablations": ablations,
         "loco": loco_result,
         "output_vs_work": output_vs_work(ds.requests),
         "characterization": characterize([ds]),
@@ -223,6 +242,53 @@ def claim_evaluation_out(out: str | os.PathLike, traces: Sequence[str | os.PathL
     the run or a foreign folder never are."""
     inputs = [*(("TRACES", path) for path in traces), ("--run", run)]
     return claim_output(out, inputs, "an evaluation", EVALUATION_MARKER, replace=True)
+
+
+def _n_boot(config) -> int:
+    return int(config.bootstrap) if config.bootstrap >= 100 else 200
+
+
+def _winner(predictions, scored: TraceDataset, candidate: str, config) -> dict:
+    """Which predictor won: the shipped refinement predictor against the best non-oracle baseline (by
+    within-category ρ, and separately by ρ overall), with paired bootstrap intervals of the differences
+    (requests resampled within category). ``inside_interval`` is True where the interval contains 0."""
+    from dwise_predict.evaluation.ablate import score_rows
+
+    true = remaining_rounds(scored)
+    cats = scored.requests["category"].astype(str).to_numpy()
+    preds = {name: np.asarray(p, float) for name, _, p, _ in predictions if not name.startswith("oracle")}
+    rows = [{"name": name, "bundle": name == SHIPPED} for name in preds]
+    table = score_rows(rows, preds, true, cats, SHIPPED, _n_boot(config), config.seed)
+    shipped = next(r for r in table["rows"] if r["name"] == SHIPPED)
+    others = [r for r in table["rows"] if r["name"] != SHIPPED]
+    out = {"candidate": candidate, "shipped": {k: shipped[k] for k in ("spearman", "spearman_ci", "within_category_mean",
+                                                                         "within_category_ci")}}
+    for key, label in (("within_category_mean", "within_category"), ("spearman", "overall")):
+        defined = [r for r in others if r[key] is not None]
+        if not defined or shipped[key] is None:
+            out[label] = None
+            continue
+        best = max(defined, key=lambda r: r[key])
+        d = best["delta_vs_reference"]  # best - shipped, paired
+        ci_key = "within_category_ci" if key == "within_category_mean" else "spearman_ci"
+        ci = d[ci_key]
+        margin = shipped[key] - best[key]
+        inside = ci is None or ci[0] <= 0.0 <= ci[1]
+        out[label] = {
+            "best_baseline": best["name"], "baseline": best[key], "shipped": shipped[key], "margin": margin,
+            "margin_ci": None if ci is None else [-ci[1], -ci[0]], "inside_interval": bool(inside),
+            "shipped_wins": margin >= 0,
+        }
+    return out
+
+
+def prepare_out(out: str | os.PathLike) -> Path:
+    """Create the output directory (refusing a path that is a file)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file: give a directory for the report")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def write_evaluation(evaluation: Evaluation, out: str | os.PathLike) -> dict[str, Path]:
@@ -245,6 +311,10 @@ def _write_evaluation(evaluation: Evaluation, out: Path) -> dict[str, Path]:
                 "output_vs_work": result["output_vs_work"], "characterization": result["characterization"]}
     if result["loco"] is not None:
         sections["loco"] = result["loco"]
+    if result.get("ablations"):
+        sections["ablations"] = result["ablations"]
+        for item in result["ablations"]:
+            sections[f"ablation_{item['kind'].replace('-', '_')}"] = item
     for name, value in {**sections, "evaluation": result}.items():
         written[name] = out / f"{name}.json"
         write_json(written[name], value)
@@ -262,4 +332,9 @@ def _write_evaluation(evaluation: Evaluation, out: Path) -> dict[str, Path]:
     written["predictions"] = atomic_write(out / "predictions.parquet", lambda tmp: table.to_parquet(tmp, index=False))
 
     written["report_html"], written["report_md"] = write_document(evaluation_document(result, arrays), out)
+    if result.get("ablations"):
+        from dwise_predict.evaluation.ablate import ablation_document
+
+        written["ablations_html"], written["ablations_md"] = write_document(
+            ablation_document(result["ablations"]), out, stem="ablations")
     return written

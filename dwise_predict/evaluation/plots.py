@@ -198,3 +198,25 @@ def budget_sweep(rows: Sequence[dict]) -> bytes:
     twin.set(ylabel="truncated by the budget (%)", ylim=(0, 100))
     fig.legend(fontsize=8, loc="upper center")
     return _png(fig)
+
+
+def ablation_bars(rows: Sequence[dict], title: str) -> bytes:
+    """ρ overall and mean within-category ρ of each ablation row, with 95 % bootstrap intervals."""
+    names = [r["name"] for r in rows]
+    y = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(7.5, 0.4 * len(names) + 1.2))
+    for k, (key, ci_key, colour, label) in enumerate((
+        ("spearman", "spearman_ci", "#3182bd", "ρ overall"),
+        ("within_category_mean", "within_category_ci", "#e6550d", "ρ within category (mean)"),
+    )):
+        values = np.array([r[key] if r[key] is not None else np.nan for r in rows], float)
+        lo = np.array([v - r[ci_key][0] if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
+        hi = np.array([r[ci_key][1] - v if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
+        ax.barh(y + (k - 0.5) * 0.38, np.nan_to_num(values), 0.38, color=colour, label=label,
+                xerr=np.vstack([np.clip(lo, 0, None), np.clip(hi, 0, None)]), error_kw={"lw": 0.8, "capsize": 2})
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set(xlabel="Spearman ρ with actual remaining rounds (95% bootstrap interval)", title=title)
+    ax.legend(fontsize=8, loc="lower right")
+    return _png(fig)

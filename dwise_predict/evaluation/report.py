@@ -97,7 +97,7 @@ def histogram_figure(requests: pd.DataFrame, name: str = "round_histograms") -> 
 
 def _split_table(metrics: dict) -> Table:
     rows = []
-    for key, label in (("admission", "admission (prompt features)"), ("refined", "refined (calibrated ensemble)")):
+    for key, label in (("admission", "admission (prompt features)"), ("refined", f"refined (calibrated, candidate {metrics.get('refine_candidate', 'survival')})")):
         block = metrics[key]
         ci = block.get("spearman_ci")
         rows.append([
@@ -214,6 +214,7 @@ def summary(result: dict) -> list[str]:
             text += (f" Seed 001's four early signals together: ρ = {fmt(early['spearman'])}, "
                      f"R² = {fmt(early['r2'])}.")
         lines.append(text)
+    lines += winner_lines(result.get("winner"))
     overall = result["output_vs_work"]["overall"]
     if overall["spearman_tokens_rounds"] is None:
         lines.append(f"Output tokens and denoising rounds have no rank correlation here (one side is constant; "
@@ -222,6 +223,27 @@ def summary(result: dict) -> list[str]:
     else:
         lines.append(f"Output tokens and denoising rounds correlate with ρ = {fmt(overall['spearman_tokens_rounds'])} "
                      "over all requests: where this is low, output-length rankers misorder work.")
+    return lines
+
+
+def winner_lines(winner: dict | None) -> list[str]:
+    """Which predictor won and by how much: the shipped refinement predictor against the best
+    non-oracle baseline, within category and overall, with the paired bootstrap interval's verdict."""
+    if not winner:
+        return []
+    lines = []
+    for label, words in (("within_category", "mean within-category ρ"), ("overall", "ρ over all requests")):
+        w = winner.get(label)
+        if not w:
+            continue
+        ci = w["margin_ci"]
+        interval = "n/a" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+        verb = "beats" if w["shipped_wins"] else "trails"
+        noise = ("inside the bootstrap interval: not a clear difference on these requests" if w["inside_interval"]
+                 else "outside the bootstrap interval")
+        lines.append(f"By {words}, the shipped refinement predictor (candidate {winner['candidate']}, "
+                     f"{fmt(w['shipped'])}) {verb} the best non-oracle baseline, {w['best_baseline']} "
+                     f"({fmt(w['baseline'])}), by {w['margin']:+.3f} (paired 95% interval {interval}; {noise}).")
     return lines
 
 
@@ -285,6 +307,10 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
         _baseline_table(result["baselines"]),
         Figure("baselines", plots.baseline_bars(result["baselines"]), "Rank correlation of each baseline."),
     ]))
+    if result.get("ablations"):
+        from dwise_predict.evaluation.ablate import ablation_document
+
+        sections += ablation_document(result["ablations"]).sections
     sections.append(Section("Output length versus work", "", [
         _output_work_table(result["output_vs_work"]),
         Figure("output_vs_rounds",

@@ -54,8 +54,8 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "",
         "- **admission** — LightGBM (`admission.txt`, `admission.onnx`) on three prompt features "
         "(`words`, `newlines`, `prompt_tokens` after the chat template) → predicted total denoising rounds;",
-        f"- **refinement** — a {refine['members']}-seed ensemble of discrete-time survival MLPs "
-        f"(width {refine['width']}, K = {manifest['K']}) on the pooled first-denoising-round hidden state "
+        f"- **refinement** — {_refine_words(refine)} "
+        f"(K = {manifest['K']}) on the pooled first-denoising-round hidden state "
         f"(H = {refine['hidden_size']}), prompt tokens and budget, isotonic-calibrated → remaining denoising "
         "rounds (`refine.onnx`, `refine.pt`, `refine.pt2`, weights in `refine.safetensors`).",
         "",
@@ -139,3 +139,23 @@ def _int8_lines(int8: dict) -> list[str]:
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _refine_words(refine: dict) -> str:
+    """The refinement candidate the run chose (refine.json's ``candidate``; older runs: the ensemble)."""
+    candidate = refine.get("candidate", "survival")
+    if candidate == "survival-pca":
+        return (f"a {refine['members']}-seed ensemble of discrete-time survival MLPs (width {refine['width']}) trained on "
+                "the top principal components of the standardised input, the projection folded into the first layer "
+                "(`candidate: survival-pca`)")
+    if candidate == "ridge-within":
+        return ("a two-stage ridge head (within-category directions first, then the levels between categories; "
+                "log1p target), written as one width-2 survival member whose hazard logit is minus the ridge score "
+                "(`candidate: ridge-within`)")
+    if candidate == "ridge":
+        return ("a ridge head on the standardised input (log1p target, penalty by leave-one-out), written as one "
+                "width-2 survival member whose hazard logit is minus the ridge score (`candidate: ridge`)")
+    if candidate == "survival+ridge":
+        return (f"a seed ensemble of {int(refine['members']) - 1} discrete-time survival MLPs (width {refine['width']}) "
+                "plus a ridge head as one more member, estimates averaged (`candidate: survival+ridge`)")
+    return f"a {refine['members']}-seed ensemble of discrete-time survival MLPs (width {refine['width']})"

@@ -35,7 +35,13 @@ class SurvivalEnsemble:
     batch_size : requests per optimisation step.
     val_fraction : share of the training split held out for early stopping (fixed by ``split_seed``).
     split_seed : seed of the train/validation partition, shared by all members.
+
+    ``candidate`` names the refinement candidate these members express (``"survival"``, the paper's
+    ensemble; ``"ridge"`` and ``"survival+ridge"`` from :mod:`dwise_predict.survival.linear`); it is
+    recorded in refine.json and changes nothing in the graph.
     """
+
+    candidate: str = "survival"
 
     def __init__(
         self,
@@ -79,6 +85,29 @@ class SurvivalEnsemble:
             raise InputError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
         if not self.seeds:
             raise InputError("the ensemble needs at least one seed (one member per seed)")
+        x, idx, ev = self.prepare(hidden, prompt_tokens, budget, remaining, events)
+
+        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(self.split_seed))
+        n_val = min(max(1, round(self.val_fraction * x.shape[0])), x.shape[0] - 1)
+        val, tr = perm[:n_val], perm[n_val:]
+        self.members_: list[HazardMLP] = []
+        self.history_: list[dict] = []
+        for m, seed in enumerate(self.seeds):
+            member, history = self._fit_member(
+                seed, x[tr], idx[tr], ev[tr], x[val], idx[val], ev[val],
+                None if progress is None else (lambda *a, m=m: progress(m, *a)),
+            )
+            self.members_.append(member)
+            self.history_.append({"seed": seed, **history})
+        return self
+
+    def prepare(self, hidden, prompt_tokens, budget, remaining, events=None):
+        """Fit K, the input norms and the standardisation on the informative requests; return their
+        standardised inputs (n, H + 2) and survival labels (idx (n,), event (n,)).
+
+        Shared with :class:`~dwise_predict.survival.linear.RidgeHead`, so every refinement candidate
+        standardises its input the same way (the graph's ``input_mean`` / ``input_std``).
+        """
         hidden, prompt_tokens, budget = _check_inputs(hidden, prompt_tokens, budget)
         if len(remaining) != hidden.shape[0]:
             raise InputError(f"{hidden.shape[0]} hidden rows but {len(remaining)} remaining-round counts")
@@ -96,20 +125,22 @@ class SurvivalEnsemble:
         x = (x - self.input_mean_) / self.input_std_
         kept_events = None if events is None else np.asarray(events)[keep]
         idx, ev = (torch.from_numpy(a) for a in labels.transform(np.asarray(remaining)[keep], kept_events))
+        return x, idx, ev
 
-        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(self.split_seed))
-        n_val = min(max(1, round(self.val_fraction * x.shape[0])), x.shape[0] - 1)
-        val, tr = perm[:n_val], perm[n_val:]
-        self.members_: list[HazardMLP] = []
-        self.history_: list[dict] = []
-        for m, seed in enumerate(self.seeds):
-            member, history = self._fit_member(
-                seed, x[tr], idx[tr], ev[tr], x[val], idx[val], ev[val],
-                None if progress is None else (lambda *a, m=m: progress(m, *a)),
-            )
-            self.members_.append(member)
-            self.history_.append({"seed": seed, **history})
-        return self
+    def with_members(self, members: list[HazardMLP], seeds: tuple[int, ...] | None = None, width: int | None = None,
+                     history: list[dict] | None = None) -> "SurvivalEnsemble":
+        """A fitted ensemble with this one's standardisation, K and norms but the given members (all of
+        one width): how the ridge head and the blend become the same graph family."""
+        ensemble = SurvivalEnsemble(
+            width=int(width if width is not None else members[0].fc1.out_features), dropout=self.dropout,
+            seeds=self.seeds if seeds is None else tuple(seeds),
+        )
+        ensemble.members_ = list(members)
+        ensemble.input_mean_, ensemble.input_std_ = self.input_mean_, self.input_std_
+        ensemble.num_rounds_, ensemble.prompt_norm_, ensemble.budget_norm_ = self.num_rounds_, self.prompt_norm_, self.budget_norm_
+        ensemble.history_ = list(history or [])
+        ensemble.candidate = self.candidate
+        return ensemble
 
     def _fit_member(self, seed, x, idx, ev, x_val, idx_val, ev_val, progress):
         """One member: Adam on the NLL, keep the weights of the best validation epoch."""
@@ -165,6 +196,7 @@ class SurvivalEnsemble:
             "prompt_norm": self.prompt_norm_,
             "budget_norm": self.budget_norm_,
             "target": "remaining_rounds = total_rounds - 1 (after the first denoising round)",
+            "candidate": self.candidate,
         }
 
     @classmethod
@@ -179,6 +211,7 @@ class SurvivalEnsemble:
         ensemble.prompt_norm_ = float(spec["prompt_norm"])
         ensemble.budget_norm_ = float(spec["budget_norm"])
         ensemble.history_ = []
+        ensemble.candidate = str(spec.get("candidate", "survival"))
         return ensemble
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -211,6 +244,11 @@ class SurvivalEnsemble:
         with torch.no_grad():
             curves = torch.stack([survival_from_logits(m(x)) for m in self.members_]).mean(dim=0)
         return curves.double().numpy()
+
+    def standardise(self, hidden, prompt_tokens, budget) -> torch.Tensor:
+        """(N, H), (N,), (N,) raw inputs -> (N, H + 2) standardised, as the graph does before its members."""
+        hidden, prompt_tokens, budget = _check_inputs(hidden, prompt_tokens, budget, self.input_mean_.numel() - 2)
+        return (self._assemble(hidden, prompt_tokens, budget) - self.input_mean_) / self.input_std_
 
     def _assemble(self, hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
         """(N, H), (N,), (N,) -> (N, H + 2) in the column order RefineGraph.raw uses."""

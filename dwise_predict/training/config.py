@@ -10,6 +10,8 @@ from dwise_predict.errors import ConfigError
 from dwise_predict.files import read_json_object
 
 _RECORD_KEYS = {"seeds", "versions", "traces"}  # what config.json records besides the options
+# the refinement candidates (training.select.CANDIDATES) and "auto": pick one by cross-validation
+REFINE_CHOICES = ("auto", "survival", "ridge", "survival+ridge", "ridge-within", "survival-pca")
 
 
 def _fits(value, default) -> bool:
@@ -45,6 +47,12 @@ class TrainConfig:
     weight_decay: float = 1e-4
     batch_size: int = 256
     val_fraction: float = 0.2
+    # which refinement predictor to ship: "auto" picks among the candidates by grouped K-fold CV
+    # (cv_folds) on the train split, by within-category rho (training.select); or name one of them
+    refine: str = "auto"
+    cv_folds: int = 3
+    # categories left out of training (both predictors and the calibration); the eval split keeps them
+    exclude: tuple[str, ...] = ()
     # calibration: "median" (centred isotonic median regression) or "mean" (squared-error isotonic)
     calibration: str = "median"
     # evaluation
@@ -56,6 +64,7 @@ class TrainConfig:
     seeds: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.exclude = tuple(str(c) for c in self.exclude)
         self.seeds = tuple(self.seed + i for i in range(max(self.members, 0)))
 
     def check(self) -> None:
@@ -74,13 +83,17 @@ class TrainConfig:
             problems.append("lr and admission_learning_rate must be > 0, weight_decay >= 0")
         if self.calibration not in ("median", "mean"):
             problems.append(f"calibration must be 'median' or 'mean' (got {self.calibration!r})")
+        if self.refine not in REFINE_CHOICES:
+            problems.append(f"refine must be one of {', '.join(REFINE_CHOICES)} (got {self.refine!r})")
+        if self.cv_folds < 2:
+            problems.append(f"cv_folds must be >= 2 (got {self.cv_folds})")
         if self.bootstrap < 0:
             problems.append(f"bootstrap must be >= 0 (got {self.bootstrap})")
         if problems:
             raise ConfigError("; ".join(problems))
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "seeds": list(self.seeds)}
+        return {**dataclasses.asdict(self), "seeds": list(self.seeds), "exclude": list(self.exclude)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -57,6 +57,7 @@ class Predictors:
     ensemble: SurvivalEnsemble
     calibrator: IsotonicCalibrator
     n_train: int
+    selection: dict = field(default_factory=dict)  # candidates.json: CV scores and the chosen candidate
 
     def admission_total(self, ds: TraceDataset) -> np.ndarray:
         """(N,) predicted total denoising rounds from the prompt features."""
@@ -111,24 +112,38 @@ def fit_predictors(
         num_threads=config.num_threads,
     ).fit(features[targets.events], targets.total[targets.events])
     with torch_threads(config.num_threads):
-        ensemble, calibrator = _fit_refinement(train, targets, config, progress)
-    return Predictors(admission, ensemble, calibrator, len(train))
+        ensemble, calibrator, selection = _fit_refinement(train, targets, config, progress)
+    return Predictors(admission, ensemble, calibrator, len(train), selection)
 
 
 def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress) -> tuple:
-    """The survival ensemble and its calibration."""
-    ensemble = SurvivalEnsemble(
-        width=config.width,
-        dropout=config.dropout,
-        seeds=config.seeds,
-        max_epochs=config.max_epochs,
-        patience=config.patience,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        batch_size=config.batch_size,
-        val_fraction=config.val_fraction,
-        split_seed=config.seed,
-    ).fit(*_refine_inputs(train), targets.remaining, targets.events, progress=progress)
+    """The chosen refinement candidate (by CV when ``config.refine == "auto"``), its calibration and
+    the selection record."""
+    from dwise_predict.training.select import cross_validate, fit_candidate
+
+    def make_ensemble() -> SurvivalEnsemble:
+        return SurvivalEnsemble(
+            width=config.width,
+            dropout=config.dropout,
+            seeds=config.seeds,
+            max_epochs=config.max_epochs,
+            patience=config.patience,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            batch_size=config.batch_size,
+            val_fraction=config.val_fraction,
+            split_seed=config.seed,
+        )
+
+    inputs = _refine_inputs(train)
+    if config.refine == "auto":
+        selection = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble, config.cv_folds,
+                                   config.seed)
+    else:
+        selection = {"mode": "fixed", "candidates": {}, "chosen": config.refine}
+    ensemble, inner = fit_candidate(selection["chosen"], inputs, targets.remaining, targets.events, make_ensemble,
+                                    progress, groups=train.requests["category"].astype(str).to_numpy())
+    selection.update(inner)
     # Calibrate on every finished training request (as seed 000 does). Measured on synthetic traces:
     # with 3,000 training requests the eval median ratio lands at 0.96-1.03; fitting only on the
     # validation part (never seen by the weights) was noisier there (0.89-1.05), though with ~700
@@ -136,7 +151,7 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
     done = targets.events
     raw = ensemble.predict_raw(*(a[done] for a in _refine_inputs(train)))
     calibrator = IsotonicCalibrator(statistic=config.calibration, fitted_on="train").fit(raw, targets.remaining[done])
-    return ensemble, calibrator
+    return ensemble, calibrator, selection
 
 
 @contextmanager
@@ -178,6 +193,7 @@ def evaluate_predictors(predictors: Predictors, eval_ds: TraceDataset, bootstrap
     return {
         "n_train": int(predictors.n_train),
         "n_eval": int(len(eval_ds)),
+        "refine_candidate": predictors.ensemble.candidate,
         "admission": M.rank_summary(admission[done], targets.total[done], categories[done], bootstrap, seed),
         "refined": refined,
         "refined_raw": {

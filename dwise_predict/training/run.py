@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from dwise_predict.admission.model import AdmissionModel
-from dwise_predict.errors import InputError, TraceError
+from dwise_predict.errors import ConfigError, InputError, TraceError
 from dwise_predict.files import atomic_dir, claim_output
 from dwise_predict.runs import RUN_MARKER, RunFiles, load_run
 from dwise_predict.survival.calibration import IsotonicCalibrator
@@ -51,13 +51,47 @@ def train_run(
         if len(eval_ds) == 0:
             raise TraceError("the traces have no 'eval' split: collect with an eval fraction, or mark some requests eval")
 
+        train = exclude_categories(ds, train, config.exclude)
+
         predictors = fit_predictors(train, config, progress)
         with torch_threads(config.num_threads):
             metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
+        if config.exclude:
+            metrics["excluded"] = _excluded_summary(metrics, config.exclude, len(ds.split("train")) - len(train))
 
         with atomic_dir(out) as tmp:
             write_run(tmp, ds, predictors, metrics, config)
     return metrics
+
+
+def exclude_categories(ds: TraceDataset, train: TraceDataset, exclude) -> TraceDataset:
+    """``train`` without the requests of the ``exclude`` categories (``train --exclude``); ConfigError
+    names an unknown category (against every category of ``ds``) or an exclusion that leaves nothing."""
+    if not exclude:
+        return train
+    known = sorted(set(ds.requests["category"].astype(str)))
+    unknown = [c for c in exclude if c not in known]
+    if unknown:
+        raise ConfigError(f"--exclude {', '.join(unknown)}: no such category in the traces; known: {', '.join(known)}")
+    kept = train.subset(~train.requests["category"].astype(str).isin(list(exclude)).to_numpy())
+    if len(kept) < 8:
+        raise ConfigError(f"--exclude {', '.join(exclude)} leaves {len(kept)} training requests: exclude fewer categories")
+    return kept
+
+
+def _excluded_summary(metrics: dict, exclude, n_removed: int) -> dict:
+    """What the eval split says about the categories left out of training (held out: never seen)."""
+    def mean(block: str):
+        values = [metrics[block]["per_category"].get(c) for c in exclude]
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "categories": list(exclude),
+        "n_train_removed": int(n_removed),
+        "admission_within_category_held_out": mean("admission"),
+        "refined_within_category_held_out": mean("refined"),
+    }
 
 
 def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict, config: TrainConfig) -> None:
@@ -68,6 +102,7 @@ def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict
     (run / "refine.safetensors").write_bytes(save(predictors.ensemble.state()))  # a full disk: OSError, not SafetensorError
     _write_json(run / "refine.json", predictors.ensemble.spec())
     _write_json(run / "calibration.json", predictors.calibrator.to_json())
+    _write_json(run / "candidates.json", predictors.selection)
     _write_json(run / "curves.json", {"members": predictors.ensemble.history_})
     _plot_curves(predictors.ensemble.history_, run / "curves.png")
     _write_json(run / "metrics.json", metrics)
@@ -105,7 +140,8 @@ def _plot_curves(history: list[dict], path: Path) -> None:
     ax.set_xlabel("epoch")
     ax.set_ylabel("logistic-hazard NLL")
     ax.set_title("Survival ensemble training (vertical lines: kept epoch)")
-    ax.legend(fontsize=7)
+    if history:  # the ridge candidate has no training curves
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
@@ -126,4 +162,13 @@ def load_predictors(run: str | os.PathLike | RunFiles) -> Predictors:
         SurvivalEnsemble.from_state(weights, run.refine_spec),
         IsotonicCalibrator.from_json(run.calibration),
         int(run.metrics.get("n_train", 0)),
+        _read_selection(run.path),
     )
+
+
+def _read_selection(path: Path) -> dict:
+    """candidates.json when the run has one (runs written before candidates existed do not)."""
+    try:
+        return json.loads((path / "candidates.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,310 @@
+"""Ablations as tables: which inputs, how much training data and which seeds the refinement needs.
+
+Each ablation retrains the refinement predictor on the training split under several settings and
+scores the calibrated estimate on the evaluation split (finished requests): ρ over all requests and
+mean within-category ρ, each with a 95 % bootstrap interval (requests resampled inside their
+category, so every resample keeps the category mix), and the difference to the reference row (the
+paper's calibrated survival ensemble on the full bundle input) with a *paired* bootstrap interval:
+a difference whose interval contains 0 is reported as inside the noise.
+
+- ``inputs`` — the bundle input ``[h1, prompt tokens, budget]``, ``h1`` alone, prompt tokens and
+  budget alone, and the pooled last prompt block instead of ``h1``; for the ``survival`` and
+  ``ridge`` candidates. Rows marked "not a bundle input" (admission's prompt features, seed 001's
+  early signals) are for comparison only: contract 2 gives the refinement graph only
+  ``first_round``, ``prompt_tokens`` and ``budget``, so no shipped candidate can use them.
+- ``train-size`` — 25 %, 50 % and 100 % of the training split (drawn per category with the seed).
+- ``seeds`` — five training seeds (``seed .. seed + 4``): per-seed values, mean ± sd (seed 000,
+  Table 10), for ``survival``, ``ridge`` (deterministic: sd 0 is its honest answer) and ``auto``
+  (the CV choice, recorded per seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from scipy import stats
+
+from dwise_predict.errors import InputError
+from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
+from dwise_predict.evaluation.pool import fit
+from dwise_predict.traces import TraceDataset
+
+KINDS = ("inputs", "train-size", "seeds")
+REFERENCE = "survival, h1 + prompt tokens + budget"  # the inputs ablation's reference row
+N_BOOT = 1000
+TRAIN_FRACTIONS = (0.25, 0.5, 1.0)
+N_SEEDS = 5
+
+
+# --- bootstrap --------------------------------------------------------------------------------------
+
+
+def _rho_rows(pred: np.ndarray, true: np.ndarray) -> np.ndarray:
+    """Spearman ρ of each row of (B, n) arrays (average ranks); NaN where a side is constant."""
+    rp = stats.rankdata(pred, axis=1)
+    rt = stats.rankdata(true, axis=1)
+    rp -= rp.mean(axis=1, keepdims=True)
+    rt -= rt.mean(axis=1, keepdims=True)
+    denom = np.sqrt((rp * rp).sum(axis=1) * (rt * rt).sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denom > 0, (rp * rt).sum(axis=1) / np.where(denom > 0, denom, 1.0), np.nan)
+
+
+def stratified_indices(categories: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """(n_boot, n) resampled request indices, each category resampled within itself."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((n_boot, categories.size), dtype=np.int64)
+    for cat in sorted(set(categories)):
+        where = np.flatnonzero(categories == cat)
+        out[:, where] = where[rng.integers(0, where.size, size=(n_boot, where.size))]
+    return out
+
+
+def rank_scores(pred, true, categories, idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """ρ overall and mean within-category ρ: on the data (idx None, arrays of shape (1,)) or on each
+    resample of ``idx`` (arrays of shape (n_boot,))."""
+    pred, true = np.asarray(pred, float), np.asarray(true, float)
+    idx = np.arange(pred.size)[None, :] if idx is None else idx
+    overall = _rho_rows(pred[idx], true[idx])
+    per = []
+    for cat in sorted(set(categories)):
+        cols = np.flatnonzero(categories == cat)
+        if cols.size >= 3:
+            sub = idx[:, cols]
+            per.append(_rho_rows(pred[sub], true[sub]))
+    import warnings
+
+    with warnings.catch_warnings():  # a resample where no category has a defined ρ: NaN, dropped later
+        warnings.simplefilter("ignore", RuntimeWarning)
+        within = np.nanmean(np.stack(per), axis=0) if per else np.full(idx.shape[0], np.nan)
+    return overall, within
+
+
+def _ci(values: np.ndarray) -> list[float] | None:
+    values = values[np.isfinite(values)]
+    return None if values.size == 0 else [float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))]
+
+
+def _num(x) -> float | None:
+    x = float(np.asarray(x).ravel()[0])
+    return x if np.isfinite(x) else None
+
+
+def score_rows(rows: list[dict], preds: dict[str, np.ndarray], true, categories, reference: str, n_boot: int,
+               seed: int) -> dict:
+    """Add ρ, within-category ρ, their intervals and the paired difference to ``reference`` to each row;
+    returns the table dict with the best bundle row and the verdict."""
+    idx = stratified_indices(categories, n_boot, seed)
+    boot = {name: rank_scores(p, true, categories, idx) for name, p in preds.items()}
+    ref = boot.get(reference)
+    ref_point = [_num(v) for v in rank_scores(preds[reference], true, categories)] if ref is not None else None
+    for row in rows:
+        name = row["name"]
+        overall, within = (_num(v) for v in rank_scores(preds[name], true, categories))
+        row.update(spearman=overall, within_category_mean=within,
+                   spearman_ci=_ci(boot[name][0]), within_category_ci=_ci(boot[name][1]))
+        if ref is not None:
+            row["delta_vs_reference"] = {
+                "spearman": _diff(overall, ref_point[0]),
+                "spearman_ci": _ci(boot[name][0] - ref[0]),
+                "within_category_mean": _diff(within, ref_point[1]),
+                "within_category_ci": _ci(boot[name][1] - ref[1]),
+            }
+    return {"rows": rows, "reference": reference, "n_boot": n_boot, "verdict": verdict(rows, reference)}
+
+
+def _diff(a, b):
+    return None if a is None or b is None else a - b
+
+
+def verdict(rows: list[dict], reference: str) -> dict:
+    """The best bundle row by within-category ρ (ties: overall ρ), its margin over the reference and
+    whether that margin lies inside the paired bootstrap noise (its 95 % interval contains 0)."""
+    bundle = [r for r in rows if r.get("bundle", True) and r["within_category_mean"] is not None]
+    if not bundle:
+        return {"best": None, "text": "no bundle row has a defined within-category ρ"}
+    best = max(bundle, key=lambda r: (r["within_category_mean"], r["spearman"] or -1))
+    delta = best.get("delta_vs_reference") or {}
+    ci = delta.get("within_category_ci")
+    inside = ci is None or ci[0] <= 0.0 <= ci[1]
+    if best["name"] == reference:
+        text = f"the reference ({reference}) is the best bundle row (within-category ρ {fmt(best['within_category_mean'])})"
+    else:
+        text = (f"best bundle row: {best['name']}, within-category ρ {fmt(best['within_category_mean'])}, "
+                f"{fmt(delta.get('within_category_mean'))} over the reference (paired 95% interval "
+                f"{_interval(ci)}): " + ("inside the bootstrap noise" if inside else "outside the bootstrap noise"))
+    return {"best": best["name"], "delta_within": delta.get("within_category_mean"), "delta_within_ci": ci,
+            "inside_interval": bool(inside), "text": text}
+
+
+def _interval(ci) -> str:
+    return "n/a" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
+# --- the ablations ------------------------------------------------------------------------------------
+
+
+def _variant(ds: TraceDataset, hidden: str = "first_round", side: bool = True) -> TraceDataset:
+    """``ds`` with the refinement input swapped: ``hidden`` "first_round", "prompt_last" or "none"
+    (zeros: a constant column carries nothing); ``side`` False makes prompt tokens and budget constant
+    for the refinement (the admission model is not scored here)."""
+    requests = ds.requests
+    if not side:
+        requests = requests.assign(prompt_tokens=1, budget=1)
+    first = {"first_round": ds.first_round, "prompt_last": ds.prompt_last,
+             "none": np.zeros_like(ds.first_round)}[hidden]
+    return TraceDataset(requests, first, ds.prompt_last, ds.manifest, ds.path)
+
+
+def _refined(train: TraceDataset, eval_ds: TraceDataset, config) -> tuple[np.ndarray, str]:
+    predictors = fit(train, config)
+    return np.asarray(predictors.refined_remaining(eval_ds), float), predictors.ensemble.candidate
+
+
+def _subsample(train: TraceDataset, fraction: float, seed: int) -> TraceDataset:
+    if fraction >= 1.0:
+        return train
+    rng = np.random.default_rng(seed)
+    cats = train.requests["category"].astype(str).to_numpy()
+    keep = np.zeros(len(train), dtype=bool)
+    for cat in sorted(set(cats)):
+        where = np.flatnonzero(cats == cat)
+        keep[rng.choice(where, size=max(2, int(round(fraction * where.size))), replace=False)] = True
+    return train.subset(keep)
+
+
+def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot: int = N_BOOT,
+           log: Callable[[str], None] | None = None) -> dict:
+    """Run one ablation (``kind`` in :data:`KINDS`); ``eval_ds`` should hold finished requests only.
+
+    Returns ``{"kind", "rows": [{"name", "candidate", "inputs", "bundle", "n_train", "spearman",
+    "spearman_ci", "within_category_mean", "within_category_ci", "delta_vs_reference"}, ...],
+    "reference", "verdict", ...}``.
+    """
+    from dwise_predict.evaluation.baselines import early_signal_predictions
+
+    log = log or (lambda message: None)
+    if kind not in KINDS:
+        raise InputError(f"unknown ablation {kind!r}: choose from {', '.join(KINDS)}")
+    true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
+    cats = eval_ds.requests["category"].astype(str).to_numpy()
+    rows: list[dict] = []
+    preds: dict[str, np.ndarray] = {}
+
+    def add(name: str, pred: np.ndarray, **fields) -> None:
+        rows.append({"name": name, **fields})
+        preds[name] = pred
+
+    extra: dict = {}
+    if kind == "inputs":
+        settings = [("h1 + prompt tokens + budget", "first_round", True), ("h1 only", "first_round", False),
+                    ("prompt tokens + budget only", "none", True),
+                    ("last prompt block + prompt tokens + budget", "prompt_last", True)]
+        for candidate in ("survival", "ridge"):
+            for label, hidden, side in settings:
+                log(f"  ablation inputs: {candidate}, {label}")
+                pred, _ = _refined(_variant(train, hidden, side), _variant(eval_ds, hidden, side),
+                                   dataclasses.replace(config, refine=candidate))
+                add(f"{candidate}, {label}", pred, candidate=candidate, inputs=label, bundle=True, n_train=len(train))
+        early = early_signal_predictions(train, eval_ds, config.seed)["all four"]
+        add("early signals (all four), LightGBM", early, candidate="-", inputs="seed 001's four early signals",
+            bundle=False, n_train=len(train))
+    elif kind == "train-size":
+        for fraction in TRAIN_FRACTIONS:
+            sub = _subsample(train, fraction, config.seed)
+            for candidate in ("survival", "ridge"):
+                log(f"  ablation train-size: {candidate}, {fraction:.0%} ({len(sub)} requests)")
+                pred, _ = _refined(sub, eval_ds, dataclasses.replace(config, refine=candidate))
+                add(f"{candidate}, {fraction:.0%} of train", pred, candidate=candidate, inputs=f"{fraction:.0%} of the training split", bundle=True,
+                    n_train=len(sub))
+    else:  # seeds
+        per_seed: dict[str, list[dict]] = {}
+        for candidate in ("survival", "ridge", "auto"):
+            for s in range(config.seed, config.seed + N_SEEDS):
+                log(f"  ablation seeds: {candidate}, seed {s}")
+                pred, chosen = _refined(train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s))
+                add(f"{candidate}, seed {s}", pred, candidate=chosen if candidate == "auto" else candidate, inputs=f"seed {s}",
+                    bundle=True, n_train=len(train))
+                overall, within = rank_scores(pred, true, cats)
+                per_seed.setdefault(candidate, []).append(
+                    {"seed": s, "chosen": chosen, "spearman": _num(overall), "within_category_mean": _num(within)})
+        extra["summary"] = {c: _mean_sd(v) for c, v in per_seed.items()}
+    reference = {"inputs": REFERENCE, "train-size": "survival, 100% of train", "seeds": f"survival, seed {config.seed}"}[kind]
+    table = score_rows(rows, preds, true, cats, reference, n_boot, config.seed)
+    if kind == "seeds":
+        table["verdict"] = _seeds_verdict(extra["summary"])
+    return {"kind": kind, "n_eval": int(len(eval_ds)), "n_train": int(len(train)), **table, **extra}
+
+
+def _seeds_verdict(summary: dict) -> dict:
+    """Over seeds the comparison is of means: the best candidate's mean within-category ρ against the
+    reference's, and whether the gap exceeds the two seed spreads (sd) together."""
+    means = {c: s["within_category_mean"] for c, s in summary.items() if s["within_category_mean"]["mean"] is not None}
+    if not means:
+        return {"best": None, "text": "no candidate has a defined within-category ρ over seeds"}
+    best = max(means, key=lambda c: means[c]["mean"])
+    ref = means.get("survival")
+    if best == "survival" or ref is None:
+        return {"best": best, "text": f"over {N_SEEDS} seeds the best mean within-category ρ is {best}'s "
+                                      f"({_pm(means[best])})", "inside_interval": None}
+    gap = means[best]["mean"] - ref["mean"]
+    spread = (means[best]["sd"] or 0.0) + (ref["sd"] or 0.0)
+    inside = gap <= spread
+    return {"best": best, "delta_within": gap, "inside_interval": bool(inside),
+            "text": f"over {N_SEEDS} seeds {best} ranks within categories at {_pm(means[best])} against the "
+                    f"survival ensemble's {_pm(ref)}: {gap:+.3f}, "
+                    + ("within the seed spread" if inside else "larger than both seed spreads together")}
+
+
+def _mean_sd(values: list[dict]) -> dict:
+    out = {"seeds": values}
+    for key in ("spearman", "within_category_mean"):
+        v = np.array([x[key] for x in values if x[key] is not None], float)
+        out[key] = {"mean": float(v.mean()) if v.size else None, "sd": float(v.std(ddof=1)) if v.size > 1 else None}
+    return out
+
+
+# --- rendering ------------------------------------------------------------------------------------------
+
+
+def _ci_text(ci) -> str:
+    return "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def ablation_table(result: dict) -> Table:
+    cols = ["setting", "candidate", "n train", "ρ", "95% CI", "within-category ρ", "95% CI",
+            "Δ within vs reference", "paired 95% CI"]
+    rows = []
+    for r in result["rows"]:
+        d = r.get("delta_vs_reference") or {}
+        rows.append([r["name"] + ("" if r.get("bundle", True) else " (not a bundle input)"), str(r["candidate"]),
+                     str(r["n_train"]), fmt(r["spearman"]), _ci_text(r["spearman_ci"]),
+                     fmt(r["within_category_mean"]), _ci_text(r["within_category_ci"]),
+                     fmt(d.get("within_category_mean")), _interval(d.get("within_category_ci")).strip("n/a")])
+    return Table(cols, rows, f"Ablation: {result['kind']} (evaluation split, {result['n_eval']} finished requests; "
+                             f"reference: {result['reference']})")
+
+
+def ablation_document(results: list[dict]) -> Document:
+    sections = []
+    for result in results:
+        from dwise_predict.evaluation.plots import ablation_bars
+
+        kind = result["kind"]
+        blocks: list = [result["verdict"]["text"] + ".", ablation_table(result),
+                        Figure(f"ablation_{kind.replace('-', '_')}", ablation_bars(result["rows"], f"Ablation: {kind}"),
+                               "ρ overall and mean within-category ρ per setting, with 95% bootstrap intervals.")]
+        if "summary" in result:
+            summary = Table(["candidate", "ρ mean ± sd", "within-category ρ mean ± sd", "chosen per seed"], [
+                [c, _pm(s["spearman"]), _pm(s["within_category_mean"]), ", ".join(str(x["chosen"]) for x in s["seeds"])]
+                for c, s in result["summary"].items()
+            ], "Over seeds (seed 000, Table 10 style)")
+            blocks.append(summary)
+        sections.append(Section(f"Ablation: {result['kind']}", "", blocks))
+    return Document("dwise-predict: ablations", [], sections)
+
+
+def _pm(stat: dict) -> str:
+    return f"{fmt(stat['mean'])} ± {fmt(stat['sd'])}"

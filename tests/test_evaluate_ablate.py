@@ -1,0 +1,124 @@
+"""`evaluate --ablate inputs|train-size|seeds` and the "which predictor won" verdict.
+
+Known answer: in the synthetic traces the difficulty is seen only by the first-round hidden state,
+so within a category the rows without h1 rank near 0 and the rows with it well above.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from dwise_predict.cli import main
+from dwise_predict.evaluation.ablate import ablate, rank_scores, score_rows, stratified_indices
+from evaluate_helpers import fast_config, make_traces, write
+
+
+def test_paired_bootstrap_known_answers():
+    rng = np.random.default_rng(0)
+    cats = np.repeat(["a", "b", "c", "d"], 50)
+    true = rng.gamma(2.0, 5.0, cats.size)
+    preds = {"perfect": true.copy(), "same": true.copy(), "noise": rng.standard_normal(cats.size),
+             "good": true + rng.normal(0, 2.0, cats.size)}
+    rows = [{"name": n} for n in preds]
+    table = score_rows(rows, preds, true, cats, "perfect", 300, 0)
+    by = {r["name"]: r for r in table["rows"]}
+    assert by["perfect"]["spearman"] == pytest.approx(1.0) and by["perfect"]["within_category_ci"] == [1.0, 1.0]
+    assert by["same"]["delta_vs_reference"]["within_category_ci"] == [0.0, 0.0]
+    noise = by["noise"]["delta_vs_reference"]
+    assert noise["within_category_mean"] < -0.8 and noise["within_category_ci"][1] < 0  # clearly worse
+    lo, hi = by["good"]["within_category_ci"]
+    assert lo <= by["good"]["within_category_mean"] <= hi
+    assert table["verdict"]["best"] in ("perfect", "same")
+    # resampling stays inside each category
+    idx = stratified_indices(cats, 20, 1)
+    assert (cats[idx] == cats[None, :]).all()
+    overall, within = rank_scores(preds["good"], true, cats)
+    assert overall.shape == within.shape == (1,)
+
+
+@pytest.fixture(scope="module")
+def split():
+    ds = make_traces()
+    return ds.split("train"), ds.split("eval")
+
+
+def test_inputs_ablation_finds_the_signal_in_the_first_round_state(split):
+    train, ev = split
+    result = ablate("inputs", train, ev, fast_config(), n_boot=200)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert result["reference"] == "survival, h1 + prompt tokens + budget"
+    with_h1 = rows["ridge, h1 + prompt tokens + budget"]["within_category_mean"]
+    without = rows["ridge, prompt tokens + budget only"]["within_category_mean"]
+    assert with_h1 > 0.5 and with_h1 > without + 0.3
+    assert rows["ridge, h1 only"]["within_category_mean"] > 0.5
+    assert rows["early signals (all four), LightGBM"]["bundle"] is False  # not a contract-2 input
+    for r in result["rows"]:
+        assert r["n_train"] == len(train)
+        if r["within_category_mean"] is not None:
+            lo, hi = r["within_category_ci"]
+            assert lo - 1e-9 <= r["within_category_mean"] <= hi + 1e-9
+    verdict = result["verdict"]
+    assert verdict["best"] in rows and rows[verdict["best"]]["bundle"]
+    assert ("noise" in verdict["text"]) if verdict["best"] != result["reference"] else ("reference" in verdict["text"])
+
+
+def test_train_size_and_seeds_ablations(split):
+    train, ev = split
+    sizes = ablate("train-size", train, ev, fast_config(), n_boot=100)
+    n = {r["name"]: r["n_train"] for r in sizes["rows"]}
+    assert n["ridge, 25% of train"] < n["ridge, 50% of train"] < n["ridge, 100% of train"] == len(train)
+    assert sizes["reference"] == "survival, 100% of train"
+    seeds = ablate("seeds", train, ev, fast_config(), n_boot=100)
+    summary = seeds["summary"]
+    assert set(summary) == {"survival", "ridge", "auto"}
+    assert summary["ridge"]["within_category_mean"]["sd"] == pytest.approx(0.0)  # ridge has no seed
+    assert len(summary["auto"]["seeds"]) == 5
+    assert all(s["chosen"] in ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca") for s in summary["auto"]["seeds"])
+    assert "seeds" in seeds["verdict"]["text"]
+
+
+def test_cli_ablate_writes_tables_and_the_report_names_the_winner(tmp_path, capsys):
+    traces = write(make_traces(), tmp_path / "t")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 100}))
+    out = tmp_path / "eval"
+    assert main(["evaluate", str(traces), "--out", str(out), "--config", str(config), "--jobs", "1",
+                 "--ablate", "inputs"]) == 0
+    capsys.readouterr()
+    table = json.loads((out / "ablation_inputs.json").read_text())
+    assert table["kind"] == "inputs" and len(table["rows"]) == 9
+    assert (out / "ablations.md").is_file() and (out / "ablations.html").is_file()
+    assert (out / "plots" / "ablation_inputs.png").stat().st_size > 1000
+    result = json.loads((out / "evaluation.json").read_text())
+    winner = result["winner"]
+    assert winner["candidate"] == result["metrics"]["refine_candidate"]
+    assert winner["within_category"]["best_baseline"] != "refinement predictor (shipped)"
+    assert isinstance(winner["within_category"]["inside_interval"], bool)
+    report = (out / "report.md").read_text()
+    assert "the shipped refinement predictor (candidate" in report and "paired 95% interval" in report
+    assert "Ablation: inputs" in report
+    assert main(["evaluate", str(traces), "--out", str(out), "--ablate", "layers"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ablate layers" in err[0]
+
+
+def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_path, capsys):
+    a = make_traces(seed=1)
+    b = make_traces(seed=2)
+    b.manifest["model"] = {**b.manifest["model"], "name": "other-model", "config_hash": "other"}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    out = tmp_path / "table"
+    args = ["evaluate", str(write(a, tmp_path / "a")), str(write(b, tmp_path / "b")), "--across", "--out", str(out),
+            "--config", str(config)]
+    assert main(args + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["model"] for r in result["rows"]][1].startswith("other-model")
+    assert len(result["rows"]) == 2 and (out / "across.md").is_file()
+    for r in result["rows"]:
+        assert r["candidate"] in ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca")
+        assert r["refined"]["within_category_mean"] > r["admission"]["within_category_mean"]  # h1 sees difficulty
+        assert set(r["cv"]) == {"survival", "ridge", "survival+ridge", "ridge-within", "survival-pca"}
+    assert main(args + ["--loco"]) == 1
+    assert "drop --loco" in capsys.readouterr().err

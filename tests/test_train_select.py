@@ -1,0 +1,263 @@
+"""`train --exclude`, the refinement candidates and their choice by grouped cross-validation.
+
+Synthetic traces (make_synthetic_traces): remaining rounds follow a geometric law whose log-mean is
+linear in a latent difficulty that only the first-round hidden state sees, so a linear head on the
+standardised state is the right model and must be found; prompt features cannot see it.
+"""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dwise_predict import metrics as M
+from dwise_predict.cli import main
+from dwise_predict.errors import ConfigError
+from dwise_predict.survival.linear import RidgeHead, blend
+from dwise_predict.survival.ensemble import SurvivalEnsemble
+from dwise_predict.traces import load_traces, write_traces
+from dwise_predict.traces.synthetic import make_synthetic_traces
+from dwise_predict.training import Targets, TrainConfig, load_predictors, train_run
+from dwise_predict.training.select import CANDIDATES, grouped_folds
+
+torch.set_num_threads(1)
+FAST = dict(width=16, members=2, max_epochs=8, patience=3, bootstrap=20, num_threads=1)
+
+
+def inputs(ds):
+    r = ds.requests
+    return ds.first_round, r["prompt_tokens"].to_numpy(np.float32), r["budget"].to_numpy(np.float32)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    path = tmp_path_factory.mktemp("traces") / "syn"
+    write_traces(make_synthetic_traces(600, 24, difficulty_scale=1.2, seed=3), path)
+    return path
+
+
+# --- train --exclude ----------------------------------------------------------------------------
+
+
+def test_exclude_trains_without_the_categories_and_records_them(traces, tmp_path, monkeypatch):
+    import dwise_predict.training.run as run_module
+
+    seen = {}
+    real = run_module.fit_predictors
+
+    def spy(train, config, progress=None):
+        seen["categories"] = set(train.requests["category"])
+        seen["n"] = len(train)
+        return real(train, config, progress)
+
+    monkeypatch.setattr(run_module, "fit_predictors", spy)
+    ds = load_traces(traces)
+    metrics = train_run(traces, tmp_path / "run", TrainConfig(**FAST, refine="ridge", exclude=("mcq", "code")))
+    train = ds.split("train").requests
+    assert "mcq" not in seen["categories"] and "code" not in seen["categories"]
+    assert seen["categories"] == set(train["category"]) - {"mcq", "code"}
+    assert metrics["n_train"] == seen["n"] == int((~train["category"].isin(["mcq", "code"])).sum())
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["exclude"] == ["mcq", "code"]
+    # the eval split keeps the excluded categories, reported as held out
+    excluded = metrics["excluded"]
+    assert excluded["categories"] == ["mcq", "code"]
+    assert excluded["n_train_removed"] == int(train["category"].isin(["mcq", "code"]).sum())
+    assert "mcq" in metrics["refined"]["per_category"]
+    held = [metrics["refined"]["per_category"][c] for c in ("mcq", "code")]
+    assert excluded["refined_within_category_held_out"] == pytest.approx(sum(held) / 2)
+    # the hidden state still ranks an unseen category (a linear direction shared by all categories)
+    assert excluded["refined_within_category_held_out"] > excluded["admission_within_category_held_out"] + 0.2
+    # the recorded config retrains the same run
+    again = train_run(traces, tmp_path / "again", TrainConfig.from_file(tmp_path / "run" / "config.json"))
+    assert again == metrics
+
+
+def test_exclude_errors_are_one_line(traces, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="no such category in the traces; known: chat, code"):
+        train_run(traces, tmp_path / "r", TrainConfig(**FAST, exclude=("poetry",)))
+    assert not (tmp_path / "r").exists()
+    assert main(["train", str(traces), "--out", str(tmp_path / "r"), "--exclude", "poetry", "--exclude", "mcq"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--exclude poetry" in err[0] and "known:" in err[0]
+    everything = ["--exclude", "chat", "--exclude", "instruction", "--exclude", "code", "--exclude", "math",
+                  "--exclude", "multilingual_math", "--exclude", "mcq", "--exclude", "hard_mcq"]
+    assert main(["train", str(traces), "--out", str(tmp_path / "r"), *everything, "--exclude", "long_context"]) == 1
+    assert "leaves 0 training requests" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_exclude_is_repeatable_and_recorded(traces, tmp_path, capsys):
+    args = ["train", str(traces), "--out", str(tmp_path / "run"), "--exclude", "mcq", "--exclude", "chat",
+            "--refine", "ridge", "--max-epochs", "2", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["excluded"]["categories"] == ["mcq", "chat"]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["exclude"] == ["mcq", "chat"]
+
+
+# --- candidates -----------------------------------------------------------------------------------
+
+
+def test_gelu_pair_is_exactly_linear_so_the_ridge_member_ranks_like_the_ridge():
+    z = torch.linspace(-30, 30, 2001, dtype=torch.float64)
+    assert torch.allclose(F.gelu(z) - F.gelu(-z), z, atol=1e-12)
+    ds = make_synthetic_traces(500, 24, seed=5)
+    train, ev = ds.split("train"), ds.split("eval")
+    ridge = RidgeHead().fit(*inputs(train), Targets.of(train).remaining)
+    score = ridge.score(*inputs(ev))
+    raw = ridge.ensemble().predict_raw(*inputs(ev))
+    assert M.spearman(score, raw) == pytest.approx(1.0, abs=1e-9)
+    assert np.all(np.diff(raw[np.argsort(score)]) >= 0)  # raw is increasing in the ridge score
+    # raw = E[min(Geometric, K)] with mean exp(z): close to exp(score) below the truncation
+    small = score < 2.0
+    np.testing.assert_allclose(raw[small], np.exp(score[small]), rtol=2e-3)
+    assert ridge.alpha_ in ridge.alphas and ridge.record()["loo_mse"] > 0
+
+
+def test_ridge_recovers_the_hidden_difficulty():
+    ds = make_synthetic_traces(3000, 32, seed=1)
+    train, ev = ds.split("train"), ds.split("eval")
+    ridge = RidgeHead().fit(*inputs(train), Targets.of(train).remaining)
+    remaining = Targets.of(ev).remaining
+    rho = M.spearman(ridge.ensemble().predict_raw(*inputs(ev)), remaining)
+    oracle = M.spearman(ev.requests["oracle_remaining"], remaining)
+    assert rho >= oracle - 0.03
+    # inside a category the score orders requests by the latent difficulty (the rest is category base)
+    within, _ = M.within_category(ridge.score(*inputs(ev)), ev.requests["difficulty"], ev.requests["category"])
+    assert within > 0.9
+
+
+def test_grouped_folds_keep_prompts_whole_and_every_category_in_every_fold():
+    ds = make_synthetic_traces(400, 8, seed=2)
+    fold = grouped_folds(ds, 3, seed=0)
+    assert set(fold) == {0, 1, 2}
+    r = ds.requests.assign(fold=fold)
+    assert (r.groupby("prompt")["fold"].nunique() == 1).all()
+    assert (r.groupby("category")["fold"].nunique() == 3).all()
+    np.testing.assert_array_equal(fold, grouped_folds(ds, 3, seed=0))
+
+
+def test_auto_picks_the_best_cv_candidate_and_records_every_score(traces, tmp_path):
+    metrics = train_run(traces, tmp_path / "run", TrainConfig(**FAST))
+    run = tmp_path / "run"
+    selection = json.loads((run / "candidates.json").read_text())
+    assert selection["mode"] == "cv" and selection["folds"] == 3
+    assert set(selection["candidates"]) == set(CANDIDATES)
+    assert len(CANDIDATES) == 5 and "ridge-within" in CANDIDATES
+    scores = {c: s["cv_within_category"] for c, s in selection["candidates"].items()}
+    assert selection["chosen"] == max(scores, key=scores.get)
+    # an 8-epoch, width-16 ensemble cannot match a linear head on a linear problem
+    assert selection["chosen"] != "survival" and scores[selection["chosen"]] > scores["survival"] + 0.05
+    assert json.loads((run / "refine.json").read_text())["candidate"] == selection["chosen"]
+    assert metrics["refine_candidate"] == selection["chosen"]
+    assert "alpha" in selection["ridge"]
+    ev = load_traces(traces).split("eval")
+    remaining = Targets.of(ev).remaining
+    oracle = M.spearman(ev.requests["oracle_remaining"], remaining)
+    assert metrics["refined"]["spearman"] >= oracle - 0.08
+    assert metrics["refined"]["within_category_mean"] > metrics["admission"]["within_category_mean"] + 0.3
+    assert 0.85 <= metrics["calibration"]["median_ratio_calibrated"] <= 1.15
+    # deterministic for a fixed seed
+    train_run(traces, tmp_path / "again", TrainConfig(**FAST))
+    for name in ("candidates.json", "refine.safetensors", "refine.json", "metrics.json", "calibration.json"):
+        assert (run / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+    # the run directory rebuilds the chosen candidate
+    loaded = load_predictors(run)
+    assert loaded.ensemble.candidate == selection["chosen"] and loaded.selection == selection
+
+
+def test_well_trained_reference_can_win(traces):
+    """Selection is by score, not a preference for the new heads: restrict the CV to the two
+    survival-based candidates and the chosen one is still the argmax of the recorded scores."""
+    from dwise_predict.training.select import cross_validate
+
+    ds = load_traces(traces).split("train")
+    t = Targets.of(ds)
+    make = lambda: SurvivalEnsemble(width=16, seeds=(0,), max_epochs=3, split_seed=0)  # noqa: E731
+    out = cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, candidates=("survival", "ridge"))
+    scores = {c: s["cv_within_category"] for c, s in out["candidates"].items()}
+    assert out["chosen"] == max(scores, key=scores.get)
+
+
+@pytest.mark.parametrize("candidate", ["ridge", "survival+ridge", "ridge-within", "survival-pca"])
+def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, candidate, capsys):
+    run, bundle = tmp_path / "run", tmp_path / "bundle"
+    train_run(traces, run, TrainConfig(**FAST, refine=candidate))
+    assert main(["export", str(run), "--out", str(bundle), "--name", "syn"]) == 0
+    assert main(["verify", str(bundle)]) == 0
+    capsys.readouterr()
+    ev = load_traces(traces).split("eval")
+    first_round, tokens, budget = inputs(ev)
+    expected = load_predictors(run).refined_remaining(ev)
+    session = ort.InferenceSession(str(bundle / "refine.onnx"))
+    assert [i.name for i in session.get_inputs()] == ["first_round", "prompt_tokens", "budget"]
+    assert [o.name for o in session.get_outputs()] == ["remaining_rounds"]
+    onnx_out = session.run(None, {"first_round": first_round, "prompt_tokens": tokens, "budget": budget})[0]
+    scripted = torch.jit.load(str(bundle / "refine.pt"))
+    with torch.no_grad():
+        ts_out = scripted(torch.from_numpy(first_round), torch.from_numpy(tokens), torch.from_numpy(budget)).numpy()
+    np.testing.assert_allclose(onnx_out, expected, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(ts_out, expected, rtol=1e-3, atol=1e-3)
+    assert M.spearman(onnx_out, expected) > 0.999
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    assert manifest["inputs"]["refine"]["candidate"] == candidate
+    assert manifest["metrics"]["refine_candidate"] == candidate
+    card = (bundle / "README.md").read_text()
+    assert f"candidate: {candidate}" in card
+
+
+def test_blend_is_one_graph_of_equal_width_members():
+    ds = make_synthetic_traces(300, 16, seed=7)
+    tr = ds.split("train")
+    t = Targets.of(tr)
+    ens = SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=3).fit(*inputs(tr), t.remaining, t.events)
+    ridge = RidgeHead().fit(*inputs(tr), t.remaining, t.events, like=ens)
+    both = blend(ens, ridge)
+    assert both.spec()["members"] == 3 and both.spec()["width"] == 16 and both.candidate == "survival+ridge"
+    ev = ds.split("eval")
+    expected = (2 * ens.predict_raw(*inputs(ev)) + ridge.ensemble().predict_raw(*inputs(ev))) / 3
+    np.testing.assert_allclose(both.predict_raw(*inputs(ev)), expected, rtol=1e-5)
+    with pytest.raises(Exception, match="like="):
+        blend(ens, RidgeHead().fit(*inputs(tr), t.remaining, t.events))
+
+
+def test_config_rejects_unknown_refine_and_too_few_folds():
+    with pytest.raises(ConfigError, match="refine must be one of auto.*cv_folds must be >= 2"):
+        TrainConfig(refine="xgboost", cv_folds=1).check()
+    assert TrainConfig.from_dict({"exclude": ["mcq"]}).exclude == ("mcq",)
+    assert TrainConfig(exclude=["a", "b"]).to_dict()["exclude"] == ["a", "b"]
+
+
+def test_ridge_within_transfers_to_a_held_out_category():
+    ds = make_synthetic_traces(800, 32, difficulty_scale=1.0, seed=1)
+    tr, ev = ds.split("train"), ds.split("eval")
+    seen = tr.subset(tr.requests["category"].to_numpy() != "mcq")
+    held = ev.subset(ev.requests["category"].to_numpy() == "mcq")
+    t = Targets.of(seen)
+    within = RidgeHead().fit(*inputs(seen), t.remaining, t.events, groups=seen.requests["category"].to_numpy())
+    plain = RidgeHead().fit(*inputs(seen), t.remaining, t.events)
+    truth = Targets.of(held).remaining
+    rho_within = M.spearman(within.ensemble().predict_raw(*inputs(held)), truth)
+    rho_plain = M.spearman(plain.ensemble().predict_raw(*inputs(held)), truth)
+    assert rho_within > 0.6 and rho_within >= rho_plain - 0.05  # a category never seen in training
+    assert within.ensemble().candidate == "ridge-within" and "alpha_within" in within.record()
+
+
+def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
+    from dwise_predict.survival.linear import fit_pca_survival
+
+    ds = make_synthetic_traces(400, 48, seed=8)
+    tr, ev = ds.split("train"), ds.split("eval")
+    t = Targets.of(tr)
+    make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=5, split_seed=0)  # noqa: E731
+    folded = fit_pca_survival(make, *inputs(tr), t.remaining, t.events, components=8)
+    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 50
+    x = folded.standardise(*inputs(ev)).double()
+    z = (x @ folded.projection_).float().numpy()
+    zeros = np.zeros(len(ev), np.float32)
+    np.testing.assert_allclose(folded.predict_raw(*inputs(ev)), folded.inner_.predict_raw(z, zeros, zeros),
+                               rtol=1e-4, atol=1e-4)
