@@ -152,7 +152,8 @@ def _variant(ds: TraceDataset, hidden: str = "first_round", side: bool = True) -
     for the refinement (the admission model is not scored here)."""
     requests = ds.requests
     if not side:
-        requests = requests.assign(prompt_tokens=1, budget=1)
+        # constant columns carry nothing; the budget stays one the traces' rounds fit under
+        requests = requests.assign(prompt_tokens=1, budget=int(requests["budget"].max()))
     first = {"first_round": ds.first_round, "prompt_last": ds.prompt_last,
              "none": np.zeros_like(ds.first_round)}[hidden]
     return TraceDataset(requests, first, ds.prompt_last, ds.manifest, ds.path)

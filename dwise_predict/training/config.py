@@ -20,6 +20,8 @@ def _fits(value, default) -> bool:
         return isinstance(default, bool)
     if isinstance(default, float):
         return isinstance(value, (int, float))
+    if isinstance(default, tuple):  # JSON has lists only
+        return isinstance(value, (list, tuple))
     return isinstance(value, type(default))
 
 
