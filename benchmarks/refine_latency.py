@@ -31,7 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dwise_predict.exports.refine_export import FusedRefineGraph, export_onnx, export_torchscript, quantize_int8
+from dwise_predict.exports.refine_export import (
+    INPUT_NAMES,
+    FusedRefineGraph,
+    export_onnx,
+    export_torchscript,
+    quantize_int8,
+)
 
 HIDDEN = 2048
 BATCHES = (1, 16, 128)
@@ -48,14 +54,15 @@ def build_graph(random: bool, workdir: Path, seed: int = 0):
         evaluation.first_round.astype(np.float32),
         evaluation.requests["prompt_tokens"].to_numpy(np.float32),
         evaluation.requests["budget"].to_numpy(np.float32),
+        evaluation.early_signals,
     )
     if random:
         from dwise_predict.survival.network import HazardMLP, build_refine_graph, refine_state
 
         torch.manual_seed(seed)
-        members = [HazardMLP(HIDDEN + 2, 256).eval() for _ in range(3)]
-        state = refine_state(members, torch.zeros(HIDDEN + 2), torch.ones(HIDDEN + 2))
-        spec = dict(in_features=HIDDEN + 2, num_rounds=256, width=256, members=3, prompt_norm=100.0, budget_norm=256.0)
+        members = [HazardMLP(HIDDEN + 5, 256).eval() for _ in range(3)]
+        state = refine_state(members, torch.zeros(HIDDEN + 5), torch.ones(HIDDEN + 5))
+        spec = dict(in_features=HIDDEN + 5, num_rounds=256, width=256, members=3, prompt_norm=100.0, budget_norm=256.0)
         return build_refine_graph(state, spec, {"x": [0.0, 50.0, 256.0], "y": [0.0, 40.0, 255.0]}), inputs, "random"
     from safetensors.torch import load_file
 
@@ -130,7 +137,7 @@ def main() -> None:
             "ort fused basic-opt": ort_session(tmp / "fused.onnx", "basic"),
             "ort fused int8": ort_session(tmp / "fused_int8.onnx"),
         }
-        names = ("first_round", "prompt_tokens", "budget")
+        names = INPUT_NAMES
 
         def torch_fn(module, x):
             def run():

@@ -1,6 +1,6 @@
 """Which fields of a manifest's ``model`` and ``decoding`` blocks decide compatibility.
 
-One home for the key sets that the trace store (may two collections be merged or resumed into one
+One home for the names that traces and bundles must agree on: the key sets that the trace store (may two collections be merged or resumed into one
 another?) and the serving bundle (was this predictor trained for the served model?) compare.
 ``path`` and ``name`` are left out on purpose: the same weights may sit in different directories
 under different names on different machines. Standard library only (the serving side imports it).
@@ -17,6 +17,9 @@ DECODING_KEYS = ("algorithm", "algorithm_config", "block_size", "budget", "dtype
 # set the round units; the output budget is an input of the refinement predictor, so a bundle serves
 # any budget, and the served dtype is the server's business
 BUNDLE_DECODING_KEYS = ("algorithm", "algorithm_config", "block_size", "engine")
+# the first denoising round's early signals: request columns of a trace (contract 1) and, in this
+# order, the columns of the refinement graph's ``early_signals`` input (contract 2)
+EARLY_SIGNALS = ("frac_over_threshold", "mean_confidence", "mean_entropy")
 
 
 def identity(section: dict | None, keys: tuple[str, ...]) -> dict:

@@ -11,8 +11,8 @@ training and exports, because exports must not import the training stack::
       admission.txt       LightGBM text model, target log1p(total_rounds), features words, newlines,
                           prompt_tokens
       admission.json      {"features", "target", "params"}
-      refine.safetensors  network.refine_state(...): input_mean, input_std [H+2], member{i}.fc1/fc2
-      refine.json         {"hidden_size", "in_features", "num_rounds", "width", "dropout", "members",
+      refine.safetensors  network.refine_state(...): input_mean, input_std [H+5], member{i}.fc1/fc2
+      refine.json         {"hidden_size", "early_signals", "in_features", "num_rounds", "width", "dropout", "members",
                            "seeds", "prompt_norm", "budget_norm", "target", "candidate"}
       calibration.json    {"x": [...], "y": [...], "fitted_on": "train", "statistic"}
       candidates.json     the refinement candidate search (training.select): CV scores, chosen candidate
@@ -41,7 +41,8 @@ REQUIRED_FILES = (
     "calibration.json",
 )
 RUN_MARKER = "refine.json"  # a directory holding it is a run: `train --overwrite` may replace it
-REFINE_SPEC_KEYS = ("hidden_size", "in_features", "num_rounds", "width", "members", "prompt_norm", "budget_norm")
+REFINE_SPEC_KEYS = ("hidden_size", "early_signals", "in_features", "num_rounds", "width", "members", "prompt_norm",
+                    "budget_norm")
 
 
 @dataclass
@@ -86,6 +87,9 @@ def load_run(path: str | Path) -> RunFiles:
     parsed = {name: _read_json(path / name) for name in ("config.json", "metrics.json", "refine.json", "calibration.json")}
     loco = _read_json(path / "loco.json") if (path / "loco.json").is_file() else None
     spec, calibration = parsed["refine.json"], parsed["calibration.json"]
+    if "early_signals" not in spec:
+        raise InputError(f"{path} was trained by an older dwise-predict whose refinement input lacks the early "
+                         "signals: re-run `dwise-predict train` on its traces")
     absent = [key for key in REFINE_SPEC_KEYS if not _is_number(spec.get(key))]
     if absent:
         raise InputError(f"{path / 'refine.json'} lacks numbers {', '.join(absent)}: re-run `dwise-predict train`")

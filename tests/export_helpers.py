@@ -29,12 +29,13 @@ def make_traces():
     return make_synthetic_traces(n_requests=400, hidden_size=HIDDEN, seed=0)
 
 
-def refine_inputs(ds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def refine_inputs(ds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     r = ds.requests
     return (
         ds.first_round.astype(np.float32),
         r["prompt_tokens"].to_numpy(np.float32),
         r["budget"].to_numpy(np.float32),
+        ds.early_signals,
     )
 
 
@@ -60,13 +61,13 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
 
     torch.manual_seed(seed)
     K = int(ds.requests["total_rounds"].max())
-    members = [HazardMLP(HIDDEN + 2, K, 256, 0.2).eval() for _ in range(3)]
-    h, p, b = refine_inputs(train)
-    x = np.concatenate([h, p[:, None] / 100.0, b[:, None] / 256.0], axis=1)
+    members = [HazardMLP(HIDDEN + 5, K, 256, 0.2).eval() for _ in range(3)]
+    h, p, b, signals = refine_inputs(train)
+    x = np.concatenate([h, p[:, None] / 100.0, b[:, None] / 256.0, signals], axis=1)
     mean, std = torch.tensor(x.mean(0)), torch.tensor(x.std(0) + 1e-3)
     state = refine_state(members, mean, std)
     save_file(state, str(path / "refine.safetensors"))
-    spec = {"hidden_size": HIDDEN, "in_features": HIDDEN + 2, "num_rounds": K, "width": 256, "dropout": 0.2,
+    spec = {"hidden_size": HIDDEN, "early_signals": 3, "in_features": HIDDEN + 5, "num_rounds": K, "width": 256, "dropout": 0.2,
             "members": 3, "seeds": [0, 1, 2], "prompt_norm": 100.0, "budget_norm": 256.0,
             "target": "remaining_rounds = total_rounds - 1 (after the first denoising round)"}
     (path / "refine.json").write_text(json.dumps(spec))

@@ -316,10 +316,13 @@ CASES = [
     Case("run-refine-spec-string", ["export", "{bad}", "--out", "{tmp}/b"], ("refine.json", "hidden_size"), json_in_copy("run", "refine.json", lambda s: {**s, "hidden_size": "16"})),
     Case("run-truncated-weights", ["export", "{bad}", "--out", "{tmp}/b"], ("refine.safetensors", "dwise-predict train"), file_in_copy("run", "refine.safetensors", b"\x08\x00")),
     Case("run-missing-metrics", ["export", "{bad}", "--out", "{tmp}/b"], ("lacks metrics.json",), removed_in_copy("run", "metrics.json")),
+    Case("run-before-early-signals", ["export", "{bad}", "--out", "{tmp}/b"], ("older dwise-predict", "early signals", "dwise-predict train"),
+         json_in_copy("run", "refine.json", lambda s: {k: v for k, v in s.items() if k != "early_signals"})),
     # bundles and zoos
     Case("verify-not-a-bundle", ["verify", "{foreign}"], ("is not a bundle", "dwise-predict export")),
     Case("verify-files-entry-malformed", ["verify", "{bad}"], ("'files' must map", "re-export"), resealed_bundle(lambda m: m["files"].update({"admission.txt": "abc"}))),
     Case("verify-files-not-object", ["verify", "{bad}"], ("'files' must map",), resealed_bundle(lambda m: m.update(files=[1]))),
+    Case("verify-schema-1-bundle", ["verify", "{bad}"], ("bundle schema 1", "early_signals", "re-export"), resealed_bundle(lambda m: m.update(schema_version=1))),
     Case("simulate-bundle-unlisted-file", ["simulate", "{traces}", "--bundle", "{bad}"], ("does not list (extra.onnx)", "re-export"), bundle_with_extra_file),
     Case("publish-version-newline", ["publish", "{bundle}", "--zoo", "{tmp}/z", "--version", "7\n"], ("--version", "letters, digits")),
     Case("publish-name-newline", ["publish", "{bundle}", "--zoo", "{tmp}/z", "--name", "tiny\n"], ("--name",)),

@@ -11,6 +11,7 @@ import pytest
 
 from dwise_predict.cli import main
 from dwise_predict.evaluation.ablate import ablate, rank_scores, score_rows, stratified_indices
+from dwise_predict.training.select import CANDIDATES
 from evaluate_helpers import fast_config, make_traces, write
 
 
@@ -47,12 +48,13 @@ def test_inputs_ablation_finds_the_signal_in_the_first_round_state(split):
     train, ev = split
     result = ablate("inputs", train, ev, fast_config(), n_boot=200)
     rows = {r["name"]: r for r in result["rows"]}
-    assert result["reference"] == "survival, h1 + prompt tokens + budget"
-    with_h1 = rows["ridge, h1 + prompt tokens + budget"]["within_category_mean"]
-    without = rows["ridge, prompt tokens + budget only"]["within_category_mean"]
+    assert result["reference"] == "survival, h1 + prompt tokens + budget + early signals"
+    # the synthetic traces' work lives in the hidden state; their early signals are noise
+    with_h1 = rows["ridge-within+signals, h1 + prompt tokens + budget + early signals"]["within_category_mean"]
+    without = rows["ridge-within+signals, prompt tokens + budget + early signals"]["within_category_mean"]
     assert with_h1 > 0.5 and with_h1 > without + 0.3
-    assert rows["ridge, h1 only"]["within_category_mean"] > 0.5
-    assert rows["early signals (all four), LightGBM"]["bundle"] is False  # not a contract-2 input
+    assert rows["ridge-within+signals, h1 + prompt tokens + budget"]["within_category_mean"] > 0.5
+    assert rows["early signals (all four), LightGBM"]["bundle"] is False  # a tree ensemble: not a contract-2 graph
     for r in result["rows"]:
         assert r["n_train"] == len(train)
         if r["within_category_mean"] is not None:
@@ -117,8 +119,8 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
     assert [r["model"] for r in result["rows"]][1].startswith("other-model")
     assert len(result["rows"]) == 2 and (out / "across.md").is_file()
     for r in result["rows"]:
-        assert r["candidate"] in ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca")
+        assert r["candidate"] in CANDIDATES
         assert r["refined"]["within_category_mean"] > r["admission"]["within_category_mean"]  # h1 sees difficulty
-        assert set(r["cv"]) == {"survival", "ridge", "survival+ridge", "ridge-within", "survival-pca"}
+        assert set(r["cv"]) == set(CANDIDATES)
     assert main(args + ["--loco"]) == 1
     assert "drop --loco" in capsys.readouterr().err

@@ -55,7 +55,9 @@ def test_manifest_shape_follows_contract(bundle, run):
     for key in ("hidden_size", "in_features", "num_rounds", "width", "dropout", "members", "seeds", "prompt_norm",
                 "budget_norm"):
         assert refine[key] == spec[key]
-    assert refine["tensors"] == {"first_round": ["B", HIDDEN], "prompt_tokens": ["B"], "budget": ["B"]}
+    assert refine["tensors"] == {"first_round": ["B", HIDDEN], "prompt_tokens": ["B"], "budget": ["B"],
+                                 "early_signals": ["B", 3]}
+    assert refine["early_signal_columns"] == ["frac_over_threshold", "mean_confidence", "mean_entropy"]
     assert refine["output"] == {"remaining_rounds": ["B"]}
     assert m["K"] == spec["num_rounds"]
     assert m["metrics"] == json.loads((run / "metrics.json").read_text())
@@ -74,6 +76,7 @@ def test_onnx_signatures_have_dynamic_batch_and_contract_names(bundle):
         ("first_round", ["B", HIDDEN], "tensor(float)"),
         ("prompt_tokens", ["B"], "tensor(float)"),
         ("budget", ["B"], "tensor(float)"),
+        ("early_signals", ["B", 3], "tensor(float)"),
     ]
     assert [(o.name, o.shape, o.type) for o in refine.get_outputs()] == [("remaining_rounds", ["B"], "tensor(float)")]
     admission = ort.InferenceSession(str(bundle / "admission.onnx"), providers=["CPUExecutionProvider"])
@@ -99,16 +102,16 @@ def test_admission_onnx_matches_lightgbm_in_rounds_not_log_space(bundle):
 
 def test_fused_graph_equals_member_by_member_graph():
     torch.manual_seed(3)
-    members = [HazardMLP(10, 9, width=16, dropout=0.0).eval() for _ in range(3)]
-    spec = dict(in_features=10, num_rounds=9, width=16, members=3, prompt_norm=50.0, budget_norm=64.0)
-    graph = build_refine_graph(refine_state(members, torch.randn(10), torch.rand(10) + 0.5), spec,
+    members = [HazardMLP(13, 9, width=16, dropout=0.0).eval() for _ in range(3)]
+    spec = dict(in_features=13, num_rounds=9, width=16, members=3, prompt_norm=50.0, budget_norm=64.0)
+    graph = build_refine_graph(refine_state(members, torch.randn(13), torch.rand(13) + 0.5), spec,
                                {"x": [0.5, 2.0, 4.0, 8.0], "y": [0.0, 1.0, 3.0, 9.0]})
     fused = FusedRefineGraph(graph)
-    h, p, b = torch.randn(33, 8), torch.rand(33) * 200, torch.full((33,), 64.0)
+    x = (torch.randn(33, 8), torch.rand(33) * 200, torch.full((33,), 64.0), torch.rand(33, 3))
     with torch.no_grad():
-        torch.testing.assert_close(fused.raw(h, p, b), graph.raw(h, p, b), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(fused(h, p, b), graph(h, p, b), rtol=1e-6, atol=1e-6)
-    assert fused.w1.shape == (48, 10) and fused.w2.shape == (3, 16, 9)
+        torch.testing.assert_close(fused.raw(*x), graph.raw(*x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused(*x), graph(*x), rtol=1e-6, atol=1e-6)
+    assert fused.w1.shape == (48, 13) and fused.w2.shape == (3, 16, 9)
 
 
 def test_model_card_has_hugging_face_front_matter(bundle):

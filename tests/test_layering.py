@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "files": {"errors"},
     "runs": {"errors", "files"},
     "features": {"errors"},
-    "traces": BASE,
+    "traces": BASE | {"identity"},
     "dllm": BASE,
     # the serving engine's semantics (layout: standard library; step rules: torch)
     "engine": BASE,
@@ -32,9 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "admission": BASE | {"features", "metrics"},
     "survival": BASE,
     "training": BASE | {"admission", "survival", "features", "traces", "metrics", "runs"},
-    "evaluation": BASE | {"training", "admission", "survival", "features", "traces", "metrics", "runs"},
+    "evaluation": BASE | {"training", "admission", "survival", "features", "traces", "metrics", "runs", "identity"},
     # exports read the run directory through `runs`, never through `training`
-    "exports": BASE | {"runs", "survival", "features"},
+    "exports": BASE | {"runs", "survival", "features", "identity"},
     # numpy + onnxruntime at serving time: features and identity are standard library; survival
     # only for the optional torch backend; exports only for the bundle manifest
     # collectors: recording mode (traces from a live server) is a collector; the launcher imports

@@ -35,11 +35,11 @@ def test_isotonic_interp_equals_np_interp_including_clipping():
 
 def test_build_from_state_reproduces_members():
     torch.manual_seed(0)
-    members = [HazardMLP(10, 7, width=16, dropout=0.0).eval() for _ in range(3)]
-    mean, std = torch.randn(10), torch.rand(10) + 0.5
-    spec = dict(in_features=10, num_rounds=7, width=16, members=3, prompt_norm=100.0, budget_norm=64.0)
+    members = [HazardMLP(13, 7, width=16, dropout=0.0).eval() for _ in range(3)]
+    mean, std = torch.randn(13), torch.rand(13) + 0.5
+    spec = dict(in_features=13, num_rounds=7, width=16, members=3, prompt_norm=100.0, budget_norm=64.0)
     graph = build_refine_graph(refine_state(members, mean, std), spec, {"x": [0.0, 10.0], "y": [0.0, 10.0]})
-    h, pt, b = torch.randn(4, 8), torch.tensor([10.0, 20, 30, 40]), torch.full((4,), 64.0)
-    x = (torch.cat([h, (pt / 100).unsqueeze(1), (b / 64).unsqueeze(1)], 1) - mean) / std
+    h, pt, b, sig = torch.randn(4, 8), torch.tensor([10.0, 20, 30, 40]), torch.full((4,), 64.0), torch.rand(4, 3)
+    x = (torch.cat([h, (pt / 100).unsqueeze(1), (b / 64).unsqueeze(1), sig], 1) - mean) / std
     expected = torch.stack([expected_remaining(m(x)) for m in members]).mean(0)
-    torch.testing.assert_close(graph(h, pt, b), expected.detach())
+    torch.testing.assert_close(graph(h, pt, b, sig), expected.detach())

@@ -32,6 +32,11 @@ class SP:
         self.max_new_tokens = max_new_tokens
 
 
+# the fake model's logits have one vocabulary entry: top-1 probability 1 (over the 0.95 threshold) and
+# entropy 0 at every masked position
+FAKE_SIGNALS = np.array([1.0, 1.0, 0.0], np.float32)
+
+
 @pytest.fixture(scope="module")
 def served():
     path, traces = served_bundle()
@@ -49,7 +54,8 @@ def served():
         request_ids=r["request_id"].to_numpy(), prompt_blocks=P, total_rounds=np.array([sum(x) for x in rpb]),
         first_block_rounds=np.array([x[0] for x in rpb]), output_blocks=np.full(len(r), BUDGET // BS),
         admission=bundle.admission(features).astype(np.float64),
-        refined=bundle.refine(hidden, L.astype(np.float32), np.full(len(r), BUDGET, np.float32)).astype(np.float64),
+        refined=bundle.refine(hidden, L.astype(np.float32), np.full(len(r), BUDGET, np.float32),
+                              np.tile(FAKE_SIGNALS, (len(r), 1))).astype(np.float64),
     )
     return bundle, workload, L, rpb, features, hidden
 
@@ -94,15 +100,16 @@ class RecordingBundle:
     """The served bundle, remembering the pooled rows each refinement saw."""
 
     def __init__(self, bundle):
-        self.bundle, self.seen = bundle, []
+        self.bundle, self.seen, self.signals = bundle, [], []
         self.manifest, self.hidden_size = bundle.manifest, bundle.hidden_size
 
     def admission(self, x):
         return self.bundle.admission(x)
 
-    def refine(self, pooled, tokens, budget):
+    def refine(self, pooled, tokens, budget, signals):
         self.seen.append(pooled.clone())
-        return self.bundle.refine(pooled, tokens, budget)
+        self.signals.append(signals.clone())
+        return self.bundle.refine(pooled, tokens, budget, signals)
 
 
 # --- the fake is SGLang's semantics, not ours ----------------------------------------------------------
@@ -180,6 +187,8 @@ def test_graph_replays_give_the_same_pooled_rows_as_eager_python(served):
         finally:
             handle.uninstall()
         seen[graph] = torch.cat(bundle.seen)
+        # the early signals come from the same forward's logits, outside the replayed graph
+        torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 3))
     torch.testing.assert_close(seen[True], seen[False])
     hidden = torch.as_tensor(served[5])
     # every pooled row is some request's hidden vector (the fake model's block rows)

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from dwise_predict import metrics as M
 from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError
-from dwise_predict.survival.linear import RidgeHead, blend
+from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead, blend, blend_heads
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import load_traces, write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
 from dwise_predict.training import Targets, TrainConfig, load_predictors, train_run
-from dwise_predict.training.select import CANDIDATES, grouped_folds
+from dwise_predict.training.select import BLEND_WEIGHTS, CANDIDATES, choose_blend_weight, grouped_folds
 
 torch.set_num_threads(1)
 FAST = dict(width=16, members=2, max_epochs=8, patience=3, bootstrap=20, num_threads=1)
@@ -29,7 +29,7 @@ FAST = dict(width=16, members=2, max_epochs=8, patience=3, bootstrap=20, num_thr
 
 def inputs(ds):
     r = ds.requests
-    return ds.first_round, r["prompt_tokens"].to_numpy(np.float32), r["budget"].to_numpy(np.float32)
+    return ds.first_round, r["prompt_tokens"].to_numpy(np.float32), r["budget"].to_numpy(np.float32), ds.early_signals
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_auto_picks_the_best_cv_candidate_and_records_every_score(traces, tmp_pa
     selection = json.loads((run / "candidates.json").read_text())
     assert selection["mode"] == "cv" and selection["folds"] == 3
     assert set(selection["candidates"]) == set(CANDIDATES)
-    assert len(CANDIDATES) == 5 and "ridge-within" in CANDIDATES
+    assert len(CANDIDATES) == 6 and "ridge-within+signals" in CANDIDATES
     scores = {c: s["cv_within_category"] for c, s in selection["candidates"].items()}
     assert selection["chosen"] == max(scores, key=scores.get)
     # an 8-epoch, width-16 ensemble cannot match a linear head on a linear problem
@@ -183,7 +183,7 @@ def test_well_trained_reference_can_win(traces):
     assert out["chosen"] == max(scores, key=scores.get)
 
 
-@pytest.mark.parametrize("candidate", ["ridge", "survival+ridge", "ridge-within", "survival-pca"])
+@pytest.mark.parametrize("candidate", ["ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals"])
 def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, candidate, capsys):
     run, bundle = tmp_path / "run", tmp_path / "bundle"
     train_run(traces, run, TrainConfig(**FAST, refine=candidate))
@@ -191,15 +191,16 @@ def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, 
     assert main(["verify", str(bundle)]) == 0
     capsys.readouterr()
     ev = load_traces(traces).split("eval")
-    first_round, tokens, budget = inputs(ev)
+    first_round, tokens, budget, signals = inputs(ev)
     expected = load_predictors(run).refined_remaining(ev)
     session = ort.InferenceSession(str(bundle / "refine.onnx"))
-    assert [i.name for i in session.get_inputs()] == ["first_round", "prompt_tokens", "budget"]
+    assert [i.name for i in session.get_inputs()] == ["first_round", "prompt_tokens", "budget", "early_signals"]
     assert [o.name for o in session.get_outputs()] == ["remaining_rounds"]
-    onnx_out = session.run(None, {"first_round": first_round, "prompt_tokens": tokens, "budget": budget})[0]
+    onnx_out = session.run(None, {"first_round": first_round, "prompt_tokens": tokens, "budget": budget,
+                                  "early_signals": signals})[0]
     scripted = torch.jit.load(str(bundle / "refine.pt"))
     with torch.no_grad():
-        ts_out = scripted(torch.from_numpy(first_round), torch.from_numpy(tokens), torch.from_numpy(budget)).numpy()
+        ts_out = scripted(*map(torch.from_numpy, (first_round, tokens, budget, signals))).numpy()
     np.testing.assert_allclose(onnx_out, expected, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(ts_out, expected, rtol=1e-3, atol=1e-3)
     assert M.spearman(onnx_out, expected) > 0.999
@@ -255,9 +256,57 @@ def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
     t = Targets.of(tr)
     make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=5, split_seed=0)  # noqa: E731
     folded = fit_pca_survival(make, *inputs(tr), t.remaining, t.events, components=8)
-    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 50
+    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 53
     x = folded.standardise(*inputs(ev)).double()
     z = (x @ folded.projection_).float().numpy()
     zeros = np.zeros(len(ev), np.float32)
-    np.testing.assert_allclose(folded.predict_raw(*inputs(ev)), folded.inner_.predict_raw(z, zeros, zeros),
+    np.testing.assert_allclose(folded.predict_raw(*inputs(ev)),
+                               folded.inner_.predict_raw(z, zeros, zeros, np.zeros((len(ev), 0), np.float32)),
                                rtol=1e-4, atol=1e-4)
+
+
+def _signal_traces(n=900, seed=4):
+    """Synthetic traces whose work is visible only through an interaction of two early signals: the
+    hidden state is replaced by noise, ``frac_over_threshold`` is a random sign and
+    ``mean_confidence`` carries the latent difficulty's rank times that sign. Each signal alone, and
+    any linear combination, ranks nothing; their product ranks everything."""
+    ds = make_synthetic_traces(n, 16, seed=seed)
+    rng = np.random.default_rng(seed)
+    u = (np.argsort(np.argsort(ds.requests["difficulty"].to_numpy())) + 0.5) / n  # rank of z in (0, 1)
+    sign = rng.choice([-1.0, 1.0], n)
+    requests = ds.requests.assign(frac_over_threshold=(sign + 1) / 2, mean_confidence=0.5 + 0.5 * sign * u)
+    noise = rng.standard_normal(ds.first_round.shape).astype(np.float32)
+    return type(ds)(requests, noise, ds.prompt_last, ds.manifest)
+
+
+def test_signal_features_learn_what_a_linear_head_cannot_and_the_blend_weight_follows():
+    ds = _signal_traces()
+    tr, ev = ds.split("train"), ds.split("eval")
+    t, truth, cats = Targets.of(tr), ev.requests["difficulty"], ev.requests["category"]
+    ridge = RidgeHead().fit(*inputs(tr), t.remaining, t.events, groups=tr.requests["category"].to_numpy())
+    features = SignalFeatureHead().fit(ridge.base_, *inputs(tr), t.remaining, t.events)
+    within_linear, _ = M.within_category(ridge.score(*inputs(ev)), truth, cats)
+    within_features, _ = M.within_category(features.score(*inputs(ev)), truth, cats)
+    assert abs(within_linear) < 0.2 and within_features > 0.7
+    weight, scores, oof = choose_blend_weight(inputs(tr), t.remaining, t.events, tr.requests["category"].to_numpy(),
+                                              grouped_folds(tr, 3, 0))
+    assert weight == min(BLEND_WEIGHTS) and set(scores) == {str(w) for w in BLEND_WEIGHTS} and oof.shape == (len(tr),)
+    held_out = {w: scores[str(w)]["cv_held_out_category"] for w in BLEND_WEIGHTS}
+    assert held_out[min(BLEND_WEIGHTS)] > 0.3 and held_out[min(BLEND_WEIGHTS)] > held_out[max(BLEND_WEIGHTS)]  # transfers
+
+
+def test_blended_heads_are_one_member_that_ranks_exactly_like_the_blended_score():
+    ds = make_synthetic_traces(400, 16, seed=6)
+    tr, ev = ds.split("train"), ds.split("eval")
+    t = Targets.of(tr)
+    ridge = RidgeHead().fit(*inputs(tr), t.remaining, t.events, groups=tr.requests["category"].to_numpy())
+    features = SignalFeatureHead(width=64).fit(ridge.base_, *inputs(tr), t.remaining, t.events)
+    both = blend_heads(ridge, features, 0.4)
+    assert both.spec()["members"] == 1 and both.spec()["width"] == 66 and both.candidate == "ridge-within+signals"
+    score = 0.4 * ridge.score(*inputs(ev)) + 0.6 * features.score(*inputs(ev))
+    raw = both.predict_raw(*inputs(ev))
+    assert M.spearman(score, raw) > 0.9999
+    small = score < 2.0  # below the horizon the geometric law's mean is exp(z)
+    np.testing.assert_allclose(raw[small], np.exp(score[small]), rtol=5e-3)
+    with pytest.raises(Exception, match="one prepared ensemble"):
+        blend_heads(RidgeHead().fit(*inputs(tr), t.remaining, t.events), features, 0.4)

@@ -92,30 +92,36 @@ def _toy(n=800, h=16, seed=0):
     return hidden, np.full(n, 50.0), np.full(n, 256.0), remaining, z
 
 
+def _no_signals(n):
+    return np.zeros((n, 3), np.float32)  # constant early signals: the toy's work lives in hidden[:, 0]
+
+
 def test_ensemble_learns_ranking_and_rebuilds_from_state():
     hidden, tokens, budget, remaining, z = _toy()
     ens = SurvivalEnsemble(width=32, seeds=(0, 1), max_epochs=40, patience=5, lr=3e-3).fit(
-        hidden, tokens, budget, remaining
+        hidden, tokens, budget, _no_signals(len(z)), remaining
     )
     assert ens.num_rounds_ == remaining.max() and len(ens.members_) == 2
-    assert ens.input_std_[-1] == 1.0  # constant budget column left unscaled
-    raw = ens.predict_raw(hidden, tokens, budget)
+    assert ens.input_std_[-4] == 1.0  # constant budget column left unscaled
+    raw = ens.predict_raw(hidden, tokens, budget, _no_signals(len(z)))
     assert spearman(raw, z) > 0.75  # z is one of 16 input columns; the other 15 are noise
-    surv = ens.predict_survival(hidden, tokens, budget)
+    surv = ens.predict_survival(hidden, tokens, budget, _no_signals(len(z)))
     assert surv.shape == (len(z), ens.num_rounds_)
     assert (np.diff(surv, axis=1) <= 1e-7).all()
     np.testing.assert_allclose(surv.sum(axis=1), raw, rtol=1e-4)  # E[T] = sum_t S(t), same graph
     rebuilt = SurvivalEnsemble.from_state(ens.state(), ens.spec())
-    np.testing.assert_array_equal(rebuilt.predict_raw(hidden, tokens, budget), raw)
+    np.testing.assert_array_equal(rebuilt.predict_raw(hidden, tokens, budget, _no_signals(len(z))), raw)
     with pytest.raises(InputError, match="size 15 but the model was trained on 16"):
-        ens.predict_raw(hidden[:, :15], tokens, budget)
+        ens.predict_raw(hidden[:, :15], tokens, budget, _no_signals(len(z)))
 
 
 def test_ensemble_bad_inputs():
     hidden, tokens, budget, remaining, _ = _toy(40)
     with pytest.raises(InputError, match="40 hidden rows but 39 prompt lengths"):
-        SurvivalEnsemble().fit(hidden, tokens[:39], budget, remaining)
+        SurvivalEnsemble().fit(hidden, tokens[:39], budget, _no_signals(40), remaining)
     bad = hidden.copy()
     bad[3, 2] = np.inf
     with pytest.raises(InputError, match="hidden states hold NaN or inf"):
-        SurvivalEnsemble().fit(bad, tokens, budget, remaining)
+        SurvivalEnsemble().fit(bad, tokens, budget, _no_signals(40), remaining)
+    with pytest.raises(InputError, match=r"early signals must have shape \(40, S\)"):
+        SurvivalEnsemble().fit(hidden, tokens, budget, _no_signals(39), remaining)

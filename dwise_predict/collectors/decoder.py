@@ -53,6 +53,7 @@ from dwise_predict.collectors.backends.base import BlockBackend, StepBatch
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.engine import BlockLayout, block_layout
 from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, StepRule, forwards_exhausted, make_rule
+from dwise_predict.engine.signals import early_signals
 from dwise_predict.errors import ConfigError, InputError
 
 
@@ -258,7 +259,7 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
     forwards = s.forwards[d_slots]
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(d_slots.tolist(), forwards.tolist())]
     if any(first):
-        _record_first_round(out, d_rows, d_slots, first, logits, ids, prompt_mask, s, rule, mask_id)
+        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id)
 
     new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
     capped = forwards_exhausted(rule, forwards, block)  # the engine's loop ends these unstepped
@@ -292,20 +293,15 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
     return finished
 
 
-def _record_first_round(out, d_rows, d_slots, first, logits, ids, prompt_mask, s: _Slots, rule: StepRule,
-                        mask_id: int) -> None:
+def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rule: StepRule, mask_id: int) -> None:
     """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
     threshold = rule.params.get("threshold", 0.0)
-    logp = torch.log_softmax(logits, dim=-1)
     for j, slot in enumerate(d_slots.tolist()):
         if not first[j]:
             continue
         a = s.active[slot]
-        masked = (ids[j] == mask_id) & ~prompt_mask[j]
-        lp = logp[j, masked]  # (n_masked, V)
-        conf = lp.max(dim=-1).values.exp()
-        entropy = -(lp.exp() * lp.clamp_min(-1e30)).sum(-1)  # 0 * log 0 taken as 0
-        a.signals = (float((conf > threshold).float().mean()), float(conf.mean()), float(entropy.mean()))
+        # the leftover prompt tokens of the first output block hold token ids, never the mask id
+        a.signals = tuple(early_signals(logits[j], ids[j], mask_id, ids.shape[1], threshold)[0].tolist())
         hidden = out.hidden[d_rows[j]].float()
         a.first_hidden = hidden.mean(0).cpu().numpy()
         if a.prompt_hidden is None:  # a prompt shorter than a block: its rows sit in this forward

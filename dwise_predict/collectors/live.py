@@ -201,25 +201,4 @@ class LiveRecorder:
         return self.out
 
 
-def early_signals(full_logits, input_ids, mask_id: int, block_size: int, threshold: float):
-    """(B, 3) first-round signals per request: fraction of masked positions with top-1 prob above
-    ``threshold``, mean top-1 prob and mean entropy (nats) over masked positions; zeros without masks.
-
-    Device tensor ops only (no sync): the recorder reads them with the pooled rows.
-    """
-    import torch
-
-    batch = input_ids.numel() // block_size
-    logits = full_logits.float().view(batch, block_size, -1)  # (B, bs, V)
-    probs = torch.softmax(logits, dim=-1)
-    top = probs.max(dim=-1).values  # (B, bs)
-    entropy = -(probs * torch.log(probs.clamp_min(1e-12))).sum(dim=-1)  # (B, bs)
-    masked = (input_ids.view(batch, block_size) == mask_id).float().to(logits.device)
-    count = masked.sum(dim=1).clamp_min(1.0)
-    return torch.stack([((top > threshold).float() * masked).sum(1) / count, (top * masked).sum(1) / count,
-                        (entropy * masked).sum(1) / count], dim=1)
-
-
-LiveRecorder.signals = staticmethod(early_signals)
-
-__all__ = ["LiveRecorder", "live_manifest", "live_split", "early_signals"]
+__all__ = ["LiveRecorder", "live_manifest", "live_split"]

@@ -7,11 +7,11 @@ category, so every resample keeps the category mix), and the difference to the r
 paper's calibrated survival ensemble on the full bundle input) with a *paired* bootstrap interval:
 a difference whose interval contains 0 is reported as inside the noise.
 
-- ``inputs`` — the bundle input ``[h1, prompt tokens, budget]``, ``h1`` alone, prompt tokens and
-  budget alone, and the pooled last prompt block instead of ``h1``; for the ``survival`` and
-  ``ridge`` candidates. Rows marked "not a bundle input" (admission's prompt features, seed 001's
-  early signals) are for comparison only: contract 2 gives the refinement graph only
-  ``first_round``, ``prompt_tokens`` and ``budget``, so no shipped candidate can use them.
+- ``inputs`` — the bundle input ``[h1, prompt tokens, budget, early signals]``, the same without
+  the early signals, without ``h1``, and with the pooled last prompt block instead of ``h1``; for
+  the ``survival`` (the paper's recipe) and ``ridge-within+signals`` candidates. The row marked
+  "not a bundle graph" (seed 001's LightGBM on the four early signals) is for comparison only: a
+  tree ensemble is not a contract-2 graph.
 - ``train-size`` — 25 %, 50 % and 100 % of the training split (drawn per category with the seed).
 - ``seeds`` — five training seeds (``seed .. seed + 4``): per-seed values, mean ± sd (seed 000,
   Table 10), for ``survival``, ``ridge`` (deterministic: sd 0 is its honest answer) and ``auto``
@@ -27,12 +27,14 @@ import numpy as np
 from scipy import stats
 
 from dwise_predict.errors import InputError
+from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
 from dwise_predict.evaluation.pool import fit
 from dwise_predict.traces import TraceDataset
 
 KINDS = ("inputs", "train-size", "seeds")
-REFERENCE = "survival, h1 + prompt tokens + budget"  # the inputs ablation's reference row
+REFERENCE = "survival, h1 + prompt tokens + budget + early signals"  # the inputs ablation's reference row
+INPUT_CANDIDATES = ("survival", "ridge-within+signals")
 N_BOOT = 1000
 TRAIN_FRACTIONS = (0.25, 0.5, 1.0)
 N_SEEDS = 5
@@ -146,14 +148,13 @@ def _interval(ci) -> str:
 # --- the ablations ------------------------------------------------------------------------------------
 
 
-def _variant(ds: TraceDataset, hidden: str = "first_round", side: bool = True) -> TraceDataset:
+def _variant(ds: TraceDataset, hidden: str = "first_round", signals: bool = True) -> TraceDataset:
     """``ds`` with the refinement input swapped: ``hidden`` "first_round", "prompt_last" or "none"
-    (zeros: a constant column carries nothing); ``side`` False makes prompt tokens and budget constant
-    for the refinement (the admission model is not scored here)."""
+    (zeros: a constant column carries nothing); ``signals`` False makes the early signals constant
+    (the admission model is not scored here)."""
     requests = ds.requests
-    if not side:
-        # constant columns carry nothing; the budget stays one the traces' rounds fit under
-        requests = requests.assign(prompt_tokens=1, budget=int(requests["budget"].max()))
+    if not signals:
+        requests = requests.assign(**{name: 0.0 for name in EARLY_SIGNALS})
     first = {"first_round": ds.first_round, "prompt_last": ds.prompt_last,
              "none": np.zeros_like(ds.first_round)}[hidden]
     return TraceDataset(requests, first, ds.prompt_last, ds.manifest, ds.path)
@@ -200,13 +201,14 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
 
     extra: dict = {}
     if kind == "inputs":
-        settings = [("h1 + prompt tokens + budget", "first_round", True), ("h1 only", "first_round", False),
-                    ("prompt tokens + budget only", "none", True),
-                    ("last prompt block + prompt tokens + budget", "prompt_last", True)]
-        for candidate in ("survival", "ridge"):
-            for label, hidden, side in settings:
+        settings = [("h1 + prompt tokens + budget + early signals", "first_round", True),
+                    ("h1 + prompt tokens + budget", "first_round", False),
+                    ("prompt tokens + budget + early signals", "none", True),
+                    ("last prompt block + prompt tokens + budget + early signals", "prompt_last", True)]
+        for candidate in INPUT_CANDIDATES:
+            for label, hidden, signals in settings:
                 log(f"  ablation inputs: {candidate}, {label}")
-                pred, _ = _refined(_variant(train, hidden, side), _variant(eval_ds, hidden, side),
+                pred, _ = _refined(_variant(train, hidden, signals), _variant(eval_ds, hidden, signals),
                                    dataclasses.replace(config, refine=candidate))
                 add(f"{candidate}, {label}", pred, candidate=candidate, inputs=label, bundle=True, n_train=len(train))
         early = early_signal_predictions(train, eval_ds, config.seed)["all four"]
@@ -280,7 +282,7 @@ def ablation_table(result: dict) -> Table:
     rows = []
     for r in result["rows"]:
         d = r.get("delta_vs_reference") or {}
-        rows.append([r["name"] + ("" if r.get("bundle", True) else " (not a bundle input)"), str(r["candidate"]),
+        rows.append([r["name"] + ("" if r.get("bundle", True) else " (not a bundle graph)"), str(r["candidate"]),
                      str(r["n_train"]), fmt(r["spearman"]), _ci_text(r["spearman_ci"]),
                      fmt(r["within_category_mean"]), _ci_text(r["within_category_ci"]),
                      fmt(d.get("within_category_mean")), _interval(d.get("within_category_ci")).strip("n/a")])

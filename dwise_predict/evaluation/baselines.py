@@ -5,9 +5,10 @@ each evaluation request, from what it may see, and is scored by Spearman ρ, Ken
 rounds scale) and mean within-category ρ against the actual remaining rounds:
 
 - **admission LightGBM** — the shipped admission predictor (total estimate minus the first round);
-- **survival on the prompt hidden state** — the full refinement recipe retrained on ``prompt_last``
-  (the pooled last prompt block) instead of the first-round state: does denoising add anything
-  over what the model already read?;
+- **survival on the prompt hidden state** — the full refinement recipe (candidate search included)
+  retrained with ``prompt_last`` (the pooled last prompt block) in the first-round state's place,
+  the other inputs (prompt tokens, budget, early signals) unchanged: does the denoised state add
+  anything over what the model already read?;
 - **early signals** (seed 001) — fraction over threshold, mean confidence, mean entropy and prompt
   length, each alone and all four together, through a small LightGBM (50 trees, 7 leaves) on
   ``log1p(remaining)``; seed 001 found R² ≤ 0.15 for each;
@@ -137,7 +138,8 @@ def baseline_predictions(
         ("admission LightGBM", "words, newlines, prompt tokens", np.asarray(admission_total, float) - 1.0, True)
     ]
     if prompt_hidden_refined is not None:
-        rows.append(("survival on prompt hidden state", "pooled last prompt block", prompt_hidden_refined, True))
+        rows.append(("survival on prompt hidden state", "pooled last prompt block + prompt tokens, budget, early signals",
+                     prompt_hidden_refined, True))
     for name, pred in early_signal_predictions(train, eval_ds, seed).items():
         what = "the four early signals together" if name == "all four" else EARLY_SIGNALS[name]
         rows.append((f"early signal: {name}", what, pred, True))

@@ -38,12 +38,20 @@ from dwise_predict.exports.admission_export import (
     load_booster,
     predict_total_rounds,
 )
-from dwise_predict.exports.manifest import BUNDLE_FILE, BUNDLE_SCHEMA_VERSION, NAME_PATTERN, write_bundle_manifest
+from dwise_predict.exports.manifest import (
+    BUNDLE_FILE,
+    BUNDLE_SCHEMA_VERSION,
+    NAME_PATTERN,
+    SIGNAL_COUNT,
+    write_bundle_manifest,
+)
 from dwise_predict.exports.model_card import model_card
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.files import atomic_dir, claim_output, sha256_file
+from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.exports.refine_export import (
     ONNX_OPSET as REFINE_OPSET,
+    INPUT_NAMES,
     INT8_MIN_SPEARMAN,
     FusedRefineGraph,
     export_onnx,
@@ -148,14 +156,18 @@ def _rebuild_graph(run: RunFiles):
         raise InputError(f"{path} is not a readable safetensors file ({err}): re-run `dwise-predict train`") from None
     spec = run.refine_spec
     hidden = int(spec["hidden_size"])
+    width = hidden + 2 + SIGNAL_COUNT
     traces_hidden = run.traces.get("hidden_size", hidden)
-    if int(spec["in_features"]) != hidden + 2 or int(traces_hidden) != hidden:
+    if int(spec["early_signals"]) != SIGNAL_COUNT:
+        raise InputError(f"{run.path}: refine.json says {spec['early_signals']} early signals, bundles take "
+                         f"{SIGNAL_COUNT}: re-run `dwise-predict train`")
+    if int(spec["in_features"]) != width or int(traces_hidden) != hidden:
         raise InputError(
             f"{run.path}: refine.json says hidden size {hidden} / in_features {spec['in_features']} but the traces "
             f"had hidden size {traces_hidden}; the run is inconsistent, re-run `dwise-predict train`"
         )
-    if tuple(weights.get("input_mean", torch.empty(0)).shape) != (hidden + 2,):
-        raise InputError(f"{path} lacks input_mean of shape ({hidden + 2},): re-run `dwise-predict train`")
+    if tuple(weights.get("input_mean", torch.empty(0)).shape) != (width,):
+        raise InputError(f"{path} lacks input_mean of shape ({width},): re-run `dwise-predict train`")
     try:
         return build_refine_graph(weights, spec, run.calibration)
     except (RuntimeError, KeyError) as err:
@@ -174,13 +186,14 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
     spec = run.refine_spec
     hidden = int(spec["hidden_size"])
     gen = torch.Generator().manual_seed(seed)
-    x = graph.input_mean + graph.input_std * torch.randn(n, hidden + 2, generator=gen)
+    x = graph.input_mean + graph.input_std * torch.randn(n, hidden + 2 + SIGNAL_COUNT, generator=gen)
     first_round = x[:, :hidden].contiguous()
     prompt_tokens = (x[:, hidden] * float(spec["prompt_norm"])).clamp(min=1).round()
     budget = (x[:, hidden + 1] * float(spec["budget_norm"])).clamp(min=1).round()
+    early_signals = x[:, hidden + 2:].contiguous()
     with torch.no_grad():
-        expected = graph(first_round, prompt_tokens, budget)
-        fused_out = fused(first_round, prompt_tokens, budget)
+        expected = graph(first_round, prompt_tokens, budget, early_signals)
+        fused_out = fused(first_round, prompt_tokens, budget, early_signals)
     error = ((fused_out - expected).abs() / expected.abs().clamp(min=1e-3)).max().item()
     if error > 1e-5:
         raise BundleError(f"internal error: the fused refinement graph differs from the eager one by {error:.2e}")
@@ -191,6 +204,7 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
         "refine.first_round": first_round.numpy(),
         "refine.prompt_tokens": prompt_tokens.numpy(),
         "refine.budget": budget.numpy(),
+        "refine.early_signals": early_signals.numpy(),
         "refine.remaining_rounds": expected.numpy(),
         "admission.features": features,
         "admission.total_rounds": predict_total_rounds(booster, features).astype(np.float32),
@@ -211,7 +225,7 @@ def _quantise_if_ranking_holds(bundle: Path) -> float:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(bundle / "refine.int8.onnx"), options, providers=["CPUExecutionProvider"])
-    got = session.run(None, {n: probes[f"refine.{n}"] for n in ("first_round", "prompt_tokens", "budget")})[0]
+    got = session.run(None, {n: probes[f"refine.{n}"] for n in INPUT_NAMES})[0]
     rho = spearman(probes["refine.remaining_rounds"], got)
     if not rho >= INT8_MIN_SPEARMAN:
         (bundle / "refine.int8.onnx").unlink()
@@ -238,7 +252,9 @@ def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dic
             "refine": {
                 **spec,
                 "dtype": "float32",
-                "tensors": {"first_round": ["B", hidden], "prompt_tokens": ["B"], "budget": ["B"]},
+                "tensors": {"first_round": ["B", hidden], "prompt_tokens": ["B"], "budget": ["B"],
+                            "early_signals": ["B", SIGNAL_COUNT]},
+                "early_signal_columns": list(EARLY_SIGNALS),
                 "output": {"remaining_rounds": ["B"]},
             },
         },

@@ -20,8 +20,12 @@ from pathlib import Path
 
 from dwise_predict.errors import BundleError
 from dwise_predict.files import atomic_write_bytes, sha256_file
+from dwise_predict.identity import EARLY_SIGNALS
 
-BUNDLE_SCHEMA_VERSION = 1
+# 2: the refinement graph takes a fourth input, `early_signals` (B, 3); schema-1 bundles (three inputs)
+# are refused with a pointer to re-export from their run directory
+BUNDLE_SCHEMA_VERSION = 2
+SIGNAL_COUNT = len(EARLY_SIGNALS)  # columns of the refinement graph's `early_signals` input
 BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"
 # a bundle name or zoo version: use fullmatch (``$`` would also accept a trailing newline)
@@ -63,6 +67,12 @@ def read_bundle_manifest(bundle: str | Path) -> dict:
         raise BundleError(
             f"{path} has bundle schema {version}, newer than this dwise-predict reads "
             f"({BUNDLE_SCHEMA_VERSION}): upgrade dwise-predict"
+        )
+    if version < BUNDLE_SCHEMA_VERSION:
+        raise BundleError(
+            f"{path} has bundle schema {version}, whose refinement graph lacks the early_signals input this "
+            f"dwise-predict feeds (schema {BUNDLE_SCHEMA_VERSION}): retrain and re-export it (`dwise-predict train`, "
+            "`dwise-predict export`)"
         )
     if SEAL_KEY not in manifest:
         raise BundleError(

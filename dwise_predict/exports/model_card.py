@@ -56,7 +56,8 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "(`words`, `newlines`, `prompt_tokens` after the chat template) → predicted total denoising rounds;",
         f"- **refinement** — {_refine_words(refine)} "
         f"(K = {manifest['K']}) on the pooled first-denoising-round hidden state "
-        f"(H = {refine['hidden_size']}), prompt tokens and budget, isotonic-calibrated → remaining denoising "
+        f"(H = {refine['hidden_size']}), prompt tokens, budget and the first round's early signals, "
+        "isotonic-calibrated → remaining denoising "
         "rounds (`refine.onnx`, `refine.pt`, `refine.pt2`, weights in `refine.safetensors`).",
         "",
         *_int8_lines(manifest.get("int8") or {}),
@@ -89,7 +90,9 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "|---|---|---|",
         "| `admission.onnx` | `features` [B, 3] = words, newlines, prompt_tokens | `total_rounds` [B] |",
         f"| `refine.onnx` | `first_round` [B, {refine['hidden_size']}] (raw, standardised inside), "
-        "`prompt_tokens` [B], `budget` [B] | `remaining_rounds` [B] (calibrated) |",
+        "`prompt_tokens` [B], `budget` [B], `early_signals` [B, 3] = frac_over_threshold, mean_confidence, "
+        "mean_entropy of the first denoising forward over the block's masked positions "
+        "| `remaining_rounds` [B] (calibrated) |",
         "",
         "## Load",
         "",
@@ -104,7 +107,8 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "```python",
         "import numpy as np, onnxruntime as ort",
         "refine = ort.InferenceSession('BUNDLE/refine.onnx', providers=['CPUExecutionProvider'])",
-        "rounds = refine.run(None, {'first_round': h1, 'prompt_tokens': tokens, 'budget': budget})[0]",
+        "rounds = refine.run(None, {'first_round': h1, 'prompt_tokens': tokens, 'budget': budget,",
+        "                           'early_signals': signals})[0]",
         "```",
         "",
         "Or rebuild the PyTorch module from the safetensors weights (no pickle):",
@@ -148,6 +152,10 @@ def _refine_words(refine: dict) -> str:
         return (f"a {refine['members']}-seed ensemble of discrete-time survival MLPs (width {refine['width']}) trained on "
                 "the top principal components of the standardised input, the projection folded into the first layer "
                 "(`candidate: survival-pca`)")
+    if candidate == "ridge-within+signals":
+        return ("a two-stage ridge head on the standardised input blended, on the log scale, with a ridge over random "
+                "GELU features of prompt tokens, budget and the early signals, written as one survival member of width "
+                f"{refine['width']} whose hazard logit is minus the blended score (`candidate: ridge-within+signals`)")
     if candidate == "ridge-within":
         return ("a two-stage ridge head (within-category directions first, then the levels between categories; "
                 "log1p target), written as one width-2 survival member whose hazard logit is minus the ridge score "

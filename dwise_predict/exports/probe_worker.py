@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.exports.manifest import check_files, read_bundle_manifest
+from dwise_predict.exports.refine_export import INPUT_NAMES
 
 TOLERANCE = 1e-4  # max relative error against the eager outputs
 # modules whose presence would mean the bundle needs the training stack to load
@@ -96,7 +97,7 @@ def main(bundle: str) -> dict:
     check_files(bundle, manifest, refuse_unlisted=False)  # again, in this process, before deserialising anything; verify reports unlisted files
     root = Path(bundle)
     probes = load_file(str(root / manifest["probes"]))
-    inputs = [probes[f"refine.{name}"] for name in ("first_round", "prompt_tokens", "budget")]
+    inputs = [probes[f"refine.{name}"] for name in INPUT_NAMES]
     expected = probes["refine.remaining_rounds"]
     files = manifest["files"]
     rows = []
@@ -132,7 +133,7 @@ def main(bundle: str) -> dict:
     if "refine.pt2" in files:
         rows.append(compare("refine.pt2", "torch.export vs eager", expected,
                             lambda: torch_run(torch.export.load(str(root / "refine.pt2")).module())))
-    refine_feeds = dict(zip(("first_round", "prompt_tokens", "budget"), inputs))
+    refine_feeds = dict(zip(INPUT_NAMES, inputs))
     rows.append(compare("refine.onnx", "onnxruntime vs eager", expected,
                         lambda: onnx_run("refine.onnx", "remaining_rounds", refine_feeds)))
     if "refine.int8.onnx" in files:

@@ -2,7 +2,7 @@
 
 The exported graph is :class:`FusedRefineGraph`, the same function as
 :class:`~dwise_predict.survival.network.RefineGraph` rearranged for speed: the members' first layers
-are concatenated into one ``(members * width, H + 2)`` GEMM (the first layers are ~97 % of the
+are concatenated into one ``(members * width, H + 2 + S)`` GEMM (the first layers are ~97 % of the
 FLOPs at H = 2,048, and one large GEMM keeps both cores busier than three small ones) and the
 second layers run as one batched matmul. Everything else — the standardisation, hazards ->
 survival in log space, the ensemble mean and the isotonic lookup by comparison count — is the
@@ -22,12 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dwise_predict.errors import BundleError
+from dwise_predict.exports.manifest import SIGNAL_COUNT
 from dwise_predict.survival.network import RefineGraph, isotonic_interp
 
 ONNX_OPSET = 18
 # int8 weights are kept only while they rank like fp32 (Spearman against the eager outputs)
 INT8_MIN_SPEARMAN = 0.999
-INPUT_NAMES = ("first_round", "prompt_tokens", "budget")
+INPUT_NAMES = ("first_round", "prompt_tokens", "budget", "early_signals")
+
 OUTPUT_NAME = "remaining_rounds"
 
 
@@ -35,7 +37,8 @@ class FusedRefineGraph(nn.Module):
     """:class:`RefineGraph` with the members' layers stacked: one GEMM for all first layers.
 
     Inputs and output are those of :class:`RefineGraph`: ``first_round`` (B, H) raw pooled hidden
-    state, ``prompt_tokens`` (B,), ``budget`` (B,) -> (B,) calibrated remaining rounds.
+    state, ``prompt_tokens`` (B,), ``budget`` (B,), ``early_signals`` (B, 3) -> (B,) calibrated remaining
+    rounds.
     """
 
     def __init__(self, graph: RefineGraph):
@@ -55,10 +58,12 @@ class FusedRefineGraph(nn.Module):
             self.register_buffer("w2", torch.stack([m.fc2.weight.t() for m in members], 0).contiguous())  # (M, W, K)
             self.register_buffer("b2", torch.stack([m.fc2.bias for m in members], 0).unsqueeze(1).clone())  # (M, 1, K)
 
-    def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
+            early_signals: torch.Tensor) -> torch.Tensor:
         """(B,) ensemble mean of expected remaining rounds, before calibration."""
         x = torch.cat(
-            [first_round, (prompt_tokens / self.prompt_norm).unsqueeze(1), (budget / self.budget_norm).unsqueeze(1)],
+            [first_round, (prompt_tokens / self.prompt_norm).unsqueeze(1), (budget / self.budget_norm).unsqueeze(1),
+             early_signals],
             dim=1,
         )  # (B, D)
         x = (x - self.input_mean) / self.input_std
@@ -69,13 +74,15 @@ class FusedRefineGraph(nn.Module):
         survival = torch.exp(torch.cumsum(F.logsigmoid(-logits), dim=2))  # (M, B, K)
         return survival.sum(dim=2).mean(dim=0)
 
-    def forward(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        return isotonic_interp(self.raw(first_round, prompt_tokens, budget), self.calib_x, self.calib_y)
+    def forward(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
+                early_signals: torch.Tensor) -> torch.Tensor:
+        return isotonic_interp(self.raw(first_round, prompt_tokens, budget, early_signals), self.calib_x, self.calib_y)
 
 
-def example_inputs(hidden_size: int, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def example_inputs(hidden_size: int, batch: int = 4) -> tuple[torch.Tensor, ...]:
     """Placeholder inputs for tracing; batch > 1 so exporters do not specialise the batch axis."""
-    return (torch.zeros(batch, hidden_size), torch.full((batch,), 100.0), torch.full((batch,), 256.0))
+    return (torch.zeros(batch, hidden_size), torch.full((batch,), 100.0), torch.full((batch,), 256.0),
+            torch.full((batch, SIGNAL_COUNT), 0.5))
 
 
 def export_torchscript(module: nn.Module, path: Path) -> None:
@@ -92,7 +99,7 @@ def export_program(module: nn.Module, hidden_size: int, path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.export.export(
-            module.eval(), example_inputs(hidden_size), dynamic_shapes=({0: batch}, {0: batch}, {0: batch})
+            module.eval(), example_inputs(hidden_size), dynamic_shapes=({0: batch},) * len(INPUT_NAMES)
         )
         torch.export.save(program, str(path))
 
@@ -117,7 +124,7 @@ def export_onnx(module: nn.Module, hidden_size: int, path: Path, opset: int = ON
                 example_inputs(hidden_size),
                 input_names=list(INPUT_NAMES),
                 output_names=[OUTPUT_NAME],
-                dynamic_shapes=({0: batch}, {0: batch}, {0: batch}),
+                dynamic_shapes=({0: batch},) * len(INPUT_NAMES),
                 opset_version=opset,
                 dynamo=True,
                 external_data=False,

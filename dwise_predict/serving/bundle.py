@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.errors import BundleError, InputError
-from dwise_predict.exports.manifest import check_files, read_bundle_manifest
+from dwise_predict.exports.manifest import SIGNAL_COUNT, check_files, read_bundle_manifest
 from dwise_predict.identity import BUNDLE_DECODING_KEYS, MODEL_KEYS
 
 BACKENDS = ("onnx", "torch")
@@ -136,7 +136,7 @@ class LoadedBundle:
 
     # --- refinement ----------------------------------------------------------------------------
 
-    def refine(self, first_round, prompt_tokens, budget):
+    def refine(self, first_round, prompt_tokens, budget, early_signals):
         """Calibrated remaining denoising rounds after the first denoising round.
 
         Parameters
@@ -147,6 +147,9 @@ class LoadedBundle:
             no host synchronisation (CUDA-graph friendly with the torch backend).
         prompt_tokens : (B,) or scalar, prompt tokens after the chat template.
         budget : (B,) or scalar, output budget in tokens.
+        early_signals : (B, 3) the same forward's early signals over the block's masked positions:
+            fraction of top-1 probabilities above the algorithm's threshold, mean top-1 probability,
+            mean entropy (nats), in that order (``bundle.json`` ``inputs.refine.early_signal_columns``).
 
         Returns
         -------
@@ -158,16 +161,20 @@ class LoadedBundle:
                 f"first_round must be (B, H) or (B, L, H) with H = {self.hidden_size} (this bundle's "
                 f"hidden size), got shape {shape}: is the bundle for this model?"
             )
+        signal_shape = tuple(early_signals.shape) if hasattr(early_signals, "shape") else np.shape(early_signals)
+        if signal_shape != (shape[0], SIGNAL_COUNT):
+            raise InputError(f"early_signals must be (B, {SIGNAL_COUNT}) = ({shape[0]}, {SIGNAL_COUNT}), got {signal_shape}")
         if self.backend == "torch":
-            return self._refine_torch(first_round, prompt_tokens, budget)
-        h = np.asarray(first_round.detach().cpu() if hasattr(first_round, "detach") else first_round, dtype=np.float32)
+            return self._refine_torch(first_round, prompt_tokens, budget, early_signals)
+        h = _host(first_round)
         if h.ndim == 3:
             h = h.mean(axis=1)
         b = h.shape[0]
         feeds = {
             "first_round": np.ascontiguousarray(h),
-            "prompt_tokens": np.broadcast_to(np.asarray(prompt_tokens, dtype=np.float32), (b,)).copy(),
-            "budget": np.broadcast_to(np.asarray(budget, dtype=np.float32), (b,)).copy(),
+            "prompt_tokens": np.broadcast_to(_host(prompt_tokens), (b,)).copy(),
+            "budget": np.broadcast_to(_host(budget), (b,)).copy(),
+            "early_signals": np.ascontiguousarray(_host(early_signals)),
         }
         out = np.asarray(self._refine.run(None, feeds)[0], dtype=np.float32).reshape(-1)
         if hasattr(first_round, "detach"):
@@ -176,7 +183,7 @@ class LoadedBundle:
             return torch.from_numpy(out).to(first_round.device)
         return out
 
-    def refine_raw(self, first_round, prompt_tokens, budget) -> np.ndarray:
+    def refine_raw(self, first_round, prompt_tokens, budget, early_signals) -> np.ndarray:
         """The ensemble's remaining-rounds estimate before the isotonic calibration, (B,) float32.
 
         For comparing raw and calibrated refinement (seed 000 Table 5) offline, e.g. in the
@@ -188,29 +195,36 @@ class LoadedBundle:
         graph = getattr(self, "_raw_graph", None)
         if graph is None:
             graph = self._raw_graph = _torch_refine(self.path, (self.manifest.get("inputs") or {}).get("refine") or {}, "cpu", False)
-        h = torch.as_tensor(np.asarray(first_round, dtype=np.float32))
-        if h.dim() == 3:
-            h = h.mean(dim=1)
-        b = h.shape[0]
-        pt = torch.as_tensor(np.asarray(prompt_tokens, dtype=np.float32)).reshape(-1).expand(b)
-        bu = torch.as_tensor(np.asarray(budget, dtype=np.float32)).reshape(-1).expand(b)
         with torch.inference_mode():
-            return graph.raw(h, pt, bu).numpy()
+            return graph.raw(*_torch_inputs(first_round, prompt_tokens, budget, early_signals, "cpu")).numpy()
 
-    def _refine_torch(self, first_round, prompt_tokens, budget):
+    def _refine_torch(self, first_round, prompt_tokens, budget, early_signals):
         import torch
 
         as_numpy = not isinstance(first_round, torch.Tensor)
         device = torch.device(self.device) if as_numpy else first_round.device
-        h = torch.as_tensor(first_round, dtype=torch.float32, device=device)
-        if h.dim() == 3:
-            h = h.mean(dim=1)  # (B, H): mean over the block's L rows
-        b = h.shape[0]
-        pt = torch.as_tensor(prompt_tokens, dtype=torch.float32, device=device).reshape(-1).expand(b)
-        bu = torch.as_tensor(budget, dtype=torch.float32, device=device).reshape(-1).expand(b)
         with torch.inference_mode():
-            out = self._refine(h, pt, bu)
+            out = self._refine(*_torch_inputs(first_round, prompt_tokens, budget, early_signals, device))
         return out.cpu().numpy() if as_numpy else out
+
+
+def _host(x) -> np.ndarray:
+    """A NumPy float32 copy of an array, tensor (any device) or scalar."""
+    return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float32)
+
+
+def _torch_inputs(first_round, prompt_tokens, budget, early_signals, device):
+    """The graph's four float32 tensors on ``device``: rows pooled over L, scalars broadcast to B."""
+    import torch
+
+    h = torch.as_tensor(first_round, dtype=torch.float32, device=device)
+    if h.dim() == 3:
+        h = h.mean(dim=1)  # (B, H): mean over the block's L rows
+    b = h.shape[0]
+    pt = torch.as_tensor(prompt_tokens, dtype=torch.float32, device=device).reshape(-1).expand(b)
+    bu = torch.as_tensor(budget, dtype=torch.float32, device=device).reshape(-1).expand(b)
+    signals = torch.as_tensor(early_signals, dtype=torch.float32, device=device).reshape(b, SIGNAL_COUNT)
+    return h, pt, bu, signals
 
 
 def _ort_session(path: Path, device: str):

@@ -31,7 +31,9 @@ What the patch does, at the four points of seed 000 §5.1:
   known then), so the copy is captured in SGLang's CUDA graphs and every replay writes it;
   ``DllmAlgorithm.run`` is wrapped to fill that buffer with NaN before a step and snapshot it after
   the step's first forward. The first refinement checks the snapshot: an unwritten buffer (a graph
-  captured before install) is a one-line :class:`ConfigError`, never silent zeros.
+  captured before install) is a one-line :class:`ConfigError`, never silent zeros. The same first
+  forward's early signals (``engine.signals``, the refinement graph's fourth input) are computed
+  from its ``full_logits`` after the forward returns, outside any captured graph.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
@@ -247,7 +249,7 @@ class _State:
         self.batch_prompt: dict = {}  # rid -> the request ran a prompt block in the batch being run
         self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
-        self.first_signals = None  # (B, 3) early signals of that forward (recording mode)
+        self.first_signals = None  # (B, 3) early signals of that forward (refinement input; recording)
         self.forwards = 0  # forwards in the current step
         self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
         self.checked = False  # the first refinement checked that the buffer was written
@@ -434,6 +436,8 @@ def install(
     if pooling:
         import torch
 
+        from dwise_predict.engine.signals import early_signals
+
         width = bundle.hidden_size if bundle is not None else hidden_size
         if not width:
             raise ConfigError("recording without a bundle needs hidden_size= (the model's hidden size)")
@@ -542,7 +546,8 @@ def install(
             pooled = state.first_pooled[index]
             tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
             budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
-            values = state.bundle.refine(pooled.float(), tokens, budget).tolist()  # after SGLang's own sync
+            signals = state.first_signals[index.to(state.first_signals.device)]
+            values = state.bundle.refine(pooled.float(), tokens, budget, signals).tolist()  # after SGLang's own sync
             refined = {reqs[i].rid: v for i, v in zip(first, values)}
             state.stats.refined += len(refined)
         steps = max(state.forwards, 1)
@@ -577,10 +582,11 @@ def install(
             out = forward(*args, **kwargs)
             if state.forwards == 0 and state.pooled is not None:
                 state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
-                if state.recorder is not None:  # recording: first-round early signals, before the step fills
-                    state.first_signals = state.recorder.signals(
-                        out.logits_output.full_logits, forward_batch.input_ids, self.mask_id, self.block_size,
-                        float(getattr(self, "threshold", 0.95)))
+                # the first forward's early signals, before the step fills masks: the refinement
+                # graph's fourth input (and recorded). From the forward's output, after any graph replay
+                state.first_signals = early_signals(
+                    out.logits_output.full_logits, forward_batch.input_ids, self.mask_id, self.block_size,
+                    float(getattr(self, "threshold", 0.95)))
             state.forwards += 1
             return out
 

@@ -217,12 +217,11 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
     if bundle is not None:
         features = req[list(FEATURE_NAMES)].to_numpy(dtype=np.float32)
         admission = np.maximum(bundle.admission(features).astype(np.float64), 0.0)
-        refined = np.maximum(
-            np.asarray(bundle.refine(ds.first_round, req["prompt_tokens"].to_numpy(np.float32),
-                                     req["budget"].to_numpy(np.float32)), dtype=np.float64), 0.0)
+        inputs = (ds.first_round, req["prompt_tokens"].to_numpy(np.float32), req["budget"].to_numpy(np.float32),
+                  ds.early_signals)
+        refined = np.maximum(np.asarray(bundle.refine(*inputs), dtype=np.float64), 0.0)
         if hasattr(bundle, "refine_raw"):  # the same ensemble before calibration (seed 000 Table 5)
-            raw = np.maximum(np.asarray(bundle.refine_raw(ds.first_round, req["prompt_tokens"].to_numpy(np.float32),
-                                                          req["budget"].to_numpy(np.float32)), dtype=np.float64), 0.0)
+            raw = np.maximum(np.asarray(bundle.refine_raw(*inputs), dtype=np.float64), 0.0)
     return SimRequests(
         request_ids=req["request_id"].to_numpy(),
         prompt_blocks=req["prompt_blocks"].to_numpy(),

@@ -1,7 +1,9 @@
 """The refinement predictor's seed ensemble: fit several HazardMLPs, average their estimates.
 
-Input of a request: ``[h1, prompt_tokens / prompt_norm, budget / budget_norm]`` (H + 2 values),
-standardised with the training split's mean and standard deviation. Each member is trained with
+Input of a request: ``[h1, prompt_tokens / prompt_norm, budget / budget_norm, early signals]``
+(H + 2 + S values: S = 3, the first round's fraction over threshold, mean confidence and mean
+entropy, in the order of ``identity.EARLY_SIGNALS``), standardised with the training split's mean
+and standard deviation. Each member is trained with
 the logistic-hazard NLL, Adam and early stopping on a validation part of the training split; the
 weights of its best validation epoch are kept. Fitted state is plain tensors, the same ones
 ``network.refine_state`` writes and ``network.build_refine_graph`` reads.
@@ -69,7 +71,7 @@ class SurvivalEnsemble:
 
     # --- fit ----------------------------------------------------------------------------------
 
-    def fit(self, hidden, prompt_tokens, budget, remaining, events=None, progress=None) -> "SurvivalEnsemble":
+    def fit(self, hidden, prompt_tokens, budget, early_signals, remaining, events=None, progress=None) -> "SurvivalEnsemble":
         """Fit every member.
 
         Parameters
@@ -77,6 +79,7 @@ class SurvivalEnsemble:
         hidden : array of shape (N, H), pooled first-round hidden states.
         prompt_tokens, budget : arrays of shape (N,), prompt tokens after the chat template and output
             budget in tokens.
+        early_signals : array of shape (N, S), the first round's early signals (S = 3).
         remaining : array of shape (N,), remaining denoising rounds after the first (``total - 1``).
         events : array of shape (N,), 1 = finished, 0 = collection cut short (censored); all 1 if None.
         progress : optional callable ``(member, epoch, train_loss, val_loss)`` called after each epoch.
@@ -85,7 +88,7 @@ class SurvivalEnsemble:
             raise InputError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
         if not self.seeds:
             raise InputError("the ensemble needs at least one seed (one member per seed)")
-        x, idx, ev = self.prepare(hidden, prompt_tokens, budget, remaining, events)
+        x, idx, ev = self.prepare(hidden, prompt_tokens, budget, early_signals, remaining, events)
 
         perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(self.split_seed))
         n_val = min(max(1, round(self.val_fraction * x.shape[0])), x.shape[0] - 1)
@@ -101,14 +104,14 @@ class SurvivalEnsemble:
             self.history_.append({"seed": seed, **history})
         return self
 
-    def prepare(self, hidden, prompt_tokens, budget, remaining, events=None):
+    def prepare(self, hidden, prompt_tokens, budget, early_signals, remaining, events=None):
         """Fit K, the input norms and the standardisation on the informative requests; return their
-        standardised inputs (n, H + 2) and survival labels (idx (n,), event (n,)).
+        standardised inputs (n, H + 2 + S) and survival labels (idx (n,), event (n,)).
 
         Shared with :class:`~dwise_predict.survival.linear.RidgeHead`, so every refinement candidate
         standardises its input the same way (the graph's ``input_mean`` / ``input_std``).
         """
-        hidden, prompt_tokens, budget = _check_inputs(hidden, prompt_tokens, budget)
+        hidden, prompt_tokens, budget, early_signals = _check_inputs(hidden, prompt_tokens, budget, early_signals)
         if len(remaining) != hidden.shape[0]:
             raise InputError(f"{hidden.shape[0]} hidden rows but {len(remaining)} remaining-round counts")
         labels = RemainingRoundsLabels().fit(remaining, events)
@@ -118,7 +121,8 @@ class SurvivalEnsemble:
         self.num_rounds_ = labels.out_features
         self.prompt_norm_ = float(max(1.0, prompt_tokens.max()))
         self.budget_norm_ = float(max(1.0, budget.max()))
-        x = self._assemble(hidden, prompt_tokens, budget)[keep]  # (n, H + 2)
+        self.hidden_size_ = int(hidden.shape[1])
+        x = self._assemble(hidden, prompt_tokens, budget, early_signals)[keep]  # (n, H + 2 + S)
         self.input_mean_ = x.mean(dim=0)
         std = x.std(dim=0, unbiased=False)
         self.input_std_ = torch.where(std > _MIN_STD, std, torch.ones_like(std))
@@ -138,6 +142,7 @@ class SurvivalEnsemble:
         ensemble.members_ = list(members)
         ensemble.input_mean_, ensemble.input_std_ = self.input_mean_, self.input_std_
         ensemble.num_rounds_, ensemble.prompt_norm_, ensemble.budget_norm_ = self.num_rounds_, self.prompt_norm_, self.budget_norm_
+        ensemble.hidden_size_ = self.hidden_size_
         ensemble.history_ = list(history or [])
         ensemble.candidate = self.candidate
         return ensemble
@@ -184,10 +189,10 @@ class SurvivalEnsemble:
 
     def spec(self) -> dict:
         """The refine.json dict of the run directory (see RUNDIR in the README)."""
-        hidden_size = int(self.input_mean_.numel()) - 2
         return {
-            "hidden_size": hidden_size,
-            "in_features": hidden_size + 2,
+            "hidden_size": self.hidden_size_,
+            "early_signals": self.signal_count,
+            "in_features": int(self.input_mean_.numel()),
             "num_rounds": self.num_rounds_,
             "width": self.width,
             "dropout": self.dropout,
@@ -208,6 +213,7 @@ class SurvivalEnsemble:
         ensemble.input_mean_ = graph.input_mean.clone()
         ensemble.input_std_ = graph.input_std.clone()
         ensemble.num_rounds_ = int(spec["num_rounds"])
+        ensemble.hidden_size_ = int(spec["hidden_size"])
         ensemble.prompt_norm_ = float(spec["prompt_norm"])
         ensemble.budget_norm_ = float(spec["budget_norm"])
         ensemble.history_ = []
@@ -227,49 +233,65 @@ class SurvivalEnsemble:
         calibration = calibration or {"x": [0.0, float(self.num_rounds_)], "y": [0.0, float(self.num_rounds_)]}
         return build_refine_graph(self.state(), self.spec(), calibration)
 
-    def predict_raw(self, hidden, prompt_tokens, budget, batch_size: int = 1024) -> np.ndarray:
+    @property
+    def signal_count(self) -> int:
+        """S, the number of early-signal columns of the input."""
+        return int(self.input_mean_.numel()) - self.hidden_size_ - 2
+
+    def predict_raw(self, hidden, prompt_tokens, budget, early_signals, batch_size: int = 1024) -> np.ndarray:
         """Ensemble mean of expected remaining rounds, array of shape (N,) float64 (uncalibrated)."""
-        hidden, prompt_tokens, budget = _check_inputs(hidden, prompt_tokens, budget, self.input_mean_.numel() - 2)
+        inputs = self._check(hidden, prompt_tokens, budget, early_signals)
         graph = self.graph()
         out = []
         with torch.no_grad():
-            for s in range(0, hidden.shape[0], batch_size):
-                out.append(graph.raw(hidden[s : s + batch_size], prompt_tokens[s : s + batch_size], budget[s : s + batch_size]))
+            for s in range(0, inputs[0].shape[0], batch_size):
+                out.append(graph.raw(*(t[s : s + batch_size] for t in inputs)))
         return torch.cat(out).double().numpy() if out else np.zeros(0)
 
-    def predict_survival(self, hidden, prompt_tokens, budget) -> np.ndarray:
+    def predict_survival(self, hidden, prompt_tokens, budget, early_signals) -> np.ndarray:
         """Ensemble survival curves, array of shape (N, K): mean over members of S(t) = P(T > t)."""
-        hidden, prompt_tokens, budget = _check_inputs(hidden, prompt_tokens, budget, self.input_mean_.numel() - 2)
-        x = (self._assemble(hidden, prompt_tokens, budget) - self.input_mean_) / self.input_std_
+        x = self.standardise(hidden, prompt_tokens, budget, early_signals)
         with torch.no_grad():
             curves = torch.stack([survival_from_logits(m(x)) for m in self.members_]).mean(dim=0)
         return curves.double().numpy()
 
-    def standardise(self, hidden, prompt_tokens, budget) -> torch.Tensor:
-        """(N, H), (N,), (N,) raw inputs -> (N, H + 2) standardised, as the graph does before its members."""
-        hidden, prompt_tokens, budget = _check_inputs(hidden, prompt_tokens, budget, self.input_mean_.numel() - 2)
-        return (self._assemble(hidden, prompt_tokens, budget) - self.input_mean_) / self.input_std_
+    def standardise(self, hidden, prompt_tokens, budget, early_signals) -> torch.Tensor:
+        """(N, H), (N,), (N,), (N, S) raw inputs -> (N, H + 2 + S) standardised, as the graph does
+        before its members."""
+        return (self._assemble(*self._check(hidden, prompt_tokens, budget, early_signals)) - self.input_mean_) / self.input_std_
 
-    def _assemble(self, hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        """(N, H), (N,), (N,) -> (N, H + 2) in the column order RefineGraph.raw uses."""
+    def _check(self, hidden, prompt_tokens, budget, early_signals) -> tuple[torch.Tensor, ...]:
+        return _check_inputs(hidden, prompt_tokens, budget, early_signals, self.hidden_size_, self.signal_count)
+
+    def _assemble(self, hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
+                  early_signals: torch.Tensor) -> torch.Tensor:
+        """(N, H), (N,), (N,), (N, S) -> (N, H + 2 + S) in the column order RefineGraph.raw uses."""
         return torch.cat(
-            [hidden, (prompt_tokens / self.prompt_norm_).unsqueeze(1), (budget / self.budget_norm_).unsqueeze(1)], dim=1
+            [hidden, (prompt_tokens / self.prompt_norm_).unsqueeze(1), (budget / self.budget_norm_).unsqueeze(1),
+             early_signals], dim=1,
         )
 
 
-def _check_inputs(hidden, prompt_tokens, budget, hidden_size: int | None = None):
+def _check_inputs(hidden, prompt_tokens, budget, early_signals, hidden_size: int | None = None,
+                  signal_count: int | None = None):
     """Validate once (shape, finite, consistent length) and convert to float32 tensors."""
     hidden = torch.as_tensor(np.asarray(hidden, dtype=np.float32))
     prompt_tokens = torch.as_tensor(np.asarray(prompt_tokens, dtype=np.float32)).ravel()
     budget = torch.as_tensor(np.asarray(budget, dtype=np.float32)).ravel()
+    early_signals = torch.as_tensor(np.array(early_signals, dtype=np.float32))  # a copy: column views are read-only
     if hidden.ndim != 2:
         raise InputError(f"hidden states must have shape (N, H), got {tuple(hidden.shape)}")
     if hidden_size is not None and hidden.shape[1] != hidden_size:
         raise InputError(f"hidden states have size {hidden.shape[1]} but the model was trained on {hidden_size}")
     n = hidden.shape[0]
+    if early_signals.ndim != 2 or early_signals.shape[0] != n:
+        raise InputError(f"early signals must have shape ({n}, S), got {tuple(early_signals.shape)}")
+    if signal_count is not None and early_signals.shape[1] != signal_count:
+        raise InputError(f"{early_signals.shape[1]} early signals per request but the model was trained on {signal_count}")
     if prompt_tokens.shape[0] != n or budget.shape[0] != n:
         raise InputError(f"{n} hidden rows but {prompt_tokens.shape[0]} prompt lengths and {budget.shape[0]} budgets")
-    for name, t in (("hidden states", hidden), ("prompt tokens", prompt_tokens), ("budget", budget)):
+    for name, t in (("hidden states", hidden), ("prompt tokens", prompt_tokens), ("budget", budget),
+                    ("early signals", early_signals)):
         if not torch.isfinite(t).all():
             raise InputError(f"{name} hold NaN or inf: drop those requests")
-    return hidden, prompt_tokens, budget
+    return hidden, prompt_tokens, budget, early_signals

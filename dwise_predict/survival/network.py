@@ -61,7 +61,8 @@ def isotonic_interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torc
 class RefineGraph(nn.Module):
     """Calibrated ensemble in one graph: raw inputs in, calibrated remaining rounds out.
 
-    Inputs: ``first_round`` (B, H) pooled hidden state (raw), ``prompt_tokens`` (B,), ``budget`` (B,).
+    Inputs: ``first_round`` (B, H) pooled hidden state (raw), ``prompt_tokens`` (B,), ``budget`` (B,),
+    ``early_signals`` (B, S) the first round's early signals (raw).
     Output: (B,) remaining denoising rounds on the scale of actual rounds.
     """
 
@@ -84,18 +85,21 @@ class RefineGraph(nn.Module):
         self.prompt_norm = float(prompt_norm)
         self.budget_norm = float(budget_norm)
 
-    def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
+    def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
+            early_signals: torch.Tensor) -> torch.Tensor:
         """(B,) ensemble mean of expected remaining rounds, before calibration."""
         x = torch.cat(
-            [first_round, (prompt_tokens / self.prompt_norm).unsqueeze(1), (budget / self.budget_norm).unsqueeze(1)],
+            [first_round, (prompt_tokens / self.prompt_norm).unsqueeze(1), (budget / self.budget_norm).unsqueeze(1),
+             early_signals],
             dim=1,
-        )  # (B, H + 2)
+        )  # (B, H + 2 + S)
         x = (x - self.input_mean) / self.input_std
         estimates = [expected_remaining(m(x)) for m in self.members]
         return torch.stack(estimates, dim=0).mean(dim=0)
 
-    def forward(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-        return isotonic_interp(self.raw(first_round, prompt_tokens, budget), self.calib_x, self.calib_y)
+    def forward(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
+                early_signals: torch.Tensor) -> torch.Tensor:
+        return isotonic_interp(self.raw(first_round, prompt_tokens, budget, early_signals), self.calib_x, self.calib_y)
 
 
 def build_refine_graph(weights: dict[str, torch.Tensor], spec: dict, calibration: dict) -> RefineGraph:

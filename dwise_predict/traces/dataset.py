@@ -25,6 +25,7 @@ import pandas as pd
 
 from dwise_predict.errors import TraceError
 from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
+from dwise_predict.identity import EARLY_SIGNALS
 
 SCHEMA_VERSION = 2  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config)
 MANIFEST_FILE = "manifest.json"
@@ -86,6 +87,12 @@ class TraceDataset:
     @property
     def hidden_size(self) -> int:
         return int(self.first_round.shape[1])
+
+    @property
+    def early_signals(self) -> np.ndarray:
+        """(N, 3) float32, the first round's early signals in :data:`EARLY_SIGNALS` order (the
+        refinement graph's ``early_signals`` input)."""
+        return self.requests[list(EARLY_SIGNALS)].to_numpy(dtype=np.float32)
 
     @property
     def model_fingerprint(self) -> dict:

@@ -11,7 +11,7 @@ from dwise_predict.files import read_json_object
 
 _RECORD_KEYS = {"seeds", "versions", "traces"}  # what config.json records besides the options
 # the refinement candidates (training.select.CANDIDATES) and "auto": pick one by cross-validation
-REFINE_CHOICES = ("auto", "survival", "ridge", "survival+ridge", "ridge-within", "survival-pca")
+REFINE_CHOICES = ("auto", "survival", "ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals")
 
 
 def _fits(value, default) -> bool:

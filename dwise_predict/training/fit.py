@@ -119,7 +119,7 @@ def fit_predictors(
 def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress) -> tuple:
     """The chosen refinement candidate (by CV when ``config.refine == "auto"``), its calibration and
     the selection record."""
-    from dwise_predict.training.select import cross_validate, fit_candidate
+    from dwise_predict.training.select import cross_validate, fit_candidate, grouped_folds
 
     def make_ensemble() -> SurvivalEnsemble:
         return SurvivalEnsemble(
@@ -142,7 +142,9 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
     else:
         selection = {"mode": "fixed", "candidates": {}, "chosen": config.refine}
     ensemble, inner = fit_candidate(selection["chosen"], inputs, targets.remaining, targets.events, make_ensemble,
-                                    progress, groups=train.requests["category"].astype(str).to_numpy())
+                                    progress, groups=train.requests["category"].astype(str).to_numpy(),
+                                    fold=grouped_folds(train, config.cv_folds, config.seed),
+                                    blend_weight=selection.get("blend_weight"))
     selection.update(inner)
     # Calibrate on every finished training request (as seed 000 does). Measured on synthetic traces:
     # with 3,000 training requests the eval median ratio lands at 0.96-1.03; fitting only on the
@@ -208,9 +210,12 @@ def evaluate_predictors(predictors: Predictors, eval_ds: TraceDataset, bootstrap
     }
 
 
-def _refine_inputs(ds: TraceDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _refine_inputs(ds: TraceDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The refinement graph's inputs of every request: first_round (N, H), prompt_tokens (N,), budget
+    (N,), early_signals (N, 3)."""
     return (
         ds.first_round,
         ds.requests["prompt_tokens"].to_numpy(dtype=np.float32),
         ds.requests["budget"].to_numpy(dtype=np.float32),
+        ds.early_signals,
     )

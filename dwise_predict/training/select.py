@@ -2,7 +2,7 @@
 
 Candidates (all one graph family, so all export under contract 2 — see
 :mod:`dwise_predict.survival.linear`; every one sees only what the bundle receives: ``first_round``,
-``prompt_tokens`` and ``budget``. The early signals are *not* bundle inputs, so no candidate uses them):
+``prompt_tokens``, ``budget`` and the first round's ``early_signals``):
 
 - ``survival`` — the paper's seed ensemble of survival MLPs (the reference);
 - ``ridge`` — ridge of ``log1p(remaining)`` on the standardised state, penalty by leave-one-out;
@@ -11,7 +11,11 @@ Candidates (all one graph family, so all export under contract 2 — see
   (directions that order requests *inside* a category, what an unseen category can reuse), then the
   residual's levels between categories; still one linear score, so serving needs no category;
 - ``survival-pca`` — the ensemble trained on the top 32 principal components of the standardised
-  input, the projection folded into the members' first layer (fewer weights than requests).
+  input, the projection folded into the members' first layer (fewer weights than requests);
+- ``ridge-within+signals`` — ``ridge-within`` blended on the log scale with a ridge on random GELU
+  features of prompt tokens, budget and the early signals (the non-linear part of seed 001's
+  signals that a linear head misses); the blend weight is chosen from :data:`BLEND_WEIGHTS` by
+  grouped and leave-one-category-out CV on the training split only (:func:`choose_blend_weight`).
 
 Folds are grouped by prompt text (requests sharing a prompt, e.g. one prompt at several budgets,
 never sit on both sides) and dealt per category, so every validation fold holds every category.
@@ -26,10 +30,11 @@ from __future__ import annotations
 import numpy as np
 
 from dwise_predict import metrics as M
-from dwise_predict.survival.linear import RidgeHead, blend, fit_pca_survival
+from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead, blend, blend_heads, fit_pca_survival
 from dwise_predict.traces import TraceDataset
 
-CANDIDATES = ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca")
+CANDIDATES = ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals")
+BLEND_WEIGHTS = (0.25, 0.4, 0.5, 0.6, 0.75)  # share of ridge-within in ridge-within+signals
 
 
 def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
@@ -50,13 +55,22 @@ def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
 
 
 def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.ndarray, make_ensemble, progress=None,
-                  groups=None):
-    """Fit candidate ``name`` on ``inputs`` (hidden, prompt_tokens, budget): a fitted SurvivalEnsemble
-    (the graph) and a record of what was chosen inside it (e.g. the ridge penalty). ``groups``: the
-    requests' categories (``ridge-within`` needs them)."""
+                  groups=None, fold=None, blend_weight: float | None = None):
+    """Fit candidate ``name`` on ``inputs`` (hidden, prompt_tokens, budget, early_signals): a fitted
+    SurvivalEnsemble (the graph) and a record of what was chosen inside it (e.g. the ridge penalty).
+    ``groups``: the requests' categories (the ``ridge-within`` candidates need them); ``fold``: the
+    grouped CV folds that choose ``ridge-within+signals``' blend weight when ``blend_weight`` is None."""
     if name in ("ridge", "ridge-within"):
         ridge = RidgeHead().fit(*inputs, remaining, events, groups=groups if name == "ridge-within" else None)
         return ridge.ensemble(), {"ridge": ridge.record()}
+    if name == "ridge-within+signals":
+        record = {}
+        if blend_weight is None:
+            blend_weight, record["blend_cv"], _ = choose_blend_weight(inputs, remaining, events, groups, fold)
+        ridge = RidgeHead().fit(*inputs, remaining, events, groups=groups)
+        features = SignalFeatureHead().fit(ridge.base_, *inputs, remaining, events)
+        record.update(ridge=ridge.record(), signal_features=features.record(), blend_weight=blend_weight)
+        return blend_heads(ridge, features, blend_weight), record
     if name == "survival-pca":
         return fit_pca_survival(make_ensemble, *inputs, remaining, events, progress=progress), {}
     ensemble = make_ensemble().fit(*inputs, remaining, events, progress=progress)
@@ -66,11 +80,63 @@ def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.nd
     return blend(ensemble, ridge), {"ridge": ridge.record()}
 
 
+def _head_scores(fit_in, val_in, remaining, events, groups) -> tuple[np.ndarray, np.ndarray]:
+    """Validation log-scores of ridge-within and of the signal-feature head fitted on ``fit_in``."""
+    ridge = RidgeHead().fit(*fit_in, remaining, events, groups=groups)
+    features = SignalFeatureHead().fit(ridge.base_, *fit_in, remaining, events)
+    return ridge.score(*val_in), features.score(*val_in)
+
+
+def choose_blend_weight(inputs: tuple, remaining, events, groups, fold) -> tuple[float, dict, np.ndarray]:
+    """The :data:`BLEND_WEIGHTS` entry of ``ridge-within+signals`` with the best mean of two out-of-fold
+    scores on the training split: the mean within-category ρ under the grouped folds ``fold``
+    (categories seen in training) and under leave-one-category-out folds (each category scored by
+    heads fitted without it). The first alone favours the hidden-state ridge, which ranks seen
+    categories well and unseen ones poorly; a served predictor meets both kinds of request.
+
+    Returns (weight, {weight: scores}, the blend's out-of-fold log-scores under ``fold`` (N,))."""
+    groups = np.asarray(groups).astype(str)
+    by_prompt = _out_of_fold_heads(inputs, remaining, events, groups, fold)
+    by_category = _out_of_fold_heads(inputs, remaining, events, groups, np.unique(groups, return_inverse=True)[1])
+    scores, merit = {}, {}
+    for w in BLEND_WEIGHTS:
+        seen = _blend_within(w, *by_prompt, remaining, events, groups)
+        unseen = _blend_within(w, *by_category, remaining, events, groups)
+        scores[str(w)] = {"cv_within_category": seen, "cv_held_out_category": unseen}
+        defined = [v for v in (seen, unseen) if v is not None]
+        merit[w] = float(np.mean(defined)) if defined else -np.inf
+    best = max(BLEND_WEIGHTS, key=lambda w: (merit[w], -abs(w - 0.5)))
+    return float(best), scores, best * by_prompt[0] + (1.0 - best) * by_prompt[1]
+
+
+def _out_of_fold_heads(inputs, remaining, events, groups, fold) -> tuple[np.ndarray, np.ndarray]:
+    """Out-of-fold log-scores (N,) of ridge-within and of the signal-feature head (NaN where unscored)."""
+    ridge_oof, feature_oof = np.full(len(remaining), np.nan), np.full(len(remaining), np.nan)
+    for k in np.unique(fold):
+        fit_rows, val_rows = fold != k, fold == k
+        if fit_rows.sum() < 8:
+            continue
+        ridge_oof[val_rows], feature_oof[val_rows] = _head_scores(
+            tuple(a[fit_rows] for a in inputs), tuple(a[val_rows] for a in inputs), remaining[fit_rows],
+            events[fit_rows], groups[fit_rows])
+    return ridge_oof, feature_oof
+
+
+def _blend_within(weight, ridge_oof, feature_oof, remaining, events, groups) -> float | None:
+    scored = np.asarray(events, bool) & np.isfinite(ridge_oof)
+    pred = weight * ridge_oof[scored] + (1.0 - weight) * feature_oof[scored]
+    return M.within_category(pred, remaining[scored], groups[scored])[0]
+
+
 def cross_validate(
     train: TraceDataset, inputs: tuple, remaining: np.ndarray, events: np.ndarray, make_ensemble, folds: int, seed: int,
     candidates: tuple[str, ...] = CANDIDATES,
 ) -> dict:
-    """Out-of-fold raw estimates of every candidate and their scores (the candidates.json dict)."""
+    """Out-of-fold raw estimates of every candidate and their scores (the candidates.json dict).
+
+    ``ridge-within+signals`` is scored at its blend weight chosen on the same out-of-fold estimates
+    (see :func:`choose_blend_weight`; a choice made on the validation folds, so its score is slightly
+    optimistic against the others')."""
     fold = grouped_folds(train, folds, seed)
     n = len(train)
     oof = {name: np.full(n, np.nan) for name in candidates}
@@ -102,6 +168,10 @@ def cross_validate(
         if "ridge-within" in oof:
             within = RidgeHead().fit(*fit_in, remaining[fit_rows], events[fit_rows], groups=cats[fit_rows])
             oof["ridge-within"][val_rows] = within.ensemble().predict_raw(*val_in)
+    record = {}
+    if "ridge-within+signals" in oof:
+        weight, by_weight, oof["ridge-within+signals"] = choose_blend_weight(inputs, remaining, events, cats, fold)
+        record = {"blend_weight": weight, "blend_cv": by_weight}
     scored = events & np.isfinite(oof[candidates[0]])
     scores = {}
     for name in candidates:
@@ -117,6 +187,7 @@ def cross_validate(
         "n_scored": int(scored.sum()),
         "candidates": scores,
         "chosen": chosen,
+        **record,
     }
 
 

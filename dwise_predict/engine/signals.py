@@ -1,0 +1,34 @@
+"""The first denoising round's early signals, from the logits of one forward over a block.
+
+Per request, over the block's still-masked positions (a leftover prompt token is not masked): the
+fraction whose top-1 probability is above the algorithm's threshold, the mean top-1 probability and
+the mean predictive entropy in nats (seed 001's signals; zeros for a block without masks). The
+decoder computes them per request while collecting; the serving hook computes them here, on the
+device, from SGLang's ``full_logits`` after the forward (outside any captured CUDA graph), for the
+refinement graph's ``early_signals`` input and for recording.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# requests per chunk: the softmax temporaries are (chunk * block, vocab) floats, not the whole batch's
+CHUNK_REQUESTS = 8
+
+
+def early_signals(full_logits: torch.Tensor, input_ids: torch.Tensor, mask_id: int, block_size: int,
+                  threshold: float) -> torch.Tensor:
+    """(B, 3) float32 signals of a forward over B blocks: ``full_logits`` (B * block, V), ``input_ids``
+    (B * block,). Device tensor ops only, no host synchronisation."""
+    batch = input_ids.numel() // block_size
+    logits = full_logits.view(batch, block_size, -1)
+    masked = (input_ids.view(batch, block_size) == mask_id).to(device=logits.device, dtype=torch.float32)
+    count = masked.sum(dim=1).clamp_min(1.0)
+    out = []
+    for start in range(0, batch, CHUNK_REQUESTS):
+        logp = torch.log_softmax(logits[start:start + CHUNK_REQUESTS].float(), dim=-1)  # (b, bs, V)
+        top = logp.max(dim=-1).values.exp()  # (b, bs)
+        entropy = -(logp.exp() * logp).sum(dim=-1)  # exp(-inf) * -inf would be NaN: log_softmax is finite
+        m = masked[start:start + CHUNK_REQUESTS]
+        out.append(torch.stack([((top > threshold).float() * m).sum(1), (top * m).sum(1), (entropy * m).sum(1)], 1))
+    return (torch.cat(out) if out else masked.new_zeros((0, 3))) / count.unsqueeze(1)
