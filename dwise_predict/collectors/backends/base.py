@@ -64,6 +64,8 @@ class StepBatch:
     commit_len : LongTensor (n,), leading tokens per row whose keys/values are committed.
     out_start : LongTensor (n,), first position of the ``window``-token window returned per row.
     window : tokens per returned window (the decoding block size).
+    all_layers : also return every layer's hidden rows of the windows (``StepOutput.layers``); the
+        decoder asks only in a round holding a request's first denoising forward under `collect --layers`.
     """
 
     slots: torch.Tensor
@@ -72,14 +74,19 @@ class StepBatch:
     commit_len: torch.Tensor
     out_start: torch.Tensor
     window: int
+    all_layers: bool = False
 
 
 @dataclass
 class StepOutput:
-    """logits (n, window, V) and final-layer hidden rows (n, window, H) of each row's window."""
+    """logits (n, window, V) and final-layer hidden rows (n, window, H) of each row's window; when the
+    batch asked for ``all_layers``, ``layers`` (n, num_hidden_layers + 1, window, H) in transformers'
+    ``output_hidden_states`` order: embedding output, each layer's output, the last one after the final
+    norm (so ``layers[:, -1]`` equals ``hidden``)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    layers: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -92,6 +99,7 @@ class BlockBackend(Protocol):
     eos_token_id: int
     pad_token_id: int
     hidden_size: int
+    num_hidden_layers: int  # transformer layers: StepOutput.layers holds num_hidden_layers + 1 entries
     vocab_size: int
     max_context: int  # prompt + output tokens one slot can hold
     tokenizer: Any  # a transformers tokenizer with a chat template, or None
