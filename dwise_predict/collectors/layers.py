@@ -58,13 +58,14 @@ def resolve_layers(request: LayerRequest | None, backend) -> HiddenExtra | None:
     """
     if request is None:
         return None
+    name = getattr(backend, "name", "the model")
     if getattr(backend, "runs_own_loop", False) or getattr(backend, "num_hidden_layers", None) is None:
-        raise ConfigError(f"--layers: {backend.name} decodes with its own loop, which keeps only the final layer "
-                          "of the first round: drop --layers")
+        raise ConfigError("--layers: this model decodes with its own loop, which exposes only the final layer of the "
+                          "first round: drop --layers")
     last = int(backend.num_hidden_layers)
     bad = [i for i in request.layers if not -(last + 1) <= i <= last]
     if bad:
-        raise ConfigError(f"--layers {','.join(map(str, bad))}: out of range; {backend.name} has layers 0..{last} "
+        raise ConfigError(f"--layers {','.join(map(str, bad))}: out of range; {name} has layers 0..{last} "
                           f"(0 = embedding output, {last} or -1 = the final hidden state the LM head reads)")
     layers = sorted({i % (last + 1) for i in request.layers})
     return HiddenExtra(tuple(layers), request.poolings, last)

@@ -91,7 +91,12 @@ class StepOutput:
 
 @runtime_checkable
 class BlockBackend(Protocol):
-    """What the decoding loop needs from a block-diffusion model family."""
+    """What the decoding loop needs from a block-diffusion model family.
+
+    A backend that also answers ``StepBatch.all_layers`` (for `collect --layers`) sets
+    ``num_hidden_layers``, its transformer layers (``StepOutput.layers`` then holds that many + 1
+    entries); one without it is refused ``--layers`` before decoding.
+    """
 
     name: str
     block_size: int  # the model's own block size (the decoding default)
@@ -99,7 +104,6 @@ class BlockBackend(Protocol):
     eos_token_id: int
     pad_token_id: int
     hidden_size: int
-    num_hidden_layers: int  # transformer layers: StepOutput.layers holds num_hidden_layers + 1 entries
     vocab_size: int
     max_context: int  # prompt + output tokens one slot can hold
     tokenizer: Any  # a transformers tokenizer with a chat template, or None
