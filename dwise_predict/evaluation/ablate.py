@@ -252,7 +252,8 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
 
     Returns ``{"kind", "rows": [{"name", "candidate", "inputs", "bundle", "n_train", "spearman",
     "spearman_ci", "within_category_mean", "within_category_ci", "delta_vs_reference"}, ...],
-    "reference", "verdict", ...}``.
+    "reference", "verdict", ...}``; ``layers`` and ``pooling`` rows add ``held_out`` (category -> ρ
+    within it when held out of training) and ``held_out_mean``.
     """
     from dwise_predict.evaluation.baselines import early_signal_predictions
 
