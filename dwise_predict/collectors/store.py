@@ -92,7 +92,7 @@ def check_same_hidden_extra(theirs: dict, ours: dict, where: str, fix: str) -> N
     """Raise :class:`StoreError` when two manifests keep different `collect --layers` tensors."""
     a, b = _layers_label(theirs), _layers_label(ours)
     if a != b:
-        raise StoreError(f"{where} holds traces with first-round tensors {a}, this one has {b}: {fix}")
+        raise StoreError(f"{where} holds first-round tensors {a}, not {b}: {fix}")
 
 
 def _layers_label(manifest: dict) -> str:

@@ -192,7 +192,7 @@ def hidden_settings(kind: str, ds: TraceDataset) -> list[tuple[str, str]]:
     stored = {parsed: name for name in ds.extra_hidden if (parsed := parse_tensor_name(name)) is not None}
     if kind == "layers":
         rows = [(f"layer {layer}, mean", stored[layer, pooling]) for layer, pooling in sorted(stored) if pooling == "mean"]
-        need = "--layers 0,1,-1 (any layers; mean pooling)"
+        need = "--layers 0,1,-1"  # mean is the default pooling
     else:
         final = (ds.manifest.get(HIDDEN_EXTRA_KEY) or {}).get("final_layer")
         rows = [(f"layer {final}, {pooling}" + (" (flattened)" if pooling == "positions" else ""), stored[layer, pooling])
