@@ -213,14 +213,19 @@ def ablation_bars(rows: Sequence[dict], title: str) -> bytes:
     fig, ax = plt.subplots(figsize=(7.5, 0.4 * len(names) * len(series) / 2 + 1.2))
     for k, (key, ci_key, colour, label) in enumerate(series):
         values = np.array([r.get(key) if r.get(key) is not None else np.nan for r in rows], float)
-        cis = [r.get(ci_key) if ci_key else None for r in rows]
-        lo = np.array([v - ci[0] if ci and np.isfinite(v) else 0 for v, ci in zip(values, cis)])
-        hi = np.array([ci[1] - v if ci and np.isfinite(v) else 0 for v, ci in zip(values, cis)])
+        xerr = None
+        if ci_key:
+            lo = np.array([v - r[ci_key][0] if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
+            hi = np.array([r[ci_key][1] - v if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
+            xerr = np.vstack([np.clip(lo, 0, None), np.clip(hi, 0, None)])
         ax.barh(y + (k - (len(series) - 1) / 2) * height, np.nan_to_num(values), height, color=colour, label=label,
-                xerr=np.vstack([np.clip(lo, 0, None), np.clip(hi, 0, None)]), error_kw={"lw": 0.8, "capsize": 2})
+                xerr=xerr, error_kw={"lw": 0.8, "capsize": 2})
     ax.set_yticks(y, names, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", lw=0.8)
     ax.set(xlabel="Spearman ρ with actual remaining rounds (95% bootstrap interval)", title=title)
-    ax.legend(fontsize=8, loc="lower right")
+    if len(series) > 2:  # three bars per row leave no free corner: the legend goes under the axis label
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(series))
+    else:
+        ax.legend(fontsize=8, loc="lower right")
     return _png(fig)
