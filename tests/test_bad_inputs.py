@@ -277,6 +277,11 @@ CASES = [
     Case("collect-into-foreign", ["collect", "--limit", "2", "--out", "{foreign}"], ("not a trace collection", "new or empty --out")),
     Case("compare-out-is-traces", ["compare-regressors", "{traces}", "--out", "{traces}"], ("is the input traces",)),
     Case("collect-out-is-model", ["collect", "--model", "{model}", "--out", "{model}"], ("is the input --model",)),
+    # `collect --layers` and the ablations that need it
+    Case("collect-layers-out-of-range", ["collect", "--layers", "99", *Q.split()], ("--layers 99", "out of range", "0..4")),
+    Case("collect-layers-not-ints", ["collect", "--layers", "last", *Q.split()], ("--layers", "comma-separated layer indices")),
+    Case("evaluate-ablate-layers-without-layers", ["evaluate", "{traces}", "--ablate", "layers", "--out", "{tmp}/e"],
+         ("--ablate layers", "re-collect", "collect --layers")),
     # counts bounded before anything is allocated (this spec used to hang and eat memory)
     Case("workload-show-huge-count", ["workload", "show", "{spec}"], ("train must be an integer from 0 to 100,000", "fix it in the spec"),
          spec('[[sources]]\ntype = "tiny"\ncategory = "chat"\ntrain = 100000000000\neval = 1\n')),

@@ -27,11 +27,11 @@ def backend(model_dir):
 def test_attention_is_block_causal(backend):
     base, changed = [5, 6, 7, 8, 9], [5, 6, 7, 40, 9]  # position 3 changes
     # blocks [0 0 1 1 2]: position 2 shares position 3's block and sees it; block 0 never does
-    _, h = backend._forward([base, changed], [[0, 0, 1, 1, 2]] * 2)
+    _, h, _ = backend._forward([base, changed], [[0, 0, 1, 1, 2]] * 2)
     torch.testing.assert_close(h[0, :2], h[1, :2], rtol=0, atol=0)
     assert not torch.allclose(h[0, 2], h[1, 2]) and not torch.allclose(h[0, 4], h[1, 4])
     # blocks [0 0 1 2 3]: position 2 is in an earlier block than position 3 and cannot see it
-    _, h = backend._forward([base, changed], [[0, 0, 1, 2, 3]] * 2)
+    _, h, _ = backend._forward([base, changed], [[0, 0, 1, 2, 3]] * 2)
     torch.testing.assert_close(h[0, :3], h[1, :3], rtol=0, atol=0)
     assert not torch.allclose(h[0, 4], h[1, 4])
 

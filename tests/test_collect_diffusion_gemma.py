@@ -71,3 +71,10 @@ def test_backend_captures_the_first_round_and_is_seeded_per_request(model_dir, t
 def test_diffusion_gemma_refuses_another_block_size(model_dir, tmp_path, capsys):
     assert main(["collect", "--model", str(model_dir), *FLAGS, "--block-size", "4", "--out", str(tmp_path / "o")]) == 1
     assert "canvases of 8 tokens" in capsys.readouterr().err
+
+
+def test_diffusion_gemma_refuses_layers(model_dir, tmp_path, capsys):
+    # its own generate loop exposes only the final layer of the first round
+    assert main(["collect", "--model", str(model_dir), *FLAGS, "--layers", "0,-1", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--layers" in err and "drop --layers" in err

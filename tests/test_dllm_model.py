@@ -75,18 +75,18 @@ def test_cached_rounds_equal_the_full_forward(model):
     slots = torch.tensor([2, 0])  # any slots, in any order
     t = torch.tensor
     model.forward_step(cache, slots, ids[:, :4], t([4, 4]), t([4, 4]), t([0, 0]))  # the prompt block
-    logits, h = model.forward_step(cache, slots, ids[:, 4:8], t([4, 4]), t([0, 0]), t([0, 0]))
+    logits, h, _ = model.forward_step(cache, slots, ids[:, 4:8], t([4, 4]), t([0, 0]), t([0, 0]))
     torch.testing.assert_close(logits, full.logits[:, 4:8], atol=1e-5, rtol=0)
     torch.testing.assert_close(h, full.hidden_states[:, 4:8], atol=1e-5, rtol=0)
     assert cache.lengths.tolist() == [4, 0, 4]
     # commit the finished block and run the next one in the same row
-    logits, h = model.forward_step(cache, slots, ids[:, 4:12], t([8, 8]), t([4, 4]), t([4, 4]))
+    logits, h, _ = model.forward_step(cache, slots, ids[:, 4:12], t([8, 8]), t([4, 4]), t([4, 4]))
     torch.testing.assert_close(logits, full.logits[:, 8:12], atol=1e-5, rtol=0)
     assert cache.lengths.tolist() == [8, 0, 8]
     # a short last chunk (3 valid tokens of a 4-wide window)
     chunk = torch.zeros(2, 8, dtype=torch.long)
     chunk[:, :7] = ids[:, 8:15]
-    logits, h = model.forward_step(cache, slots, chunk, t([7, 7]), t([4, 4]), t([4, 4]))
+    logits, h, _ = model.forward_step(cache, slots, chunk, t([7, 7]), t([4, 4]), t([4, 4]))
     torch.testing.assert_close(logits[:, :3], full.logits[:, 12:15], atol=1e-5, rtol=0)
     assert cache.lengths.tolist() == [12, 0, 12]
 

@@ -44,6 +44,8 @@ def collect_command(
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model directory's own Python code (LLaDA2, SDAR, Dream).")] = False,
     requests_per_shard: Annotated[Optional[int], typer.Option(help="Requests per committed shard [default: 8 x batch size].")] = None,
     allow_missing: Annotated[bool, typer.Option(help="Collect the sources that are available when some of the workload's datasets are missing (they are listed in the manifest).")] = False,
+    layers: Annotated[Optional[str], typer.Option(help="Also keep the first round at these layers, comma-separated: 0 = embedding output, -1 = the final hidden state first_round pools (transformers' output_hidden_states order); tensors first_round.layer{L}.{pooling} in hidden.safetensors, for `evaluate --ablate layers|pooling`.")] = None,
+    pooling: Annotated[Optional[str], typer.Option(help="Poolings of the --layers rows, comma-separated: mean, last (the block's last row), positions (every row of the block) [default: mean].")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Decode a workload with an instrumented dLLM into a trace dataset (resumable).
@@ -57,8 +59,11 @@ def collect_command(
         dwise-predict collect --model ./my-llada --trust-remote-code --workload dwise-paper --device cuda --out traces/
 
         dwise-predict collect --out part0/ --shard 0/2   # and --shard 1/2, then: dwise-predict traces merge part0 part1 --out traces/
+
+        dwise-predict collect --out traces/ --layers 0,2,-1 --pooling mean,last,positions
     """
     from dwise_predict.collectors.collect import collect, parse_shard
+    from dwise_predict.collectors.layers import parse_layer_request
 
     problems = []
     try:
@@ -69,10 +74,11 @@ def collect_command(
                                   budget=budget, dtype=dtype.value, batch_size=batch_size)
     except ConfigError as err:
         problems.append(str(err))
-    try:
-        parse_shard(shard)
-    except ConfigError as err:
-        problems.append(str(err))
+    for check in (lambda: parse_shard(shard), lambda: parse_layer_request(layers, pooling)):
+        try:
+            check()
+        except ConfigError as err:
+            problems.append(str(err))
     if limit is not None and limit <= 0:
         problems.append(f"--limit must be positive, got {limit}")
     if requests_per_shard is not None and requests_per_shard <= 0:
@@ -83,7 +89,7 @@ def collect_command(
     with CollectProgressBar() as bar:
         path = collect(model, workload, out, decoding, seed=seed, limit=limit, shard=shard, progress=bar.update,
                        device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
-                       allow_missing=allow_missing)
+                       allow_missing=allow_missing, layers=layers, pooling=pooling)
     _print_summary(path, json_out)
 
 

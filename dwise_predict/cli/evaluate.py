@@ -23,7 +23,7 @@ def evaluate_command(
     jobs: Annotated[Optional[int], typer.Option(help="Parallel retrainings (one core each; default: one per core).")] = None,
     min_requests: Annotated[int, typer.Option(help="Fewest train and eval requests of a category evaluated in LOCO.")] = 10,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json; default: the run's, else the defaults).")] = None,
-    ablate: Annotated[Optional[list[str]], typer.Option("--ablate", help="Ablation to run, repeatable: inputs, train-size or seeds (tables in ablations.md/.html and ablation_*.json).")] = None,
+    ablate: Annotated[Optional[list[str]], typer.Option("--ablate", help="Ablation to run, repeatable: inputs, train-size, seeds, layers or pooling (the last two need traces from `collect --layers`; tables in ablations.md/.html and ablation_*.json).")] = None,
     across: Annotated[bool, typer.Option("--across", help="Treat each TRACES set separately (different models allowed): train and score on each, one Table-8-style table (across.json, across.md/.html).")] = False,
     json_out: JsonOption = False,
 ) -> None:
@@ -42,6 +42,8 @@ def evaluate_command(
         dwise-predict evaluate traces_a/ traces_b/ --out eval/ --json
 
         dwise-predict evaluate traces/ --run run/ --ablate inputs --ablate seeds --out eval/
+
+        dwise-predict evaluate traces_with_layers/ --ablate layers --ablate pooling --out eval/
 
         dwise-predict evaluate traces_model_a/ traces_model_b/ --across --out table8/
     """

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from dwise_predict.collectors.layers import parse_layer_request, resolve_layers
 from dwise_predict.collectors.scoring import score_answer
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
@@ -31,6 +32,7 @@ from dwise_predict.engine.algorithms import default_algorithm, make_rule
 from dwise_predict.errors import ConfigError, ModelError
 from dwise_predict.features.prompt import count_newlines, count_words
 from dwise_predict.files import refuse_aliasing
+from dwise_predict.traces.hidden_extra import MANIFEST_KEY, HiddenExtra
 from dwise_predict.versions import package_versions
 
 SHARD_REQUESTS_PER_SLOT = 8  # default requests_per_shard = 8 x batch size: short tails, little loss on a crash
@@ -93,6 +95,8 @@ def collect(
     trust_remote_code: bool = False,
     requests_per_shard: int | None = None,
     allow_missing: bool = False,
+    layers: str | Sequence[int] | None = None,
+    pooling: str | Sequence[str] | None = None,
 ) -> Path:
     """Decode a workload with an instrumented dLLM into contract 1's trace dataset at ``out``.
 
@@ -113,6 +117,10 @@ def collect(
     requests_per_shard : requests per committed shard (default 8 x batch size).
     allow_missing : collect the workload's available sources when some are missing (the manifest's
         workload composition lists the missing ones) instead of refusing.
+    layers, pooling : also keep the first denoising forward at these layers (``"0,2,-1"``; 0 = the
+        embedding output, -1 = the final hidden state) and poolings (``"mean,last,positions"``,
+        default ``mean``), as contract 1's optional tensors (:mod:`dwise_predict.traces.hidden_extra`);
+        recorded in the manifest under ``hidden_extra``, and a resume must ask for the same.
 
     Returns
     -------
@@ -125,6 +133,7 @@ def collect(
     refuse_aliasing(out, [(flag, path) for flag, path in (("--model", model), ("--workload", workload))
                           if Path(path).exists()])
     shard = parse_shard(shard)
+    layer_request = parse_layer_request(layers, pooling)
     per_shard = requests_per_shard or SHARD_REQUESTS_PER_SLOT * decoding.batch_size
     if per_shard <= 0:
         raise ConfigError(f"requests per shard must be positive, got {per_shard}")
@@ -139,8 +148,12 @@ def collect(
         if getattr(backend, "tokenizer", None) is None:
             raise ModelError(f"{model} has no tokenizer (tokenizer.json): collect needs its chat template")
         decoding = resolve_decoding(backend, decoding)
-        store.begin(_manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device,
-                              [requests[i] for run in owned for i in run]))
+        hidden_extra = resolve_layers(layer_request, backend)
+        manifest = _manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device,
+                             [requests[i] for run in owned for i in run])
+        if hidden_extra is not None:  # absent otherwise: a default collection's manifest is unchanged
+            manifest[MANIFEST_KEY] = hidden_extra.to_manifest()
+        store.begin(manifest)
         done = store.finished_ids()
         state = CollectProgress(total=sum(len(run) for run in owned))
         state.resumed = state.done = sum(requests[i].request_id in done for run in owned for i in run)
@@ -152,13 +165,16 @@ def collect(
             if not todo:
                 continue
             decode_requests = [_decode_request(backend, requests[i], decoding) for i in todo]
-            results = _decode(backend, decode_requests, decoding, seed, lambda result: _advance(progress, state, result))
+            results = _decode(backend, decode_requests, decoding, seed, lambda result: _advance(progress, state, result),
+                              hidden_extra)
             rows = [_row(backend, requests[i], i, d.budget, r, source_types.get(requests[i].source))
                     for i, d, r in zip(todo, decode_requests, results)]
             store.write_shard(
                 pd.DataFrame(rows),
                 np.stack([r.first_round_hidden for r in results]),
                 np.stack([r.prompt_last_hidden for r in results]),
+                {name: np.stack([r.first_round_layers[name] for r in results])
+                 for name in (hidden_extra.names() if hidden_extra else ())},
             )
         store.consolidate({"requests": state.total, "resumed": state.resumed})
     return Path(out)
@@ -177,14 +193,14 @@ def resolve_decoding(backend, decoding: DecodingConfig) -> DecodingConfig:
 
 
 def _decode(backend, decode_requests: list[DecodeRequest], decoding: DecodingConfig, seed: int,
-            on_result: Callable[[DecodeResult], None]) -> list[DecodeResult]:
+            on_result: Callable[[DecodeResult], None], hidden_extra: HiddenExtra | None) -> list[DecodeResult]:
     """Decode one shard's requests with the backend's own loop or the engine-semantics decoder, in input order."""
     if getattr(backend, "runs_own_loop", False):
         stream: Iterator[DecodeResult] = backend.decode_requests(decode_requests, decoding, seed=seed, on_result=on_result)
     else:
         from dwise_predict.collectors.decoder import decode
 
-        stream = decode(backend, decode_requests, decoding, on_result=on_result)
+        stream = decode(backend, decode_requests, decoding, on_result=on_result, hidden_layers=hidden_extra)
     by_id = {r.request_id: r for r in stream}
     return [by_id[r.request_id] for r in decode_requests]
 

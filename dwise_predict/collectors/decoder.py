@@ -31,7 +31,10 @@ tokens' rows as the engine processes them: the last full prompt block, or the le
 of the first denoising forward when the prompt is shorter than a block), and that first forward's
 early signals over its masked positions: fraction whose top-1 probability is above the algorithm's
 threshold, mean top-1 probability, mean entropy (nats). ``extra`` holds ``admit_round`` /
-``finish_round`` (global round indices) and ``slot``.
+``finish_round`` (global round indices) and ``slot``. Given ``hidden_layers`` (`collect --layers`),
+``first_round_layers`` holds the same forward's rows at those layers and poolings
+(:func:`.layers.pool_first_round`); only rounds holding a first denoising forward ask the backend
+for every layer.
 
 Bad input is rejected before anything is decoded: an empty request list, an empty prompt, a budget
 ≤ 0, duplicate request ids, or a prompt that does not fit the context with its output budget raise
@@ -50,11 +53,13 @@ import numpy as np
 import torch
 
 from dwise_predict.collectors.backends.base import BlockBackend, StepBatch
+from dwise_predict.collectors.layers import pool_first_round
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.engine import BlockLayout, block_layout
 from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, StepRule, forwards_exhausted, make_rule
 from dwise_predict.engine.signals import early_signals
 from dwise_predict.errors import ConfigError, InputError
+from dwise_predict.traces.hidden_extra import HiddenExtra
 
 
 @dataclass
@@ -73,6 +78,7 @@ class _Active:
     signals: tuple[float, float, float] | None = None  # first round: frac over threshold, confidence, entropy
     first_hidden: np.ndarray | None = None  # (H,)
     prompt_hidden: np.ndarray | None = None  # (H,)
+    layer_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # `collect --layers` tensors
 
 
 def _validate(requests: list[DecodeRequest], block: int, max_context: int) -> None:
@@ -103,7 +109,8 @@ def _validate(requests: list[DecodeRequest], block: int, max_context: int) -> No
 
 def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: DecodingConfig,
            on_result: Callable[[DecodeResult], None] | None = None,
-           progress: Callable[[int], None] | None = None) -> Iterator[DecodeResult]:
+           progress: Callable[[int], None] | None = None,
+           hidden_layers: HiddenExtra | None = None) -> Iterator[DecodeResult]:
     """Decode ``requests`` with ``config.batch_size`` slots; yield results in the order they finish.
 
     Parameters
@@ -115,6 +122,8 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
         ``budget`` is what the decoder enforces.
     on_result : called with each result as it finishes (before it is yielded).
     progress : called with the number of requests finished in a round (for a progress bar).
+    hidden_layers : layers and poolings of the first denoising forward to keep besides ``first_round``
+        (resolved against ``backend`` by :func:`.layers.resolve_layers`); None keeps none.
 
     Returns
     -------
@@ -128,11 +137,11 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     rule.bind(backend)
     requests = list(requests)
     _validate(requests, block, backend.max_context)
-    return _run(backend, deque(requests), config, rule, block, on_result, progress)
+    return _run(backend, deque(requests), config, rule, block, on_result, progress, hidden_layers)
 
 
 def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: StepRule, block: int,
-         on_result, progress) -> Iterator[DecodeResult]:
+         on_result, progress, hidden_layers: HiddenExtra | None) -> Iterator[DecodeResult]:
     n_slots = min(config.batch_size, len(queue))
     backend.allocate(n_slots)
     mask_id, pad_id = backend.mask_token_id, backend.pad_token_id
@@ -163,6 +172,8 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
                    if s.active[slot].next_prompt_block < s.active[slot].layout.prompt_blocks]
         batch, d_rows = _rows(active, prefill, s, block, pad_id)
         d_slots = batch.slots[d_rows]
+        if hidden_layers is not None:  # a request's first denoising forward is in this round
+            batch.all_layers = any(s.active[active[i]].first_hidden is None for i in d_rows.tolist())
         out = backend.step(batch)
         round_index += 1
 
@@ -174,7 +185,7 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
 
         finished: list[int] = []
         if len(d_rows):
-            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_id, mask_id)
+            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_id, mask_id, hidden_layers)
         for slot in finished:
             result = _result(s.active[slot], slot, round_index)
             s.active[slot] = None
@@ -251,7 +262,7 @@ def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
 
 
 def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id: int,
-             mask_id: int) -> list[int]:
+             mask_id: int, hidden_layers: HiddenExtra | None) -> list[int]:
     """One step of the algorithm for every denoising row; returns the slots whose request ended."""
     logits = out.logits[d_rows].float()  # (n_d, block, V)
     ids, prompt_mask = s.blk[d_slots], s.prompt_mask[d_slots]
@@ -259,7 +270,7 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
     forwards = s.forwards[d_slots]
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(d_slots.tolist(), forwards.tolist())]
     if any(first):
-        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id)
+        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, hidden_layers)
 
     new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
     capped = forwards_exhausted(rule, forwards, block)  # the engine's loop ends these unstepped
@@ -293,7 +304,8 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
     return finished
 
 
-def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rule: StepRule, mask_id: int) -> None:
+def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rule: StepRule, mask_id: int,
+                        hidden_layers: HiddenExtra | None) -> None:
     """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
     threshold = rule.params.get("threshold", 0.0)
     for j, slot in enumerate(d_slots.tolist()):
@@ -304,6 +316,8 @@ def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rul
         a.signals = tuple(early_signals(logits[j], ids[j], mask_id, ids.shape[1], threshold)[0].tolist())
         hidden = out.hidden[d_rows[j]].float()
         a.first_hidden = hidden.mean(0).cpu().numpy()
+        if hidden_layers is not None:
+            a.layer_hidden = pool_first_round(out.layers[d_rows[j]], hidden_layers)
         if a.prompt_hidden is None:  # a prompt shorter than a block: its rows sit in this forward
             a.prompt_hidden = hidden[: a.layout.leftover].mean(0).cpu().numpy()
 
@@ -325,4 +339,5 @@ def _result(a: _Active, slot: int, round_index: int) -> DecodeResult:
         first_round_hidden=a.first_hidden.astype(np.float32),
         prompt_last_hidden=a.prompt_hidden.astype(np.float32),
         extra={"admit_round": a.admit_round, "finish_round": round_index, "slot": slot},
+        first_round_layers=a.layer_hidden,
     )

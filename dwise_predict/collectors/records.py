@@ -77,6 +77,8 @@ class DecodeResult:
     first_round_hidden: np.ndarray  # (H,) mean of the final-layer rows of the first output block, first round
     prompt_last_hidden: np.ndarray  # (H,) mean of the final-layer rows of the last prompt tokens processed
     extra: dict = field(default_factory=dict)
+    # `collect --layers`: tensor name (traces.hidden_extra) -> (H,) or (block, H) rows of the first round
+    first_round_layers: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def total_rounds(self) -> int:

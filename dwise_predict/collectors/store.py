@@ -4,7 +4,8 @@ Layout of an output directory ``OUT``::
 
     OUT/.lock                     fcntl lock: one writer at a time
     OUT/manifest.json             written at start: model fingerprint, decoding config, workload, versions
-    OUT/shards/shard-000000.safetensors   first_round + prompt_last rows of one shard
+    OUT/shards/shard-000000.safetensors   first_round + prompt_last rows of one shard (and the
+                                          `collect --layers` tensors, traces.hidden_extra)
     OUT/shards/shard-000000.parquet       the shard's request rows (its presence commits the shard)
     OUT/requests.parquet + OUT/hidden.safetensors   consolidated on completion (contract 1)
 
@@ -18,6 +19,9 @@ Identity: a directory belongs to one model (weights sha256 + config hash), one d
 (algorithm and its parameters, block size, budget, dtype, backend parameters) and one engine
 semantics (the engine version and the trace schema): traces in other units are never mixed. The
 batch size is recorded but not part of the identity, so a run can resume with another ``--batch-size``.
+The ``--layers`` / ``--pooling`` spec (manifest key ``hidden_extra``) is not part of the model or
+decoding identity, but every shard of a directory carries the same tensors, so a resume or a merge
+with another spec is refused (:func:`check_same_hidden_extra`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import io
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +40,7 @@ from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
 from dwise_predict.files import FileLock, atomic_write_bytes, read_json_object, refuse_aliasing, write_errors
 from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
+from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
 from dwise_predict.traces.dataset import (
     HIDDEN_FILE,
     MANIFEST_FILE,
@@ -83,6 +88,20 @@ def check_compatible(theirs: dict, ours: dict, where: str, fix: str) -> None:
         raise StoreError(f"{where} holds traces decoded with another config ({diff}): {fix}")
 
 
+def check_same_hidden_extra(theirs: dict, ours: dict, where: str, fix: str) -> None:
+    """Raise :class:`StoreError` when two manifests keep different `collect --layers` tensors."""
+    a, b = _layers_label(theirs), _layers_label(ours)
+    if a != b:
+        raise StoreError(f"{where} holds first-round tensors {a}, not {b}: {fix}")
+
+
+def _layers_label(manifest: dict) -> str:
+    spec = manifest.get(HIDDEN_EXTRA_KEY)
+    if not spec:
+        return "first_round only (no --layers)"
+    return f"--layers {','.join(map(str, spec['layers']))} --pooling {','.join(spec['pooling'])}"
+
+
 @dataclass
 class Shard:
     """One committed shard: its request rows and the hidden rows aligned with them."""
@@ -91,6 +110,7 @@ class Shard:
     first_round: np.ndarray  # (n, H) float32
     prompt_last: np.ndarray  # (n, H) float32
     path: Path
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # `collect --layers` tensors, (n, ...) float32
 
 
 def read_shards(out: Path) -> list[Shard]:
@@ -106,6 +126,7 @@ def read_shards(out: Path) -> list[Shard]:
                 ids = json.loads(f.metadata()["request_ids"])
                 first_round = f.get_tensor("first_round")
                 prompt_last = f.get_tensor("prompt_last")
+                extra = {name: f.get_tensor(name) for name in f.keys() if name not in ("first_round", "prompt_last")}
         except Exception as err:  # pyarrow / safetensors / json raise many types for a damaged file
             raise StoreError(
                 f"shard {table} cannot be read ({err}): delete {table.name} and {tensors.name} and rerun to "
@@ -116,23 +137,30 @@ def read_shards(out: Path) -> list[Shard]:
                 f"shard {table} and {tensors.name} disagree on their requests: delete both and rerun to decode "
                 "those requests again"
             )
-        shards.append(Shard(requests, first_round, prompt_last, table))
+        shards.append(Shard(requests, first_round, prompt_last, table, extra))
     return shards
 
 
 def concat_shards(shards: list[Shard], manifest: dict, sort_keys: list[str] | None = None) -> TraceDataset:
     """Stack shards into one :class:`TraceDataset`, rows sorted by ``sort_keys`` (default: workload order)."""
-    return TraceDataset(*_stack(shards, sort_keys or [ORDER_COLUMN]), manifest)
+    requests, first_round, prompt_last, extra = _stack(shards, sort_keys or [ORDER_COLUMN])
+    return TraceDataset(requests, first_round, prompt_last, manifest, extra_hidden=extra)
 
 
-def _stack(shards: list[Shard], sort_keys: list[str]) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
+def _stack(shards: list[Shard], sort_keys: list[str]) -> tuple[pd.DataFrame, np.ndarray, np.ndarray, dict]:
     if not shards:
         raise StoreError("no finished requests to consolidate: run `dwise-predict collect` first")
+    names = sorted(shards[0].extra)
+    for s in shards:
+        if sorted(s.extra) != names:  # the manifest checks make this a damaged or hand-made shard
+            raise StoreError(f"shard {s.path} holds other first-round tensors ({', '.join(sorted(s.extra)) or 'none'}) "
+                             f"than {shards[0].path} ({', '.join(names) or 'none'}): delete the odd shard and rerun")
     requests = pd.concat([s.requests for s in shards], ignore_index=True)
     first_round = np.concatenate([s.first_round for s in shards])
     prompt_last = np.concatenate([s.prompt_last for s in shards])
     order = np.lexsort([requests[k].to_numpy() for k in reversed(sort_keys)])
-    return requests.iloc[order].reset_index(drop=True), first_round[order], prompt_last[order]
+    extra = {name: np.concatenate([s.extra[name] for s in shards])[order] for name in names}
+    return requests.iloc[order].reset_index(drop=True), first_round[order], prompt_last[order], extra
 
 
 class TraceStore:
@@ -210,6 +238,8 @@ class TraceStore:
         theirs = read_json_object(path, StoreError, fix="choose another --out")
         fix = "choose another --out (or delete that directory to start over)"
         check_compatible(theirs, self.manifest, str(self.out), fix)
+        check_same_hidden_extra(theirs, self.manifest, str(self.out),
+                                "rerun with the --layers and --pooling it was collected with, or " + fix)
         for key in ("name", "seed", "shard"):
             a, b = theirs.get("workload", {}).get(key), self.manifest.get("workload", {}).get(key)
             if a != b:
@@ -230,15 +260,20 @@ class TraceStore:
         done = self.finished_ids()
         return [rid for rid in request_ids if rid not in done]
 
-    def write_shard(self, requests: pd.DataFrame, first_round: np.ndarray, prompt_last: np.ndarray) -> Path:
+    def write_shard(self, requests: pd.DataFrame, first_round: np.ndarray, prompt_last: np.ndarray,
+                    extra: dict[str, np.ndarray] | None = None) -> Path:
         """Commit one shard atomically and return its Parquet path.
 
         Parameters
         ----------
         requests : one row per finished request; must hold ``request_id`` and ``workload_index``.
         first_round, prompt_last : arrays of shape (n, H), float32, row i belonging to row i of ``requests``.
+        extra : the `collect --layers` tensors by name (:mod:`dwise_predict.traces.hidden_extra`), each
+            with n rows.
         """
-        if ORDER_COLUMN not in requests.columns or len(first_round) != len(requests) != len(prompt_last):
+        extra = extra or {}
+        if (ORDER_COLUMN not in requests.columns or len(first_round) != len(requests) != len(prompt_last)
+                or any(len(v) != len(requests) for v in extra.values())):
             raise ValueError("a shard needs workload_index and hidden rows aligned with its requests")
         from safetensors.numpy import save
 
@@ -251,6 +286,7 @@ class TraceStore:
             {
                 "first_round": np.ascontiguousarray(first_round, dtype=np.float32),
                 "prompt_last": np.ascontiguousarray(prompt_last, dtype=np.float32),
+                **{name: np.ascontiguousarray(v, dtype=np.float32) for name, v in extra.items()},
             },
             metadata={"request_ids": json.dumps(requests["request_id"].tolist())},
         )
@@ -312,11 +348,13 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
                 raise StoreError(f"{d} holds no shards and no readable traces: {err}") from None
             # a dataset written elsewhere (not by collect) may lack the workload order: keep its row order
             requests = ds.requests if ORDER_COLUMN in ds.requests else ds.requests.assign(**{ORDER_COLUMN: range(len(ds))})
-            shards = [Shard(requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE)]
+            shards = [Shard(requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE, ds.extra_hidden)]
         inputs.append((d, manifest, shards))
     first_dir, first, _ = inputs[0]
     for d, manifest, _ in inputs:
         check_compatible(manifest, first, str(d), f"merge only directories collected with the same model and decoding config as {first_dir}")
+        check_same_hidden_extra(manifest, first, str(d), f"merge only directories collected with the same --layers and "
+                                                         f"--pooling as {first_dir}")
 
     # Collections of one workload interleave by workload order; different workloads follow input order.
     workloads: list[tuple] = []
@@ -326,8 +364,9 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
         if key not in workloads:
             workloads.append(key)
         for s in shards:
-            parts.append(Shard(s.requests.assign(_workload=workloads.index(key)), s.first_round, s.prompt_last, s.path))
-    requests, first_round, prompt_last = _stack(parts, ["_workload", ORDER_COLUMN])
+            parts.append(Shard(s.requests.assign(_workload=workloads.index(key)), s.first_round, s.prompt_last, s.path,
+                               s.extra))
+    requests, first_round, prompt_last, extra = _stack(parts, ["_workload", ORDER_COLUMN])
     keep = _unique_rows(requests)
     requests = requests[keep].drop(columns="_workload").reset_index(drop=True)
     merged_manifest = {
@@ -335,7 +374,8 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
         "workload": _merged_workload([m for _, m, _ in inputs], requests),
         "merged_from": [str(d) for d, _, _ in inputs],
     }
-    dataset = TraceDataset(requests, first_round[keep], prompt_last[keep], merged_manifest)
+    dataset = TraceDataset(requests, first_round[keep], prompt_last[keep], merged_manifest,
+                           extra_hidden={name: values[keep] for name, values in extra.items()})
     out = Path(out)
     if any((out / SHARDS_DIR).glob("shard-*.parquet")):
         raise StoreError(f"{out} holds shards of a collection: merge into a fresh --out")

@@ -332,16 +332,25 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
     def head_dim(self) -> int:
         return self.config.hidden_size // self.config.n_heads
 
-    def _trunk(self, input_ids, positions, mask, kv_writes=None) -> torch.Tensor:
+    def _trunk(self, input_ids, positions, mask, kv_writes=None, layer_states: list | None = None) -> torch.Tensor:
         """Embeddings through all layers and the final norm: (B, T) ids → (B, T, H) hidden, or
-        packed (N, H) in a cached round (``kv_writes`` given)."""
+        packed (N, H) in a cached round (``kv_writes`` given).
+
+        ``layer_states``, when a list, receives ``n_layers + 1`` states of the same shape in transformers'
+        ``output_hidden_states`` order: the embedding output, the output of layers 1 .. n_layers - 1,
+        and the final state after the norm (the returned tensor, what the LM head reads)."""
         x = self.embed(input_ids)  # (B, T, H)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.config.rope_theta, x.dtype)
         if kv_writes is not None:
             x = kv_writes[0].packing.pack(x)  # (N, H)
         for i, layer in enumerate(self.layers):
+            if layer_states is not None:
+                layer_states.append(x)
             x = layer(x, cos, sin, mask, None if kv_writes is None else kv_writes[i])
-        return self.norm(x)
+        x = self.norm(x)
+        if layer_states is not None:
+            layer_states.append(x)
+        return x
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 prompt_lengths: torch.Tensor | None = None, noisy_ids: torch.Tensor | None = None,
@@ -388,7 +397,7 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
     @torch.inference_mode()  # not no_grad: less bookkeeping per op, ~10 % off a one-request round
     def forward_step(self, cache: TinyKVCache, slots: torch.Tensor, input_ids: torch.Tensor,
                      n_valid: torch.Tensor, commit_len: torch.Tensor, out_start: torch.Tensor,
-                     window: int | None = None, with_logits: bool = True):
+                     window: int | None = None, with_logits: bool = True, with_layers: bool = False):
         """One cached round: a chunk of up to L tokens per active slot.
 
         Row r belongs to slot ``slots[r]`` and holds ``n_valid[r]`` real tokens (the rest padding)
@@ -407,11 +416,13 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
         window : length of the returned window (default ``config.block_size``); ``out_start + window``
             must not exceed L.
         with_logits : also run the LM head over the window.
+        with_layers : also return every layer's state over the window (see ``_trunk``).
 
         Returns
         -------
         logits : (n, window, V), or None; hidden : (n, window, H), final layer after the final norm,
-        for positions ``out_start[r] + arange(window)`` of each row.
+        for positions ``out_start[r] + arange(window)`` of each row; layers : (n, n_layers + 1, window, H)
+        (``layers[:, -1]`` is ``hidden``), or None without ``with_layers``.
         """
         n, L = input_ids.shape
         device = input_ids.device
@@ -434,11 +445,16 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
                   for i in range(self.config.n_layers)]
         # additive (0 or -inf), as cached_attention adds it to the scores
         bias = torch.zeros(visible.shape, dtype=self.dtype, device=device).masked_fill_(~visible, float("-inf"))
-        hidden = packing.unpack(self._trunk(input_ids, positions, bias[:, None], writes))  # (n, L, H)
+        states: list | None = [] if with_layers else None
+        hidden = packing.unpack(self._trunk(input_ids, positions, bias[:, None], writes, states))  # (n, L, H)
         window = out_start[:, None] + torch.arange(window or self.config.block_size, device=device)  # (n, W)
         hidden = hidden.gather(1, window[:, :, None].expand(-1, -1, hidden.shape[-1]))  # (n, W, H)
+        layers = None
+        if states is not None:
+            layers = torch.stack([packing.unpack(s) for s in states], dim=1)  # (n, n_layers + 1, L, H)
+            layers = layers.gather(2, window[:, None, :, None].expand(-1, layers.shape[1], -1, layers.shape[-1]))  # (n, n_layers + 1, W, H)
         cache.lengths[slots] = start + commit_len
-        return (self.lm_head(hidden) if with_logits else None), hidden
+        return (self.lm_head(hidden) if with_logits else None), hidden, layers
 
 
 def register() -> None:

@@ -10,12 +10,25 @@ a difference whose interval contains 0 is reported as inside the noise.
 - ``inputs`` — the bundle input ``[h1, prompt tokens, budget, early signals]``, the same without
   the early signals, without ``h1``, and with the pooled last prompt block instead of ``h1``; for
   the ``survival`` (the paper's recipe) and ``ridge-within+signals`` candidates. The row marked
-  "not a bundle graph" (seed 001's LightGBM on the four early signals) is for comparison only: a
+  "not in a bundle" (seed 001's LightGBM on the four early signals) is for comparison only: a
   tree ensemble is not a contract-2 graph.
 - ``train-size`` — 25 %, 50 % and 100 % of the training split (drawn per category with the seed).
 - ``seeds`` — five training seeds (``seed .. seed + 4``): per-seed values, mean ± sd (seed 000,
   Table 10), for ``survival``, ``ridge`` (deterministic: sd 0 is its honest answer) and ``auto``
   (the CV choice, recorded per seed).
+- ``layers`` — which layer of the first denoising forward carries the signal: the default
+  ``first_round`` (reference) and every layer that traces collected with ``collect --layers`` keep
+  mean-pooled (``first_round.layer{L}.mean``; layer 0 is the embedding output, the last index equals
+  ``first_round``).
+- ``pooling`` — which pooling of the final layer: the default ``first_round`` (reference) and each
+  stored pooling of the final layer: ``mean``, ``last`` (the block's last row) and ``positions``
+  flattened to ``[N, block_size * H]`` (every row kept apart: what the mean could be losing).
+
+``layers`` and ``pooling`` fit the ``ridge`` candidate (fast and, on the tiny model, the strongest)
+with the hidden input swapped, the other inputs kept, and also report the mean held-out-category
+ρ: for each category with enough requests (:data:`.loco.MIN_REQUESTS`) the ridge is refitted on the
+training split without it and scored within it. They are research rows: the serving hook pools the
+final layer only, so a better layer or pooling is a finding that no bundle can use yet.
 """
 
 from __future__ import annotations
@@ -27,14 +40,20 @@ import numpy as np
 from scipy import stats
 
 from dwise_predict.errors import InputError
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.evaluation import loco
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
 from dwise_predict.evaluation.pool import fit
+from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.metrics import spearman
 from dwise_predict.traces import TraceDataset
+from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
+from dwise_predict.traces.hidden_extra import parse_tensor_name
 
-KINDS = ("inputs", "train-size", "seeds")
+KINDS = ("inputs", "train-size", "seeds", "layers", "pooling")
+HIDDEN_KINDS = ("layers", "pooling")  # need the tensors of `collect --layers`
 REFERENCE = "survival, h1 + prompt tokens + budget + early signals"  # the inputs ablation's reference row
 INPUT_CANDIDATES = ("survival", "ridge-within+signals")
+DEFAULT_HIDDEN = "first_round (default)"  # the layers and pooling ablations' reference row
 N_BOOT = 1000
 TRAIN_FRACTIONS = (0.25, 0.5, 1.0)
 N_SEEDS = 5
@@ -121,20 +140,22 @@ def _diff(a, b):
     return None if a is None or b is None else a - b
 
 
-def verdict(rows: list[dict], reference: str) -> dict:
-    """The best bundle row by within-category ρ (ties: overall ρ), its margin over the reference and
-    whether that margin lies inside the paired bootstrap noise (its 95 % interval contains 0)."""
-    bundle = [r for r in rows if r.get("bundle", True) and r["within_category_mean"] is not None]
+def verdict(rows: list[dict], reference: str, bundle_only: bool = True) -> dict:
+    """The best bundle row (any row unless ``bundle_only``) by within-category ρ (ties: overall ρ), its
+    margin over the reference and whether that margin lies inside the paired bootstrap noise (its 95 %
+    interval contains 0)."""
+    kind = "bundle row" if bundle_only else "row"
+    bundle = [r for r in rows if (r.get("bundle", True) or not bundle_only) and r["within_category_mean"] is not None]
     if not bundle:
-        return {"best": None, "text": "no bundle row has a defined within-category ρ"}
+        return {"best": None, "text": f"no {kind} has a defined within-category ρ"}
     best = max(bundle, key=lambda r: (r["within_category_mean"], r["spearman"] or -1))
     delta = best.get("delta_vs_reference") or {}
     ci = delta.get("within_category_ci")
     inside = ci is None or ci[0] <= 0.0 <= ci[1]
     if best["name"] == reference:
-        text = f"the reference ({reference}) is the best bundle row (within-category ρ {fmt(best['within_category_mean'])})"
+        text = f"the reference ({reference}) is the best {kind} (within-category ρ {fmt(best['within_category_mean'])})"
     else:
-        text = (f"best bundle row: {best['name']}, within-category ρ {fmt(best['within_category_mean'])}, "
+        text = (f"best {kind}: {best['name']}, within-category ρ {fmt(best['within_category_mean'])}, "
                 f"{fmt(delta.get('within_category_mean'))} over the reference (paired 95% interval "
                 f"{_interval(ci)}): " + ("inside the bootstrap noise" if inside else "outside the bootstrap noise"))
     return {"best": best["name"], "delta_within": delta.get("within_category_mean"), "delta_within_ci": ci,
@@ -160,6 +181,55 @@ def _variant(ds: TraceDataset, hidden: str = "first_round", signals: bool = True
     return TraceDataset(requests, first, ds.prompt_last, ds.manifest, ds.path)
 
 
+def hidden_settings(kind: str, ds: TraceDataset) -> list[tuple[str, str]]:
+    """``(row name, tensor name)`` of the ``layers`` or ``pooling`` ablation, the default first.
+
+    Raises
+    ------
+    InputError
+        ``ds`` lacks the tensors (traces collected without ``collect --layers``): one line saying how
+        to re-collect.
+    """
+    stored = {parsed: name for name in ds.extra_hidden if (parsed := parse_tensor_name(name)) is not None}
+    if kind == "layers":
+        rows = [(f"layer {layer}, mean", stored[layer, pooling]) for layer, pooling in sorted(stored) if pooling == "mean"]
+        need = "--layers 0,1,-1"  # mean is the default pooling
+    else:
+        final = (ds.manifest.get(HIDDEN_EXTRA_KEY) or {}).get("final_layer")
+        rows = [(f"layer {final}, {pooling}" + (" (flattened)" if pooling == "positions" else ""), stored[layer, pooling])
+                for layer, pooling in sorted(stored, key=lambda k: ("mean", "last", "positions").index(k[1]))
+                if layer == final]
+        need = "--layers -1 --pooling mean,last,positions"
+    if not rows:
+        where = f"traces in {ds.path}" if ds.path else "these traces"
+        raise InputError(f"--ablate {kind} needs first-round tensors that {where} lack (collected without them): "
+                         f"re-collect with `dwise-predict collect {need}`")
+    return [(DEFAULT_HIDDEN, "first_round")] + rows
+
+
+def _with_hidden(ds: TraceDataset, tensor: str) -> TraceDataset:
+    """``ds`` with ``first_round`` replaced by the stored tensor ``tensor``, flattened to (N, features);
+    the refinement reads only ``first_round``, and ``prompt_last`` becomes zeros of the same width so
+    the dataset stays well formed."""
+    hidden = ds.first_round if tensor == "first_round" else ds.extra_hidden[tensor]
+    hidden = hidden.reshape(len(ds), -1)  # positions: (N, block, H) -> (N, block * H)
+    return TraceDataset(ds.requests, hidden, np.zeros_like(hidden), ds.manifest, ds.path)
+
+
+def _held_out(train: TraceDataset, eval_ds: TraceDataset, config) -> dict[str, float | None]:
+    """Within-category ρ of each category held out of training (LOCO), for the categories
+    :func:`.loco.plan` evaluates."""
+    tasks, _ = loco.plan(train, eval_ds, config)
+    cats = eval_ds.requests["category"].astype(str).to_numpy()
+    true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
+    out = {}
+    for task in tasks:
+        rows = cats == task.name
+        pred, _ = _refined(task.train, eval_ds.subset(rows), config)
+        out[task.name] = spearman(pred, true[rows])
+    return out
+
+
 def _refined(train: TraceDataset, eval_ds: TraceDataset, config) -> tuple[np.ndarray, str]:
     predictors = fit(train, config)
     return np.asarray(predictors.refined_remaining(eval_ds), float), predictors.ensemble.candidate
@@ -183,7 +253,8 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
 
     Returns ``{"kind", "rows": [{"name", "candidate", "inputs", "bundle", "n_train", "spearman",
     "spearman_ci", "within_category_mean", "within_category_ci", "delta_vs_reference"}, ...],
-    "reference", "verdict", ...}``.
+    "reference", "verdict", ...}``; ``layers`` and ``pooling`` rows add ``held_out`` (category -> ρ
+    within it when held out of training) and ``held_out_mean``.
     """
     from dwise_predict.evaluation.baselines import early_signal_predictions
 
@@ -222,6 +293,18 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
                 pred, _ = _refined(sub, eval_ds, dataclasses.replace(config, refine=candidate))
                 add(f"{candidate}, {fraction:.0%} of train", pred, candidate=candidate, inputs=f"{fraction:.0%} of the training split", bundle=True,
                     n_train=len(sub))
+    elif kind in HIDDEN_KINDS:
+        ridge = dataclasses.replace(config, refine="ridge")
+        for label, tensor in hidden_settings(kind, train):
+            log(f"  ablation {kind}: ridge on {tensor}")
+            train_v, eval_v = _with_hidden(train, tensor), _with_hidden(eval_ds, tensor)
+            pred, _ = _refined(train_v, eval_v, ridge)
+            held = _held_out(train_v, eval_v, ridge)
+            defined = [v for v in held.values() if v is not None]
+            # only what first_round holds reaches a bundle: the serving hook pools the final layer
+            bundle = tensor == "first_round" or np.array_equal(train.extra_hidden[tensor], train.first_round)
+            add(label, pred, candidate="ridge", inputs=f"{tensor} + prompt tokens, budget, early signals", bundle=bundle,
+                n_train=len(train), held_out=held, held_out_mean=float(np.mean(defined)) if defined else None)
     else:  # seeds
         per_seed: dict[str, list[dict]] = {}
         for candidate in ("survival", "ridge", "auto"):
@@ -234,10 +317,14 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
                 per_seed.setdefault(candidate, []).append(
                     {"seed": s, "chosen": chosen, "spearman": _num(overall), "within_category_mean": _num(within)})
         extra["summary"] = {c: _mean_sd(v) for c, v in per_seed.items()}
-    reference = {"inputs": REFERENCE, "train-size": "survival, 100% of train", "seeds": f"survival, seed {config.seed}"}[kind]
+    reference = {"inputs": REFERENCE, "train-size": "survival, 100% of train", "seeds": f"survival, seed {config.seed}",
+                 "layers": DEFAULT_HIDDEN, "pooling": DEFAULT_HIDDEN}[kind]
     table = score_rows(rows, preds, true, cats, reference, n_boot, config.seed)
     if kind == "seeds":
         table["verdict"] = _seeds_verdict(extra["summary"])
+    elif kind in HIDDEN_KINDS:  # the question is which layer or pooling carries the signal, bundle or not
+        table["verdict"] = verdict(rows, reference, bundle_only=False)
+        table["verdict"]["text"] += " (a research finding: the serving hook pools only the final layer's mean)"
     return {"kind": kind, "n_eval": int(len(eval_ds)), "n_train": int(len(train)), **table, **extra}
 
 
@@ -277,15 +364,17 @@ def _ci_text(ci) -> str:
 
 
 def ablation_table(result: dict) -> Table:
+    held_out = any("held_out_mean" in r for r in result["rows"])
     cols = ["setting", "candidate", "n train", "ρ", "95% CI", "within-category ρ", "95% CI",
-            "Δ within vs reference", "paired 95% CI"]
+            "Δ within vs reference", "paired 95% CI"] + (["held-out-category ρ (mean)"] if held_out else [])
     rows = []
     for r in result["rows"]:
         d = r.get("delta_vs_reference") or {}
-        rows.append([r["name"] + ("" if r.get("bundle", True) else " (not a bundle graph)"), str(r["candidate"]),
+        rows.append([r["name"] + ("" if r.get("bundle", True) else " (not in a bundle)"), str(r["candidate"]),
                      str(r["n_train"]), fmt(r["spearman"]), _ci_text(r["spearman_ci"]),
                      fmt(r["within_category_mean"]), _ci_text(r["within_category_ci"]),
-                     fmt(d.get("within_category_mean")), _interval(d.get("within_category_ci")).strip("n/a")])
+                     fmt(d.get("within_category_mean")), _interval(d.get("within_category_ci")).strip("n/a")]
+                    + ([fmt(r.get("held_out_mean"))] if held_out else []))
     return Table(cols, rows, f"Ablation: {result['kind']} (evaluation split, {result['n_eval']} finished requests; "
                              f"reference: {result['reference']})")
 

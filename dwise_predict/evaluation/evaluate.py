@@ -123,7 +123,7 @@ def evaluate(
     config : a ``TrainConfig`` for every (re)training; default: the run's recorded config, else
         ``TrainConfig()``.
     log : progress messages (to stderr in the CLI).
-    ablate : ablations to run (``inputs``, ``train-size``, ``seeds``; see :mod:`.ablate`).
+    ablate : ablations to run (``inputs``, ``train-size``, ``seeds``, ``layers``, ``pooling``; see :mod:`.ablate`).
 
     Raises
     ------
@@ -145,6 +145,9 @@ def evaluate(
     unknown = [k for k in ablate if k not in ablate_mod.KINDS]
     if unknown:
         raise InputError(f"--ablate {', '.join(unknown)}: unknown; choose from {', '.join(ablate_mod.KINDS)}")
+    for kind in ablate:
+        if kind in ablate_mod.HIDDEN_KINDS:  # before any training: traces without `collect --layers` are refused
+            ablate_mod.hidden_settings(kind, ds)
 
     if run is not None:
         run_files = load_run(run)

@@ -66,10 +66,14 @@ def concat(datasets: Sequence[TraceDataset]) -> TraceDataset:
     check_same_model(datasets)
     columns = [c for c in datasets[0].requests.columns if all(c in d.requests.columns for d in datasets)]
     requests = pd.concat([d.requests[columns] for d in datasets], ignore_index=True)
+    # `collect --layers` tensors that every input holds, in one shape (the same spec), stay together
+    extra = [name for name, values in datasets[0].extra_hidden.items()
+             if all(name in d.extra_hidden and d.extra_hidden[name].shape[1:] == values.shape[1:] for d in datasets)]
     return TraceDataset(
         requests,
         np.concatenate([d.first_round for d in datasets]),
         np.concatenate([d.prompt_last for d in datasets]),
         datasets[0].manifest,
         datasets[0].path,
+        {name: np.concatenate([d.extra_hidden[name] for d in datasets]) for name in extra},
     )

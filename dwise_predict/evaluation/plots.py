@@ -201,22 +201,31 @@ def budget_sweep(rows: Sequence[dict]) -> bytes:
 
 
 def ablation_bars(rows: Sequence[dict], title: str) -> bytes:
-    """ρ overall and mean within-category ρ of each ablation row, with 95 % bootstrap intervals."""
+    """ρ overall and mean within-category ρ of each ablation row, with 95 % bootstrap intervals, and
+    the mean held-out-category ρ (no interval) where the rows have it (``layers``, ``pooling``)."""
     names = [r["name"] for r in rows]
     y = np.arange(len(names))
-    fig, ax = plt.subplots(figsize=(7.5, 0.4 * len(names) + 1.2))
-    for k, (key, ci_key, colour, label) in enumerate((
-        ("spearman", "spearman_ci", "#3182bd", "ρ overall"),
-        ("within_category_mean", "within_category_ci", "#e6550d", "ρ within category (mean)"),
-    )):
-        values = np.array([r[key] if r[key] is not None else np.nan for r in rows], float)
-        lo = np.array([v - r[ci_key][0] if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
-        hi = np.array([r[ci_key][1] - v if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
-        ax.barh(y + (k - 0.5) * 0.38, np.nan_to_num(values), 0.38, color=colour, label=label,
-                xerr=np.vstack([np.clip(lo, 0, None), np.clip(hi, 0, None)]), error_kw={"lw": 0.8, "capsize": 2})
+    series = [("spearman", "spearman_ci", "#3182bd", "ρ overall"),
+              ("within_category_mean", "within_category_ci", "#e6550d", "ρ within category (mean)")]
+    if any("held_out_mean" in r for r in rows):
+        series.append(("held_out_mean", None, "#756bb1", "ρ within a held-out category (mean)"))
+    height = 0.76 / len(series)
+    fig, ax = plt.subplots(figsize=(7.5, 0.4 * len(names) * len(series) / 2 + 1.2))
+    for k, (key, ci_key, colour, label) in enumerate(series):
+        values = np.array([r.get(key) if r.get(key) is not None else np.nan for r in rows], float)
+        xerr = None
+        if ci_key:
+            lo = np.array([v - r[ci_key][0] if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
+            hi = np.array([r[ci_key][1] - v if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
+            xerr = np.vstack([np.clip(lo, 0, None), np.clip(hi, 0, None)])
+        ax.barh(y + (k - (len(series) - 1) / 2) * height, np.nan_to_num(values), height, color=colour, label=label,
+                xerr=xerr, error_kw={"lw": 0.8, "capsize": 2})
     ax.set_yticks(y, names, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", lw=0.8)
     ax.set(xlabel="Spearman ρ with actual remaining rounds (95% bootstrap interval)", title=title)
-    ax.legend(fontsize=8, loc="lower right")
+    if len(series) > 2:  # three bars per row leave no free corner: the legend goes under the axis label
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(series))
+    else:
+        ax.legend(fontsize=8, loc="lower right")
     return _png(fig)

@@ -6,7 +6,9 @@ A directory holding
 - ``requests.parquet``: one row per request with the columns in :data:`REQUEST_COLUMNS`
   (more may follow; these keep their names and meaning);
 - ``hidden.safetensors``: ``first_round`` ``[N, H]`` and ``prompt_last`` ``[N, H]``, row i belonging to
-  row i of ``requests.parquet``.
+  row i of ``requests.parquet``; a collection made with ``collect --layers`` adds the tensors named in
+  :mod:`dwise_predict.traces.hidden_extra` (``first_round.layer{L}.{mean,last,positions}``), kept in
+  :attr:`TraceDataset.extra_hidden`.
 
 Outside tools read these files directly (``pd.read_parquet(dir / "requests.parquet")``), so the
 names here are a public interface: change one only with a schema-version bump.
@@ -70,13 +72,19 @@ MAX_ROUNDS_PER_TOKEN = 8
 
 @dataclass
 class TraceDataset:
-    """A loaded trace dataset: the request table, the two hidden-state matrices and the manifest."""
+    """A loaded trace dataset: the request table, the two hidden-state matrices and the manifest.
+
+    ``extra_hidden`` maps the optional tensors of ``collect --layers`` (names in
+    :mod:`dwise_predict.traces.hidden_extra`) to arrays whose first axis is the request; empty for a
+    default collection.
+    """
 
     requests: pd.DataFrame
     first_round: np.ndarray  # (N, H) float32, pooled final-layer rows of the first denoising round
     prompt_last: np.ndarray  # (N, H) float32, pooled final-layer rows of the last prompt block
     manifest: dict = field(default_factory=dict)
     path: Path | None = None
+    extra_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (N, H) or (N, block, H) float32
 
     def __post_init__(self) -> None:
         validate(self)
@@ -111,6 +119,7 @@ class TraceDataset:
             self.prompt_last[mask],
             self.manifest,
             self.path,
+            {name: values[mask] for name, values in self.extra_hidden.items()},
         )
 
     def split(self, name: str) -> "TraceDataset":
@@ -148,6 +157,10 @@ def validate(ds: TraceDataset) -> None:
             )
     if ds.first_round.shape[1] != ds.prompt_last.shape[1]:
         raise TraceError(f"first_round and prompt_last{where} differ in hidden size")
+    for name, arr in ds.extra_hidden.items():
+        if arr.ndim < 2 or arr.shape[0] != n:
+            raise TraceError(f"hidden state '{name}'{where} has shape {tuple(arr.shape)} but the table has {n} rows: "
+                             "the two files come from different collections; collect them again")
     if ds.requests["request_id"].duplicated().any():
         dup = ds.requests.loc[ds.requests["request_id"].duplicated(), "request_id"].iloc[0]
         raise TraceError(f"request_id '{dup}' appears twice{where}: request ids must be unique")
@@ -173,8 +186,8 @@ def validate(ds: TraceDataset) -> None:
         raise TraceError(f"total_rounds{where} of request {ds.requests['request_id'].iloc[i]!r} is "
                          f"{values['total_rounds'][i]:g}, more than a budget of {values['budget'][i]:g} tokens can "
                          "take: the traces are corrupt; drop or fix those rows")
-    for name in HIDDEN_TENSORS:
-        if not np.isfinite(getattr(ds, name)).all():
+    for name, arr in [(name, getattr(ds, name)) for name in HIDDEN_TENSORS] + list(ds.extra_hidden.items()):
+        if not np.isfinite(arr).all():
             raise TraceError(f"hidden state '{name}'{where} holds NaN or inf: drop those requests")
 
 
@@ -217,6 +230,7 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
         tensors["prompt_last"].astype(np.float32, copy=False),
         manifest,
         path,
+        {name: values.astype(np.float32, copy=False) for name, values in tensors.items() if name not in HIDDEN_TENSORS},
     )
 
 
@@ -238,7 +252,8 @@ def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:
     # serialised in memory, written by Python: a full disk is an OSError (safetensors' own writer
     # raises its SafetensorError instead), which the callers turn into one line
     hidden = save({"first_round": np.ascontiguousarray(ds.first_round, dtype=np.float32),
-                   "prompt_last": np.ascontiguousarray(ds.prompt_last, dtype=np.float32)})
+                   "prompt_last": np.ascontiguousarray(ds.prompt_last, dtype=np.float32),
+                   **{name: np.ascontiguousarray(values, dtype=np.float32) for name, values in ds.extra_hidden.items()}})
     atomic_write_bytes(path / HIDDEN_FILE, hidden)
     atomic_write(path / MANIFEST_FILE, lambda tmp: tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True)))
     # The request table goes last: its presence marks a complete dataset (a collection directory

@@ -64,6 +64,8 @@ class StepBatch:
     commit_len : LongTensor (n,), leading tokens per row whose keys/values are committed.
     out_start : LongTensor (n,), first position of the ``window``-token window returned per row.
     window : tokens per returned window (the decoding block size).
+    all_layers : also return every layer's hidden rows of the windows (``StepOutput.layers``); the
+        decoder asks only in a round holding a request's first denoising forward under `collect --layers`.
     """
 
     slots: torch.Tensor
@@ -72,19 +74,29 @@ class StepBatch:
     commit_len: torch.Tensor
     out_start: torch.Tensor
     window: int
+    all_layers: bool = False
 
 
 @dataclass
 class StepOutput:
-    """logits (n, window, V) and final-layer hidden rows (n, window, H) of each row's window."""
+    """logits (n, window, V) and final-layer hidden rows (n, window, H) of each row's window; when the
+    batch asked for ``all_layers``, ``layers`` (n, num_hidden_layers + 1, window, H) in transformers'
+    ``output_hidden_states`` order: embedding output, each layer's output, the last one after the final
+    norm (so ``layers[:, -1]`` equals ``hidden``)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    layers: torch.Tensor | None = None
 
 
 @runtime_checkable
 class BlockBackend(Protocol):
-    """What the decoding loop needs from a block-diffusion model family."""
+    """What the decoding loop needs from a block-diffusion model family.
+
+    A backend that also answers ``StepBatch.all_layers`` (for `collect --layers`) sets
+    ``num_hidden_layers``, its transformer layers (``StepOutput.layers`` then holds that many + 1
+    entries); one without it is refused ``--layers`` before decoding.
+    """
 
     name: str
     block_size: int  # the model's own block size (the decoding default)

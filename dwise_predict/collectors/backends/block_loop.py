@@ -6,7 +6,11 @@ as it drives the tiny model. The backend keeps, per slot, the committed tokens a
 and answers each ``step`` by running the model over ``committed + row`` with an explicit 4-D
 block-causal attention mask (a token sees every committed token of an earlier or its own block, and
 its own row part); it reads the final-layer hidden state as the input of the LM head (a forward
-pre-hook on ``get_output_embeddings()``), which is the post-norm state for every HF causal LM.
+pre-hook on ``get_output_embeddings()``), which is the post-norm state for every HF causal LM. For
+`collect --layers` it also asks the forward for ``output_hidden_states`` and keeps entries
+``0 .. num_hidden_layers - 1`` of that tuple, the last entry being the LM head's input again (which is
+what transformers puts there; remote code that does not is overruled, so the final index always
+means what ``first_round`` pools).
 
 Verified versus untested (see also ``docs/backends.md``):
 
@@ -50,6 +54,7 @@ class BlockLoopBackend:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.hidden_size = int(config.hidden_size)
+        self.num_hidden_layers = int(config.num_hidden_layers)
         self.vocab_size = int(config.vocab_size)
         self.max_context = int(getattr(config, "max_position_embeddings", 4096))
         self.device = next(model.parameters()).device
@@ -89,19 +94,24 @@ class BlockLoopBackend:
             starts.append(len(self._tokens[slot]) + int(batch.out_start[r]))
             self._tokens[slot] += row[:commit]
             self._blocks[slot] += row_blocks[:commit]
-        logits, hidden = self._forward(seqs, blocks)
+        logits, hidden, layers = self._forward(seqs, blocks, batch.all_layers)
         window = batch.window
         out_logits = torch.zeros(len(seqs), window, logits.shape[-1])
         out_hidden = torch.zeros(len(seqs), window, hidden.shape[-1])
+        out_layers = None if layers is None else torch.zeros(len(seqs), layers.shape[1], window, hidden.shape[-1])
         for r, (seq, start) in enumerate(zip(seqs, starts)):
             stop = min(start + window, len(seq))  # a short prefill row leaves the tail of its window empty
             out_logits[r, : stop - start] = logits[r, start:stop].float().cpu()
             out_hidden[r, : stop - start] = hidden[r, start:stop].float().cpu()
-        return StepOutput(logits=out_logits, hidden=out_hidden)
+            if layers is not None:
+                out_layers[r, :, : stop - start] = layers[r, :, start:stop].float().cpu()
+        return StepOutput(logits=out_logits, hidden=out_hidden, layers=out_layers)
 
     @torch.no_grad()
-    def _forward(self, seqs: list[list[int]], blocks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One padded forward; a position sees valid keys of its own or an earlier block."""
+    def _forward(self, seqs: list[list[int]], blocks: list[list[int]],
+                 all_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One padded forward; a position sees valid keys of its own or an earlier block. Returns logits
+        (n, T, V), the LM head's input (n, T, H) and, with ``all_layers``, (n, num_hidden_layers + 1, T, H)."""
         length = max(map(len, seqs))
         n = len(seqs)
         ids = torch.full((n, length), self.pad_token_id, dtype=torch.long)
@@ -116,8 +126,16 @@ class BlockLoopBackend:
         mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)  # additive: 0 attend, min blocked
         positions = torch.arange(length).expand(n, length)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), use_cache=False)
-        return out.logits, self._hidden
+                         position_ids=positions.to(self.device), use_cache=False,
+                         **({"output_hidden_states": True} if all_layers else {}))
+        if not all_layers:
+            return out.logits, self._hidden, None
+        states = getattr(out, "hidden_states", None)
+        if states is None or len(states) != self.num_hidden_layers + 1:
+            raise ModelError(f"{self.path}: the model's forward returned {0 if states is None else len(states)} "
+                             f"hidden states for {self.num_hidden_layers} layers (want {self.num_hidden_layers + 1}): "
+                             "it cannot be collected with --layers; drop --layers")
+        return out.logits, self._hidden, torch.stack([*states[:-1], self._hidden], dim=1)
 
 
 def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = False, dtype: str = "float32",

@@ -24,6 +24,7 @@ class TinyBackend:
         self.eos_token_id = config.eos_token_id
         self.pad_token_id = config.pad_token_id
         self.hidden_size = config.hidden_size
+        self.num_hidden_layers = config.n_layers
         self.vocab_size = config.vocab_size
         self.max_context = config.max_position_embeddings
         self.cache = None
@@ -47,10 +48,10 @@ class TinyBackend:
         self.cache.reset(slot)
 
     def step(self, batch: StepBatch) -> StepOutput:
-        logits, hidden = self.model.forward_step(
+        logits, hidden, layers = self.model.forward_step(
             self.cache, batch.slots, batch.input_ids, batch.n_valid, batch.commit_len,
-            batch.out_start, window=batch.window)
-        return StepOutput(logits=logits, hidden=hidden)
+            batch.out_start, window=batch.window, with_layers=batch.all_layers)
+        return StepOutput(logits=logits, hidden=hidden, layers=layers)
 
 
 def load_tiny_backend(path: str | Path | None = None, dtype: str = "float32") -> TinyBackend:
