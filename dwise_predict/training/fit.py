@@ -144,7 +144,7 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
     ensemble, inner = fit_candidate(selection["chosen"], inputs, targets.remaining, targets.events, make_ensemble,
                                     progress, groups=train.requests["category"].astype(str).to_numpy(),
                                     fold=grouped_folds(train, config.cv_folds, config.seed),
-                                    blend_weight=selection.get("blend_weight"))
+                                    blend_weight=selection.get("blend_weight"), seed=config.seed)
     selection.update(inner)
     # Calibrate on every finished training request (as seed 000 does). Measured on synthetic traces:
     # with 3,000 training requests the eval median ratio lands at 0.96-1.03; fitting only on the

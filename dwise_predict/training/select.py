@@ -55,20 +55,21 @@ def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
 
 
 def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.ndarray, make_ensemble, progress=None,
-                  groups=None, fold=None, blend_weight: float | None = None):
+                  groups=None, fold=None, blend_weight: float | None = None, seed: int = 0):
     """Fit candidate ``name`` on ``inputs`` (hidden, prompt_tokens, budget, early_signals): a fitted
     SurvivalEnsemble (the graph) and a record of what was chosen inside it (e.g. the ridge penalty).
     ``groups``: the requests' categories (the ``ridge-within`` candidates need them); ``fold``: the
-    grouped CV folds that choose ``ridge-within+signals``' blend weight when ``blend_weight`` is None."""
+    grouped CV folds that choose ``ridge-within+signals``' blend weight when ``blend_weight`` is None;
+    ``seed``: its random features' seed."""
     if name in ("ridge", "ridge-within"):
         ridge = RidgeHead().fit(*inputs, remaining, events, groups=groups if name == "ridge-within" else None)
         return ridge.ensemble(), {"ridge": ridge.record()}
     if name == "ridge-within+signals":
         record = {}
         if blend_weight is None:
-            blend_weight, record["blend_cv"], _ = choose_blend_weight(inputs, remaining, events, groups, fold)
+            blend_weight, record["blend_cv"], _ = choose_blend_weight(inputs, remaining, events, groups, fold, seed)
         ridge = RidgeHead().fit(*inputs, remaining, events, groups=groups)
-        features = SignalFeatureHead().fit(ridge.base_, *inputs, remaining, events)
+        features = SignalFeatureHead(seed=seed).fit(ridge.base_, *inputs, remaining, events)
         record.update(ridge=ridge.record(), signal_features=features.record(), blend_weight=blend_weight)
         return blend_heads(ridge, features, blend_weight), record
     if name == "survival-pca":
@@ -80,14 +81,14 @@ def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.nd
     return blend(ensemble, ridge), {"ridge": ridge.record()}
 
 
-def _head_scores(fit_in, val_in, remaining, events, groups) -> tuple[np.ndarray, np.ndarray]:
+def _head_scores(fit_in, val_in, remaining, events, groups, seed) -> tuple[np.ndarray, np.ndarray]:
     """Validation log-scores of ridge-within and of the signal-feature head fitted on ``fit_in``."""
     ridge = RidgeHead().fit(*fit_in, remaining, events, groups=groups)
-    features = SignalFeatureHead().fit(ridge.base_, *fit_in, remaining, events)
+    features = SignalFeatureHead(seed=seed).fit(ridge.base_, *fit_in, remaining, events)
     return ridge.score(*val_in), features.score(*val_in)
 
 
-def choose_blend_weight(inputs: tuple, remaining, events, groups, fold) -> tuple[float, dict, np.ndarray]:
+def choose_blend_weight(inputs: tuple, remaining, events, groups, fold, seed: int = 0) -> tuple[float, dict, np.ndarray]:
     """The :data:`BLEND_WEIGHTS` entry of ``ridge-within+signals`` with the best mean of two out-of-fold
     scores on the training split: the mean within-category ρ under the grouped folds ``fold``
     (categories seen in training) and under leave-one-category-out folds (each category scored by
@@ -96,8 +97,8 @@ def choose_blend_weight(inputs: tuple, remaining, events, groups, fold) -> tuple
 
     Returns (weight, {weight: scores}, the blend's out-of-fold log-scores under ``fold`` (N,))."""
     groups = np.asarray(groups).astype(str)
-    by_prompt = _out_of_fold_heads(inputs, remaining, events, groups, fold)
-    by_category = _out_of_fold_heads(inputs, remaining, events, groups, np.unique(groups, return_inverse=True)[1])
+    by_prompt = _out_of_fold_heads(inputs, remaining, events, groups, fold, seed)
+    by_category = _out_of_fold_heads(inputs, remaining, events, groups, np.unique(groups, return_inverse=True)[1], seed)
     scores, merit = {}, {}
     for w in BLEND_WEIGHTS:
         seen = _blend_within(w, *by_prompt, remaining, events, groups)
@@ -109,7 +110,7 @@ def choose_blend_weight(inputs: tuple, remaining, events, groups, fold) -> tuple
     return float(best), scores, best * by_prompt[0] + (1.0 - best) * by_prompt[1]
 
 
-def _out_of_fold_heads(inputs, remaining, events, groups, fold) -> tuple[np.ndarray, np.ndarray]:
+def _out_of_fold_heads(inputs, remaining, events, groups, fold, seed) -> tuple[np.ndarray, np.ndarray]:
     """Out-of-fold log-scores (N,) of ridge-within and of the signal-feature head (NaN where unscored)."""
     ridge_oof, feature_oof = np.full(len(remaining), np.nan), np.full(len(remaining), np.nan)
     for k in np.unique(fold):
@@ -118,7 +119,7 @@ def _out_of_fold_heads(inputs, remaining, events, groups, fold) -> tuple[np.ndar
             continue
         ridge_oof[val_rows], feature_oof[val_rows] = _head_scores(
             tuple(a[fit_rows] for a in inputs), tuple(a[val_rows] for a in inputs), remaining[fit_rows],
-            events[fit_rows], groups[fit_rows])
+            events[fit_rows], groups[fit_rows], seed)
     return ridge_oof, feature_oof
 
 
@@ -170,7 +171,7 @@ def cross_validate(
             oof["ridge-within"][val_rows] = within.ensemble().predict_raw(*val_in)
     record = {}
     if "ridge-within+signals" in oof:
-        weight, by_weight, oof["ridge-within+signals"] = choose_blend_weight(inputs, remaining, events, cats, fold)
+        weight, by_weight, oof["ridge-within+signals"] = choose_blend_weight(inputs, remaining, events, cats, fold, seed)
         record = {"blend_weight": weight, "blend_cv": by_weight}
     scored = events & np.isfinite(oof[candidates[0]])
     scores = {}
