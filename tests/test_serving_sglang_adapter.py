@@ -32,7 +32,7 @@ class SP:
         self.max_new_tokens = max_new_tokens
 
 
-# the fake model's logits have one vocabulary entry: top-1 probability 1 (over the 0.95 threshold) and
+# the fake model's logits have one vocabulary entry: top-1 probability 1 (over any threshold below 1) and
 # entropy 0 at every masked position
 FAKE_SIGNALS = np.array([1.0, 1.0, 0.0], np.float32)
 

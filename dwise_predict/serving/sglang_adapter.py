@@ -583,10 +583,11 @@ def install(
             if state.forwards == 0 and state.pooled is not None:
                 state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
                 # the first forward's early signals, before the step fills masks: the refinement
-                # graph's fourth input (and recorded). From the forward's output, after any graph replay
+                # graph's fourth input (and recorded). From the forward's output, after any graph replay;
+                # an algorithm without a threshold counts every masked position, as the decoder does
                 state.first_signals = early_signals(
                     out.logits_output.full_logits, forward_batch.input_ids, self.mask_id, self.block_size,
-                    float(getattr(self, "threshold", 0.95)))
+                    float(getattr(self, "threshold", 0.0)))
             state.forwards += 1
             return out
 
