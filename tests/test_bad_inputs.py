@@ -333,6 +333,8 @@ CASES = [
     Case("publish-name-newline", ["publish", "{bundle}", "--zoo", "{tmp}/z", "--name", "tiny\n"], ("--name",)),
     Case("zoo-index-entry-not-object", ["zoo", "list", "--zoo", "{badzoo}"], ("entry 0", "restore the index"), zoo_index('{"schema_version": 1, "bundles": [3]}')),
     Case("zoo-index-entry-no-name", ["zoo", "show", "x", "--zoo", "{badzoo}"], ("entry 0",), zoo_index('{"schema_version": 1, "bundles": [{"version": "1"}]}')),
+    Case("zoo-index-entry-escapes", ["zoo", "pull", "x", "--zoo", "{badzoo}", "--out", "{tmp}/p"], ("entry 0", "outside the zoo"),
+         zoo_index('{"schema_version": 1, "bundles": [{"name": "x", "version": "1", "file": "../../etc/x.tar", "sha256": "0"}]}')),
     Case("zoo-index-not-json", ["zoo", "pull", "x", "--zoo", "{badzoo}", "--out", "{tmp}/p"], ("not valid json", "restore"), zoo_index("{")),
     Case("zoo-missing", ["zoo", "list", "--zoo", "{tmp}/none"], ("no zoo at", "dwise-predict publish")),
     Case("zoo-pull-unknown", ["zoo", "pull", "nothere", "--zoo", "{zoo}", "--out", "{tmp}/p"], ("no bundle named 'nothere'", "zoo list")),

@@ -22,7 +22,7 @@ import io
 import json
 import shutil
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.manifest import BUNDLE_FILE, NAME_PATTERN, check_files, read_bundle_manifest
@@ -121,6 +121,11 @@ def read_index(zoo: str | Path, missing_ok: bool = False) -> dict:
     for i, entry in enumerate(index["bundles"]):
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), str) for k in ENTRY_KEYS):
             raise StoreError(f"zoo index {path}: entry {i} is not an object with string {', '.join(ENTRY_KEYS)}: "
+                             "restore the index from a backup; nothing was changed")
+        file = PurePosixPath(entry["file"])
+        if file.is_absolute() or ".." in file.parts or "\\" in entry["file"]:
+            # publish writes bundles/NAME/NAME-VERSION.tar; anything leaving the zoo is a damaged or hostile index
+            raise StoreError(f"zoo index {path}: entry {i} points outside the zoo ({entry['file']!r}): "
                              "restore the index from a backup; nothing was changed")
     return index
 
