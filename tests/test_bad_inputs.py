@@ -354,6 +354,7 @@ CASES = [
     Case("simulate-round-ms-nan", ["simulate", "{traces}", "--round-ms", "nan"], ("--round-ms",)),
     Case("simulate-rates-empty-item", ["simulate", "{traces}", "--rates", "1x,,2x"], ("empty item",)),
     Case("simulate-rates-empty", ["simulate", "{traces}", "--rates", ""], ("--rates is empty",)),
+    Case("simulate-rate-not-a-number", ["simulate", "{traces}", "--rate", "fast"], ("--rate item 'fast'", "multiple like 2x")),
     Case("simulate-unknown-policy", ["simulate", "{traces}", "--policies", "nope"], ("--policies", "choose from")),
     Case("collect-limit-zero", ["collect", "--limit", "0", "--out", "{tmp}/o"], ("--limit must be positive",)),
     Case("collect-shard-bad", ["collect", "--shard", "3/2", "--out", "{tmp}/o"], ("--shard", "0 <= i < n")),

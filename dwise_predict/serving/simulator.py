@@ -593,7 +593,7 @@ def compare_arrivals(
     of that mean (:func:`bootstrap_interval`). ``tails``, when a list, receives the per-category
     tails (:func:`category_tails`) of the first seed's runs.
     """
-    poisson_rate = parse_rates(rate, workload, config)[0] if any(p != "burst" for p in patterns) else None
+    poisson_rate = parse_rates(rate, workload, config, "--rate")[0] if any(p != "burst" for p in patterns) else None
     rows = []
     for pattern in patterns:
         per_seed: dict[str, list[dict]] = {}
@@ -661,28 +661,29 @@ def service_rate(workload: SimRequests, config: SimConfig) -> float:
     return simulate(workload, "sglang-default", backlogged).metrics["throughput_rps"]
 
 
-def parse_rates(text: str, workload: SimRequests, config: SimConfig) -> list[float]:
+def parse_rates(text: str, workload: SimRequests, config: SimConfig, flag: str = "--rates") -> list[float]:
     """``"1,2,4"`` (req/s) or ``"0.5x,1x,2x"`` (multiples of :func:`service_rate`) -> req/s."""
-    rates = []
-    unit = None
+    items = rate_items(text, flag)
+    unit = service_rate(workload, config) if any(multiple for _, multiple in items) else None
+    return [value * unit if multiple else value for value, multiple in items]
+
+
+def rate_items(text: str, flag: str = "--rates") -> list[tuple[float, bool]]:
+    """The syntax of a rate list, checked without simulating: ``(value, is a multiple)`` per item."""
+    items = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
-            raise ConfigError(f"--rates {text!r} has an empty item: give e.g. 0.5x,1x,2x or 4,8,16")
+            raise ConfigError(f"{flag} {text!r} has an empty item: give e.g. 0.5x,1x,2x or 4,8,16")
         try:
-            if item.endswith("x"):
-                factor = float(item[:-1])
-                unit = service_rate(workload, config) if unit is None else unit
-                value = factor * unit
-            else:
-                value = float(item)
+            value = float(item[:-1] if item.endswith("x") else item)
         except ValueError:
-            raise ConfigError(f"--rates item {item!r} is not a number or a multiple like 2x") from None
+            raise ConfigError(f"{flag} item {item!r} is not a number or a multiple like 2x") from None
         if not value > 0 or not math.isfinite(value):
-            raise ConfigError(f"--rates item {item!r} must be positive")
-        rates.append(value)
-    if not rates:
-        raise ConfigError("--rates is empty: give e.g. 0.5x,1x,2x or 4,8,16")
-    return rates
+            raise ConfigError(f"{flag} item {item!r} must be positive")
+        items.append((value, item.endswith("x")))
+    if not items:
+        raise ConfigError(f"{flag} is empty: give e.g. 0.5x,1x,2x or 4,8,16")
+    return items
 
 
 def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies: list[str] | None = None) -> list[dict]:
@@ -790,13 +791,15 @@ def replay(
     policies = policies or allowed
     kv_reservations(requests, config)
     swept = parse_rates(rates, requests, config) if rates else None  # a bad --rates is refused before any output
+    if rate is not None:
+        rate_items(rate, "--rate")  # and a bad --rate too
     if log is not None:
         log(f"replaying {len(requests)} requests under {len(policies)} policies")
     if swept is not None:
         return sweep(requests, config, swept, policies), policies
     if ks:
         pattern = (patterns or ["burst"])[0]
-        k_rate = None if pattern == "burst" else parse_rates(rate or "1.5x", requests, config)[0]
+        k_rate = None if pattern == "burst" else parse_rates(rate or "1.5x", requests, config, "--rate")[0]
         return sweep_k(requests, replace(config, arrival=pattern, rate=k_rate), ks, policies), policies
     return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies,
                             arrival_seeds, tails), policies
