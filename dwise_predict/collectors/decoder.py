@@ -307,13 +307,13 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
 def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rule: StepRule, mask_id: int,
                         hidden_layers: HiddenExtra | None) -> None:
     """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
-    threshold = rule.params.get("threshold", 0.0)
-    for j, slot in enumerate(d_slots.tolist()):
-        if not first[j]:
-            continue
-        a = s.active[slot]
-        # the leftover prompt tokens of the first output block hold token ids, never the mask id
-        a.signals = tuple(early_signals(logits[j], ids[j], mask_id, ids.shape[1], threshold)[0].tolist())
+    rows = [j for j, is_first in enumerate(first) if is_first]
+    # the leftover prompt tokens of the first output block hold token ids, never the mask id
+    signals = early_signals(logits[rows].flatten(0, 1), ids[rows].flatten(), mask_id, ids.shape[1],
+                            rule.params.get("threshold", 0.0)).tolist()
+    for j, row_signals in zip(rows, signals):
+        a = s.active[int(d_slots[j])]
+        a.signals = tuple(row_signals)
         hidden = out.hidden[d_rows[j]].float()
         a.first_hidden = hidden.mean(0).cpu().numpy()
         if hidden_layers is not None:

@@ -145,7 +145,7 @@ def baseline_predictions(
         rows.append((f"early signal: {name}", what, pred, True))
     rows.append(("TRAIL-style probe", "first-round hidden state (bins)", trail_probe(train, eval_ds, seed=seed), True))
     rows.append(("ridge on first-round state", "first-round hidden state", ridge_hidden(train, eval_ds), True))
-    rows.append((SHIPPED, f"first-round hidden state, prompt tokens, budget (candidate: {candidate})", refined, True))
+    rows.append((SHIPPED, f"first-round hidden state, prompt tokens, budget, early signals (candidate: {candidate})", refined, True))
     rows.append(("oracle: actual remaining rounds", "the answer", true, True))
     rows.append(("oracle: actual output tokens", "output length (not rounds)",
                  eval_ds.requests["output_tokens"].to_numpy(dtype=float), False))

@@ -116,7 +116,7 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.managers.schedule_batch", "Req.prefix_len", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "ScheduleBatch.reqs", "attribute"),
     Touch("sglang.srt.managers.schedule_policy", "PrefillAdder.can_run_list", "attribute"),
-    # recording: the first forward's logits and mask positions
+    # the first forward's logits and mask positions: early signals (refinement input, recording)
     Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.mask_id", "attribute"),
     Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.block_size", "attribute"),
     # the launcher: the scheduler child's entry point

@@ -81,28 +81,32 @@ def fit_candidate(name: str, inputs: tuple, remaining: np.ndarray, events: np.nd
     return blend(ensemble, ridge), {"ridge": ridge.record()}
 
 
-def _head_scores(fit_in, val_in, remaining, events, groups, seed) -> tuple[np.ndarray, np.ndarray]:
-    """Validation log-scores of ridge-within and of the signal-feature head fitted on ``fit_in``."""
+def _head_scores(fit_in, val_in, remaining, events, groups, seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validation log-scores of ridge-within and of the signal-feature head fitted on ``fit_in``, and
+    ridge-within's raw estimate (its graph's output: candidate ``ridge-within``)."""
     ridge = RidgeHead().fit(*fit_in, remaining, events, groups=groups)
     features = SignalFeatureHead(seed=seed).fit(ridge.base_, *fit_in, remaining, events)
-    return ridge.score(*val_in), features.score(*val_in)
+    return ridge.score(*val_in), features.score(*val_in), ridge.ensemble().predict_raw(*val_in)
 
 
-def choose_blend_weight(inputs: tuple, remaining, events, groups, fold, seed: int = 0) -> tuple[float, dict, np.ndarray]:
+def choose_blend_weight(inputs: tuple, remaining, events, groups, fold, seed: int = 0,
+                        by_prompt: tuple | None = None) -> tuple[float, dict, np.ndarray]:
     """The :data:`BLEND_WEIGHTS` entry of ``ridge-within+signals`` with the best mean of two out-of-fold
     scores on the training split: the mean within-category ρ under the grouped folds ``fold``
     (categories seen in training) and under leave-one-category-out folds (each category scored by
     heads fitted without it). The first alone favours the hidden-state ridge, which ranks seen
     categories well and unseen ones poorly; a served predictor meets both kinds of request.
 
+    ``by_prompt``: :func:`_out_of_fold_heads` under ``fold`` when the caller has them already.
+
     Returns (weight, {weight: scores}, the blend's out-of-fold log-scores under ``fold`` (N,))."""
     groups = np.asarray(groups).astype(str)
-    by_prompt = _out_of_fold_heads(inputs, remaining, events, groups, fold, seed)
+    by_prompt = by_prompt or _out_of_fold_heads(inputs, remaining, events, groups, fold, seed)
     by_category = _out_of_fold_heads(inputs, remaining, events, groups, np.unique(groups, return_inverse=True)[1], seed)
     scores, merit = {}, {}
     for w in BLEND_WEIGHTS:
-        seen = _blend_within(w, *by_prompt, remaining, events, groups)
-        unseen = _blend_within(w, *by_category, remaining, events, groups)
+        seen = _blend_within(w, by_prompt[0], by_prompt[1], remaining, events, groups)
+        unseen = _blend_within(w, by_category[0], by_category[1], remaining, events, groups)
         scores[str(w)] = {"cv_within_category": seen, "cv_held_out_category": unseen}
         defined = [v for v in (seen, unseen) if v is not None]
         merit[w] = float(np.mean(defined)) if defined else -np.inf
@@ -110,17 +114,18 @@ def choose_blend_weight(inputs: tuple, remaining, events, groups, fold, seed: in
     return float(best), scores, best * by_prompt[0] + (1.0 - best) * by_prompt[1]
 
 
-def _out_of_fold_heads(inputs, remaining, events, groups, fold, seed) -> tuple[np.ndarray, np.ndarray]:
-    """Out-of-fold log-scores (N,) of ridge-within and of the signal-feature head (NaN where unscored)."""
-    ridge_oof, feature_oof = np.full(len(remaining), np.nan), np.full(len(remaining), np.nan)
+def _out_of_fold_heads(inputs, remaining, events, groups, fold, seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Out-of-fold log-scores (N,) of ridge-within and of the signal-feature head, and ridge-within's
+    raw estimates (N,) (NaN where unscored)."""
+    ridge_oof, feature_oof, raw_oof = (np.full(len(remaining), np.nan) for _ in range(3))
     for k in np.unique(fold):
         fit_rows, val_rows = fold != k, fold == k
         if fit_rows.sum() < 8:
             continue
-        ridge_oof[val_rows], feature_oof[val_rows] = _head_scores(
+        ridge_oof[val_rows], feature_oof[val_rows], raw_oof[val_rows] = _head_scores(
             tuple(a[fit_rows] for a in inputs), tuple(a[val_rows] for a in inputs), remaining[fit_rows],
             events[fit_rows], groups[fit_rows], seed)
-    return ridge_oof, feature_oof
+    return ridge_oof, feature_oof, raw_oof
 
 
 def _blend_within(weight, ridge_oof, feature_oof, remaining, events, groups) -> float | None:
@@ -166,13 +171,15 @@ def cross_validate(
         if "survival-pca" in oof:
             pca = fit_pca_survival(make_ensemble, *fit_in, remaining[fit_rows], events[fit_rows])
             oof["survival-pca"][val_rows] = pca.predict_raw(*val_in)
-        if "ridge-within" in oof:
-            within = RidgeHead().fit(*fit_in, remaining[fit_rows], events[fit_rows], groups=cats[fit_rows])
-            oof["ridge-within"][val_rows] = within.ensemble().predict_raw(*val_in)
     record = {}
-    if "ridge-within+signals" in oof:
-        weight, by_weight, oof["ridge-within+signals"] = choose_blend_weight(inputs, remaining, events, cats, fold, seed)
-        record = {"blend_weight": weight, "blend_cv": by_weight}
+    if "ridge-within" in oof or "ridge-within+signals" in oof:  # one set of ridge-within fits serves both
+        by_prompt = _out_of_fold_heads(inputs, remaining, events, cats, fold, seed)
+        if "ridge-within" in oof:
+            oof["ridge-within"] = by_prompt[2]
+        if "ridge-within+signals" in oof:
+            weight, by_weight, oof["ridge-within+signals"] = choose_blend_weight(
+                inputs, remaining, events, cats, fold, seed, by_prompt=by_prompt)
+            record = {"blend_weight": weight, "blend_cv": by_weight}
     scored = events & np.isfinite(oof[candidates[0]])
     scores = {}
     for name in candidates:
