@@ -13,7 +13,7 @@ training and exports, because exports must not import the training stack::
       admission.json      {"features", "target", "params"}
       refine.safetensors  network.refine_state(...): input_mean, input_std [H+5], member{i}.fc1/fc2
       refine.json         {"hidden_size", "early_signals", "in_features", "num_rounds", "width", "dropout", "members",
-                           "seeds", "prompt_norm", "budget_norm", "target", "candidate"}
+                           "seeds", "prompt_norm", "budget_norm", "length_scale", "target", "candidate"}
       calibration.json    {"x": [...], "y": [...], "fitted_on": "train", "statistic"}
       candidates.json     the refinement candidate search (training.select): CV scores, chosen candidate
       curves.json         per member: seed, train_loss, val_loss per epoch, best_epoch
@@ -31,6 +31,7 @@ from pathlib import Path
 
 from dwise_predict.errors import InputError
 from dwise_predict.files import read_json_object
+from dwise_predict.identity import LENGTH_SCALE
 
 REQUIRED_FILES = (
     "config.json",
@@ -90,6 +91,9 @@ def load_run(path: str | Path) -> RunFiles:
     if "early_signals" not in spec:
         raise InputError(f"{path} was trained by an older dwise-predict whose refinement input lacks the early "
                          "signals: re-run `dwise-predict train` on its traces")
+    if spec.get("length_scale") != LENGTH_SCALE:
+        raise InputError(f"{path} was trained by an older dwise-predict whose refinement input takes prompt length "
+                         "and budget on a linear scale: re-run `dwise-predict train` on its traces")
     absent = [key for key in REFINE_SPEC_KEYS if not _is_number(spec.get(key))]
     if absent:
         raise InputError(f"{path / 'refine.json'} lacks numbers {', '.join(absent)}: re-run `dwise-predict train`")

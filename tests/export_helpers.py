@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dwise_predict.identity import LENGTH_SCALE
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 HIDDEN = 32
@@ -68,7 +69,7 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
     state = refine_state(members, mean, std)
     save_file(state, str(path / "refine.safetensors"))
     spec = {"hidden_size": HIDDEN, "early_signals": 3, "in_features": HIDDEN + 5, "num_rounds": K, "width": 256, "dropout": 0.2,
-            "members": 3, "seeds": [0, 1, 2], "prompt_norm": 100.0, "budget_norm": 256.0,
+            "members": 3, "seeds": [0, 1, 2], "prompt_norm": 100.0, "budget_norm": 256.0, "length_scale": LENGTH_SCALE,
             "target": "remaining_rounds = total_rounds - 1 (after the first denoising round)"}
     (path / "refine.json").write_text(json.dumps(spec))
     # a monotone map from raw estimates to remaining rounds through matched quantiles

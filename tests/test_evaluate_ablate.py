@@ -122,5 +122,46 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
         assert r["candidate"] in CANDIDATES
         assert r["refined"]["within_category_mean"] > r["admission"]["within_category_mean"]  # h1 sees difficulty
         assert set(r["cv"]) == set(CANDIDATES)
-    assert main(args + ["--loco"]) == 1
-    assert "drop --loco" in capsys.readouterr().err
+    summary = result["summary"]
+    assert summary["refined ρ"]["n"] == 2 and "held-out-cat ρ" not in summary
+    assert summary["refined ρ"]["mean"] == pytest.approx(np.mean([r["refined"]["spearman"] for r in result["rows"]]))
+    assert summary["refined ρ"]["sd"] == pytest.approx(np.std([r["refined"]["spearman"] for r in result["rows"]], ddof=1))
+    assert "mean ± sd over 2 sets" in (out / "across.md").read_text()
+    assert main(args + ["--hold-out", "a"]) == 1
+    assert "drop --hold-out" in capsys.readouterr().err
+
+
+def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_path, capsys):
+    """Two draws of the synthetic workload: each row holds the mean of its per-category held-out ρ
+    (the same numbers `evaluate --loco` gives that set), the last row their mean ± sd."""
+    from dwise_predict.evaluation import loco
+    from dwise_predict.evaluation.pool import run_tasks
+    from dwise_predict.training import Targets, fit_predictors
+
+    sets = [make_traces(seed=s) for s in (1, 2)]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    out = tmp_path / "draws"
+    args = ["evaluate"] + [str(write(ds, tmp_path / f"d{i}")) for i, ds in enumerate(sets)] + [
+        "--across", "--loco", "--out", str(out), "--config", str(config), "--jobs", "1", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    means = []
+    for row in result["rows"]:
+        held = row["held_out"]
+        defined = [v for v in held["categories"].values() if v is not None]
+        assert len(held["categories"]) >= 3 and held["mean"] == pytest.approx(np.mean(defined))
+        assert held["mean"] > 0.3  # the synthetic difficulty lives in h1 the same way in every category
+        means.append(held["mean"])
+    ds = sets[0]
+    train, ev = ds.split("train"), ds.split("eval")
+    ev = ev.subset(Targets.of(ev).events)  # finished requests, as every rank table
+    tasks, skipped = loco.plan(train, ev, fast_config())
+    held = run_tasks(tasks, jobs=1)
+    predictors = fit_predictors(train, fast_config())
+    table = loco.table(ev, {"admission": predictors.admission_total(ev), "refined": predictors.refined_remaining(ev)},
+                       held, skipped)
+    assert result["rows"][0]["held_out"]["mean"] == pytest.approx(table["mean"]["refined"]["held_out"])
+    stat = result["summary"]["held-out-cat ρ"]
+    assert stat["mean"] == pytest.approx(np.mean(means)) and stat["sd"] == pytest.approx(np.std(means, ddof=1))
+    assert "held-out-cat ρ" in (out / "across.md").read_text()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from export_helpers import HIDDEN, make_run
 
+from dwise_predict.identity import LENGTH_SCALE
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
@@ -53,7 +54,7 @@ def test_manifest_shape_follows_contract(bundle, run):
                                         "shape": ["B", 3], "output": {"total_rounds": ["B"]}}
     refine = m["inputs"]["refine"]
     for key in ("hidden_size", "in_features", "num_rounds", "width", "dropout", "members", "seeds", "prompt_norm",
-                "budget_norm"):
+                "budget_norm", "length_scale"):
         assert refine[key] == spec[key]
     assert refine["tensors"] == {"first_round": ["B", HIDDEN], "prompt_tokens": ["B"], "budget": ["B"],
                                  "early_signals": ["B", 3]}
@@ -103,7 +104,8 @@ def test_admission_onnx_matches_lightgbm_in_rounds_not_log_space(bundle):
 def test_fused_graph_equals_member_by_member_graph():
     torch.manual_seed(3)
     members = [HazardMLP(13, 9, width=16, dropout=0.0).eval() for _ in range(3)]
-    spec = dict(in_features=13, num_rounds=9, width=16, members=3, prompt_norm=50.0, budget_norm=64.0)
+    spec = dict(in_features=13, num_rounds=9, width=16, members=3, prompt_norm=50.0, budget_norm=64.0,
+                length_scale=LENGTH_SCALE)
     graph = build_refine_graph(refine_state(members, torch.randn(13), torch.rand(13) + 0.5), spec,
                                {"x": [0.5, 2.0, 4.0, 8.0], "y": [0.0, 1.0, 3.0, 9.0]})
     fused = FusedRefineGraph(graph)

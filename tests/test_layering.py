@@ -22,7 +22,9 @@ ALLOWED: dict[str, set[str]] = {
     "identity": set(),
     "metrics": set(),
     "files": {"errors"},
-    "runs": {"errors", "files"},
+    # identity: a leaf of names the contracts share (the early signals' columns, the refinement
+    # graph's length scale), which the graph, the run directory and the bundle must agree on
+    "runs": {"errors", "files", "identity"},
     "features": {"errors"},
     "traces": BASE | {"identity"},
     "dllm": BASE,
@@ -30,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": BASE,
     "collectors": BASE | {"dllm", "traces", "features", "identity", "engine"},
     "admission": BASE | {"features", "metrics"},
-    "survival": BASE,
+    "survival": BASE | {"identity"},
     "training": BASE | {"admission", "survival", "features", "traces", "metrics", "runs"},
     "evaluation": BASE | {"training", "admission", "survival", "features", "traces", "metrics", "runs", "identity"},
     # exports read the run directory through `runs`, never through `training`

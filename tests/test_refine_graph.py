@@ -1,8 +1,11 @@
 """The shared refinement graph: survival maths and the isotonic lookup against NumPy references."""
 
+import math
+
 import numpy as np
 import torch
 
+from dwise_predict.identity import LENGTH_SCALE
 from dwise_predict.survival.network import (
     HazardMLP,
     build_refine_graph,
@@ -37,9 +40,12 @@ def test_build_from_state_reproduces_members():
     torch.manual_seed(0)
     members = [HazardMLP(13, 7, width=16, dropout=0.0).eval() for _ in range(3)]
     mean, std = torch.randn(13), torch.rand(13) + 0.5
-    spec = dict(in_features=13, num_rounds=7, width=16, members=3, prompt_norm=100.0, budget_norm=64.0)
+    spec = dict(in_features=13, num_rounds=7, width=16, members=3, prompt_norm=100.0, budget_norm=64.0,
+                length_scale=LENGTH_SCALE)
     graph = build_refine_graph(refine_state(members, mean, std), spec, {"x": [0.0, 10.0], "y": [0.0, 10.0]})
     h, pt, b, sig = torch.randn(4, 8), torch.tensor([10.0, 20, 30, 40]), torch.full((4,), 64.0), torch.rand(4, 3)
-    x = (torch.cat([h, (pt / 100).unsqueeze(1), (b / 64).unsqueeze(1), sig], 1) - mean) / std
+    # lengths on the log scale, written out: log(1 + n) / log(1 + norm)
+    lengths = [(torch.log(1 + pt) / math.log(101.0)).unsqueeze(1), (torch.log(1 + b) / math.log(65.0)).unsqueeze(1)]
+    x = (torch.cat([h, *lengths, sig], 1) - mean) / std
     expected = torch.stack([expected_remaining(m(x)) for m in members]).mean(0)
     torch.testing.assert_close(graph(h, pt, b, sig), expected.detach())

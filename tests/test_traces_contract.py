@@ -28,6 +28,11 @@ def test_roundtrip_keeps_rows_hidden_and_fingerprint(tmp_path, synthetic_traces)
 def test_same_seed_same_traces_other_seed_differs():
     a, b, c = (make_synthetic_traces(64, 8, seed=s) for s in (3, 3, 4))
     assert a.data_hash() == b.data_hash() != c.data_hash()
+    # a re-collection differs only in its clock: same fingerprint; a changed round count is new data
+    b.requests["wall_s"] = b.requests["wall_s"] * 1.7 + 0.01
+    assert b.data_hash() == a.data_hash()
+    b.requests.loc[0, "total_rounds"] += 1
+    assert b.data_hash() != a.data_hash()
 
 
 def test_synthetic_remaining_rounds_follow_the_oracle(synthetic_traces):

@@ -74,6 +74,26 @@ def test_calibrator_knots_interp_and_graph_parity():
     np.testing.assert_array_equal(again.predict(probe), cal.predict(probe))
 
 
+def test_calibrator_extended_over_the_raw_range_keeps_every_order():
+    """With ``raw_range`` the map runs from (0, 0) to the range's end at slope 1 past the last fitted
+    knot: no two raw estimates in the range share a calibrated value, and the fitted knots are kept."""
+    rng = np.random.default_rng(1)
+    raw = rng.uniform(5, 30, 500)
+    actual = np.maximum(1, np.round(raw * 0.8 + rng.normal(0, 2, 500)))
+    plain = IsotonicCalibrator().fit(raw, actual)
+    wide = IsotonicCalibrator().fit(raw, actual, raw_range=(0.0, 64.0))
+    np.testing.assert_array_equal(wide.x_[1:-1], plain.x_)
+    np.testing.assert_array_equal(wide.y_[1:-1], plain.y_)
+    assert (wide.x_[0], wide.y_[0]) == (0.0, 0.0)
+    assert wide.x_[-1] == 64.0 and wide.y_[-1] == pytest.approx(plain.y_[-1] + 64.0 - plain.x_[-1])
+    beyond = np.array([0.5, 2.0, 4.0, 40.0, 50.0, 63.5])  # outside the fitted knots, inside the range
+    assert len(np.unique(plain.predict(beyond))) == 2  # the plain fit ties each side
+    assert (np.diff(wide.predict(beyond)) > 0).all()
+    inner = (raw >= plain.x_[0]) & (raw <= plain.x_[-1])
+    np.testing.assert_array_equal(wide.predict(raw[inner]), plain.predict(raw[inner]))  # unchanged between them
+    assert IsotonicCalibrator.from_json(wide.to_json()).predict([63.5])[0] == wide.predict([63.5])[0]
+
+
 def test_calibrator_bad_inputs():
     with pytest.raises(InputError, match="NaN or inf"):
         IsotonicCalibrator().fit([1.0, np.nan], [1, 2])
@@ -125,3 +145,31 @@ def test_ensemble_bad_inputs():
         SurvivalEnsemble().fit(bad, tokens, budget, _no_signals(40), remaining)
     with pytest.raises(InputError, match=r"early signals must have shape \(40, S\)"):
         SurvivalEnsemble().fit(hidden, tokens, budget, _no_signals(39), remaining)
+
+
+def test_prompts_far_longer_than_any_in_training_keep_their_order():
+    """Work that grows with prompt length, trained on prompts of 5-40 tokens: requests with 100-400
+    tokens (a category never seen, as the tiny model's long-context prompts held out) must come out
+    of the exported graph in the order of their length, not all at one value. On a linear length
+    scale they sat ~35 deviations out and the ridge score saturated float32 survival at K."""
+    from dwise_predict.survival.linear import RidgeHead
+
+    rng = np.random.default_rng(0)
+    n = 400
+    tokens = rng.integers(5, 41, n).astype(np.float32)
+    hidden = rng.standard_normal((n, 16)).astype(np.float32)
+    remaining = np.maximum(0, np.round(2 + 0.5 * tokens + rng.normal(0, 1, n))).astype(np.int64)
+    budget = np.full(n, 256.0, np.float32)
+    ridge = RidgeHead().fit(hidden, tokens, budget, _no_signals(n), remaining)
+    ensemble = ridge.ensemble()
+    raw = ensemble.predict_raw(hidden, tokens, budget, _no_signals(n))
+    calibrator = IsotonicCalibrator().fit(raw, remaining, raw_range=(0.0, float(ensemble.num_rounds_)))
+    graph = ensemble.graph(calibrator.to_json())
+    long = torch.arange(100.0, 401.0, 25.0)  # (13,) prompt lengths never seen
+    h = torch.as_tensor(rng.standard_normal((len(long), 16)), dtype=torch.float32)
+    with torch.no_grad():
+        raw_long = graph.raw(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), 3))
+        out = graph(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), 3))
+    assert (raw_long < ensemble.num_rounds_ - 1e-3).all()  # not saturated at the horizon
+    assert spearman(out.numpy(), long.numpy()) > 0.95 and len(np.unique(out.numpy())) == len(long)
+    assert (out > calibrator.predict(raw.max())).all()  # longer than anything in training, as it should be

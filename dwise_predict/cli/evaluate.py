@@ -24,7 +24,7 @@ def evaluate_command(
     min_requests: Annotated[int, typer.Option(help="Fewest train and eval requests of a category evaluated in LOCO.")] = 10,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json; default: the run's, else the defaults).")] = None,
     ablate: Annotated[Optional[list[str]], typer.Option("--ablate", help="Ablation to run, repeatable: inputs, train-size, seeds, layers or pooling (the last two need traces from `collect --layers`; tables in ablations.md/.html and ablation_*.json).")] = None,
-    across: Annotated[bool, typer.Option("--across", help="Treat each TRACES set separately (different models allowed): train and score on each, one Table-8-style table (across.json, across.md/.html).")] = False,
+    across: Annotated[bool, typer.Option("--across", help="Treat each TRACES set separately (different models allowed): train and score on each, one Table-8-style table with mean ± sd over the sets (across.json, across.md/.html); with --loco each set's mean held-out-category ρ too.")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Evaluate both predictors: main split, calibration, baselines, LOCO, output length vs work.
@@ -46,6 +46,8 @@ def evaluate_command(
         dwise-predict evaluate traces_with_layers/ --ablate layers --ablate pooling --out eval/
 
         dwise-predict evaluate traces_model_a/ traces_model_b/ --across --out table8/
+
+        dwise-predict evaluate draw0/ draw1/ draw2/ --across --loco --out draws/   # spread over trace draws
     """
     from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
     from dwise_predict.training import TrainConfig
@@ -63,7 +65,7 @@ def evaluate_command(
     if bad:
         problems.append(f"--ablate {', '.join(bad)}: unknown ablation; choose from {', '.join(KINDS)}")
     if across:
-        clash = [flag for flag, used in (("--run", run is not None), ("--loco", loco), ("--hold-out", hold_out is not None),
+        clash = [flag for flag, used in (("--run", run is not None), ("--hold-out", hold_out is not None),
                                          ("--ablate", bool(ablate))) if used]
         if clash:
             problems.append(f"--across trains on each trace set itself: drop {', '.join(clash)}")
@@ -71,7 +73,7 @@ def evaluate_command(
         raise ConfigError("; ".join(problems))
     train_config = TrainConfig.from_file(config) if config is not None else None
     if across:
-        _across(traces, out, train_config or TrainConfig(), json_out)
+        _across(traces, out, train_config or TrainConfig(), json_out, loco, jobs)
         return
 
     with claim_evaluation_out(out, traces, run):
@@ -85,14 +87,14 @@ def evaluate_command(
         _print_evaluation(evaluation.result)
 
 
-def _across(traces, out: Path, config, json_out: bool) -> None:
+def _across(traces, out: Path, config, json_out: bool, loco: bool, jobs: int | None) -> None:
     from dwise_predict.evaluation.across import across_document, across_sets
     from dwise_predict.evaluation.document import to_markdown, write_document
     from dwise_predict.evaluation.evaluate import prepare_out
     from dwise_predict.files import write_json
 
     prepare_out(out)
-    result = across_sets(traces, config, log=log)
+    result = across_sets(traces, config, log=log, loco=loco, jobs=jobs)
     write_json(out / "across.json", result)
     document = across_document(result)
     html_path, _ = write_document(document, out, stem="across")

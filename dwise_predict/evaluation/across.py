@@ -4,13 +4,21 @@
 ``TrainConfig``, so the refinement candidate is chosen per set by its own cross-validation), scores
 them on that set's evaluation split, and adds the two strongest simple baselines on the same
 requests (ridge on the first-round state; seed 001's four early signals together). The sets may
-come from different models: that is the point of the table.
+come from different models: that is the point of the table. With ``--loco`` each set is also
+evaluated leave-one-category-out (its mean held-out-category refined ρ, see :mod:`.loco`).
+
+With two or more sets a last row gives each column's mean ± sd over them. When the sets are draws
+of one model's workload (``collect --seed 1``, ``--seed 2`` …), that row is the spread a reader
+should expect from the trace draw alone (seed 000 Table 10 reports the spread over seeds;
+``evaluate --ablate seeds`` gives ours).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
@@ -20,8 +28,11 @@ from dwise_predict.evaluation.pool import fit
 from dwise_predict.traces import load_traces
 
 
-def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str], None] | None = None) -> dict:
-    """``{"rows": [...one per trace set...], "config": ...}``; see the module docstring."""
+def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str], None] | None = None,
+                loco: bool = False, jobs: int | None = None) -> dict:
+    """``{"rows": [...one per trace set...], "summary": {column: {"mean", "sd", "n"}} (two or more
+    sets), "config": ...}``; see the module docstring. ``loco``: also hold out each category of each
+    set in turn (``jobs`` worker processes, as ``evaluate --loco``)."""
     from dwise_predict.evaluation.baselines import early_signal_predictions, remaining_rounds, ridge_hidden
     from dwise_predict.training import Targets, evaluate_predictors
 
@@ -60,7 +71,51 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             "median_ratio_calibrated": metrics["calibration"]["median_ratio_calibrated"],
             "baselines": base,
         })
-    return {"rows": rows, "config": config.to_dict()}
+        if loco:
+            rows[-1]["held_out"] = _held_out(train, ev, predictors, config, jobs, log)
+    result = {"rows": rows, "config": config.to_dict()}
+    if len(rows) >= 2:
+        result["summary"] = {name: _mean_sd([get(r) for r in rows]) for name, get in SUMMARY_COLUMNS.items()
+                             if any(get(r) is not None for r in rows)}
+    return result
+
+
+# the columns the last row averages over trace sets
+SUMMARY_COLUMNS: dict[str, Callable[[dict], float | None]] = {
+    "admission ρ": lambda r: r["admission"]["spearman"],
+    "refined ρ": lambda r: r["refined"]["spearman"],
+    "refined within-cat ρ": lambda r: r["refined"]["within_category_mean"],
+    "held-out-cat ρ": lambda r: (r.get("held_out") or {}).get("mean"),
+}
+
+
+def _held_out(train, ev, predictors, config, jobs, log) -> dict:
+    """The set's leave-one-category-out summary: mean held-out refined ρ, per category, skipped."""
+    from dwise_predict.evaluation import loco as loco_mod
+    from dwise_predict.evaluation.pool import run_tasks
+    from dwise_predict.training import Targets
+
+    scored = ev.subset(Targets.of(ev).events)
+    tasks, skipped = loco_mod.plan(train, scored, config)
+    log(f"    holding out {len(tasks)} categories in turn")
+    held = run_tasks(tasks, jobs)
+    in_training = {"admission": predictors.admission_total(scored), "refined": predictors.refined_remaining(scored)}
+    table = loco_mod.table(scored, in_training, held, skipped)
+    return {"mean": table["mean"]["refined"]["held_out"],
+            "categories": {r["category"]: r["refined"]["held_out"] for r in table["rows"]},
+            "skipped": [s["category"] for s in table["skipped"]]}
+
+
+def _mean_sd(values: list[float | None]) -> dict:
+    defined = [float(v) for v in values if v is not None]
+    return {"mean": float(np.mean(defined)) if defined else None,
+            "sd": float(np.std(defined, ddof=1)) if len(defined) >= 2 else None, "n": len(defined)}
+
+
+def _pm(stat: dict) -> str:
+    if stat["mean"] is None:
+        return "n/a"
+    return fmt(stat["mean"]) + ("" if stat["sd"] is None else f" ± {stat['sd']:.3f}")
 
 
 def _pick(block: dict) -> dict:
@@ -68,16 +123,24 @@ def _pick(block: dict) -> dict:
 
 
 def across_document(result: dict) -> Document:
+    held_out = any("held_out" in r for r in result["rows"])
     cols = ["traces", "model", "H", "train / eval", "refinement", "admission ρ", "refined ρ", "95% CI",
-            "refined within-cat ρ", "ridge ρ", "early signals ρ", "median pred/actual"]
+            "refined within-cat ρ"] + (["held-out-cat ρ"] if held_out else []) + [
+            "ridge ρ", "early signals ρ", "median pred/actual"]
     rows = []
     for r in result["rows"]:
         ci = r["refined"]["spearman_ci"]
         rows.append([r["path"], r["model"], str(r["hidden_size"]), f"{r['n_train']} / {r['n_eval']}", r["candidate"],
                      fmt(r["admission"]["spearman"]), fmt(r["refined"]["spearman"]),
-                     "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]", fmt(r["refined"]["within_category_mean"]),
-                     fmt(r["baselines"]["ridge on first-round state"]["spearman"]),
-                     fmt(r["baselines"]["early signals (all four)"]["spearman"]), fmt(r["median_ratio_calibrated"], 2)])
+                     "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]", fmt(r["refined"]["within_category_mean"])]
+                    + ([fmt((r.get("held_out") or {}).get("mean"))] if held_out else [])
+                    + [fmt(r["baselines"]["ridge on first-round state"]["spearman"]),
+                       fmt(r["baselines"]["early signals (all four)"]["spearman"]), fmt(r["median_ratio_calibrated"], 2)])
+    summary = result.get("summary")
+    if summary:
+        cell = {name: _pm(stat) for name, stat in summary.items()}
+        rows.append([f"mean ± sd over {len(result['rows'])} sets", "", "", "", ""]
+                    + [cell.get(c, "") for c in cols[5:]])
     table = Table(cols, rows, "Predictors per trace set (each trained on its own train split, scored on its eval split)")
     return Document("dwise-predict: predictors across trace sets", [], [Section("Across trace sets", "", [table])])
 

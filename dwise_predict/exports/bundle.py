@@ -24,6 +24,7 @@ README.md            model card (Hugging Face front matter)                     
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import shutil
 from pathlib import Path
@@ -170,7 +171,7 @@ def _rebuild_graph(run: RunFiles):
         raise InputError(f"{path} lacks input_mean of shape ({width},): re-run `dwise-predict train`")
     try:
         return build_refine_graph(weights, spec, run.calibration)
-    except (RuntimeError, KeyError) as err:
+    except (RuntimeError, KeyError, ValueError) as err:
         first_line = str(err).splitlines()[0]
         raise InputError(f"{path} does not fit refine.json ({first_line}): re-run `dwise-predict train`") from None
 
@@ -188,8 +189,9 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
     gen = torch.Generator().manual_seed(seed)
     x = graph.input_mean + graph.input_std * torch.randn(n, hidden + 2 + SIGNAL_COUNT, generator=gen)
     first_round = x[:, :hidden].contiguous()
-    prompt_tokens = (x[:, hidden] * float(spec["prompt_norm"])).clamp(min=1).round()
-    budget = (x[:, hidden + 1] * float(spec["budget_norm"])).clamp(min=1).round()
+    # the graph's length columns are log(1 + n) / log(1 + norm) (network.refine_input): invert them
+    prompt_tokens = torch.expm1(x[:, hidden] * math.log1p(float(spec["prompt_norm"]))).clamp(min=1).round()
+    budget = torch.expm1(x[:, hidden + 1] * math.log1p(float(spec["budget_norm"]))).clamp(min=1).round()
     early_signals = x[:, hidden + 2:].contiguous()
     with torch.no_grad():
         expected = graph(first_round, prompt_tokens, budget, early_signals)

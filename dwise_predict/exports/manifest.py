@@ -22,9 +22,15 @@ from dwise_predict.errors import BundleError
 from dwise_predict.files import atomic_write_bytes, sha256_file
 from dwise_predict.identity import EARLY_SIGNALS
 
-# 2: the refinement graph takes a fourth input, `early_signals` (B, 3); schema-1 bundles (three inputs)
-# are refused with a pointer to re-export from their run directory
-BUNDLE_SCHEMA_VERSION = 2
+# What each older schema's refinement graph lacks; such a bundle is refused with a pointer to retrain:
+# 2: the graph takes a fourth input, `early_signals` (B, 3);
+# 3: prompt length and budget enter on a log scale (inputs.refine.length_scale, network.refine_input),
+#    same inputs and output as 2 but another function of them.
+OLDER_SCHEMAS = {
+    1: "lacks the early_signals input",
+    2: "takes prompt length and budget on a linear scale",
+}
+BUNDLE_SCHEMA_VERSION = 3
 SIGNAL_COUNT = len(EARLY_SIGNALS)  # columns of the refinement graph's `early_signals` input
 BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"
@@ -70,9 +76,9 @@ def read_bundle_manifest(bundle: str | Path) -> dict:
         )
     if version < BUNDLE_SCHEMA_VERSION:
         raise BundleError(
-            f"{path} has bundle schema {version}, whose refinement graph lacks the early_signals input this "
-            f"dwise-predict feeds (schema {BUNDLE_SCHEMA_VERSION}): retrain and re-export it (`dwise-predict train`, "
-            "`dwise-predict export`)"
+            f"{path} has bundle schema {version}, whose refinement graph {OLDER_SCHEMAS.get(version, 'is older')} "
+            f"(this dwise-predict reads schema {BUNDLE_SCHEMA_VERSION}): retrain and re-export it "
+            "(`dwise-predict train`, `dwise-predict export`)"
         )
     if SEAL_KEY not in manifest:
         raise BundleError(

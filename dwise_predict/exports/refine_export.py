@@ -23,7 +23,7 @@ from torch import nn
 
 from dwise_predict.errors import BundleError
 from dwise_predict.exports.manifest import SIGNAL_COUNT
-from dwise_predict.survival.network import RefineGraph, isotonic_interp
+from dwise_predict.survival.network import RefineGraph, isotonic_interp, refine_input
 
 ONNX_OPSET = 18
 # int8 weights are kept only while they rank like fp32 (Spearman against the eager outputs)
@@ -61,11 +61,7 @@ class FusedRefineGraph(nn.Module):
     def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
             early_signals: torch.Tensor) -> torch.Tensor:
         """(B,) ensemble mean of expected remaining rounds, before calibration."""
-        x = torch.cat(
-            [first_round, (prompt_tokens / self.prompt_norm).unsqueeze(1), (budget / self.budget_norm).unsqueeze(1),
-             early_signals],
-            dim=1,
-        )  # (B, D)
+        x = refine_input(first_round, prompt_tokens, budget, early_signals, self.prompt_norm, self.budget_norm)  # (B, D)
         x = (x - self.input_mean) / self.input_std
         h = F.gelu(F.linear(x, self.w1, self.b1))  # (B, M*W)
         h = h.view(h.shape[0], self.num_members, self.width).transpose(0, 1)  # (M, B, W)

@@ -217,13 +217,18 @@ def _torch_inputs(first_round, prompt_tokens, budget, early_signals, device):
     """The graph's four float32 tensors on ``device``: rows pooled over L, scalars broadcast to B."""
     import torch
 
-    h = torch.as_tensor(first_round, dtype=torch.float32, device=device)
+    def tensor(x):
+        if isinstance(x, np.ndarray) and not x.flags.writeable:  # e.g. a DataFrame column's view
+            x = x.copy()  # torch warns on (and must not share) read-only NumPy memory
+        return torch.as_tensor(x, dtype=torch.float32, device=device)
+
+    h = tensor(first_round)
     if h.dim() == 3:
         h = h.mean(dim=1)  # (B, H): mean over the block's L rows
     b = h.shape[0]
-    pt = torch.as_tensor(prompt_tokens, dtype=torch.float32, device=device).reshape(-1).expand(b)
-    bu = torch.as_tensor(budget, dtype=torch.float32, device=device).reshape(-1).expand(b)
-    signals = torch.as_tensor(early_signals, dtype=torch.float32, device=device).reshape(b, SIGNAL_COUNT)
+    pt = tensor(prompt_tokens).reshape(-1).expand(b)
+    bu = tensor(budget).reshape(-1).expand(b)
+    signals = tensor(early_signals).reshape(b, SIGNAL_COUNT)
     return h, pt, bu, signals
 
 

@@ -9,7 +9,13 @@ rounds on the raw estimate, over requests that have any rounds left (the request
 :func:`~dwise_predict.metrics.median_ratio` is defined on). ``statistic="mean"`` gives the
 squared-error fit (conditional mean, what scikit-learn's ``IsotonicRegression`` computes) instead.
 The fit is centred (one knot per pooled block, see :func:`_centered_isotonic`), so calibration keeps
-the raw estimate's ranking: ρ does not change, apart from ties among requests beyond the end knots.
+the raw estimate's ranking between the end knots. Given the raw estimate's range (``raw_range``: the
+graph's expected remaining rounds lie in ``[0, K]``), two more knots carry the map to both ends of it:
+``(0, 0)`` (certain to finish now) and, past the last fitted knot, a slope of 1 (beyond the training
+data the raw estimate's increments are taken as they are). Without them every request whose raw
+estimate lies beyond the end knots gets the same calibrated value: a category of requests longer than
+any in training (the tiny model's long-context prompts held out) collapses to one estimate and the
+scheduler cannot order them.
 
 Fitted state is two increasing knot arrays ``x_`` (raw estimates) and ``y_`` (remaining rounds);
 a prediction is ``np.interp(raw, x_, y_)``, clipped to the end values outside the fitted range,
@@ -47,8 +53,12 @@ class IsotonicCalibrator:
         self.positive_only = positive_only
         self.fitted_on = fitted_on
 
-    def fit(self, raw, actual) -> "IsotonicCalibrator":
-        """Fit on raw estimates (N,) and actual remaining rounds (N,) of the training split."""
+    def fit(self, raw, actual, raw_range: tuple[float, float] | None = None) -> "IsotonicCalibrator":
+        """Fit on raw estimates (N,) and actual remaining rounds (N,) of the training split.
+
+        ``raw_range``: the interval every raw estimate lies in (``(0, K)`` for the refinement graph);
+        given, the map is extended to both ends of it (see the module docstring), so it is strictly
+        increasing over the whole range."""
         raw = np.asarray(raw, dtype=np.float64).ravel()
         actual = np.asarray(actual, dtype=np.float64).ravel()
         if raw.shape != actual.shape:
@@ -62,6 +72,8 @@ class IsotonicCalibrator:
         if raw.size == 0:
             raise InputError("no requests to fit the calibration on")
         self.x_, self.y_ = _centered_isotonic(raw, actual, np.median if self.statistic == "median" else np.mean)
+        if raw_range is not None:
+            self.x_, self.y_ = _extend(self.x_, self.y_, *raw_range)
         return self
 
     def predict(self, raw) -> np.ndarray:
@@ -113,3 +125,13 @@ def _centered_isotonic(x: np.ndarray, y: np.ndarray, statistic) -> tuple[np.ndar
         blocks_y.append(by)
         values.append(value)
     return np.asarray([bx.mean() for bx in blocks_x], dtype=np.float64), np.asarray(values, dtype=np.float64)
+
+
+def _extend(x: np.ndarray, y: np.ndarray, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:
+    """Knots ``(x, y)`` with ``(low, 0)`` before the first (when it lies above both) and ``(high, y_last +
+    high - x_last)`` after the last (when it lies below ``high``): slope 1 beyond the data."""
+    if x[0] > low and y[0] > 0:
+        x, y = np.r_[low, x], np.r_[0.0, y]
+    if x[-1] < high:
+        x, y = np.r_[x, high], np.r_[y, y[-1] + (high - x[-1])]
+    return x, y

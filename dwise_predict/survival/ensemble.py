@@ -1,7 +1,7 @@
 """The refinement predictor's seed ensemble: fit several HazardMLPs, average their estimates.
 
-Input of a request: ``[h1, prompt_tokens / prompt_norm, budget / budget_norm, early signals]``
-(H + 2 + S values: S = 3, the first round's fraction over threshold, mean confidence and mean
+Input of a request: ``[h1, log(1 + prompt_tokens) / log(1 + prompt_norm), log(1 + budget) / log(1 +
+budget_norm), early signals]`` (``network.refine_input``; H + 2 + S values: S = 3, the first round's fraction over threshold, mean confidence and mean
 entropy, in the order of ``identity.EARLY_SIGNALS``), standardised with the training split's mean
 and standard deviation. Each member is trained with
 the logistic-hazard NLL, Adam and early stopping on a validation part of the training split; the
@@ -17,7 +17,10 @@ import torch
 from dwise_predict.errors import ConfigError, InputError
 from dwise_predict.survival.labels import RemainingRoundsLabels, informative
 from dwise_predict.survival.loss import logistic_hazard_nll
-from dwise_predict.survival.network import HazardMLP, RefineGraph, build_refine_graph, refine_state, survival_from_logits
+from dwise_predict.identity import LENGTH_SCALE
+from dwise_predict.survival.network import (
+    HazardMLP, RefineGraph, build_refine_graph, refine_input, refine_state, survival_from_logits,
+)
 
 _MIN_STD = 1e-6  # a constant input column (e.g. one output budget for all requests) is left unscaled
 
@@ -200,6 +203,7 @@ class SurvivalEnsemble:
             "seeds": list(self.seeds),
             "prompt_norm": self.prompt_norm_,
             "budget_norm": self.budget_norm_,
+            "length_scale": LENGTH_SCALE,
             "target": "remaining_rounds = total_rounds - 1 (after the first denoising round)",
             "candidate": self.candidate,
         }
@@ -266,10 +270,7 @@ class SurvivalEnsemble:
     def _assemble(self, hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
                   early_signals: torch.Tensor) -> torch.Tensor:
         """(N, H), (N,), (N,), (N, S) -> (N, H + 2 + S) in the column order RefineGraph.raw uses."""
-        return torch.cat(
-            [hidden, (prompt_tokens / self.prompt_norm_).unsqueeze(1), (budget / self.budget_norm_).unsqueeze(1),
-             early_signals], dim=1,
-        )
+        return refine_input(hidden, prompt_tokens, budget, early_signals, self.prompt_norm_, self.budget_norm_)
 
 
 def _check_inputs(hidden, prompt_tokens, budget, early_signals, hidden_size: int | None = None,

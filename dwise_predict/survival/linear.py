@@ -1,8 +1,8 @@
 """A ridge head on the standardised first-round state, written as a member of the survival graph family.
 
 Ridge regression of ``log1p(remaining rounds)`` on the refinement input the ensemble already uses
-(``[h1, prompt_tokens / norm, budget / norm, early signals]``, standardised with the same mean and deviation), its
-L2 penalty chosen by exact leave-one-out error over a grid (closed form from one eigendecomposition,
+(``[h1, prompt length, budget, early signals]``, lengths on a log scale, standardised with the same
+mean and deviation), its L2 penalty chosen by exact leave-one-out error over a grid (closed form from one eigendecomposition,
 on the training data only). On the tiny model's traces this kind of linear probe ranked above the
 survival ensemble (ρ 0.94 against 0.90), which is why it is a refinement *candidate*.
 

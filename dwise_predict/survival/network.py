@@ -1,6 +1,6 @@
 """The refinement predictor as a torch module: the piece training, export and serving share.
 
-Imports only torch, so the serving hook can rebuild it from ``refine.safetensors`` without the
+Imports only torch (and the standard-library ``identity`` module), so the serving hook can rebuild it from ``refine.safetensors`` without the
 training stack. The same arrays define the TorchScript and ONNX graphs.
 
 Remaining rounds ``T`` (after the first denoising round) take values ``0..K``. Each member emits
@@ -11,9 +11,13 @@ Remaining rounds ``T`` (after the first denoising round) take values ``0..K``. E
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from dwise_predict.identity import LENGTH_SCALE
 
 
 class HazardMLP(nn.Module):
@@ -58,6 +62,24 @@ def isotonic_interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torc
     return y0 + (y1 - y0) * (xc - x0) / span
 
 
+def refine_input(first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
+                 early_signals: torch.Tensor, prompt_norm: float, budget_norm: float) -> torch.Tensor:
+    """(B, H), (B,), (B,), (B, S) raw inputs -> (B, H + 2 + S), the members' input before standardisation.
+
+    Prompt length and budget enter as ``log(1 + n) / log(1 + norm)``, ``norm`` the largest training
+    value. On a linear scale a category of long prompts never seen in training (the tiny model's
+    long-context prompts are 5-10 times longer than the others) sits some 30 deviations out: a linear
+    head extrapolates its score past what float32 survival can resolve and gives every such request
+    the same estimate, the horizon K. On the log scale they sit a few deviations out and keep their
+    order. ``log(1 + n)`` rather than ``log1p``: the ONNX exporters map it to plain ops everywhere.
+    """
+    return torch.cat(
+        [first_round, (torch.log(prompt_tokens + 1.0) / math.log(prompt_norm + 1.0)).unsqueeze(1),
+         (torch.log(budget + 1.0) / math.log(budget_norm + 1.0)).unsqueeze(1), early_signals],
+        dim=1,
+    )
+
+
 class RefineGraph(nn.Module):
     """Calibrated ensemble in one graph: raw inputs in, calibrated remaining rounds out.
 
@@ -88,11 +110,7 @@ class RefineGraph(nn.Module):
     def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
             early_signals: torch.Tensor) -> torch.Tensor:
         """(B,) ensemble mean of expected remaining rounds, before calibration."""
-        x = torch.cat(
-            [first_round, (prompt_tokens / self.prompt_norm).unsqueeze(1), (budget / self.budget_norm).unsqueeze(1),
-             early_signals],
-            dim=1,
-        )  # (B, H + 2 + S)
+        x = refine_input(first_round, prompt_tokens, budget, early_signals, self.prompt_norm, self.budget_norm)
         x = (x - self.input_mean) / self.input_std
         estimates = [expected_remaining(m(x)) for m in self.members]
         return torch.stack(estimates, dim=0).mean(dim=0)
@@ -106,7 +124,12 @@ def build_refine_graph(weights: dict[str, torch.Tensor], spec: dict, calibration
     """Rebuild the calibrated ensemble from plain arrays: the run directory's (and bundle's)
     ``refine.safetensors`` (``member{i}.fc1.weight`` ..., ``input_mean``, ``input_std``), the
     ``refine.json`` spec (``in_features``, ``num_rounds``, ``width``, ``members``, ``prompt_norm``,
-    ``budget_norm``) and ``calibration.json`` (``x``, ``y``: increasing isotonic knots)."""
+    ``budget_norm``, ``length_scale``) and ``calibration.json`` (``x``, ``y``: increasing isotonic knots).
+
+    Raises ``ValueError`` for a spec of another input scale (an older run or bundle)."""
+    if spec.get("length_scale") != LENGTH_SCALE:
+        raise ValueError(f"refine spec length_scale is {spec.get('length_scale')!r}, not {LENGTH_SCALE!r}: "
+                         "it was trained by an older dwise-predict; retrain it")
     members = []
     for i in range(int(spec["members"])):
         member = HazardMLP(int(spec["in_features"]), int(spec["num_rounds"]), int(spec["width"]), 0.0)

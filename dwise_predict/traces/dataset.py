@@ -61,6 +61,8 @@ NUMERIC_COLUMNS = (
     "prompt_tokens", "words", "newlines", "budget", "block_size", "prompt_blocks", "total_rounds",
     "output_tokens", "frac_over_threshold", "mean_confidence", "mean_entropy", "wall_s",
 )
+# measured on the machine, not decided by the model and the seed: left out of the data fingerprint
+MEASURED_COLUMNS = ("wall_s",)
 # counts: whole numbers, at least this much
 COUNT_COLUMNS = {"prompt_tokens": 0, "words": 0, "newlines": 0, "budget": 1, "block_size": 1, "prompt_blocks": 0,
                  "total_rounds": 1, "output_tokens": 0}
@@ -128,9 +130,11 @@ class TraceDataset:
     def data_hash(self) -> str:
         """sha256 over the request table's contract columns and the hidden states: identifies the data
         (recorded as ``traces.fingerprint`` in a run's config.json; the model's identity is
-        :attr:`model_fingerprint`)."""
+        :attr:`model_fingerprint`). Measured timings (:data:`MEASURED_COLUMNS`) are left out: two
+        collections with one seed hold the same requests, rounds and states but never the same
+        clock, and a run trained on one must evaluate on the other."""
         h = hashlib.sha256()
-        table = self.requests[list(REQUEST_COLUMNS)].copy()
+        table = self.requests[[c for c in REQUEST_COLUMNS if c not in MEASURED_COLUMNS]].copy()
         table["rounds_per_block"] = table["rounds_per_block"].map(lambda v: ",".join(map(str, v)))
         h.update(pd.util.hash_pandas_object(table, index=False).to_numpy().tobytes())
         h.update(np.ascontiguousarray(self.first_round, dtype=np.float32).tobytes())

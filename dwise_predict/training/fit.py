@@ -152,7 +152,8 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
     # training requests the in-sample fit is biased by the network's optimism (0.85-1.16).
     done = targets.events
     raw = ensemble.predict_raw(*(a[done] for a in _refine_inputs(train)))
-    calibrator = IsotonicCalibrator(statistic=config.calibration, fitted_on="train").fit(raw, targets.remaining[done])
+    calibrator = IsotonicCalibrator(statistic=config.calibration, fitted_on="train").fit(
+        raw, targets.remaining[done], raw_range=(0.0, float(ensemble.num_rounds_)))
     return ensemble, calibrator, selection
 
 
