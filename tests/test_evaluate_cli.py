@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from dwise_predict.cli import main
+from dwise_predict.traces import load_traces
 from evaluate_helpers import FAST_CONFIG, fast_config, make_traces, write
 
 
@@ -101,6 +102,11 @@ def test_traces_of_two_models_are_one_line(setup, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1
         assert "come from different models" in err[0] and "another-dllm" in err[0]
+    # the same weights under another name (and directory) are one model: pooled, as the store merges them
+    renamed = make_traces(seed=5)
+    renamed.manifest["model"] = {**load_traces(traces).manifest["model"], "name": "my-copy", "path": "/elsewhere"}
+    assert main(["characterize", str(traces), str(write(renamed, tmp_path / "renamed"))]) == 0
+    capsys.readouterr()
 
 
 def test_bad_options_are_reported_together(setup, tmp_path, capsys):

@@ -255,20 +255,32 @@ def test_quickstart_stage_is_redone_unless_all_its_files_exist(tmp_path):
 
 # --- a full or read-only disk ---------------------------------------------------------------------
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 64 KiB tmpfs (root only); skipped where the machine does not allow mounting one."""
-    mount = tmp_path / "disk"
+def _tmpfs(mount: Path, size: str):
+    """Mount a tmpfs of ``size`` at ``mount`` (root only) and unmount it after; skipped where the
+    machine does not allow mounting one."""
     mount.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a small tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs: too small for any run or bundle."""
+    yield from _tmpfs(tmp_path / "disk", "64k")
+
+
+@pytest.fixture
+def roomy_disk(tmp_path):
+    """A 4 MiB tmpfs, for filling up to a chosen point."""
+    yield from _tmpfs(tmp_path / "roomy", "4m")
 
 
 def test_full_disk_at_train_and_export_is_one_line_and_leaves_nothing(small, small_disk, capsys):
@@ -280,6 +292,27 @@ def test_full_disk_at_train_and_export_is_one_line_and_leaves_nothing(small, sma
         assert "\n" not in err and "the disk is full" in err and "rerun the same command" in err, err
         assert not [p for p in small_disk.iterdir() if not p.name.endswith(".lock")]  # no half output, no temp dir
     assert _files(small["traces"]) | {f"run/{k}": v for k, v in _files(small["run"]).items()} == inputs
+
+
+@pytest.mark.parametrize("fails_at", ["refine.pt", "refine.pt2", "refine.onnx"])
+def test_disk_full_inside_the_graph_writers_is_one_line(small, tmp_path, roomy_disk, fails_at, capsys):
+    """The disk fills up exactly while a serialised graph is written (TorchScript and torch.export
+    write through C++, which would report a bare RuntimeError): still one line, nothing left behind."""
+    reference = tmp_path / "reference"
+    assert main(["export", str(small["run"]), "--out", str(reference)]) == 0
+    capsys.readouterr()
+    order = ["refine.safetensors", "calibration.json", "admission.txt", "admission.onnx", "refine.pt", "refine.pt2",
+             "refine.onnx"]  # the order export writes them in
+    page = os.statvfs(roomy_disk).f_frsize
+    before = order[: order.index(fails_at)]
+    room = sum(-(-(reference / f).stat().st_size // page) * page for f in before) + page
+    assert (reference / fails_at).stat().st_size > 2 * page  # it cannot fit in the one page left
+    stat = os.statvfs(roomy_disk)
+    (roomy_disk / "filler").write_bytes(b"x" * (stat.f_bavail * stat.f_frsize - room))
+    assert main(["export", str(small["run"]), "--out", str(roomy_disk / "bundle")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the disk is full" in err and "rerun the same command" in err, err
+    assert sorted(p.name for p in roomy_disk.iterdir() if not p.name.endswith(".lock")) == ["filler"]
 
 
 def test_full_disk_at_consolidation_is_one_line(small, small_disk, capsys):

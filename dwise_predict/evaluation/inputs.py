@@ -14,17 +14,14 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import InputError
+from dwise_predict.identity import MODEL_KEYS, identity
 from dwise_predict.traces import TraceDataset, load_traces
 
-# The fields of a manifest's model fingerprint that identify the model; `path` is left out on
-# purpose: the same weights may sit in different directories on different machines.
-MODEL_IDENTITY = ("name", "revision", "weights_sha256", "config_hash", "hidden_size", "vocab_size")
 
-
-def model_identity(ds: TraceDataset) -> tuple:
-    """The tuple that says which model produced ``ds`` (see :data:`MODEL_IDENTITY`)."""
-    model = ds.model_fingerprint
-    return tuple((key, model.get(key)) for key in MODEL_IDENTITY)
+def model_identity(ds: TraceDataset) -> dict:
+    """What says which model produced ``ds``: the fingerprint fields the trace store and the bundle
+    compare too (``identity.MODEL_KEYS``; not the name or path, which the same weights may change)."""
+    return identity(ds.model_fingerprint, MODEL_KEYS)
 
 
 def model_label(ds: TraceDataset) -> str:

@@ -86,7 +86,15 @@ def export_torchscript(module: nn.Module, path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TorchScript's deprecation notice; torch.export is offered too
         scripted = torch.jit.script(module.eval())
-        torch.jit.save(scripted, str(path))
+        buffer = io.BytesIO()
+        torch.jit.save(scripted, buffer)
+    _write(path, buffer)
+
+
+def _write(path: Path, buffer: io.BytesIO) -> None:
+    """Put a serialised graph on disk with Python's own I/O: torch's C++ file writers report a full
+    disk as a bare RuntimeError, Python's as ``OSError(ENOSPC)``, which callers turn into one line."""
+    path.write_bytes(buffer.getbuffer())
 
 
 def export_program(module: nn.Module, hidden_size: int, path: Path) -> None:
@@ -97,7 +105,9 @@ def export_program(module: nn.Module, hidden_size: int, path: Path) -> None:
         program = torch.export.export(
             module.eval(), example_inputs(hidden_size), dynamic_shapes=({0: batch},) * len(INPUT_NAMES)
         )
-        torch.export.save(program, str(path))
+        buffer = io.BytesIO()
+        torch.export.save(program, buffer)
+    _write(path, buffer)
 
 
 def export_onnx(module: nn.Module, hidden_size: int, path: Path, opset: int = ONNX_OPSET) -> None:
@@ -126,11 +136,12 @@ def export_onnx(module: nn.Module, hidden_size: int, path: Path, opset: int = ON
                 external_data=False,
                 verbose=False,
             )
-            program.save(str(path), external_data=False)
+            proto = program.model_proto.SerializeToString()  # one file, weights inside (bundles are < 2 GB)
     except Exception as err:  # the exporter raises many types; the message is what a user can act on
         raise BundleError(f"ONNX export of the refinement graph failed: {err}") from err
     finally:
         onnx_logger.setLevel(level)
+    path.write_bytes(proto)  # outside the exporter's errors: a full disk is an OSError, one line upstream
 
 
 def quantize_int8(onnx_path: Path, out_path: Path) -> None:
