@@ -160,6 +160,10 @@ def test_ablation_ranks_the_informative_layer_and_pooling_first():
     assert by_name["layer 1, mean"]["held_out_mean"] > by_name["layer 0, mean"]["held_out_mean"] + 0.3
     assert by_name["layer 1, mean"]["spearman"] == by_name["first_round (default)"]["spearman"]  # same input
     assert layers["verdict"]["best"] in ("first_round (default)", "layer 1, mean")
+    # `evaluate --min-requests` reaches the held-out columns: above every category's count, none is held out
+    strict = ablate("layers", train, eval_ds, fast_config(), n_boot=10, min_requests=len(eval_ds) + 1)
+    assert all(r["held_out"] == {} and r["held_out_mean"] is None for r in strict["rows"])
+    assert set(by_name["layer 1, mean"]["held_out"]) == set(eval_ds.requests["category"].astype(str))
 
     pooling = ablate("pooling", train, eval_ds, fast_config(), n_boot=50)
     rows = {r["name"]: r for r in pooling["rows"]}

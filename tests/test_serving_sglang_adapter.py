@@ -196,6 +196,31 @@ def test_graph_replays_give_the_same_pooled_rows_as_eager_python(served):
     assert len(seen[True]) == 40 and float(match.max()) < 1e-5
 
 
+def test_early_signals_are_computed_for_first_round_rows_only(served, monkeypatch):
+    """The signals' softmax runs over the vocabulary for every row it is given: the hook gives it the
+    rows whose first denoising forward the step runs (named by ForwardBatch.rids), one per request over
+    the whole run instead of every row of every step, and serves the same schedule."""
+    import dwise_predict.engine.signals as signals_mod
+
+    real, rows_given = signals_mod.early_signals, []
+
+    def counting(full_logits, input_ids, mask_id, block_size, threshold):
+        rows_given.append(input_ids.numel() // block_size)
+        return real(full_logits, input_ids, mask_id, block_size, threshold)
+
+    monkeypatch.setattr(signals_mod, "early_signals", counting)
+    bundle = RecordingBundle(served[0])
+    handle = hooked(bundle, slots=6, k=2)
+    try:
+        scheduler, algorithm, runner = make_server(served, slots=6, max_running=12)
+        got = finished_rounds(served, fake.serve(scheduler, algorithm, runner))
+    finally:
+        handle.uninstall()
+    assert sum(rows_given) == len(got) == 40 and len(rows_given) < runner.calls
+    torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 3))
+    assert got == simulated(served, "dwise-refined", slots=6, k=2)
+
+
 def test_a_graph_captured_before_install_fails_loudly_instead_of_refining_on_an_unwritten_buffer(served):
     scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, graph=True)  # captured unhooked
     handle = hooked(served[0], slots=6, k=2)

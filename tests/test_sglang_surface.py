@@ -90,6 +90,7 @@ def test_fake_instances_have_the_snapshot_attributes(touch):
         "PrefillAdder": sglang_fake.PrefillAdder(8, 2, 100),
         "AbortReq": sglang_fake.AbortReq(rid="r"),
         "DllmAlgorithm": sglang_fake.FillAlgorithm(config),
+        "ForwardBatch": sglang_fake.ForwardBatch(sglang_fake.ScheduleBatch([req], sglang_fake.ForwardMode.DLLM_EXTEND)),
     }
     owner = instances.get(cls.__name__, cls)
     assert hasattr(owner, member), f"fake {cls.__name__} lacks {member}"

@@ -216,10 +216,10 @@ def _with_hidden(ds: TraceDataset, tensor: str) -> TraceDataset:
     return TraceDataset(ds.requests, hidden, np.zeros_like(hidden), ds.manifest, ds.path)
 
 
-def _held_out(train: TraceDataset, eval_ds: TraceDataset, config) -> dict[str, float | None]:
+def _held_out(train: TraceDataset, eval_ds: TraceDataset, config, min_requests: int) -> dict[str, float | None]:
     """Within-category ρ of each category held out of training (LOCO), for the categories
-    :func:`.loco.plan` evaluates."""
-    tasks, _ = loco.plan(train, eval_ds, config)
+    :func:`.loco.plan` evaluates (at least ``min_requests`` requests on each side)."""
+    tasks, _ = loco.plan(train, eval_ds, config, min_requests=min_requests)
     cats = eval_ds.requests["category"].astype(str).to_numpy()
     true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
     out = {}
@@ -248,8 +248,9 @@ def _subsample(train: TraceDataset, fraction: float, seed: int) -> TraceDataset:
 
 
 def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot: int = N_BOOT,
-           log: Callable[[str], None] | None = None) -> dict:
+           log: Callable[[str], None] | None = None, min_requests: int = loco.MIN_REQUESTS) -> dict:
     """Run one ablation (``kind`` in :data:`KINDS`); ``eval_ds`` should hold finished requests only.
+    ``min_requests``: the held-out categories' floor, as ``evaluate --min-requests``.
 
     Returns ``{"kind", "rows": [{"name", "candidate", "inputs", "bundle", "n_train", "spearman",
     "spearman_ci", "within_category_mean", "within_category_ci", "delta_vs_reference"}, ...],
@@ -299,7 +300,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
             log(f"  ablation {kind}: ridge on {tensor}")
             train_v, eval_v = _with_hidden(train, tensor), _with_hidden(eval_ds, tensor)
             pred, _ = _refined(train_v, eval_v, ridge)
-            held = _held_out(train_v, eval_v, ridge)
+            held = _held_out(train_v, eval_v, ridge, min_requests)
             defined = [v for v in held.values() if v is not None]
             # only what first_round holds reaches a bundle: the serving hook pools the final layer
             bundle = tensor == "first_round" or np.array_equal(train.extra_hidden[tensor], train.first_round)

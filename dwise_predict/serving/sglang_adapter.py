@@ -106,6 +106,7 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.managers.schedule_batch", "Req.sampling_params", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.finished", "call", ("self",)),
     Touch("sglang.srt.model_executor.forward_batch_info", "ForwardMode.DLLM_EXTEND", "attribute"),
+    Touch("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.rids", "attribute"),
     Touch("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "call",
           ("self", "forward_batch", "skip_attn_backend_init", "pp_proxy_tensors")),
     # lifecycle: reconcile with SGLang's queues, abort what can never fit, follow the prefix match
@@ -247,12 +248,18 @@ class _State:
         self.reqs: dict = {}  # rid -> Req, for requests the policy holds
         self.run_rids: list = []  # this round's picks, best rank first
         self.batch_prompt: dict = {}  # rid -> the request ran a prompt block in the batch being run
+        self.first_rids: set | None = None  # requests whose first denoising forward the batch runs
         self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
-        self.first_signals = None  # (B, 3) early signals of that forward (refinement input; recording)
+        self.first_signals = None  # (B, 3) early signals of that forward, NaN outside first_rids' rows
         self.forwards = 0  # forwards in the current step
         self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
         self.checked = False  # the first refinement checked that the buffer was written
+
+    def first_round(self, req, prompt: bool) -> bool:
+        """Does ``req`` run its first denoising forward in this step (the refinement's moment)?"""
+        return (not prompt and not getattr(req, "_dwise_rounds", 0)
+                and self.policy.fields(req.rid)["denoising_rounds"] == 0)
 
     def bind(self, scheduler) -> None:
         """Create the policy from the scheduler's dLLM config on first use (no allocation here)."""
@@ -370,6 +377,32 @@ class Installed:
         self.originals.clear()
 
 
+def first_round_signals(full_logits, forward_batch, mask_id: int, block_size: int, threshold: float,
+                        first_rids: set | None):
+    """(B, 3) early signals of a step's first forward (``engine.signals``), computed only for the rows
+    of the requests in ``first_rids`` and NaN elsewhere: the softmax over the vocabulary costs
+    B * block * V per step, and only a request's first denoising forward needs it. SGLang's
+    ``ForwardBatch.rids`` names each row's request (host-side, also under CUDA-graph replay); without
+    it, or without ``first_rids``, every row is computed."""
+    import torch
+
+    from dwise_predict.engine.signals import early_signals
+
+    ids = forward_batch.input_ids
+    rids = getattr(forward_batch, "rids", None)
+    if first_rids is None or rids is None:
+        return early_signals(full_logits, ids, mask_id, block_size, threshold)
+    batch = ids.numel() // block_size
+    out = torch.full((batch, 3), math.nan, device=full_logits.device)
+    rows = [i for i, rid in enumerate(rids[:batch]) if rid in first_rids]
+    if rows:
+        index = torch.tensor(rows, device=full_logits.device)
+        logits = full_logits.view(batch, block_size, -1).index_select(0, index).reshape(len(rows) * block_size, -1)
+        picked = ids.view(batch, block_size).index_select(0, index.to(ids.device)).reshape(-1)
+        out[index] = early_signals(logits, picked, mask_id, block_size, threshold)
+    return out
+
+
 def install(
     bundle=None,
     slots: int = 128,
@@ -435,8 +468,6 @@ def install(
                    block_size, max_batch, recorder)
     if pooling:
         import torch
-
-        from dwise_predict.engine.signals import early_signals
 
         width = bundle.hidden_size if bundle is not None else hidden_size
         if not width:
@@ -517,6 +548,10 @@ def install(
                     state.stats.prefix_blocks += fields["P"] - left
                 state.policy.set_prompt_blocks(r.rid, left)
             r._dwise_prompt_seen = True
+        # the rows whose early signals the step needs (refinement, recording): a softmax over the
+        # vocabulary for every row of every step would cost more than the refinement itself
+        state.first_rids = {r.rid for r in staged if r.rid in state.batch_prompt
+                            and state.first_round(r, state.batch_prompt[r.rid])}
         return mode
 
     original_result = mixin.process_batch_result_dllm
@@ -527,8 +562,9 @@ def install(
             return
         reqs = [r for r in batch.reqs if r.rid in state.reqs]
         prompt = [state.batch_prompt.get(r.rid, r.is_dllm_prefill()) for r in reqs]
-        first = [i for i, r in enumerate(reqs) if not prompt[i] and not getattr(r, "_dwise_rounds", 0)
-                 and state.policy.fields(r.rid)["denoising_rounds"] == 0]
+        # first denoising forwards; only rows the batch former named have early signals (first_rids)
+        first = [i for i, r in enumerate(reqs) if state.first_round(r, prompt[i])
+                 and (state.first_rids is None or r.rid in state.first_rids)]
         rows = {r.rid: batch.reqs.index(r) for r in reqs}
         if state.first_pooled is not None and first:
             import torch
@@ -569,6 +605,7 @@ def install(
                 state.stats.finished += 1
                 if state.recorder is not None:
                     state.recorder.finished(r)
+        state.first_rids = None  # the next batch names its own
 
     original_run = algorithm.run
 
@@ -585,9 +622,9 @@ def install(
                 # the first forward's early signals, before the step fills masks: the refinement
                 # graph's fourth input (and recorded). From the forward's output, after any graph replay;
                 # an algorithm without a threshold counts every masked position, as the decoder does
-                state.first_signals = early_signals(
-                    out.logits_output.full_logits, forward_batch.input_ids, self.mask_id, self.block_size,
-                    float(getattr(self, "threshold", 0.0)))
+                state.first_signals = first_round_signals(
+                    out.logits_output.full_logits, forward_batch, self.mask_id, self.block_size,
+                    float(getattr(self, "threshold", 0.0)), state.first_rids)
             state.forwards += 1
             return out
 

@@ -194,6 +194,7 @@ class ForwardBatch:
     def __init__(self, batch: ScheduleBatch):
         self.batch_size = batch.batch_size()
         self.reqs = batch.reqs
+        self.rids = [r.rid for r in batch.reqs]  # as ForwardBatch.init_new names each row's request
         self.forward_mode = batch.forward_mode
         self.input_ids = torch.tensor([t for r in batch.reqs for t in r.block_input()], dtype=torch.long)
         self.dllm_prompt_mask = None
