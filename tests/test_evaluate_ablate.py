@@ -165,3 +165,9 @@ def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_p
     stat = result["summary"]["held-out-cat ρ"]
     assert stat["mean"] == pytest.approx(np.mean(means)) and stat["sd"] == pytest.approx(np.std(means, ddof=1))
     assert "held-out-cat ρ" in (out / "across.md").read_text()
+    # --min-requests reaches the held-out columns: above every category's count, none is held out
+    from dwise_predict.evaluation.across import across_sets
+
+    strict = across_sets([tmp_path / "d0"], fast_config(), loco=True, jobs=1, min_requests=10_000)
+    held = strict["rows"][0]["held_out"]
+    assert held["mean"] is None and held["categories"] == {} and len(held["skipped"]) >= 3

@@ -73,7 +73,7 @@ def evaluate_command(
         raise ConfigError("; ".join(problems))
     train_config = TrainConfig.from_file(config) if config is not None else None
     if across:
-        _across(traces, out, train_config or TrainConfig(), json_out, loco, jobs)
+        _across(traces, out, train_config or TrainConfig(), json_out, loco, jobs, min_requests)
         return
 
     with claim_evaluation_out(out, traces, run):
@@ -87,14 +87,14 @@ def evaluate_command(
         _print_evaluation(evaluation.result)
 
 
-def _across(traces, out: Path, config, json_out: bool, loco: bool, jobs: int | None) -> None:
+def _across(traces, out: Path, config, json_out: bool, loco: bool, jobs: int | None, min_requests: int) -> None:
     from dwise_predict.evaluation.across import across_document, across_sets
     from dwise_predict.evaluation.document import to_markdown, write_document
     from dwise_predict.evaluation.evaluate import prepare_out
     from dwise_predict.files import write_json
 
     prepare_out(out)
-    result = across_sets(traces, config, log=log, loco=loco, jobs=jobs)
+    result = across_sets(traces, config, log=log, loco=loco, jobs=jobs, min_requests=min_requests)
     write_json(out / "across.json", result)
     document = across_document(result)
     html_path, _ = write_document(document, out, stem="across")

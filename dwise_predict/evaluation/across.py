@@ -29,10 +29,10 @@ from dwise_predict.traces import load_traces
 
 
 def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str], None] | None = None,
-                loco: bool = False, jobs: int | None = None) -> dict:
+                loco: bool = False, jobs: int | None = None, min_requests: int | None = None) -> dict:
     """``{"rows": [...one per trace set...], "summary": {column: {"mean", "sd", "n"}} (two or more
     sets), "config": ...}``; see the module docstring. ``loco``: also hold out each category of each
-    set in turn (``jobs`` worker processes, as ``evaluate --loco``)."""
+    set in turn (``jobs`` worker processes and ``min_requests`` per category, as ``evaluate --loco``)."""
     from dwise_predict.evaluation.baselines import early_signal_predictions, remaining_rounds, ridge_hidden
     from dwise_predict.training import Targets, evaluate_predictors
 
@@ -72,7 +72,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             "baselines": base,
         })
         if loco:
-            rows[-1]["held_out"] = _held_out(train, ev, predictors, config, jobs, log)
+            rows[-1]["held_out"] = _held_out(train, ev, predictors, config, jobs, min_requests, log)
     result = {"rows": rows, "config": config.to_dict()}
     if len(rows) >= 2:
         result["summary"] = {name: _mean_sd([get(r) for r in rows]) for name, get in SUMMARY_COLUMNS.items()
@@ -89,24 +89,26 @@ SUMMARY_COLUMNS: dict[str, Callable[[dict], float | None]] = {
 }
 
 
-def _held_out(train, ev, predictors, config, jobs, log) -> dict:
+def _held_out(train, ev, predictors, config, jobs, min_requests, log) -> dict:
     """The set's leave-one-category-out summary: mean held-out refined ρ, per category, skipped."""
     from dwise_predict.evaluation import loco as loco_mod
     from dwise_predict.evaluation.pool import run_tasks
     from dwise_predict.training import Targets
 
+    min_requests = loco_mod.MIN_REQUESTS if min_requests is None else min_requests
     scored = ev.subset(Targets.of(ev).events)
-    tasks, skipped = loco_mod.plan(train, scored, config)
+    tasks, skipped = loco_mod.plan(train, scored, config, min_requests=min_requests)
     log(f"    holding out {len(tasks)} categories in turn")
     held = run_tasks(tasks, jobs)
     in_training = {"admission": predictors.admission_total(scored), "refined": predictors.refined_remaining(scored)}
-    table = loco_mod.table(scored, in_training, held, skipped)
+    table = loco_mod.table(scored, in_training, held, skipped, min_requests=min_requests)
     return {"mean": table["mean"]["refined"]["held_out"],
             "categories": {r["category"]: r["refined"]["held_out"] for r in table["rows"]},
             "skipped": [s["category"] for s in table["skipped"]]}
 
 
 def _mean_sd(values: list[float | None]) -> dict:
+    """Mean and sample deviation of the defined values (None where there are too few)."""
     defined = [float(v) for v in values if v is not None]
     return {"mean": float(np.mean(defined)) if defined else None,
             "sd": float(np.std(defined, ddof=1)) if len(defined) >= 2 else None, "n": len(defined)}

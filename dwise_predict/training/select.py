@@ -100,11 +100,12 @@ def choose_blend_weight(inputs: tuple, remaining, events, groups, fold, seed: in
     training) and under leave-one-category-out folds (each category scored by heads fitted without
     it; grouped CV alone favours the hidden-state ridge, which ranks seen categories well and unseen
     ones poorly). The best-scoring weight replaces :data:`DEFAULT_BLEND_WEIGHT` only when it beats the
-    default by more than one standard error of its own score over categories — the one-standard-error
-    rule (Breiman et al. 1984; Hastie, Tibshirani & Friedman 2009, §7.10). Why not the best outright: with ~40 requests per category the scores of
-    neighbouring weights differ by noise, and on four draws of the tiny model's workload the outright
-    choice (0.4-0.75 across retrainings) cost 0.06 of held-out-category ρ against the default with
-    nothing gained within categories.
+    default by more than one standard error of its own score over categories — the
+    one-standard-error rule (Breiman et al. 1984; Hastie, Tibshirani & Friedman 2009, §7.10). Why
+    not the best outright: with ~40 requests per category the scores of neighbouring weights differ
+    by noise, and on four draws of the tiny model's workload the outright choice (0.4-0.75 across
+    retrainings) cost 0.06 of held-out-category ρ against the default with nothing gained within
+    categories.
 
     ``by_prompt``: :func:`_out_of_fold_heads` under ``fold`` when the caller has them already.
 
