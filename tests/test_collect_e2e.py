@@ -94,8 +94,12 @@ def test_shards_merged_equal_the_unsharded_run(reference, tiny_dir, tmp_path, ca
     parts = [load_traces(tmp_path / f"p{i}") for i in (0, 1)]
     assert [len(p) for p in parts] == [12, 12]
     assert main(["traces", "merge", str(tmp_path / "p0"), str(tmp_path / "p1"), "--out", str(tmp_path / "all")]) == 0
-    _same_traces(load_traces(tmp_path / "all"), reference)
+    merged = load_traces(tmp_path / "all")
+    _same_traces(merged, reference)
     assert "all " in capsys.readouterr().out  # the summary table's total row
+    # a second collection of the same requests: a new clock, one data fingerprint (runs carry over)
+    assert not merged.requests["wall_s"].equals(reference.requests["wall_s"])
+    assert merged.data_hash() == reference.data_hash()
 
 
 def test_merge_refuses_another_models_shards(reference, tmp_path, capsys):

@@ -1,0 +1,65 @@
+"""What the serving hook's early signals cost per step: every row of the step's first forward
+against only the rows in their first denoising forward (what the hook computes since it reads
+``ForwardBatch.rids``). Target: the restricted cost scales with the first-round rows, not the batch.
+
+The signals need a softmax over the vocabulary for every position of a row's block, so a step of B
+rows costs B · block · V exponentials. Sizes default to LLaDA2.x's (vocabulary 157,184, block 32) at
+a batch of 32 with 2 rows starting their first block; on a CPU this is slow but the ratio is what
+matters (on a GPU run it with ``--device cuda``).
+
+Usage: python benchmarks/signal_cost.py [--batch 32] [--first 2] [--vocab 157184] [--block 32] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--first", type=int, default=2, help="rows in their first denoising forward")
+    parser.add_argument("--vocab", type=int, default=157_184)
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+
+    import torch
+
+    from dwise_predict.serving.sglang_adapter import first_round_signals
+
+    torch.manual_seed(0)
+    mask_id = 0
+    logits = torch.randn(args.batch * args.block, args.vocab, device=args.device, dtype=torch.bfloat16)
+    ids = torch.randint(1, 100, (args.batch * args.block,), device=args.device)
+    ids[torch.rand(ids.shape, device=args.device) < 0.8] = mask_id
+    rids = [f"r{i}" for i in range(args.batch)]
+    batch = SimpleNamespace(input_ids=ids, rids=rids)
+    first = set(rids[:: max(1, args.batch // max(1, args.first))][: args.first])
+
+    def timed(first_rids) -> tuple[float, torch.Tensor]:
+        best = float("inf")
+        for _ in range(args.repeats):
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = first_round_signals(logits, batch, mask_id, args.block, 0.95, first_rids)
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best, out
+
+    every, all_rows = timed(None)
+    restricted, some = timed(first)
+    rows = [rids.index(r) for r in sorted(first)]
+    same = torch.allclose(all_rows[rows], some[rows], atol=1e-5)
+    print(f"batch {args.batch}, block {args.block}, vocab {args.vocab:,}, {len(first)} first-round rows, {args.device}")
+    print(f"every row:         {every * 1e3:9.1f} ms per step")
+    print(f"first-round rows:  {restricted * 1e3:9.1f} ms per step   ({every / restricted:.1f}x less; same values: {same})")
+
+
+if __name__ == "__main__":
+    main()
