@@ -72,6 +72,14 @@ def within_category(pred, true, categories) -> tuple[float | None, dict[str, flo
     return (float(np.mean(defined)) if defined else None), per
 
 
+def mean_sd(values) -> dict:
+    """``{"mean", "sd", "n"}`` of the defined values (None dropped): the sample deviation needs two
+    of them, the mean one; None where there are too few."""
+    defined = np.array([float(v) for v in values if v is not None])
+    return {"mean": float(defined.mean()) if defined.size else None,
+            "sd": float(defined.std(ddof=1)) if defined.size > 1 else None, "n": int(defined.size)}
+
+
 def bootstrap_ci(pred, true, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float] | None:
     """Percentile bootstrap interval of Spearman ρ (requests resampled with replacement).
 

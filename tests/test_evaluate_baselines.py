@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dwise_predict.evaluation.baselines import baseline_table, remaining_rounds, trail_probe
+from dwise_predict.evaluation.baselines import baseline_predictions, baseline_table, remaining_rounds, trail_probe
 from dwise_predict.evaluation.characterize import output_vs_work
 from evaluate_helpers import make_traces
 
@@ -20,7 +20,8 @@ def rows(split):
     n = len(eval_ds)
     admission = np.full(n, 10.0) + np.arange(n) % 3  # a weak admission estimate, total rounds
     refined = eval_ds.requests["oracle_remaining"].to_numpy()
-    return {r["name"]: r for r in baseline_table(train, eval_ds, admission, refined, None, seed=0)}
+    return {r["name"]: r for r in baseline_table(eval_ds, baseline_predictions(train, eval_ds, admission, refined, None,
+                                                                              seed=0))}
 
 
 def test_every_row_has_the_three_scores(rows):

@@ -41,10 +41,10 @@ from scipy import stats
 
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco
-from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
+from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_pm
 from dwise_predict.evaluation.pool import fit
 from dwise_predict.identity import EARLY_SIGNALS
-from dwise_predict.metrics import spearman
+from dwise_predict.metrics import mean_sd, spearman
 from dwise_predict.traces import TraceDataset
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
 from dwise_predict.traces.hidden_extra import parse_tensor_name
@@ -339,22 +339,18 @@ def _seeds_verdict(summary: dict) -> dict:
     ref = means.get("survival")
     if best == "survival" or ref is None:
         return {"best": best, "text": f"over {N_SEEDS} seeds the best mean within-category ρ is {best}'s "
-                                      f"({_pm(means[best])})", "inside_interval": None}
+                                      f"({fmt_pm(means[best])})", "inside_interval": None}
     gap = means[best]["mean"] - ref["mean"]
     spread = (means[best]["sd"] or 0.0) + (ref["sd"] or 0.0)
     inside = gap <= spread
     return {"best": best, "delta_within": gap, "inside_interval": bool(inside),
-            "text": f"over {N_SEEDS} seeds {best} ranks within categories at {_pm(means[best])} against the "
-                    f"survival ensemble's {_pm(ref)}: {gap:+.3f}, "
+            "text": f"over {N_SEEDS} seeds {best} ranks within categories at {fmt_pm(means[best])} against the "
+                    f"survival ensemble's {fmt_pm(ref)}: {gap:+.3f}, "
                     + ("within the seed spread" if inside else "larger than both seed spreads together")}
 
 
 def _mean_sd(values: list[dict]) -> dict:
-    out = {"seeds": values}
-    for key in ("spearman", "within_category_mean"):
-        v = np.array([x[key] for x in values if x[key] is not None], float)
-        out[key] = {"mean": float(v.mean()) if v.size else None, "sd": float(v.std(ddof=1)) if v.size > 1 else None}
-    return out
+    return {"seeds": values, **{key: mean_sd(x[key] for x in values) for key in ("spearman", "within_category_mean")}}
 
 
 # --- rendering ------------------------------------------------------------------------------------------
@@ -391,13 +387,10 @@ def ablation_document(results: list[dict]) -> Document:
                                "ρ overall and mean within-category ρ per setting, with 95% bootstrap intervals.")]
         if "summary" in result:
             summary = Table(["candidate", "ρ mean ± sd", "within-category ρ mean ± sd", "chosen per seed"], [
-                [c, _pm(s["spearman"]), _pm(s["within_category_mean"]), ", ".join(str(x["chosen"]) for x in s["seeds"])]
+                [c, fmt_pm(s["spearman"]), fmt_pm(s["within_category_mean"]), ", ".join(str(x["chosen"]) for x in s["seeds"])]
                 for c, s in result["summary"].items()
             ], "Over seeds (seed 000, Table 10 style)")
             blocks.append(summary)
         sections.append(Section(f"Ablation: {result['kind']}", "", blocks))
     return Document("dwise-predict: ablations", [], sections)
 
-
-def _pm(stat: dict) -> str:
-    return f"{fmt(stat['mean'])} ± {fmt(stat['sd'])}"

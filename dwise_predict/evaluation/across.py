@@ -18,11 +18,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
-from dwise_predict.evaluation.document import Document, Section, Table, fmt
+from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
 from dwise_predict.evaluation.pool import fit
 from dwise_predict.traces import load_traces
@@ -75,7 +73,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             rows[-1]["held_out"] = _held_out(train, ev, predictors, config, jobs, min_requests, log)
     result = {"rows": rows, "config": config.to_dict()}
     if len(rows) >= 2:
-        result["summary"] = {name: _mean_sd([get(r) for r in rows]) for name, get in SUMMARY_COLUMNS.items()
+        result["summary"] = {name: M.mean_sd(get(r) for r in rows) for name, get in SUMMARY_COLUMNS.items()
                              if any(get(r) is not None for r in rows)}
     return result
 
@@ -107,19 +105,6 @@ def _held_out(train, ev, predictors, config, jobs, min_requests, log) -> dict:
             "skipped": [s["category"] for s in table["skipped"]]}
 
 
-def _mean_sd(values: list[float | None]) -> dict:
-    """Mean and sample deviation of the defined values (None where there are too few)."""
-    defined = [float(v) for v in values if v is not None]
-    return {"mean": float(np.mean(defined)) if defined else None,
-            "sd": float(np.std(defined, ddof=1)) if len(defined) >= 2 else None, "n": len(defined)}
-
-
-def _pm(stat: dict) -> str:
-    if stat["mean"] is None:
-        return "n/a"
-    return fmt(stat["mean"]) + ("" if stat["sd"] is None else f" ± {stat['sd']:.3f}")
-
-
 def _pick(block: dict) -> dict:
     return {k: block.get(k) for k in ("spearman", "spearman_ci", "within_category_mean")}
 
@@ -140,7 +125,7 @@ def across_document(result: dict) -> Document:
                        fmt(r["baselines"]["early signals (all four)"]["spearman"]), fmt(r["median_ratio_calibrated"], 2)])
     summary = result.get("summary")
     if summary:
-        cell = {name: _pm(stat) for name, stat in summary.items()}
+        cell = {name: fmt_pm(stat) for name, stat in summary.items()}
         rows.append([f"mean ± sd over {len(result['rows'])} sets", "", "", "", ""]
                     + [cell.get(c, "") for c in cols[5:]])
     table = Table(cols, rows, "Predictors per trace set (each trained on its own train split, scored on its eval split)")

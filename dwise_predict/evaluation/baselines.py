@@ -132,7 +132,16 @@ def baseline_predictions(
     candidate: str = "survival",
 ) -> list[tuple[str, str, np.ndarray, bool]]:
     """Every baseline's predictions of remaining rounds on ``eval_ds``: ``(name, input, pred (n_eval,),
-    comparable scale)`` in the order of :func:`baseline_table`."""
+    comparable scale)``.
+
+    Parameters
+    ----------
+    admission_total : array of shape (n_eval,), the admission predictor's total rounds.
+    refined : array of shape (n_eval,), the shipped refinement predictor's calibrated remaining rounds.
+    prompt_hidden_refined : array of shape (n_eval,), the refinement recipe retrained on the prompt
+        hidden state (None leaves that row out).
+    candidate : the refinement candidate behind ``refined`` (named in its row's input).
+    """
     true = remaining_rounds(eval_ds)
     rows: list[tuple[str, str, np.ndarray, bool]] = [
         ("admission LightGBM", "words, newlines, prompt tokens", np.asarray(admission_total, float) - 1.0, True)
@@ -155,26 +164,8 @@ def baseline_predictions(
     return rows
 
 
-def baseline_table(
-    train: TraceDataset,
-    eval_ds: TraceDataset,
-    admission_total: np.ndarray,
-    refined: np.ndarray,
-    prompt_hidden_refined: np.ndarray | None,
-    seed: int = 0,
-    candidate: str = "survival",
-    predictions: list | None = None,
-) -> list[dict]:
-    """Score every baseline on ``eval_ds``.
-
-    Parameters
-    ----------
-    admission_total : array of shape (n_eval,), the admission predictor's total rounds.
-    refined : array of shape (n_eval,), the shipped refinement predictor's calibrated remaining rounds.
-    prompt_hidden_refined : array of shape (n_eval,), the refinement recipe retrained on the prompt
-        hidden state (None leaves that row out).
-    candidate : the refinement candidate behind ``refined`` (named in its row's input).
-    predictions : :func:`baseline_predictions`' result when the caller has it already.
+def baseline_table(eval_ds: TraceDataset, predictions: list[tuple[str, str, np.ndarray, bool]]) -> list[dict]:
+    """Score every baseline of ``predictions`` (:func:`baseline_predictions` on ``eval_ds``).
 
     Returns
     -------
@@ -183,9 +174,6 @@ def baseline_table(
     """
     true = remaining_rounds(eval_ds)
     cats = eval_ds.requests["category"].astype(str).to_numpy()
-    if predictions is None:
-        predictions = baseline_predictions(train, eval_ds, admission_total, refined, prompt_hidden_refined, seed,
-                                           candidate)
     return [{"name": n, "input": i, **score(p, true, cats, comparable)} for n, i, p, comparable in predictions]
 
 

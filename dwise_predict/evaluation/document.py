@@ -71,6 +71,11 @@ class Document:
         return [b for s in self.sections for b in s.blocks if isinstance(b, Figure)]
 
 
+def fmt_pm(stat: dict) -> str:
+    """A ``{"mean", "sd"}`` cell (:func:`dwise_predict.metrics.mean_sd`): "mean ± sd", "n/a" without a mean."""
+    return "n/a" if stat["mean"] is None else f"{fmt(stat['mean'])} ± {fmt(stat['sd'])}"
+
+
 def fmt(value, digits: int = 3) -> str:
     """A table cell: None → "n/a", floats to ``digits`` decimals, the rest as text."""
     if value is None:

@@ -192,8 +192,7 @@ def evaluate(
     candidate = predictors.ensemble.candidate
     predictions = baseline_predictions(finished_train, scored, preds["admission"], preds["refined"],
                                        retrained[PROMPT_HIDDEN_TASK]["refined"], config.seed, candidate)
-    baselines = baseline_table(finished_train, scored, preds["admission"], preds["refined"], None,
-                               predictions=predictions)
+    baselines = baseline_table(scored, predictions)
     winner = _winner(predictions, scored, candidate, config)
 
     ablations = []

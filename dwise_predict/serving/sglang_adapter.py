@@ -54,6 +54,7 @@ from pathlib import Path
 
 from dwise_predict.engine import prefill_rounds
 from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.serving.policy import DwisePolicy
 
 SGLANG_VERSION = "0.5.23"
@@ -393,7 +394,7 @@ def first_round_signals(full_logits, forward_batch, mask_id: int, block_size: in
     if first_rids is None or rids is None:
         return early_signals(full_logits, ids, mask_id, block_size, threshold)
     batch = ids.numel() // block_size
-    out = torch.full((batch, 3), math.nan, device=full_logits.device)
+    out = torch.full((batch, len(EARLY_SIGNALS)), math.nan, device=full_logits.device)
     rows = [i for i, rid in enumerate(rids[:batch]) if rid in first_rids]
     if rows:
         index = torch.tensor(rows, device=full_logits.device)

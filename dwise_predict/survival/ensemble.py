@@ -1,12 +1,12 @@
 """The refinement predictor's seed ensemble: fit several HazardMLPs, average their estimates.
 
 Input of a request: ``[h1, log(1 + prompt_tokens) / log(1 + prompt_norm), log(1 + budget) / log(1 +
-budget_norm), early signals]`` (``network.refine_input``; H + 2 + S values: S = 3, the first round's fraction over threshold, mean confidence and mean
-entropy, in the order of ``identity.EARLY_SIGNALS``), standardised with the training split's mean
-and standard deviation. Each member is trained with
-the logistic-hazard NLL, Adam and early stopping on a validation part of the training split; the
-weights of its best validation epoch are kept. Fitted state is plain tensors, the same ones
-``network.refine_state`` writes and ``network.build_refine_graph`` reads.
+budget_norm), early signals]`` (``network.refine_input``; H + 2 + S values: S = 3, the first round's
+fraction over threshold, mean confidence and mean entropy, in the order of
+``identity.EARLY_SIGNALS``), standardised with the training split's mean and standard deviation.
+Each member is trained with the logistic-hazard NLL, Adam and early stopping on a validation part
+of the training split; the weights of its best validation epoch are kept. Fitted state is plain
+tensors, the same ones ``network.refine_state`` writes and ``network.build_refine_graph`` reads.
 """
 
 from __future__ import annotations

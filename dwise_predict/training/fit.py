@@ -151,7 +151,7 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
     # validation part (never seen by the weights) was noisier there (0.89-1.05), though with ~700
     # training requests the in-sample fit is biased by the network's optimism (0.85-1.16).
     done = targets.events
-    raw = ensemble.predict_raw(*(a[done] for a in _refine_inputs(train)))
+    raw = ensemble.predict_raw(*(a[done] for a in inputs))
     calibrator = IsotonicCalibrator(statistic=config.calibration, fitted_on="train").fit(
         raw, targets.remaining[done], raw_range=(0.0, float(ensemble.num_rounds_)))
     return ensemble, calibrator, selection
