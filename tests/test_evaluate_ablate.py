@@ -68,9 +68,15 @@ def test_inputs_ablation_finds_the_signal_in_the_first_round_state(split):
 def test_train_size_and_seeds_ablations(split):
     train, ev = split
     sizes = ablate("train-size", train, ev, fast_config(), n_boot=100)
-    n = {r["name"]: r["n_train"] for r in sizes["rows"]}
-    assert n["ridge, 25% of train"] < n["ridge, 50% of train"] < n["ridge, 100% of train"] == len(train)
+    rows = {r["name"]: r for r in sizes["rows"]}
+    shipped = [rows[f"ridge-within+signals, {f} of train"] for f in ("25%", "50%", "100%")]
+    assert shipped[0]["n_train"] < shipped[1]["n_train"] < shipped[2]["n_train"] == len(train)
     assert sizes["reference"] == "survival, 100% of train"
+    # each size also retrains without each category: the synthetic work transfers (one shared direction)
+    for r in sizes["rows"]:
+        assert set(r["held_out"]) == {"chat", "code", "math", "mcq"}
+        assert r["held_out_mean"] == pytest.approx(np.mean(list(r["held_out"].values())))
+    assert shipped[2]["held_out_mean"] > 0.5
     seeds = ablate("seeds", train, ev, fast_config(), n_boot=100)
     summary = seeds["summary"]
     assert set(summary) == {"survival", "ridge", "auto"}
@@ -126,7 +132,16 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
     assert summary["refined ρ"]["n"] == 2 and "held-out-cat ρ" not in summary
     assert summary["refined ρ"]["mean"] == pytest.approx(np.mean([r["refined"]["spearman"] for r in result["rows"]]))
     assert summary["refined ρ"]["sd"] == pytest.approx(np.std([r["refined"]["spearman"] for r in result["rows"]], ddof=1))
-    assert "mean ± sd over 2 sets" in (out / "across.md").read_text()
+    # the baselines' within-category ρ sits beside the refinement's, averaged over the sets too
+    ridge_within = [r["baselines"]["ridge on first-round state"]["within_category_mean"] for r in result["rows"]]
+    assert summary["ridge within-cat ρ"]["mean"] == pytest.approx(np.mean(ridge_within))
+    table = (out / "across.md").read_text()
+    assert "mean ± sd over 2 sets" in table and "| early signals within-cat ρ |" in table
+    header = next(line for line in table.splitlines() if line.startswith("| traces"))
+    last = [line for line in table.splitlines() if line.startswith("| mean ± sd")][0]
+    assert header.count("|") == last.count("|")
+    column = header.split("|").index(" ridge within-cat ρ ")
+    assert last.split("|")[column].strip() == f"{np.mean(ridge_within):.3f} ± {np.std(ridge_within, ddof=1):.3f}"
     assert main(args + ["--hold-out", "a"]) == 1
     assert "drop --hold-out" in capsys.readouterr().err
 

@@ -12,7 +12,9 @@ a difference whose interval contains 0 is reported as inside the noise.
   the ``survival`` (the paper's recipe) and ``ridge-within+signals`` candidates. The row marked
   "not in a bundle" (seed 001's LightGBM on the four early signals) is for comparison only: a
   tree ensemble is not a contract-2 graph.
-- ``train-size`` — 25 %, 50 % and 100 % of the training split (drawn per category with the seed).
+- ``train-size`` — 25 %, 50 % and 100 % of the training split (drawn per category with the seed),
+  for the same two candidates, each row also with its mean held-out-category ρ at that size (does
+  more data close the gap to an unseen category?).
 - ``seeds`` — five training seeds (``seed .. seed + 4``): per-seed values, mean ± sd (seed 000,
   Table 10), for ``survival``, ``ridge`` (deterministic: sd 0 is its honest answer) and ``auto``
   (the CV choice, recorded per seed).
@@ -230,6 +232,12 @@ def _held_out(train: TraceDataset, eval_ds: TraceDataset, config, min_requests: 
     return out
 
 
+def _held_out_fields(held: dict[str, float | None]) -> dict:
+    """A row's ``held_out`` (category -> ρ) and ``held_out_mean`` over the categories with a ρ."""
+    defined = [v for v in held.values() if v is not None]
+    return {"held_out": held, "held_out_mean": float(np.mean(defined)) if defined else None}
+
+
 def _refined(train: TraceDataset, eval_ds: TraceDataset, config) -> tuple[np.ndarray, str]:
     predictors = fit(train, config)
     return np.asarray(predictors.refined_remaining(eval_ds), float), predictors.ensemble.candidate
@@ -254,8 +262,8 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
 
     Returns ``{"kind", "rows": [{"name", "candidate", "inputs", "bundle", "n_train", "spearman",
     "spearman_ci", "within_category_mean", "within_category_ci", "delta_vs_reference"}, ...],
-    "reference", "verdict", ...}``; ``layers`` and ``pooling`` rows add ``held_out`` (category -> ρ
-    within it when held out of training) and ``held_out_mean``.
+    "reference", "verdict", ...}``; ``train-size``, ``layers`` and ``pooling`` rows add ``held_out``
+    (category -> ρ within it when held out of training) and ``held_out_mean``.
     """
     from dwise_predict.evaluation.baselines import early_signal_predictions
 
@@ -289,23 +297,22 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
     elif kind == "train-size":
         for fraction in TRAIN_FRACTIONS:
             sub = _subsample(train, fraction, config.seed)
-            for candidate in ("survival", "ridge"):
+            for candidate in INPUT_CANDIDATES:
                 log(f"  ablation train-size: {candidate}, {fraction:.0%} ({len(sub)} requests)")
-                pred, _ = _refined(sub, eval_ds, dataclasses.replace(config, refine=candidate))
+                fixed = dataclasses.replace(config, refine=candidate)
+                pred, _ = _refined(sub, eval_ds, fixed)
                 add(f"{candidate}, {fraction:.0%} of train", pred, candidate=candidate, inputs=f"{fraction:.0%} of the training split", bundle=True,
-                    n_train=len(sub))
+                    n_train=len(sub), **_held_out_fields(_held_out(sub, eval_ds, fixed, min_requests)))
     elif kind in HIDDEN_KINDS:
         ridge = dataclasses.replace(config, refine="ridge")
         for label, tensor in hidden_settings(kind, train):
             log(f"  ablation {kind}: ridge on {tensor}")
             train_v, eval_v = _with_hidden(train, tensor), _with_hidden(eval_ds, tensor)
             pred, _ = _refined(train_v, eval_v, ridge)
-            held = _held_out(train_v, eval_v, ridge, min_requests)
-            defined = [v for v in held.values() if v is not None]
             # only what first_round holds reaches a bundle: the serving hook pools the final layer
             bundle = tensor == "first_round" or np.array_equal(train.extra_hidden[tensor], train.first_round)
             add(label, pred, candidate="ridge", inputs=f"{tensor} + prompt tokens, budget, early signals", bundle=bundle,
-                n_train=len(train), held_out=held, held_out_mean=float(np.mean(defined)) if defined else None)
+                n_train=len(train), **_held_out_fields(_held_out(train_v, eval_v, ridge, min_requests)))
     else:  # seeds
         per_seed: dict[str, list[dict]] = {}
         for candidate in ("survival", "ridge", "auto"):

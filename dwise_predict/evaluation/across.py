@@ -51,8 +51,8 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
         true = remaining_rounds(scored)
         cats = scored.requests["category"].astype(str).to_numpy()
         baselines = {
-            "ridge on first-round state": ridge_hidden(done_train, scored),
-            "early signals (all four)": early_signal_predictions(done_train, scored, config.seed)["all four"],
+            BASELINES["ridge"]: ridge_hidden(done_train, scored),
+            BASELINES["early signals"]: early_signal_predictions(done_train, scored, config.seed)["all four"],
         }
         base = {name: {"spearman": M.spearman(p, true), "within_category_mean": M.within_category(p, true, cats)[0]}
                 for name, p in baselines.items()}
@@ -78,12 +78,22 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
     return result
 
 
-# the columns the last row averages over trace sets
+# the baselines of each row (table label -> name in the row's "baselines")
+BASELINES = {"ridge": "ridge on first-round state", "early signals": "early signals (all four)"}
+
+
+def _baseline(label: str, metric: str) -> Callable[[dict], float | None]:
+    return lambda r: r["baselines"][BASELINES[label]][metric]
+
+
+# the columns after the refinement's name, in table order; the last row averages each over trace sets
 SUMMARY_COLUMNS: dict[str, Callable[[dict], float | None]] = {
     "admission ρ": lambda r: r["admission"]["spearman"],
     "refined ρ": lambda r: r["refined"]["spearman"],
     "refined within-cat ρ": lambda r: r["refined"]["within_category_mean"],
     "held-out-cat ρ": lambda r: (r.get("held_out") or {}).get("mean"),
+    **{f"{label} {column}": _baseline(label, metric) for label in BASELINES
+       for column, metric in (("ρ", "spearman"), ("within-cat ρ", "within_category_mean"))},
 }
 
 
@@ -111,18 +121,15 @@ def _pick(block: dict) -> dict:
 
 def across_document(result: dict) -> Document:
     held_out = any("held_out" in r for r in result["rows"])
-    cols = ["traces", "model", "H", "train / eval", "refinement", "admission ρ", "refined ρ", "95% CI",
-            "refined within-cat ρ"] + (["held-out-cat ρ"] if held_out else []) + [
-            "ridge ρ", "early signals ρ", "median pred/actual"]
+    scored = [c for c in SUMMARY_COLUMNS if held_out or c != "held-out-cat ρ"]
+    cols = ["traces", "model", "H", "train / eval", "refinement"] + scored[:2] + ["95% CI"] + scored[2:] + ["median pred/actual"]
     rows = []
     for r in result["rows"]:
         ci = r["refined"]["spearman_ci"]
-        rows.append([r["path"], r["model"], str(r["hidden_size"]), f"{r['n_train']} / {r['n_eval']}", r["candidate"],
-                     fmt(r["admission"]["spearman"]), fmt(r["refined"]["spearman"]),
-                     "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]", fmt(r["refined"]["within_category_mean"])]
-                    + ([fmt((r.get("held_out") or {}).get("mean"))] if held_out else [])
-                    + [fmt(r["baselines"]["ridge on first-round state"]["spearman"]),
-                       fmt(r["baselines"]["early signals (all four)"]["spearman"]), fmt(r["median_ratio_calibrated"], 2)])
+        values = [fmt(SUMMARY_COLUMNS[c](r)) for c in scored]
+        rows.append([r["path"], r["model"], str(r["hidden_size"]), f"{r['n_train']} / {r['n_eval']}", r["candidate"]]
+                    + values[:2] + ["" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"] + values[2:]
+                    + [fmt(r["median_ratio_calibrated"], 2)])
     summary = result.get("summary")
     if summary:
         cell = {name: fmt_pm(stat) for name, stat in summary.items()}
