@@ -202,7 +202,8 @@ def budget_sweep(rows: Sequence[dict]) -> bytes:
 
 def ablation_bars(rows: Sequence[dict], title: str) -> bytes:
     """ρ overall and mean within-category ρ of each ablation row, with 95 % bootstrap intervals, and
-    the mean held-out-category ρ (no interval) where the rows have it (``layers``, ``pooling``)."""
+    the mean held-out-category ρ (no interval) on the rows that have it (``layers``, ``pooling``, the
+    shipped candidate's ``train-size`` rows); a row without a value gets no bar (not a bar at 0)."""
     names = [r["name"] for r in rows]
     y = np.arange(len(names))
     series = [("spearman", "spearman_ci", "#3182bd", "ρ overall"),
@@ -218,8 +219,9 @@ def ablation_bars(rows: Sequence[dict], title: str) -> bytes:
             lo = np.array([v - r[ci_key][0] if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
             hi = np.array([r[ci_key][1] - v if r[ci_key] and np.isfinite(v) else 0 for v, r in zip(values, rows)])
             xerr = np.vstack([np.clip(lo, 0, None), np.clip(hi, 0, None)])
-        ax.barh(y + (k - (len(series) - 1) / 2) * height, np.nan_to_num(values), height, color=colour, label=label,
-                xerr=xerr, error_kw={"lw": 0.8, "capsize": 2})
+        shown = np.isfinite(values)
+        ax.barh((y + (k - (len(series) - 1) / 2) * height)[shown], values[shown], height, color=colour, label=label,
+                xerr=None if xerr is None else xerr[:, shown], error_kw={"lw": 0.8, "capsize": 2})
     ax.set_yticks(y, names, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", lw=0.8)
