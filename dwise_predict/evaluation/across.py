@@ -26,6 +26,10 @@ from dwise_predict.evaluation.pool import fit
 from dwise_predict.traces import load_traces
 
 
+# the baselines of each row (table label -> name in the row's "baselines")
+BASELINES = {"ridge": "ridge on first-round state", "early signals": "early signals (all four)"}
+
+
 def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str], None] | None = None,
                 loco: bool = False, jobs: int | None = None, min_requests: int | None = None) -> dict:
     """``{"rows": [...one per trace set...], "summary": {column: {"mean", "sd", "n"}} (two or more
@@ -76,10 +80,6 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
         result["summary"] = {name: M.mean_sd(get(r) for r in rows) for name, get in SUMMARY_COLUMNS.items()
                              if any(get(r) is not None for r in rows)}
     return result
-
-
-# the baselines of each row (table label -> name in the row's "baselines")
-BASELINES = {"ridge": "ridge on first-round state", "early signals": "early signals (all four)"}
 
 
 def _baseline(label: str, metric: str) -> Callable[[dict], float | None]:
