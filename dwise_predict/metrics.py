@@ -80,6 +80,26 @@ def mean_sd(values) -> dict:
             "sd": float(defined.std(ddof=1)) if defined.size > 1 else None, "n": int(defined.size)}
 
 
+def spearman_rows(pred: np.ndarray, true: np.ndarray) -> np.ndarray:
+    """Spearman ρ of each row of two (B, n) arrays (Pearson of average ranks), NaN where a side is
+    constant: many bootstrap resamples at once."""
+    rp = stats.rankdata(pred, axis=1)
+    rt = stats.rankdata(true, axis=1)
+    rp -= rp.mean(axis=1, keepdims=True)
+    rt -= rt.mean(axis=1, keepdims=True)
+    denom = np.sqrt((rp * rp).sum(axis=1) * (rt * rt).sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denom > 0, (rp * rt).sum(axis=1) / np.where(denom > 0, denom, 1.0), np.nan)
+
+
+def percentile_interval(values: np.ndarray, level: float = 0.95) -> list[float] | None:
+    """``[lo, hi]`` percentile interval of the finite bootstrap values; None when there are none."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    alpha = (1.0 - level) / 2.0
+    return None if values.size == 0 else [float(np.quantile(values, alpha)), float(np.quantile(values, 1.0 - alpha))]
+
+
 def bootstrap_ci(pred, true, n_boot: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float] | None:
     """Percentile bootstrap interval of Spearman ρ (requests resampled with replacement).
 
@@ -93,20 +113,50 @@ def bootstrap_ci(pred, true, n_boot: int = 1000, seed: int = 0, level: float = 0
     rhos = []
     for start in range(0, n_boot, chunk):
         idx = rng.integers(0, pred.size, size=(min(chunk, n_boot - start), pred.size))
-        # Spearman = Pearson of average ranks, computed for a batch of resamples at once.
-        rp = stats.rankdata(pred[idx], axis=1)
-        rt = stats.rankdata(true[idx], axis=1)
-        rp -= rp.mean(axis=1, keepdims=True)
-        rt -= rt.mean(axis=1, keepdims=True)
-        denom = np.sqrt((rp * rp).sum(axis=1) * (rt * rt).sum(axis=1))
-        ok = denom > 0
-        rhos.append((rp * rt).sum(axis=1)[ok] / denom[ok])
-    rho = np.concatenate(rhos) if rhos else np.zeros(0)
-    if rho.size == 0:
-        return None
-    alpha = (1.0 - level) / 2.0
-    lo, hi = np.quantile(rho, [alpha, 1.0 - alpha])
-    return float(lo), float(hi)
+        rhos.append(spearman_rows(pred[idx], true[idx]))
+    interval = percentile_interval(np.concatenate(rhos), level)
+    return None if interval is None else (interval[0], interval[1])
+
+
+def stratified_indices(categories: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """(n_boot, n) resampled request indices, each category resampled within itself (every
+    resample keeps the category mix)."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((n_boot, categories.size), dtype=np.int64)
+    for cat in sorted(set(categories)):
+        where = np.flatnonzero(categories == cat)
+        out[:, where] = where[rng.integers(0, where.size, size=(n_boot, where.size))]
+    return out
+
+
+def rank_scores(pred, true, categories, idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """ρ overall and mean within-category ρ (categories of at least 3 requests, defined values): on
+    the data (idx None, arrays of shape (1,)) or on each resample of ``idx`` (arrays of shape (n_boot,))."""
+    import warnings
+
+    pred, true = np.asarray(pred, float), np.asarray(true, float)
+    categories = np.asarray(categories)
+    idx = np.arange(pred.size)[None, :] if idx is None else idx
+    overall = spearman_rows(pred[idx], true[idx])
+    per = []
+    for cat in sorted(set(categories)):
+        cols = np.flatnonzero(categories == cat)
+        if cols.size >= 3:
+            sub = idx[:, cols]
+            per.append(spearman_rows(pred[sub], true[sub]))
+    with warnings.catch_warnings():  # a resample where no category has a defined ρ: NaN, dropped later
+        warnings.simplefilter("ignore", RuntimeWarning)
+        within = np.nanmean(np.stack(per), axis=0) if per else np.full(idx.shape[0], np.nan)
+    return overall, within
+
+
+def within_category_ci(pred, true, categories, n_boot: int = 1000, seed: int = 0,
+                       level: float = 0.95) -> list[float] | None:
+    """Percentile bootstrap interval of the mean within-category ρ, requests resampled inside their
+    category (:func:`stratified_indices`); None when no resample has a defined value."""
+    categories = np.asarray(categories)
+    _, within = rank_scores(pred, true, categories, stratified_indices(categories, n_boot, seed))
+    return percentile_interval(within, level)
 
 
 def median_ratio(pred, true) -> float | None:
@@ -261,6 +311,11 @@ def rank_summary(pred, true, categories, n_boot: int = 1000, seed: int = 0) -> d
 
 __all__ = [
     "bootstrap_ci",
+    "percentile_interval",
+    "rank_scores",
+    "spearman_rows",
+    "stratified_indices",
+    "within_category_ci",
     "brier_scores",
     "concordance_td",
     "integrated_brier",

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dwise_predict.cli import main
-from dwise_predict.evaluation.ablate import ablate, rank_scores, score_rows, stratified_indices
+from dwise_predict.evaluation.ablate import ablate, score_rows
+from dwise_predict.metrics import rank_scores, stratified_indices
 from dwise_predict.training.select import CANDIDATES
 from evaluate_helpers import fast_config, make_traces, write
 

@@ -98,3 +98,33 @@ def test_na_cells_render_in_the_report_and_plot():
     md = to_markdown(Document("t", [], [Section("LOCO", "", loco_tables(table))]))
     assert "→ n/a" in md and "admission held out: n/a (prediction constant)" in md
     assert plots.loco_bars(table["rows"])[:4] == b"\x89PNG"
+
+
+def test_the_held_out_mean_has_a_bootstrap_interval_over_the_evaluation_requests(evaluation):
+    from dwise_predict.metrics import percentile_interval, stratified_indices, within_category
+
+    ds = make_traces(n_requests=200).split("eval")
+    cats = ds.requests["category"].astype(str).to_numpy()
+    total = ds.requests["total_rounds"].to_numpy(float)
+    rng = np.random.default_rng(0)
+    perfect = {"admission": total, "refined": total - 1.0}
+    noisy = {"admission": total + rng.normal(0, 20, total.size), "refined": total + rng.normal(0, 5, total.size)}
+    table = loco.table(ds, perfect, {c: noisy for c in sorted(set(cats))}, [], n_boot=50, seed=3)
+    ci = table["mean_ci"]["refined"]
+    assert ci["in_training"] == [1.0, 1.0]  # a perfect ranker stays perfect in every resample
+    lo, hi = ci["held_out"]
+    assert lo < table["mean"]["refined"]["held_out"] < hi and hi - lo > 0.02
+    # the same interval, one resample at a time with the plain per-category ρ
+    idx = stratified_indices(cats, 50, 3)
+    direct = [within_category(noisy["refined"][i], total[i] - 1.0, cats[i])[0] for i in idx]
+    assert percentile_interval(np.array(direct)) == pytest.approx([lo, hi])
+    assert loco.table(ds, perfect, {"mcq": noisy}, [], n_boot=0)["mean_ci"]["refined"]["held_out"] is None
+    # evaluate --loco reports it, and the report prints it beside the mean
+    shipped = evaluation.result["loco"]
+    lo, hi = shipped["mean_ci"]["refined"]["held_out"]
+    assert lo <= shipped["mean"]["refined"]["held_out"] <= hi
+    from dwise_predict.evaluation.document import Document, Section, to_markdown
+    from dwise_predict.evaluation.report import loco_tables, summary
+
+    md = to_markdown(Document("t", [], [Section("LOCO", "", loco_tables(shipped))]))
+    assert f"[{lo:.3f}, {hi:.3f}]" in md and f"[{lo:.3f}, {hi:.3f}]" in " ".join(summary(evaluation.result))

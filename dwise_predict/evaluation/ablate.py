@@ -39,14 +39,13 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
-from scipy import stats
 
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_pm
 from dwise_predict.evaluation.pool import fit
 from dwise_predict.identity import EARLY_SIGNALS
-from dwise_predict.metrics import mean_sd, spearman
+from dwise_predict.metrics import mean_sd, percentile_interval, rank_scores, spearman, stratified_indices
 from dwise_predict.traces import TraceDataset
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
 from dwise_predict.traces.hidden_extra import parse_tensor_name
@@ -62,55 +61,6 @@ DEFAULT_HIDDEN = "first_round (default)"  # the layers and pooling ablations' re
 N_BOOT = 1000
 TRAIN_FRACTIONS = (0.25, 0.5, 1.0)
 N_SEEDS = 5
-
-
-# --- bootstrap --------------------------------------------------------------------------------------
-
-
-def _rho_rows(pred: np.ndarray, true: np.ndarray) -> np.ndarray:
-    """Spearman ρ of each row of (B, n) arrays (average ranks); NaN where a side is constant."""
-    rp = stats.rankdata(pred, axis=1)
-    rt = stats.rankdata(true, axis=1)
-    rp -= rp.mean(axis=1, keepdims=True)
-    rt -= rt.mean(axis=1, keepdims=True)
-    denom = np.sqrt((rp * rp).sum(axis=1) * (rt * rt).sum(axis=1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(denom > 0, (rp * rt).sum(axis=1) / np.where(denom > 0, denom, 1.0), np.nan)
-
-
-def stratified_indices(categories: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """(n_boot, n) resampled request indices, each category resampled within itself."""
-    rng = np.random.default_rng(seed)
-    out = np.empty((n_boot, categories.size), dtype=np.int64)
-    for cat in sorted(set(categories)):
-        where = np.flatnonzero(categories == cat)
-        out[:, where] = where[rng.integers(0, where.size, size=(n_boot, where.size))]
-    return out
-
-
-def rank_scores(pred, true, categories, idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """ρ overall and mean within-category ρ: on the data (idx None, arrays of shape (1,)) or on each
-    resample of ``idx`` (arrays of shape (n_boot,))."""
-    pred, true = np.asarray(pred, float), np.asarray(true, float)
-    idx = np.arange(pred.size)[None, :] if idx is None else idx
-    overall = _rho_rows(pred[idx], true[idx])
-    per = []
-    for cat in sorted(set(categories)):
-        cols = np.flatnonzero(categories == cat)
-        if cols.size >= 3:
-            sub = idx[:, cols]
-            per.append(_rho_rows(pred[sub], true[sub]))
-    import warnings
-
-    with warnings.catch_warnings():  # a resample where no category has a defined ρ: NaN, dropped later
-        warnings.simplefilter("ignore", RuntimeWarning)
-        within = np.nanmean(np.stack(per), axis=0) if per else np.full(idx.shape[0], np.nan)
-    return overall, within
-
-
-def _ci(values: np.ndarray) -> list[float] | None:
-    values = values[np.isfinite(values)]
-    return None if values.size == 0 else [float(np.quantile(values, 0.025)), float(np.quantile(values, 0.975))]
 
 
 def _num(x) -> float | None:
@@ -130,13 +80,13 @@ def score_rows(rows: list[dict], preds: dict[str, np.ndarray], true, categories,
         name = row["name"]
         overall, within = (_num(v) for v in rank_scores(preds[name], true, categories))
         row.update(spearman=overall, within_category_mean=within,
-                   spearman_ci=_ci(boot[name][0]), within_category_ci=_ci(boot[name][1]))
+                   spearman_ci=percentile_interval(boot[name][0]), within_category_ci=percentile_interval(boot[name][1]))
         if ref is not None:
             row["delta_vs_reference"] = {
                 "spearman": _diff(overall, ref_point[0]),
-                "spearman_ci": _ci(boot[name][0] - ref[0]),
+                "spearman_ci": percentile_interval(boot[name][0] - ref[0]),
                 "within_category_mean": _diff(within, ref_point[1]),
-                "within_category_ci": _ci(boot[name][1] - ref[1]),
+                "within_category_ci": percentile_interval(boot[name][1] - ref[1]),
             }
     return {"rows": rows, "reference": reference, "n_boot": n_boot, "verdict": verdict(rows, reference)}
 

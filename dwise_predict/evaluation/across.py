@@ -109,7 +109,7 @@ def _held_out(train, ev, predictors, config, jobs, min_requests, log) -> dict:
     log(f"    holding out {len(tasks)} categories in turn")
     held = run_tasks(tasks, jobs)
     in_training = {"admission": predictors.admission_total(scored), "refined": predictors.refined_remaining(scored)}
-    table = loco_mod.table(scored, in_training, held, skipped, min_requests=min_requests)
+    table = loco_mod.table(scored, in_training, held, skipped, min_requests=min_requests, n_boot=0)  # means only
     return {"mean": table["mean"]["refined"]["held_out"],
             "categories": {r["category"]: r["refined"]["held_out"] for r in table["rows"]},
             "skipped": [s["category"] for s in table["skipped"]]}

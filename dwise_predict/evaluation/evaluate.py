@@ -185,7 +185,8 @@ def evaluate(
     loco_result = None
     if loco_tasks or skipped:
         held = {t.name: retrained[t.name] for t in loco_tasks}
-        loco_result = loco_mod.table(scored, preds, held, skipped, hold_out, min_requests)
+        loco_result = loco_mod.table(scored, preds, held, skipped, hold_out, min_requests, config.bootstrap,
+                                     config.seed)
 
     log("fitting baselines")
     finished_train = train.subset(Targets.of(train).events)

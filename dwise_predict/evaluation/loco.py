@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dwise_predict.errors import InputError
-from dwise_predict.metrics import spearman
+from dwise_predict.metrics import spearman, within_category_ci
 from dwise_predict.evaluation.pool import RetrainTask
 from dwise_predict.traces import TraceDataset
 
@@ -113,6 +113,8 @@ def table(
     skipped: list[dict],
     hold_out: str | None = None,
     min_requests: int = MIN_REQUESTS,
+    n_boot: int = 1000,
+    seed: int = 0,
 ) -> dict:
     """Assemble the LOCO table from evaluation-split predictions.
 
@@ -125,13 +127,16 @@ def table(
     skipped : categories not evaluated, with the reason (from :func:`plan`).
     hold_out : the category whose all-request ρ is singled out; None picks "mcq" when evaluated,
         else the evaluated category with the most evaluation requests.
+    n_boot, seed : resamples of the means' bootstrap intervals (0: none).
 
     Returns
     -------
     dict with ``rows`` (per category: ``category``, ``n_eval``, ``admission`` / ``refined`` each
     ``{"in_training", "held_out"}`` within-category ρ, ``overall`` the same over all evaluation
     requests, ``notes`` why a ρ is n/a), ``mean`` (unweighted over rows, defined values only),
-    ``hold_out`` (the singled-out category's all-request ρ) and ``skipped``.
+    ``mean_ci`` (the same shape: 95 % intervals of those means, evaluation requests resampled inside
+    their category — the noise of the evaluation split, not of the retraining), ``hold_out`` (the
+    singled-out category's all-request ρ) and ``skipped``.
     """
     total = eval_ds.requests["total_rounds"].to_numpy(dtype=float)
     truth = {"admission": total, "refined": total - 1.0}
@@ -154,10 +159,28 @@ def table(
         key: {side: _mean([r[key][side] for r in rows]) for side in ("in_training", "held_out")} for key in truth
     }
     evaluated = {r["category"]: r for r in rows}
+    mean_ci = _mean_intervals(cats, truth, in_training, held_out, n_boot, seed)
     if hold_out is None and evaluated:
         largest = max(rows, key=lambda r: r["n_eval"])["category"]
         hold_out = PREFERRED_HOLD_OUT if PREFERRED_HOLD_OUT in evaluated else largest
     chosen = None
     if hold_out in evaluated:
         chosen = {"category": hold_out, **evaluated[hold_out]["overall"]}
-    return {"min_requests": min_requests, "rows": rows, "mean": mean, "hold_out": chosen, "skipped": skipped}
+    return {"min_requests": min_requests, "rows": rows, "mean": mean, "mean_ci": mean_ci, "hold_out": chosen,
+            "skipped": skipped}
+
+
+def _mean_intervals(cats, truth, in_training, held_out, n_boot: int, seed: int) -> dict:
+    """Bootstrap intervals of the mean within-category ρ on the evaluated categories' requests, for
+    each predictor in training and held out. Each category's held-out predictions come from its own
+    retraining; put side by side they form one vector whose within-category ρ are the table's."""
+    rows = np.isin(cats, list(held_out))
+    out = {}
+    for key in truth:
+        composite = np.full(cats.size, np.nan)
+        for cat, preds in held_out.items():
+            composite[cats == cat] = np.asarray(preds[key], float)[cats == cat]
+        out[key] = {side: within_category_ci(pred[rows], truth[key][rows], cats[rows], n_boot, seed)
+                    if n_boot > 0 and rows.any() else None
+                    for side, pred in (("in_training", np.asarray(in_training[key], float)), ("held_out", composite))}
+    return out

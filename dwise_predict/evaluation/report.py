@@ -17,8 +17,12 @@ from dwise_predict.evaluation.document import Document, Figure, Section, Table, 
 from dwise_predict.files import write_errors, write_json
 
 
-def _arrow(pair: dict) -> str:
-    return f"{fmt(pair['in_training'])} → {fmt(pair['held_out'])}"
+def _arrow(pair: dict, intervals: dict | None = None) -> str:
+    """``in training → held out``, each value with its ``[lo, hi]`` where ``intervals`` has one."""
+    def cell(side):
+        ci = (intervals or {}).get(side)
+        return fmt(pair[side]) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
+    return f"{cell('in_training')} → {cell('held_out')}"
 
 
 def rounds_table(characterization: dict) -> Table:
@@ -128,13 +132,16 @@ def _calibration_table(rows: list[dict]) -> Table:
 
 def loco_tables(loco: dict) -> list:
     """The LOCO table (in training → held out), the held-out category's all-request ρ and the skipped."""
+    ci = loco.get("mean_ci") or {}
     blocks: list = [
         Table(
             ["held-out category", "n eval", "admission ρ (in training → held out)",
              "refined ρ (in training → held out)", "notes"],
             [[r["category"], fmt(r["n_eval"]), _arrow(r["admission"]), _arrow(r["refined"]),
               "; ".join(r["notes"]) or "-"] for r in loco["rows"]]
-            + [["mean", "", _arrow(loco["mean"]["admission"]), _arrow(loco["mean"]["refined"]), "defined values only"]],
+            + [["mean", "", _arrow(loco["mean"]["admission"], ci.get("admission")),
+                _arrow(loco["mean"]["refined"], ci.get("refined")),
+                "defined values only" + ("; [95% interval], evaluation requests resampled in their category" if ci else "")]],
             "Within-category ρ with the category in training → held out (seed 000, Tables 7 and 17)",
         )
     ]
@@ -196,8 +203,11 @@ def summary(result: dict) -> list[str]:
     loco = result.get("loco")
     if loco and loco["rows"]:
         mean = loco["mean"]
+        ci = ((loco.get("mean_ci") or {}).get("refined") or {}).get("held_out")
         text = (f"With its category held out of training, a category's requests are ranked with mean ρ "
-                f"{fmt(mean['refined']['held_out'])} by the refined predictor (in training: "
+                f"{fmt(mean['refined']['held_out'])}"
+                + (f" (95% interval over resampled evaluation requests [{fmt(ci[0])}, {fmt(ci[1])}])" if ci else "")
+                + f" by the refined predictor (in training: "
                 f"{fmt(mean['refined']['in_training'])}) and {fmt(mean['admission']['held_out'])} by the admission "
                 f"predictor (in training: {fmt(mean['admission']['in_training'])}).")
         if loco["hold_out"]:
