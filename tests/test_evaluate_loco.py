@@ -118,7 +118,8 @@ def test_the_held_out_mean_has_a_bootstrap_interval_over_the_evaluation_requests
     idx = stratified_indices(cats, 50, 3)
     direct = [within_category(noisy["refined"][i], total[i] - 1.0, cats[i])[0] for i in idx]
     assert percentile_interval(np.array(direct)) == pytest.approx([lo, hi])
-    assert loco.table(ds, perfect, {"mcq": noisy}, [], n_boot=0)["mean_ci"]["refined"]["held_out"] is None
+    plain = loco.table(ds, perfect, {"mcq": noisy}, [], n_boot=0)
+    assert plain["mean_ci"]["refined"]["held_out"] is None
     # evaluate --loco reports it, and the report prints it beside the mean
     shipped = evaluation.result["loco"]
     lo, hi = shipped["mean_ci"]["refined"]["held_out"]
@@ -128,3 +129,5 @@ def test_the_held_out_mean_has_a_bootstrap_interval_over_the_evaluation_requests
 
     md = to_markdown(Document("t", [], [Section("LOCO", "", loco_tables(shipped))]))
     assert f"[{lo:.3f}, {hi:.3f}]" in md and f"[{lo:.3f}, {hi:.3f}]" in " ".join(summary(evaluation.result))
+    plain_md = to_markdown(Document("t", [], [Section("LOCO", "", loco_tables(plain))]))
+    assert "resampled" not in plain_md and "[" not in plain_md.split("| mean |")[1].splitlines()[0]

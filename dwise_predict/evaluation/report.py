@@ -133,6 +133,7 @@ def _calibration_table(rows: list[dict]) -> Table:
 def loco_tables(loco: dict) -> list:
     """The LOCO table (in training → held out), the held-out category's all-request ρ and the skipped."""
     ci = loco.get("mean_ci") or {}
+    intervals = any(v for sides in ci.values() for v in sides.values())  # none with bootstrap 0
     blocks: list = [
         Table(
             ["held-out category", "n eval", "admission ρ (in training → held out)",
@@ -141,7 +142,7 @@ def loco_tables(loco: dict) -> list:
               "; ".join(r["notes"]) or "-"] for r in loco["rows"]]
             + [["mean", "", _arrow(loco["mean"]["admission"], ci.get("admission")),
                 _arrow(loco["mean"]["refined"], ci.get("refined")),
-                "defined values only" + ("; [95% interval], evaluation requests resampled in their category" if ci else "")]],
+                "defined values only" + ("; [95% interval], evaluation requests resampled in their category" if intervals else "")]],
             "Within-category ρ with the category in training → held out (seed 000, Tables 7 and 17)",
         )
     ]
