@@ -143,6 +143,7 @@ def _summary(paths: dict[str, Path], metrics: dict, evaluation: dict, rows: list
         "admission_within_category": metrics["admission"]["within_category_mean"],
         "refined_within_category": metrics["refined"]["within_category_mean"],
         "held_out": loco.get("mean"),
+        "held_out_ci": loco.get("mean_ci"),  # 95% over resampled evaluation requests
         "calibration": metrics["calibration"],
         "speedup_vs_sglang_default": speedup,
         "verified": verified,

@@ -53,3 +53,18 @@ def test_ctrl_c_exits_130_with_one_line_saying_how_to_resume(monkeypatch, tmp_pa
     monkeypatch.setattr(train, "train_tiny", interrupted)
     assert main(["dllm", "train-tiny", "--out", str(tmp_path / "m")]) == 130
     assert capsys.readouterr().err.strip() == "interrupted: rerun the same command to resume"
+
+
+def test_the_printed_held_out_mean_carries_its_interval(capsys, monkeypatch):
+    from dwise_predict.cli.quickstart import _print_quickstart
+
+    monkeypatch.setenv("COLUMNS", "200")
+    pair = lambda a, b: {"in_training": a, "held_out": b}  # noqa: E731
+    summary = {"n_train": 320, "n_eval": 160, "admission_rho": 0.6, "refined_rho": 0.9, "admission_within_category": 0.4,
+               "refined_within_category": 0.68, "held_out": {"admission": pair(0.4, -0.07), "refined": pair(0.68, 0.36)},
+               "held_out_ci": {"admission": pair(None, [-0.22, 0.07]), "refined": pair([0.55, 0.75], [0.211, 0.478])},
+               "speedup_vs_sglang_default": {}, "paths": {"bundle": "b"}, "report": "r"}
+    _print_quickstart(summary)
+    row = next(line for line in capsys.readouterr().out.splitlines() if "category held out" in line)
+    assert "0.36 [0.21, 0.48]" in row
+    assert "-0.07 [-0.22, 0.07]" in row

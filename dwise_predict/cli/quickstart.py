@@ -63,7 +63,13 @@ def _print_quickstart(summary: dict) -> None:
     table.add_row("all requests", fmt(summary["admission_rho"], 2), fmt(summary["refined_rho"], 2))
     table.add_row("within category (mean)", fmt(summary["admission_within_category"], 2), fmt(summary["refined_within_category"], 2))
     if held:
-        table.add_row("within category, category held out", fmt(held["admission"]["held_out"], 2), fmt(held["refined"]["held_out"], 2))
+        ci = summary.get("held_out_ci") or {}
+
+        def cell(key: str) -> str:  # the held-out mean rests on few requests per category: show its interval
+            interval = (ci.get(key) or {}).get("held_out")
+            return fmt(held[key]["held_out"], 2) + (f" [{fmt(interval[0], 2)}, {fmt(interval[1], 2)}]" if interval else "")
+
+        table.add_row("within category, category held out", cell("admission"), cell("refined"))
     console = Console()
     console.print(table)
     for arrival, speedup in summary["speedup_vs_sglang_default"].items():
