@@ -114,7 +114,7 @@ def bootstrap_ci(pred, true, n_boot: int = 1000, seed: int = 0, level: float = 0
     for start in range(0, n_boot, chunk):
         idx = rng.integers(0, pred.size, size=(min(chunk, n_boot - start), pred.size))
         rhos.append(spearman_rows(pred[idx], true[idx]))
-    interval = percentile_interval(np.concatenate(rhos), level)
+    interval = percentile_interval(np.concatenate(rhos) if rhos else np.zeros(0), level)  # n_boot 0: None
     return None if interval is None else (interval[0], interval[1])
 
 

@@ -54,6 +54,8 @@ def test_bootstrap_ci_brackets_rho_and_is_seeded():
     idx = np.random.default_rng(3).integers(0, 300, size=(500, 300))
     rhos = [stats.spearmanr(pred[i], true[i]).statistic for i in idx]
     assert (lo, hi) == pytest.approx(tuple(np.quantile(rhos, [0.025, 0.975])))
+    assert M.bootstrap_ci(pred, true, n_boot=0) is None  # no resamples: no interval (bootstrap 0 in a config)
+    assert M.within_category_ci(pred, true, np.repeat(["a", "b"], 150), n_boot=0) is None
 
 
 def test_median_ratio_and_r2():
