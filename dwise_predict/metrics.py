@@ -18,6 +18,8 @@ schemes for survival data", Statistics in Medicine 18(17-18): the IPCW Brier sco
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from scipy import stats
 
@@ -132,8 +134,6 @@ def stratified_indices(categories: np.ndarray, n_boot: int, seed: int) -> np.nda
 def rank_scores(pred, true, categories, idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """ρ overall and mean within-category ρ (categories of at least 3 requests, defined values): on
     the data (idx None, arrays of shape (1,)) or on each resample of ``idx`` (arrays of shape (n_boot,))."""
-    import warnings
-
     pred, true = np.asarray(pred, float), np.asarray(true, float)
     categories = np.asarray(categories)
     idx = np.arange(pred.size)[None, :] if idx is None else idx

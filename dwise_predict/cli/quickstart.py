@@ -9,7 +9,7 @@ import typer
 
 from dwise_predict.cli.options import JsonOption
 from dwise_predict.errors import ConfigError
-from dwise_predict.evaluation.document import fmt
+from dwise_predict.evaluation.document import fmt, fmt_interval
 from dwise_predict.quickstart import QuickstartConfig
 
 _DEFAULT = QuickstartConfig()
@@ -66,8 +66,7 @@ def _print_quickstart(summary: dict) -> None:
         ci = summary.get("held_out_ci") or {}
 
         def cell(key: str) -> str:  # the held-out mean rests on few requests per category: show its interval
-            interval = (ci.get(key) or {}).get("held_out")
-            return fmt(held[key]["held_out"], 2) + (f" [{fmt(interval[0], 2)}, {fmt(interval[1], 2)}]" if interval else "")
+            return f"{fmt(held[key]['held_out'], 2)} {fmt_interval((ci.get(key) or {}).get('held_out'), 2)}".rstrip()
 
         table.add_row("within category, category held out", cell("admission"), cell("refined"))
     console = Console()

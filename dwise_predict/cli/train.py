@@ -11,7 +11,7 @@ import typer
 
 from dwise_predict.cli.options import JsonOption, SeedOption, TracesArgument, console, log
 from dwise_predict.errors import ConfigError
-from dwise_predict.evaluation.document import fmt
+from dwise_predict.evaluation.document import fmt, fmt_interval
 from dwise_predict.training import TrainConfig
 
 _DEFAULT = TrainConfig()
@@ -140,7 +140,7 @@ def _print_summary(metrics: dict) -> None:
         block = metrics[key]
         ci = block.get("spearman_ci")
         table.add_row(
-            label, fmt(block["spearman"]), f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "",
+            label, fmt(block["spearman"]), fmt_interval(ci),
             fmt(block["within_category_mean"]), fmt(block.get("kendall")) if "kendall" in block else "", fmt(ratio, 2),
         )
     out = console()

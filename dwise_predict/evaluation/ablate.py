@@ -42,7 +42,7 @@ import numpy as np
 
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco
-from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_pm
+from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.pool import fit
 from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.metrics import mean_sd, percentile_interval, rank_scores, spearman, stratified_indices
@@ -319,10 +319,6 @@ def _mean_sd(values: list[dict]) -> dict:
 # --- rendering ------------------------------------------------------------------------------------------
 
 
-def _ci_text(ci) -> str:
-    return "" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"
-
-
 def ablation_table(result: dict) -> Table:
     held_out = any("held_out_mean" in r for r in result["rows"])
     cols = ["setting", "candidate", "n train", "ρ", "95% CI", "within-category ρ", "95% CI",
@@ -331,8 +327,8 @@ def ablation_table(result: dict) -> Table:
     for r in result["rows"]:
         d = r.get("delta_vs_reference") or {}
         rows.append([r["name"] + ("" if r.get("bundle", True) else " (not in a bundle)"), str(r["candidate"]),
-                     str(r["n_train"]), fmt(r["spearman"]), _ci_text(r["spearman_ci"]),
-                     fmt(r["within_category_mean"]), _ci_text(r["within_category_ci"]),
+                     str(r["n_train"]), fmt(r["spearman"]), fmt_interval(r["spearman_ci"]),
+                     fmt(r["within_category_mean"]), fmt_interval(r["within_category_ci"]),
                      fmt(d.get("within_category_mean")), _interval(d.get("within_category_ci")).strip("n/a")]
                     + ([fmt(r.get("held_out_mean"))] if held_out else []))
     return Table(cols, rows, f"Ablation: {result['kind']} (evaluation split, {result['n_eval']} finished requests; "

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
-from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_pm
+from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
 from dwise_predict.evaluation.pool import fit
 from dwise_predict.traces import load_traces
@@ -128,7 +128,7 @@ def across_document(result: dict) -> Document:
         ci = r["refined"]["spearman_ci"]
         values = [fmt(SUMMARY_COLUMNS[c](r)) for c in scored]
         rows.append([r["path"], r["model"], str(r["hidden_size"]), f"{r['n_train']} / {r['n_eval']}", r["candidate"]]
-                    + values[:2] + ["" if ci is None else f"[{ci[0]:.3f}, {ci[1]:.3f}]"] + values[2:]
+                    + values[:2] + [fmt_interval(ci)] + values[2:]
                     + [fmt(r["median_ratio_calibrated"], 2)])
     summary = result.get("summary")
     if summary:

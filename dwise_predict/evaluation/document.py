@@ -76,6 +76,11 @@ def fmt_pm(stat: dict) -> str:
     return "n/a" if stat["mean"] is None else f"{fmt(stat['mean'])} ± {fmt(stat['sd'])}"
 
 
+def fmt_interval(interval, digits: int = 3) -> str:
+    """A ``[lo, hi]`` interval cell, "" without one (None)."""
+    return "" if interval is None else f"[{fmt(float(interval[0]), digits)}, {fmt(float(interval[1]), digits)}]"
+
+
 def fmt(value, digits: int = 3) -> str:
     """A table cell: None → "n/a", floats to ``digits`` decimals, the rest as text."""
     if value is None:

@@ -13,15 +13,14 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.evaluation import plots
-from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt
+from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval
 from dwise_predict.files import write_errors, write_json
 
 
 def _arrow(pair: dict, intervals: dict | None = None) -> str:
     """``in training → held out``, each value with its ``[lo, hi]`` where ``intervals`` has one."""
     def cell(side):
-        ci = (intervals or {}).get(side)
-        return fmt(pair[side]) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
+        return f"{fmt(pair[side])} {fmt_interval((intervals or {}).get(side))}".rstrip()
     return f"{cell('in_training')} → {cell('held_out')}"
 
 
@@ -105,7 +104,7 @@ def _split_table(metrics: dict) -> Table:
         block = metrics[key]
         ci = block.get("spearman_ci")
         rows.append([
-            label, fmt(block["spearman"]), f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a", fmt(block["kendall"]),
+            label, fmt(block["spearman"]), fmt_interval(ci) or "n/a", fmt(block["kendall"]),
             fmt(block["within_category_mean"]), fmt(block.get("concordance_td")), fmt(block.get("integrated_brier")),
         ])
     return Table(["predictor", "Spearman ρ", "95% CI", "Kendall τ", "within-category ρ (mean)",
@@ -207,7 +206,7 @@ def summary(result: dict) -> list[str]:
         ci = ((loco.get("mean_ci") or {}).get("refined") or {}).get("held_out")
         text = (f"With its category held out of training, a category's requests are ranked with mean ρ "
                 f"{fmt(mean['refined']['held_out'])}"
-                + (f" (95% interval over resampled evaluation requests [{fmt(ci[0])}, {fmt(ci[1])}])" if ci else "")
+                + (f" (95% interval over resampled evaluation requests {fmt_interval(ci)})" if ci else "")
                 + f" by the refined predictor (in training: "
                 f"{fmt(mean['refined']['in_training'])}) and {fmt(mean['admission']['held_out'])} by the admission "
                 f"predictor (in training: {fmt(mean['admission']['in_training'])}).")
