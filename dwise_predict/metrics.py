@@ -82,6 +82,16 @@ def mean_sd(values) -> dict:
             "sd": float(defined.std(ddof=1)) if defined.size > 1 else None, "n": int(defined.size)}
 
 
+def mean_interval(values, level: float = 0.95) -> list[float] | None:
+    """``[lo, hi]`` Student-t interval of the mean of the defined values (None dropped), e.g. of a
+    paired difference over trace draws; None with fewer than two."""
+    defined = np.array([float(v) for v in values if v is not None])
+    if defined.size < 2:
+        return None
+    half = stats.t.ppf(0.5 + level / 2, defined.size - 1) * defined.std(ddof=1) / np.sqrt(defined.size)
+    return [float(defined.mean() - half), float(defined.mean() + half)]
+
+
 def spearman_rows(pred: np.ndarray, true: np.ndarray) -> np.ndarray:
     """Spearman ρ of each row of two (B, n) arrays (Pearson of average ranks), NaN where a side is
     constant: many bootstrap resamples at once."""

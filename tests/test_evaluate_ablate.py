@@ -147,6 +147,55 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
     assert last.split("|")[column].strip() == f"{np.mean(ridge_within):.3f} ± {np.std(ridge_within, ddof=1):.3f}"
     assert main(args + ["--hold-out", "a"]) == 1
     assert "drop --hold-out" in capsys.readouterr().err
+    # every non-oracle baseline of `evaluate`, with the values `evaluate` gives that set on its own
+    assert main(["evaluate", str(tmp_path / "a"), "--out", str(tmp_path / "eval_a"), "--config", str(config)]) == 0
+    capsys.readouterr()
+    single = {r["name"]: r for r in json.loads((tmp_path / "eval_a" / "baselines.json").read_text())}
+    expected = {n for n in single if n != "refinement predictor (shipped)" and not n.startswith("oracle")}
+    assert "survival on prompt hidden state" in expected and "TRAIL-style probe" in expected
+    first = result["rows"][0]["baselines"]
+    assert set(first) == expected
+    for name in expected:
+        for measure in ("spearman", "within_category_mean"):
+            assert first[name][measure] == pytest.approx(single[name][measure])
+
+
+def test_across_sets_the_shipped_predictor_against_every_baseline_paired_by_set():
+    """The comparison over sets on known rows: paired margins, a Student-t interval of their mean
+    (scipy's one-sample t-test interval as the reference), the best baseline and the count of sets."""
+    from scipy import stats
+
+    from dwise_predict.evaluation.across import across_document, versus_baselines
+    from dwise_predict.evaluation.document import to_markdown
+
+    shipped = [(0.90, 0.60), (0.86, 0.55), (0.88, 0.62), (0.84, 0.50)]
+    strong = [(0.91, 0.58), (0.88, 0.50), (0.86, 0.61), (0.85, 0.49)]  # ahead overall, behind within
+    weak = [(0.80, 0.40), (0.78, 0.35), (0.79, 0.45), (0.70, 0.30)]
+    strong_name, weak_name = "ridge on first-round state", "early signal: all four"
+    rows = [{"refined": {"spearman": s[0], "within_category_mean": s[1]},
+             "baselines": {strong_name: {"spearman": a[0], "within_category_mean": a[1]},
+                           weak_name: {"spearman": b[0], "within_category_mean": b[1]}}}
+            for s, a, b in zip(shipped, strong, weak)]
+    versus = versus_baselines(rows)
+    overall = versus["best"]["spearman"]
+    margins = np.array([s[0] - a[0] for s, a in zip(shipped, strong)])  # -0.01, -0.02, +0.02, -0.01
+    assert overall["baseline"] == strong_name and overall["margin"] == pytest.approx(margins.mean())
+    reference = stats.ttest_1samp(margins, 0.0).confidence_interval(0.95)
+    assert overall["margin_ci"] == pytest.approx([reference.low, reference.high])
+    assert overall["inside_interval"] and overall["sets_shipped_level_or_ahead"] == 1 and overall["sets"] == 4
+    within = versus["best"]["within_category_mean"]
+    assert within["baseline"] == strong_name and within["margin"] == pytest.approx(0.0225)
+    weak_within = versus["baselines"][weak_name]["within_category_mean"]
+    assert weak_within["sets_shipped_level_or_ahead"] == 4 and weak_within["margin_ci"][0] > 0  # clearly ahead
+    assert weak_within["sd"] == pytest.approx(np.std([b[1] for b in weak], ddof=1))
+    text = to_markdown(across_document({"rows": [dict(r, path=f"s{i}", model="m", hidden_size=8, n_train=10,
+                                                           n_eval=5, candidate="c", median_ratio_calibrated=1.0,
+                                                           admission={"spearman": 0.5, "within_category_mean": 0.1},
+                                                           refined=dict(r["refined"], spearman_ci=None))
+                                                      for i, r in enumerate(rows)],
+                                             "summary": {}, "versus": versus}))
+    assert f"trails the best non-oracle baseline, {strong_name} (0.875), by -0.005" in text
+    assert "level or ahead in 1 of 4 sets" in text and f"| {weak_name} |" in text
 
 
 def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_path, capsys):

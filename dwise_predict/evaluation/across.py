@@ -2,15 +2,18 @@
 
 ``evaluate A B C --across`` trains both predictors on each set's training split (the same
 ``TrainConfig``, so the refinement candidate is chosen per set by its own cross-validation), scores
-them on that set's evaluation split, and adds the two strongest simple baselines on the same
-requests (ridge on the first-round state; seed 001's four early signals together). The sets may
-come from different models: that is the point of the table. With ``--loco`` each set is also
-evaluated leave-one-category-out (its mean held-out-category refined ρ, see :mod:`.loco`).
+them on that set's evaluation split, and scores every non-oracle baseline of ``evaluate`` on the
+same requests (:mod:`.baselines`; the prompt-hidden-state recipe is one more retraining per set);
+the per-set table shows the two simple ones (ridge on the first-round state; seed 001's four early
+signals together). The sets may come from different models: that is the point of the table. With
+``--loco`` each set is also evaluated leave-one-category-out (its mean held-out-category refined ρ,
+see :mod:`.loco`).
 
-With two or more sets a last row gives each column's mean ± sd over them. When the sets are draws
-of one model's workload (``collect --seed 1``, ``--seed 2`` …), that row is the spread a reader
-should expect from the trace draw alone (seed 000 Table 10 reports the spread over seeds;
-``evaluate --ablate seeds`` gives ours).
+With two or more sets a last row gives each column's mean ± sd over them, and a second table sets
+the shipped predictor against every baseline, paired by set (:func:`versus_baselines`): does it beat
+the best of them on average over the draws, and in how many? When the sets are draws of one model's
+workload (``collect --seed 1``, ``--seed 2`` …), that is the question one draw cannot answer (seed
+000 Table 10 reports the spread over seeds; ``evaluate --ablate seeds`` gives ours).
 """
 
 from __future__ import annotations
@@ -22,25 +25,32 @@ from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
-from dwise_predict.evaluation.pool import fit
+from dwise_predict.evaluation.pool import fit, run_tasks
 from dwise_predict.traces import load_traces
 
 
-# the baselines of each row (table label -> name in the row's "baselines")
-BASELINES = {"ridge": "ridge on first-round state", "early signals": "early signals (all four)"}
+# the baselines with columns in the per-set table (label -> name in the row's "baselines"); the
+# comparison table under it holds every baseline
+BASELINES = {"ridge": "ridge on first-round state", "early signals": "early signal: all four"}
+# the measures the shipped predictor is compared on over the sets (key in metrics -> words)
+MEASURES = {"within_category_mean": "within-category ρ", "spearman": "ρ over all requests"}
 
 
 def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str], None] | None = None,
                 loco: bool = False, jobs: int | None = None, min_requests: int | None = None) -> dict:
-    """``{"rows": [...one per trace set...], "summary": {column: {"mean", "sd", "n"}} (two or more
-    sets), "config": ...}``; see the module docstring. ``loco``: also hold out each category of each
-    set in turn (``jobs`` worker processes and ``min_requests`` per category, as ``evaluate --loco``)."""
-    from dwise_predict.evaluation.baselines import early_signal_predictions, remaining_rounds, ridge_hidden
+    """``{"rows": [...one per trace set...], "summary": {column: {"mean", "sd", "n"}} and "versus"
+    (two or more sets), "config": ...}``; see the module docstring. ``loco``: also hold out each
+    category of each set in turn (``jobs`` worker processes and ``min_requests`` per category, as
+    ``evaluate --loco``)."""
+    from dwise_predict.evaluation import loco as loco_mod
+    from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, SHIPPED, baseline_predictions, baseline_table,
+                                                    prompt_hidden_task)
     from dwise_predict.training import Targets, evaluate_predictors
 
     log = log or (lambda message: None)
     if len(paths) < 1:
         raise InputError("--across needs at least one TRACES path")
+    min_requests = loco_mod.MIN_REQUESTS if min_requests is None else min_requests
     rows = []
     for path in paths:
         ds = load_traces(path)
@@ -50,16 +60,18 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
         log(f"  {path}: training on {len(train)} requests")
         predictors = fit(train, config)
         metrics = evaluate_predictors(predictors, ev, config.bootstrap, config.seed)
-        done_train = train.subset(Targets.of(train).events)
         scored = ev.subset(Targets.of(ev).events)
-        true = remaining_rounds(scored)
-        cats = scored.requests["category"].astype(str).to_numpy()
-        baselines = {
-            BASELINES["ridge"]: ridge_hidden(done_train, scored),
-            BASELINES["early signals"]: early_signal_predictions(done_train, scored, config.seed)["all four"],
-        }
-        base = {name: {"spearman": M.spearman(p, true), "within_category_mean": M.within_category(p, true, cats)[0]}
-                for name, p in baselines.items()}
+        loco_tasks, skipped = loco_mod.plan(train, scored, config, min_requests=min_requests) if loco else ([], [])
+        log(f"    retraining {len(loco_tasks) + 1} times ({len(loco_tasks)} held-out categories "
+            "+ prompt-hidden-state baseline)")
+        retrained = run_tasks(loco_tasks + [prompt_hidden_task(train, scored, config)], jobs)
+        shipped = {"admission": predictors.admission_total(scored), "refined": predictors.refined_remaining(scored)}
+        predictions = baseline_predictions(train.subset(Targets.of(train).events), scored, shipped["admission"],
+                                           shipped["refined"], retrained[PROMPT_HIDDEN_TASK]["refined"], config.seed,
+                                           predictors.ensemble.candidate)
+        baselines = {r["name"]: {k: r[k] for k in ("spearman", "within_category_mean")}
+                     for r in baseline_table(scored, predictions)
+                     if r["name"] != SHIPPED and not r["name"].startswith("oracle")}
         rows.append({
             "path": str(path),
             "model": model_label(ds),
@@ -71,15 +83,56 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             "admission": _pick(metrics["admission"]),
             "refined": _pick(metrics["refined"]),
             "median_ratio_calibrated": metrics["calibration"]["median_ratio_calibrated"],
-            "baselines": base,
+            "baselines": baselines,
         })
         if loco:
-            rows[-1]["held_out"] = _held_out(train, ev, predictors, config, jobs, min_requests, log)
+            held = {t.name: retrained[t.name] for t in loco_tasks}
+            table = loco_mod.table(scored, shipped, held, skipped, min_requests=min_requests, n_boot=0)  # means only
+            rows[-1]["held_out"] = {"mean": table["mean"]["refined"]["held_out"],
+                                    "categories": {r["category"]: r["refined"]["held_out"] for r in table["rows"]},
+                                    "skipped": [s["category"] for s in table["skipped"]]}
     result = {"rows": rows, "config": config.to_dict()}
     if len(rows) >= 2:
         result["summary"] = {name: M.mean_sd(get(r) for r in rows) for name, get in SUMMARY_COLUMNS.items()
                              if any(get(r) is not None for r in rows)}
+        result["versus"] = versus_baselines(rows)
     return result
+
+
+def versus_baselines(rows: Sequence[dict]) -> dict:
+    """The shipped refinement predictor against every non-oracle baseline over the sets, paired by set.
+
+    For each baseline scored in every set, and each measure (``"spearman"``, ``"within_category_mean"``):
+    its mean ± sd over the sets, the shipped predictor's margin over it (shipped − baseline, per set) as
+    mean ± sd with a 95 % Student-t interval of the mean, and in how many sets the shipped predictor is
+    level or ahead. ``"best"``: per measure, the baseline with the highest mean and the shipped
+    predictor's margin over it (``"inside_interval"``: the interval holds 0, no clear difference)."""
+    names = [n for n in rows[0]["baselines"] if all(n in r["baselines"] for r in rows)]
+    baselines, best = {}, {}
+    for name in names:
+        baselines[name] = {}
+        for measure in MEASURES:
+            shipped = [r["refined"][measure] for r in rows]
+            theirs = [r["baselines"][name][measure] for r in rows]
+            margins = [None if a is None or b is None else a - b for a, b in zip(shipped, theirs)]
+            defined = [m for m in margins if m is not None]
+            baselines[name][measure] = {**M.mean_sd(theirs), "margin": M.mean_sd(margins),
+                                        "margin_ci": M.mean_interval(margins),
+                                        "sets_shipped_level_or_ahead": sum(m >= 0 for m in defined),
+                                        "sets": len(defined)}
+    for measure in MEASURES:
+        scored = [n for n in names if baselines[n][measure]["mean"] is not None]
+        if not scored:
+            best[measure] = None
+            continue
+        top = max(scored, key=lambda n: baselines[n][measure]["mean"])
+        stat = baselines[top][measure]
+        ci = stat["margin_ci"]
+        best[measure] = {"baseline": top, "mean": stat["mean"], "shipped": M.mean_sd(r["refined"][measure] for r in rows)["mean"],
+                         "margin": stat["margin"]["mean"], "margin_ci": ci,
+                         "inside_interval": ci is None or ci[0] <= 0.0 <= ci[1],
+                         "sets_shipped_level_or_ahead": stat["sets_shipped_level_or_ahead"], "sets": stat["sets"]}
+    return {"baselines": baselines, "best": best}
 
 
 def _baseline(label: str, metric: str) -> Callable[[dict], float | None]:
@@ -95,24 +148,6 @@ SUMMARY_COLUMNS: dict[str, Callable[[dict], float | None]] = {
     **{f"{label} {column}": _baseline(label, metric) for label in BASELINES
        for column, metric in (("ρ", "spearman"), ("within-cat ρ", "within_category_mean"))},
 }
-
-
-def _held_out(train, ev, predictors, config, jobs, min_requests, log) -> dict:
-    """The set's leave-one-category-out summary: mean held-out refined ρ, per category, skipped."""
-    from dwise_predict.evaluation import loco as loco_mod
-    from dwise_predict.evaluation.pool import run_tasks
-    from dwise_predict.training import Targets
-
-    min_requests = loco_mod.MIN_REQUESTS if min_requests is None else min_requests
-    scored = ev.subset(Targets.of(ev).events)
-    tasks, skipped = loco_mod.plan(train, scored, config, min_requests=min_requests)
-    log(f"    holding out {len(tasks)} categories in turn")
-    held = run_tasks(tasks, jobs)
-    in_training = {"admission": predictors.admission_total(scored), "refined": predictors.refined_remaining(scored)}
-    table = loco_mod.table(scored, in_training, held, skipped, min_requests=min_requests, n_boot=0)  # means only
-    return {"mean": table["mean"]["refined"]["held_out"],
-            "categories": {r["category"]: r["refined"]["held_out"] for r in table["rows"]},
-            "skipped": [s["category"] for s in table["skipped"]]}
 
 
 def _pick(block: dict) -> dict:
@@ -136,5 +171,41 @@ def across_document(result: dict) -> Document:
         rows.append([f"mean ± sd over {len(result['rows'])} sets", "", "", "", ""]
                     + [cell.get(c, "") for c in cols[5:]])
     table = Table(cols, rows, "Predictors per trace set (each trained on its own train split, scored on its eval split)")
-    return Document("dwise-predict: predictors across trace sets", [], [Section("Across trace sets", "", [table])])
+    sections = [Section("Across trace sets", "", [table])]
+    if "versus" in result:
+        sections.append(_versus_section(result["versus"], len(result["rows"])))
+    return Document("dwise-predict: predictors across trace sets", [], sections)
+
+
+def _versus_section(versus: dict, n_sets: int) -> Section:
+    """The shipped predictor against every baseline over the sets: one sentence per measure, then the table."""
+    lines = []
+    for measure, words in MEASURES.items():
+        best = versus["best"][measure]
+        if best is None:
+            lines.append(f"By mean {words} over the {n_sets} sets: no baseline is defined.")
+            continue
+        verdict = ("inside the interval: not a clear difference over these sets" if best["inside_interval"]
+                   else "outside the interval")
+        lines.append(
+            f"By mean {words} over the {n_sets} sets, the shipped refinement predictor ({fmt(best['shipped'])}) "
+            f"{'leads' if best['margin'] >= 0 else 'trails'} the best non-oracle baseline, {best['baseline']} "
+            f"({fmt(best['mean'])}), by {best['margin']:+.3f} (95% t-interval over the sets "
+            f"{fmt_interval(best['margin_ci'])}; {verdict}); level or ahead in {best['sets_shipped_level_or_ahead']} "
+            f"of {best['sets']} sets.")
+    cols = ["baseline"] + [c for words in MEASURES.values()
+                           for c in (f"{words}, mean ± sd", f"shipped − baseline, {words} (95% interval)",
+                                     "sets shipped level or ahead")]
+    order = sorted(versus["baselines"], key=lambda n: -(versus["baselines"][n]["within_category_mean"]["mean"] or -9.0))
+    rows = []
+    for name in order:
+        cells = [name]
+        for measure in MEASURES:
+            stat = versus["baselines"][name][measure]
+            margin = stat["margin"]["mean"]
+            cells += [fmt_pm(stat), "n/a" if margin is None else f"{margin:+.3f} {fmt_interval(stat['margin_ci'])}".strip(),
+                      f"{stat['sets_shipped_level_or_ahead']} / {stat['sets']}"]
+        rows.append(cells)
+    table = Table(cols, rows, "The shipped refinement predictor against every non-oracle baseline, paired by trace set")
+    return Section("Shipped against every baseline", "", lines + [table])
 

@@ -27,8 +27,11 @@ rounds scale) and mean within-category ρ against the actual remaining rounds:
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from dwise_predict.evaluation.pool import RetrainTask
 from dwise_predict.metrics import kendall, r2, spearman, within_category
 from dwise_predict.traces import TraceDataset
 
@@ -41,11 +44,21 @@ EARLY_SIGNALS = {
 }
 PROBE_BINS = 8
 PROBE_COMPONENTS = 64
+PROMPT_HIDDEN_TASK = "__prompt_hidden_state__"  # a retraining's name; not a category name: categories are plain words
 
 
 def remaining_rounds(ds: TraceDataset) -> np.ndarray:
     """Actual remaining rounds after the first denoising round, shape (n,)."""
     return ds.requests["total_rounds"].to_numpy(dtype=float) - 1.0
+
+
+def prompt_hidden_task(train: TraceDataset, eval_ds: TraceDataset, config) -> RetrainTask:
+    """The retraining behind the prompt-hidden-state baseline: the same requests with ``prompt_last``
+    in the refinement input's place (its ``"refined"`` prediction is that row)."""
+    def with_prompt_state(ds: TraceDataset) -> TraceDataset:
+        return dataclasses.replace(ds, first_round=ds.prompt_last)
+
+    return RetrainTask(PROMPT_HIDDEN_TASK, with_prompt_state(train), with_prompt_state(eval_ds), config)
 
 
 def score(pred, true, categories, comparable_scale: bool = True) -> dict:

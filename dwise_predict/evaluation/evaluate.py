@@ -20,7 +20,6 @@ held-out category, one for the prompt-hidden-state baseline) runs in a process p
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -32,11 +31,12 @@ import pandas as pd
 
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco as loco_mod
-from dwise_predict.evaluation.baselines import SHIPPED, baseline_predictions, baseline_table, remaining_rounds
+from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, SHIPPED, baseline_predictions, baseline_table,
+                                                prompt_hidden_task, remaining_rounds)
 from dwise_predict.evaluation.characterize import characterize, output_vs_work
 from dwise_predict.files import atomic_dir, atomic_write, claim_output, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
-from dwise_predict.evaluation.pool import RetrainTask, fit, run_tasks
+from dwise_predict.evaluation.pool import fit, run_tasks
 from dwise_predict.evaluation.report import survival_examples
 from dwise_predict.runs import load_run
 from dwise_predict.traces import TraceDataset
@@ -44,7 +44,6 @@ from dwise_predict.versions import package_versions
 
 EVALUATION_MARKER = "evaluation.json"  # a directory holding it is an evaluation: the next one replaces it
 
-PROMPT_HIDDEN_TASK = "__prompt_hidden_state__"  # not a category name: categories are plain words
 SURVIVAL_EXAMPLES = 4
 
 
@@ -79,11 +78,6 @@ def _check_run_matches(run_config: dict, ds: TraceDataset, run: Path) -> None:
             f"run {run} was trained on {trained_on} (fingerprint {recorded[:12]}), not on these traces "
             f"({ds.data_hash()[:12]}): pass the traces it was trained on, or drop --run to train here"
         )
-
-
-def _with_prompt_state(ds: TraceDataset) -> TraceDataset:
-    """The same requests with the prompt hidden state in the refinement input's place."""
-    return dataclasses.replace(ds, first_round=ds.prompt_last)
 
 
 def _calibration_rows(metrics: dict) -> list[dict]:
@@ -176,7 +170,7 @@ def evaluate(
         loco_tasks, skipped = loco_mod.plan(train, scored, config, None if loco else [hold_out], min_requests)
         if not loco and skipped:
             raise InputError(f"cannot hold out {hold_out!r}: {skipped[0]['reason']}")
-    prompt_task = RetrainTask(PROMPT_HIDDEN_TASK, _with_prompt_state(train), _with_prompt_state(scored), config)
+    prompt_task = prompt_hidden_task(train, scored, config)
     tasks = loco_tasks + [prompt_task]
     log(f"retraining {len(tasks)} times ({len(loco_tasks)} held-out categories + prompt-hidden-state baseline)")
     retrained = run_tasks(tasks, jobs, on_done=lambda name: log(
