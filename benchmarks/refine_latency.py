@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dwise_predict.identity import LENGTH_SCALE
+from dwise_predict.identity import EARLY_SIGNALS, LENGTH_SCALE
 from dwise_predict.exports.refine_export import (
     INPUT_NAMES,
     FusedRefineGraph,
@@ -61,9 +61,10 @@ def build_graph(random: bool, workdir: Path, seed: int = 0):
         from dwise_predict.survival.network import HazardMLP, build_refine_graph, refine_state
 
         torch.manual_seed(seed)
-        members = [HazardMLP(HIDDEN + 5, 256).eval() for _ in range(3)]
-        state = refine_state(members, torch.zeros(HIDDEN + 5), torch.ones(HIDDEN + 5))
-        spec = dict(in_features=HIDDEN + 5, num_rounds=256, width=256, members=3, prompt_norm=100.0, budget_norm=256.0,
+        in_features = HIDDEN + 2 + len(EARLY_SIGNALS)  # h1, prompt tokens, budget, early signals
+        members = [HazardMLP(in_features, 256).eval() for _ in range(3)]
+        state = refine_state(members, torch.zeros(in_features), torch.ones(in_features))
+        spec = dict(in_features=in_features, num_rounds=256, width=256, members=3, prompt_norm=100.0, budget_norm=256.0,
                     length_scale=LENGTH_SCALE)
         return build_refine_graph(state, spec, {"x": [0.0, 50.0, 256.0], "y": [0.0, 40.0, 255.0]}), inputs, "random"
     from safetensors.torch import load_file

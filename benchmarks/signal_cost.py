@@ -38,6 +38,7 @@ def main() -> None:
     ids[torch.rand(ids.shape, device=args.device) < 0.8] = mask_id
     rids = [f"r{i}" for i in range(args.batch)]
     batch = SimpleNamespace(input_ids=ids, rids=rids)
+    stop_ids = torch.tensor([1], device=args.device)  # one end-of-sequence id, as most models
     first = set(rids[:: max(1, args.batch // max(1, args.first))][: args.first])
 
     def timed(first_rids) -> tuple[float, torch.Tensor]:
@@ -46,7 +47,7 @@ def main() -> None:
             if args.device != "cpu":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            out = first_round_signals(logits, batch, mask_id, args.block, 0.95, first_rids)
+            out = first_round_signals(logits, batch, mask_id, args.block, 0.95, stop_ids, first_rids)
             if args.device != "cpu":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - start)

@@ -11,7 +11,7 @@ training and exports, because exports must not import the training stack::
       admission.txt       LightGBM text model, target log1p(total_rounds), features words, newlines,
                           prompt_tokens
       admission.json      {"features", "target", "params"}
-      refine.safetensors  network.refine_state(...): input_mean, input_std [H+5], member{i}.fc1/fc2
+      refine.safetensors  network.refine_state(...): input_mean, input_std [H+2+S], S early signals, member{i}.fc1/fc2
       refine.json         {"hidden_size", "early_signals", "in_features", "num_rounds", "width", "dropout", "members",
                            "seeds", "prompt_norm", "budget_norm", "length_scale", "target", "candidate"}
       calibration.json    {"x": [...], "y": [...], "fitted_on": "train", "statistic"}

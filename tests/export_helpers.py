@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dwise_predict.identity import LENGTH_SCALE
+from dwise_predict.identity import EARLY_SIGNALS, LENGTH_SCALE
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 HIDDEN = 32
@@ -62,13 +62,14 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
 
     torch.manual_seed(seed)
     K = int(ds.requests["total_rounds"].max())
-    members = [HazardMLP(HIDDEN + 5, K, 256, 0.2).eval() for _ in range(3)]
+    in_features = HIDDEN + 2 + len(EARLY_SIGNALS)  # h1, prompt tokens, budget, early signals
+    members = [HazardMLP(in_features, K, 256, 0.2).eval() for _ in range(3)]
     h, p, b, signals = refine_inputs(train)
     x = np.concatenate([h, p[:, None] / 100.0, b[:, None] / 256.0, signals], axis=1)
     mean, std = torch.tensor(x.mean(0)), torch.tensor(x.std(0) + 1e-3)
     state = refine_state(members, mean, std)
     save_file(state, str(path / "refine.safetensors"))
-    spec = {"hidden_size": HIDDEN, "early_signals": 3, "in_features": HIDDEN + 5, "num_rounds": K, "width": 256, "dropout": 0.2,
+    spec = {"hidden_size": HIDDEN, "early_signals": len(EARLY_SIGNALS), "in_features": in_features, "num_rounds": K, "width": 256, "dropout": 0.2,
             "members": 3, "seeds": [0, 1, 2], "prompt_norm": 100.0, "budget_norm": 256.0, "length_scale": LENGTH_SCALE,
             "target": "remaining_rounds = total_rounds - 1 (after the first denoising round)"}
     (path / "refine.json").write_text(json.dumps(spec))

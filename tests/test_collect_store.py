@@ -13,6 +13,7 @@ from dwise_predict.collectors import store as store_mod
 from dwise_predict.collectors.store import SHARDS_DIR, TraceStore, merge, read_shards
 from dwise_predict.errors import StoreError
 from dwise_predict.traces import load_traces
+from dwise_predict.traces.dataset import SCHEMA_VERSION
 
 H = 6
 
@@ -37,7 +38,7 @@ def _rows(indices):
         "prompt_tokens": [10 + i for i in indices], "words": 2, "newlines": 0, "budget": 16, "block_size": 4,
         "prompt_blocks": 3, "total_rounds": [4 + i % 5 for i in indices],
         "rounds_per_block": [[2, 2 + i % 5] for i in indices], "output_tokens": [8 for _ in indices],
-        "finish": "eos", "frac_over_threshold": 0.5, "mean_confidence": 0.7, "mean_entropy": 1.0, "wall_s": 0.1,
+        "finish": "eos", "frac_over_threshold": 0.5, "mean_confidence": 0.7, "mean_entropy": 1.0, "end_probability": 0.2, "wall_s": 0.1,
         "workload_index": list(indices),
     })
     hidden = np.array([[i + k / 10 for k in range(H)] for i in indices], dtype=np.float32)
@@ -63,7 +64,7 @@ def test_shards_consolidate_in_workload_order_and_load(tmp_path):
 def test_manifest_is_written_at_start(tmp_path):
     with TraceStore(tmp_path, _manifest()):
         manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["decoding"]["algorithm_config"] == {"threshold": 0.9} and manifest["schema_version"] == 2
+    assert manifest["decoding"]["algorithm_config"] == {"threshold": 0.9} and manifest["schema_version"] == SCHEMA_VERSION
 
 
 def test_crash_between_the_two_files_leaves_no_half_shard(tmp_path):

@@ -60,6 +60,7 @@ def test_b1_and_b16_agree(backend_and_requests):
         np.testing.assert_allclose(a.first_round_hidden, b.first_round_hidden, atol=1e-4)
         np.testing.assert_allclose(a.prompt_last_hidden, b.prompt_last_hidden, atol=1e-4)
         assert a.mean_confidence == pytest.approx(b.mean_confidence, abs=1e-5)
+        assert a.end_probability == pytest.approx(b.end_probability, abs=1e-5)
         assert a.frac_over_threshold == b.frac_over_threshold
     rounds = [r.total_rounds for r in single.values()]
     assert len(set(rounds)) > 3, "rounds do not vary: the test would not notice a decoding change"

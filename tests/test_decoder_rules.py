@@ -117,6 +117,9 @@ def test_low_confidence_rule_leftover_prompt_and_the_forward_that_persists_a_blo
     assert res.mean_confidence == pytest.approx(np.mean(CONF[2:]), abs=1e-6)
     ent = [-(c * math.log(c) + (1 - c) * math.log((1 - c) / (V - 2))) for c in CONF[2:]]
     assert res.mean_entropy == pytest.approx(np.mean(ent), abs=1e-4)
+    # EOS is never the top token here: each masked position gives it (1 - c) / (V - 2)
+    no_end = np.prod([1 - (1 - c) / (V - 2) for c in CONF[2:]])
+    assert res.end_probability == pytest.approx(1 - no_end, abs=1e-5)
     assert np.all(res.first_round_hidden == 1.0) and np.all(res.prompt_last_hidden == -1.0)
 
 

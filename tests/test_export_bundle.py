@@ -8,7 +8,7 @@ import pytest
 import torch
 from export_helpers import HIDDEN, make_run
 
-from dwise_predict.identity import LENGTH_SCALE
+from dwise_predict.identity import EARLY_SIGNALS, LENGTH_SCALE
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
@@ -57,8 +57,9 @@ def test_manifest_shape_follows_contract(bundle, run):
                 "budget_norm", "length_scale"):
         assert refine[key] == spec[key]
     assert refine["tensors"] == {"first_round": ["B", HIDDEN], "prompt_tokens": ["B"], "budget": ["B"],
-                                 "early_signals": ["B", 3]}
-    assert refine["early_signal_columns"] == ["frac_over_threshold", "mean_confidence", "mean_entropy"]
+                                 "early_signals": ["B", len(EARLY_SIGNALS)]}
+    assert refine["early_signal_columns"] == ["frac_over_threshold", "mean_confidence", "mean_entropy",
+                                            "end_probability"]
     assert refine["output"] == {"remaining_rounds": ["B"]}
     assert m["K"] == spec["num_rounds"]
     assert m["metrics"] == json.loads((run / "metrics.json").read_text())
@@ -77,7 +78,7 @@ def test_onnx_signatures_have_dynamic_batch_and_contract_names(bundle):
         ("first_round", ["B", HIDDEN], "tensor(float)"),
         ("prompt_tokens", ["B"], "tensor(float)"),
         ("budget", ["B"], "tensor(float)"),
-        ("early_signals", ["B", 3], "tensor(float)"),
+        ("early_signals", ["B", len(EARLY_SIGNALS)], "tensor(float)"),
     ]
     assert [(o.name, o.shape, o.type) for o in refine.get_outputs()] == [("remaining_rounds", ["B"], "tensor(float)")]
     admission = ort.InferenceSession(str(bundle / "admission.onnx"), providers=["CPUExecutionProvider"])

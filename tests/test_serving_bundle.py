@@ -76,8 +76,8 @@ def test_refine_backends_agree_and_pool_block_rows(bundle_and_traces, inputs):
 def test_refine_rejects_the_wrong_hidden_size(bundle_and_traces):
     b = load_bundle(bundle_and_traces[0])
     with pytest.raises(InputError, match=f"H = {HIDDEN}.*got shape \\(2, 16\\)"):
-        b.refine(np.zeros((2, 16), np.float32), [1, 2], [8, 8], np.zeros((2, 3), np.float32))
-    with pytest.raises(InputError, match=r"early_signals must be \(B, 3\) = \(2, 3\), got \(2, 2\)"):
+        b.refine(np.zeros((2, 16), np.float32), [1, 2], [8, 8], np.zeros((2, 4), np.float32))
+    with pytest.raises(InputError, match=r"early_signals must be \(B, 4\) = \(2, 4\), got \(2, 2\)"):
         b.refine(np.zeros((2, HIDDEN), np.float32), [1, 2], [8, 8], np.zeros((2, 2), np.float32))
 
 
@@ -125,7 +125,7 @@ from dwise_predict.serving.bundle import load_bundle
 from dwise_predict.serving.policy import DwisePolicy
 from dwise_predict.serving import sglang_adapter, launcher
 b = load_bundle({str(bundle_and_traces[0])!r}, backend="torch")
-b.admission(np.ones((2, 3), np.float32)); b.refine(np.zeros((2, {HIDDEN}), np.float32), [5, 6], [64, 64], np.zeros((2, 3), np.float32))
+b.admission(np.ones((2, 3), np.float32)); b.refine(np.zeros((2, {HIDDEN}), np.float32), [5, 6], [64, 64], np.zeros((2, 4), np.float32))
 heavy = [m for m in ("lightgbm", "sklearn", "xgboost", "pandas", "dwise_predict.training", "dwise_predict.evaluation") if m in sys.modules]
 print(",".join(heavy))
 """

@@ -12,8 +12,10 @@ if not sglang_reference.available():
 from dwise_predict.collectors.live import LiveRecorder, live_manifest  # noqa: E402
 from dwise_predict.collectors.store import merge  # noqa: E402
 from dwise_predict.engine import ENGINE, prefill_rounds  # noqa: E402
+from dwise_predict.identity import EARLY_SIGNALS  # noqa: E402
 from dwise_predict.serving.sglang_adapter import install  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
+from dwise_predict.traces.dataset import SCHEMA_VERSION  # noqa: E402
 from dwise_predict.training.config import TrainConfig  # noqa: E402
 from dwise_predict.training.run import train_run  # noqa: E402
 from fakes import sglang_fake as fake  # noqa: E402
@@ -57,7 +59,7 @@ def test_recorded_traces_are_the_servers_own_counts(tmp_path):
     requests = workload(30, seed=0)
     reqs = record(tmp_path / "t", requests)
     ds = load_traces(tmp_path / "t")  # contract 1, validated
-    assert ds.manifest["decoding"]["engine"] == ENGINE and ds.manifest["schema_version"] == 2
+    assert ds.manifest["decoding"]["engine"] == ENGINE and ds.manifest["schema_version"] == SCHEMA_VERSION
     rows = ds.requests.set_index("request_id")
     assert sorted(rows.index) == sorted(r[0] for r in requests)
     for (rid, ids, forwards, hidden), req in zip(requests, reqs):
@@ -111,7 +113,7 @@ class TinyModelRunner(fake.ModelRunner):
     hidden rows; the algorithm sees the model's logits."""
 
     def __init__(self, backend):
-        super().__init__(backend.block_size, backend.hidden_size)
+        super().__init__(backend.block_size, backend.hidden_size, eos_ids=(backend.eos_token_id,))
         from dwise_predict.collectors.backends.base import StepBatch
 
         self.backend, self.batch = backend, StepBatch
@@ -187,5 +189,5 @@ def test_recording_equals_collect_on_the_same_requests(tmp_path):
     order_a = np.argsort(want.requests["request_id"].to_numpy())
     order_b = np.argsort(got.requests["request_id"].to_numpy())
     np.testing.assert_allclose(want.first_round[order_a], got.first_round[order_b], rtol=1e-4, atol=1e-5)
-    for col in ("frac_over_threshold", "mean_confidence", "mean_entropy"):
+    for col in EARLY_SIGNALS:  # end_probability too: the hook's stop ids are the served model's
         np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-4, atol=1e-5, err_msg=col)

@@ -32,9 +32,9 @@ class SP:
         self.max_new_tokens = max_new_tokens
 
 
-# the fake model's logits have one vocabulary entry: top-1 probability 1 (over any threshold below 1) and
-# entropy 0 at every masked position
-FAKE_SIGNALS = np.array([1.0, 1.0, 0.0], np.float32)
+# the fake model's logits have one vocabulary entry, its end-of-sequence id: top-1 probability 1 (over
+# any threshold below 1), entropy 0 and a stop token certain at every masked position
+FAKE_SIGNALS = np.array([1.0, 1.0, 0.0, 1.0], np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_graph_replays_give_the_same_pooled_rows_as_eager_python(served):
             handle.uninstall()
         seen[graph] = torch.cat(bundle.seen)
         # the early signals come from the same forward's logits, outside the replayed graph
-        torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 3))
+        torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 4))
     torch.testing.assert_close(seen[True], seen[False])
     hidden = torch.as_tensor(served[5])
     # every pooled row is some request's hidden vector (the fake model's block rows)
@@ -204,9 +204,9 @@ def test_early_signals_are_computed_for_first_round_rows_only(served, monkeypatc
 
     real, rows_given = signals_mod.early_signals, []
 
-    def counting(full_logits, input_ids, mask_id, block_size, threshold):
+    def counting(full_logits, input_ids, mask_id, block_size, threshold, stop_ids):
         rows_given.append(input_ids.numel() // block_size)
-        return real(full_logits, input_ids, mask_id, block_size, threshold)
+        return real(full_logits, input_ids, mask_id, block_size, threshold, stop_ids)
 
     monkeypatch.setattr(signals_mod, "early_signals", counting)
     bundle = RecordingBundle(served[0])
@@ -217,7 +217,7 @@ def test_early_signals_are_computed_for_first_round_rows_only(served, monkeypatc
     finally:
         handle.uninstall()
     assert sum(rows_given) == len(got) == 40 and len(rows_given) < runner.calls
-    torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 3))
+    torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 4))
     assert got == simulated(served, "dwise-refined", slots=6, k=2)
 
 

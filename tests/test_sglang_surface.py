@@ -91,6 +91,8 @@ def test_fake_instances_have_the_snapshot_attributes(touch):
         "AbortReq": sglang_fake.AbortReq(rid="r"),
         "DllmAlgorithm": sglang_fake.FillAlgorithm(config),
         "ForwardBatch": sglang_fake.ForwardBatch(sglang_fake.ScheduleBatch([req], sglang_fake.ForwardMode.DLLM_EXTEND)),
+        "ModelRunner": sglang_fake.ModelRunner(8, 4),
+        "ModelConfig": sglang_fake.ModelConfig({0}),
     }
     owner = instances.get(cls.__name__, cls)
     assert hasattr(owner, member), f"fake {cls.__name__} lacks {member}"

@@ -8,6 +8,7 @@ import pytest
 
 from dwise_predict.errors import TraceError
 from dwise_predict.traces import REQUEST_COLUMNS, load_traces, write_traces
+from dwise_predict.traces.dataset import SCHEMA_VERSION
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 
@@ -22,7 +23,7 @@ def test_roundtrip_keeps_rows_hidden_and_fingerprint(tmp_path, synthetic_traces)
     table = pd.read_parquet(tmp_path / "t" / "requests.parquet")
     assert table["total_rounds"].sum() == synthetic_traces.requests["total_rounds"].sum()
     manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
-    assert manifest["counts"]["requests"] == 480 and manifest["schema_version"] == 2
+    assert manifest["counts"]["requests"] == 480 and manifest["schema_version"] == SCHEMA_VERSION
 
 
 def test_same_seed_same_traces_other_seed_differs():

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError, StoreError, TraceError
 from dwise_predict import metrics as M
+from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.survival.network import build_refine_graph
 from dwise_predict.training import (
     Targets,
@@ -68,7 +69,7 @@ def test_run_directory_layout_and_reload(small, tmp_path):
     spec = json.loads((run / "refine.json").read_text())
     weights = load_file(str(run / "refine.safetensors"))
     assert weights["member1.fc2.weight"].shape == (spec["num_rounds"], 16)
-    assert weights["input_mean"].shape == (8 + 2 + 3,)  # hidden, prompt tokens, budget, early signals
+    assert weights["input_mean"].shape == (8 + 2 + len(EARLY_SIGNALS),)  # hidden, prompt tokens, budget, early signals
     curves = json.loads((run / "curves.json").read_text())["members"]
     assert [len(c["val_loss"]) >= c["best_epoch"] + 1 for c in curves] == [True, True]
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from dwise_predict import metrics as M
 from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError
+from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead, blend, blend_heads
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import load_traces, write_traces
@@ -258,7 +259,7 @@ def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
     t = Targets.of(tr)
     make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=5, split_seed=0)  # noqa: E731
     folded = fit_pca_survival(make, *inputs(tr), t.remaining, t.events, components=8)
-    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 53
+    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 48 + 2 + len(EARLY_SIGNALS)
     x = folded.standardise(*inputs(ev)).double()
     z = (x @ folded.projection_).float().numpy()
     zeros = np.zeros(len(ev), np.float32)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dwise_predict.errors import InputError
+from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.metrics import median_ratio, spearman
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
@@ -113,7 +114,7 @@ def _toy(n=800, h=16, seed=0):
 
 
 def _no_signals(n):
-    return np.zeros((n, 3), np.float32)  # constant early signals: the toy's work lives in hidden[:, 0]
+    return np.zeros((n, 4), np.float32)  # constant early signals: the toy's work lives in hidden[:, 0]
 
 
 def test_ensemble_learns_ranking_and_rebuilds_from_state():
@@ -168,8 +169,8 @@ def test_prompts_far_longer_than_any_in_training_keep_their_order():
     long = torch.arange(100.0, 401.0, 25.0)  # (13,) prompt lengths never seen
     h = torch.as_tensor(rng.standard_normal((len(long), 16)), dtype=torch.float32)
     with torch.no_grad():
-        raw_long = graph.raw(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), 3))
-        out = graph(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), 3))
+        raw_long = graph.raw(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), len(EARLY_SIGNALS)))
+        out = graph(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), len(EARLY_SIGNALS)))
     assert (raw_long < ensemble.num_rounds_ - 1e-3).all()  # not saturated at the horizon
     assert spearman(out.numpy(), long.numpy()) > 0.95 and len(np.unique(out.numpy())) == len(long)
     assert (out > calibrator.predict(raw.max())).all()  # longer than anything in training, as it should be

@@ -214,7 +214,7 @@ def _decode_request(backend, request, decoding: DecodingConfig) -> DecodeRequest
 
 def contract_row(*, request_id, split, category, source, prompt, prompt_tokens, words, newlines, budget, block_size,
                  prompt_blocks, rounds_per_block, output_tokens, finish, frac_over_threshold, mean_confidence,
-                 mean_entropy, wall_s) -> dict:
+                 mean_entropy, end_probability, wall_s) -> dict:
     """The contract-1 columns of one request (``REQUEST_COLUMNS``), typed; shared by ``collect`` and
     recording mode (:mod:`dwise_predict.collectors.live`)."""
     rounds = list(map(int, rounds_per_block))
@@ -237,6 +237,7 @@ def contract_row(*, request_id, split, category, source, prompt, prompt_tokens, 
         "frac_over_threshold": float(frac_over_threshold),
         "mean_confidence": float(mean_confidence),
         "mean_entropy": float(mean_entropy),
+        "end_probability": float(end_probability),
         "wall_s": float(wall_s),
     }
 
@@ -251,7 +252,8 @@ def _row(backend, request, index: int, budget: int, result: DecodeResult, source
         newlines=count_newlines(request.prompt), budget=budget, block_size=result.block_size,
         prompt_blocks=result.prompt_blocks, rounds_per_block=result.rounds_per_block,
         output_tokens=result.output_tokens, finish=result.finish, frac_over_threshold=result.frac_over_threshold,
-        mean_confidence=result.mean_confidence, mean_entropy=result.mean_entropy, wall_s=result.wall_s,
+        mean_confidence=result.mean_confidence, mean_entropy=result.mean_entropy,
+        end_probability=result.end_probability, wall_s=result.wall_s,
     )
     row.update({"output_text": text, "correct": score_answer(request, text, source_type), ORDER_COLUMN: index})
     row.update({k: v for k, v in result.extra.items() if isinstance(v, (bool, int, float, str)) and k not in row})

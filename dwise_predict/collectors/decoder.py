@@ -75,7 +75,7 @@ class _Active:
     finish: str = ""
     rounds_per_block: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
-    signals: tuple[float, float, float] | None = None  # first round: frac over threshold, confidence, entropy
+    signals: tuple[float, ...] | None = None  # first round, in identity.EARLY_SIGNALS order
     first_hidden: np.ndarray | None = None  # (H,)
     prompt_hidden: np.ndarray | None = None  # (H,)
     layer_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # `collect --layers` tensors
@@ -270,7 +270,7 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
     forwards = s.forwards[d_slots]
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(d_slots.tolist(), forwards.tolist())]
     if any(first):
-        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, hidden_layers)
+        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, eos_id, hidden_layers)
 
     new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
     capped = forwards_exhausted(rule, forwards, block)  # the engine's loop ends these unstepped
@@ -305,12 +305,12 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
 
 
 def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rule: StepRule, mask_id: int,
-                        hidden_layers: HiddenExtra | None) -> None:
+                        eos_id: int, hidden_layers: HiddenExtra | None) -> None:
     """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
     rows = [j for j, is_first in enumerate(first) if is_first]
     # the leftover prompt tokens of the first output block hold token ids, never the mask id
     signals = early_signals(logits[rows].flatten(0, 1), ids[rows].flatten(), mask_id, ids.shape[1],
-                            rule.params.get("threshold", 0.0)).tolist()
+                            rule.params.get("threshold", 0.0), torch.tensor([eos_id], device=logits.device)).tolist()
     for j, row_signals in zip(rows, signals):
         a = s.active[int(d_slots[j])]
         a.signals = tuple(row_signals)
@@ -323,7 +323,7 @@ def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rul
 
 
 def _result(a: _Active, slot: int, round_index: int) -> DecodeResult:
-    frac, conf, entropy = a.signals
+    frac, conf, entropy, end = a.signals
     return DecodeResult(
         request_id=a.request.request_id,
         prompt_tokens=len(a.prompt),
@@ -335,6 +335,7 @@ def _result(a: _Active, slot: int, round_index: int) -> DecodeResult:
         frac_over_threshold=frac,
         mean_confidence=conf,
         mean_entropy=entropy,
+        end_probability=end,
         wall_s=time.perf_counter() - a.t0,
         first_round_hidden=a.first_hidden.astype(np.float32),
         prompt_last_hidden=a.prompt_hidden.astype(np.float32),

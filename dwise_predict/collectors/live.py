@@ -77,7 +77,7 @@ class _Open:
         self.outputs = 0
         self.first_round = None
         self.prompt_last = None
-        self.signals = (0.0, 0.0, 0.0)
+        self.signals = (0.0, 0.0, 0.0, 0.0)
 
 
 class LiveRecorder:
@@ -161,14 +161,14 @@ class LiveRecorder:
         if entry.current:
             entry.blocks.append(entry.current)
         words, newlines, _ = entry.features
-        frac, conf, ent = entry.signals
+        frac, conf, ent, end = entry.signals
         row = contract_row(
             request_id=rid, split=live_split(rid), category="live", source="sglang",
             prompt=getattr(req, "_dwise_text", "") or "", prompt_tokens=entry.prompt_tokens, words=int(words),
             newlines=int(newlines), budget=int(req.sampling_params.max_new_tokens), block_size=entry.block_size,
             prompt_blocks=entry.prompt_tokens // entry.block_size, rounds_per_block=entry.blocks,
             output_tokens=len(req.output_ids), finish="budget" if "length" in kind else "eos",
-            frac_over_threshold=frac, mean_confidence=conf, mean_entropy=ent,
+            frac_over_threshold=frac, mean_confidence=conf, mean_entropy=ent, end_probability=end,
             wall_s=time.perf_counter() - entry.started,
         )
         row["prefill_rounds"] = entry.prefill

@@ -73,6 +73,7 @@ class DecodeResult:
     frac_over_threshold: float
     mean_confidence: float
     mean_entropy: float
+    end_probability: float
     wall_s: float
     first_round_hidden: np.ndarray  # (H,) mean of the final-layer rows of the first output block, first round
     prompt_last_hidden: np.ndarray  # (H,) mean of the final-layer rows of the last prompt tokens processed

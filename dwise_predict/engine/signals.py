@@ -2,7 +2,10 @@
 
 Per request, over the block's still-masked positions (a leftover prompt token is not masked): the
 fraction whose top-1 probability is above the algorithm's threshold, the mean top-1 probability and
-the mean predictive entropy in nats (seed 001's signals; zeros for a block without masks). The
+the mean predictive entropy in nats (seed 001's signals), and the probability that the block holds
+an end-of-sequence token, ``1 - prod(1 - p_stop)`` over those positions with ``p_stop`` a position's
+probability of any stop id (our addition: the model's own guess that the answer ends in its first
+output block, where the engine would finish the request; zeros for a block without masks). The
 decoder computes them per request while collecting; the serving hook computes them here, on the
 device, from SGLang's ``full_logits`` after the forward (outside any captured CUDA graph), for the
 refinement graph's ``early_signals`` input and for recording.
@@ -17,9 +20,10 @@ CHUNK_REQUESTS = 8
 
 
 def early_signals(full_logits: torch.Tensor, input_ids: torch.Tensor, mask_id: int, block_size: int,
-                  threshold: float) -> torch.Tensor:
-    """(B, 3) float32 signals of a forward over B blocks: ``full_logits`` (B * block, V), ``input_ids``
-    (B * block,). Device tensor ops only, no host synchronisation."""
+                  threshold: float, stop_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 4) float32 signals of a forward over B blocks, columns in ``identity.EARLY_SIGNALS`` order:
+    ``full_logits`` (B * block, V), ``input_ids`` (B * block,), ``stop_ids`` (S,) int64 token ids that
+    end a request (on the logits' device). Device tensor ops only, no host synchronisation."""
     batch = input_ids.numel() // block_size
     logits = full_logits.view(batch, block_size, -1)
     masked = (input_ids.view(batch, block_size) == mask_id).to(device=logits.device, dtype=torch.float32)
@@ -29,6 +33,10 @@ def early_signals(full_logits: torch.Tensor, input_ids: torch.Tensor, mask_id: i
         logp = torch.log_softmax(logits[start:start + CHUNK_REQUESTS].float(), dim=-1)  # (b, bs, V)
         top = logp.max(dim=-1).values.exp()  # (b, bs)
         entropy = -(logp.exp() * logp).sum(dim=-1)  # exp(-inf) * -inf would be NaN: log_softmax is finite
+        stop = logp.index_select(-1, stop_ids).exp().sum(dim=-1)  # (b, bs)
         m = masked[start:start + CHUNK_REQUESTS]
-        out.append(torch.stack([((top > threshold).float() * m).sum(1), (top * m).sum(1), (entropy * m).sum(1)], 1))
-    return (torch.cat(out) if out else masked.new_zeros((0, 3))) / count.unsqueeze(1)
+        n = count[start:start + CHUNK_REQUESTS]
+        no_end = (torch.log1p(-stop.clamp(max=1.0 - 1e-7)) * m).sum(1)  # log P(no stop anywhere in the block)
+        out.append(torch.stack([((top > threshold).float() * m).sum(1) / n, (top * m).sum(1) / n,
+                                (entropy * m).sum(1) / n, -torch.expm1(no_end)], 1))
+    return torch.cat(out) if out else masked.new_zeros((0, 4))

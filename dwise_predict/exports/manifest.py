@@ -25,12 +25,14 @@ from dwise_predict.identity import EARLY_SIGNALS
 # What each older schema's refinement graph lacks; such a bundle is refused with a pointer to retrain:
 # 2: the graph takes a fourth input, `early_signals` (B, 3);
 # 3: prompt length and budget enter on a log scale (inputs.refine.length_scale, network.refine_input),
-#    same inputs and output as 2 but another function of them.
+#    same inputs and output as 2 but another function of them;
+# 4: `early_signals` gains a fourth column, end_probability (B, 4).
 OLDER_SCHEMAS = {
     1: "lacks the early_signals input",
     2: "takes prompt length and budget on a linear scale",
+    3: "takes three early signals, not four (no end_probability)",
 }
-BUNDLE_SCHEMA_VERSION = 3
+BUNDLE_SCHEMA_VERSION = 4
 SIGNAL_COUNT = len(EARLY_SIGNALS)  # columns of the refinement graph's `early_signals` input
 BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"

@@ -7,6 +7,8 @@ unchanged, so no YAML library is needed.
 
 from __future__ import annotations
 
+from dwise_predict.identity import EARLY_SIGNALS
+
 import json
 
 
@@ -90,8 +92,8 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "|---|---|---|",
         "| `admission.onnx` | `features` [B, 3] = words, newlines, prompt_tokens | `total_rounds` [B] |",
         f"| `refine.onnx` | `first_round` [B, {refine['hidden_size']}] (raw, standardised inside), "
-        "`prompt_tokens` [B], `budget` [B], `early_signals` [B, 3] = frac_over_threshold, mean_confidence, "
-        "mean_entropy of the first denoising forward over the block's masked positions "
+        f"`prompt_tokens` [B], `budget` [B], `early_signals` [B, {len(EARLY_SIGNALS)}] = {', '.join(EARLY_SIGNALS)} "
+        "of the first denoising forward over the block's masked positions "
         "| `remaining_rounds` [B] (calibrated) |",
         "",
         "## Load",

@@ -37,7 +37,7 @@ class FusedRefineGraph(nn.Module):
     """:class:`RefineGraph` with the members' layers stacked: one GEMM for all first layers.
 
     Inputs and output are those of :class:`RefineGraph`: ``first_round`` (B, H) raw pooled hidden
-    state, ``prompt_tokens`` (B,), ``budget`` (B,), ``early_signals`` (B, 3) -> (B,) calibrated remaining
+    state, ``prompt_tokens`` (B,), ``budget`` (B,), ``early_signals`` (B, 4) -> (B,) calibrated remaining
     rounds.
     """
 

@@ -147,9 +147,10 @@ class LoadedBundle:
             no host synchronisation (CUDA-graph friendly with the torch backend).
         prompt_tokens : (B,) or scalar, prompt tokens after the chat template.
         budget : (B,) or scalar, output budget in tokens.
-        early_signals : (B, 3) the same forward's early signals over the block's masked positions:
+        early_signals : (B, 4) the same forward's early signals over the block's masked positions:
             fraction of top-1 probabilities above the algorithm's threshold, mean top-1 probability,
-            mean entropy (nats), in that order (``bundle.json`` ``inputs.refine.early_signal_columns``).
+            mean entropy (nats) and the probability that the block holds a stop token, in that order
+            (``bundle.json`` ``inputs.refine.early_signal_columns``; ``engine.signals``).
 
         Returns
         -------

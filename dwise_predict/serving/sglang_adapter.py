@@ -118,9 +118,11 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.managers.schedule_batch", "Req.prefix_len", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "ScheduleBatch.reqs", "attribute"),
     Touch("sglang.srt.managers.schedule_policy", "PrefillAdder.can_run_list", "attribute"),
-    # the first forward's logits and mask positions: early signals (refinement input, recording)
+    # the first forward's logits, mask positions and the model's stop ids: early signals (refinement input, recording)
     Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.mask_id", "attribute"),
     Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.block_size", "attribute"),
+    Touch("sglang.srt.model_executor.model_runner", "ModelRunner.model_config", "attribute"),
+    Touch("sglang.srt.configs.model_config", "ModelConfig.hf_eos_token_id", "attribute"),
     # the launcher: the scheduler child's entry point
     Touch("sglang.srt.entrypoints.engine", "Engine.run_scheduler_process_func", "attribute"),
 )
@@ -252,7 +254,8 @@ class _State:
         self.first_rids: set | None = None  # requests whose first denoising forward the batch runs
         self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
-        self.first_signals = None  # (B, 3) early signals of that forward, NaN outside first_rids' rows
+        self.first_signals = None  # (B, 4) early signals of that forward, NaN outside first_rids' rows
+        self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.forwards = 0  # forwards in the current step
         self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
         self.checked = False  # the first refinement checked that the buffer was written
@@ -379,8 +382,8 @@ class Installed:
 
 
 def first_round_signals(full_logits, forward_batch, mask_id: int, block_size: int, threshold: float,
-                        first_rids: set | None):
-    """(B, 3) early signals of a step's first forward (``engine.signals``), computed only for the rows
+                        stop_ids, first_rids: set | None):
+    """(B, 4) early signals of a step's first forward (``engine.signals``), computed only for the rows
     of the requests in ``first_rids`` and NaN elsewhere: the softmax over the vocabulary costs
     B * block * V per step, and only a request's first denoising forward needs it. SGLang's
     ``ForwardBatch.rids`` names each row's request (host-side, also under CUDA-graph replay); without
@@ -392,7 +395,7 @@ def first_round_signals(full_logits, forward_batch, mask_id: int, block_size: in
     ids = forward_batch.input_ids
     rids = getattr(forward_batch, "rids", None)
     if first_rids is None or rids is None:
-        return early_signals(full_logits, ids, mask_id, block_size, threshold)
+        return early_signals(full_logits, ids, mask_id, block_size, threshold, stop_ids)
     batch = ids.numel() // block_size
     out = torch.full((batch, len(EARLY_SIGNALS)), math.nan, device=full_logits.device)
     rows = [i for i, rid in enumerate(rids[:batch]) if rid in first_rids]
@@ -400,8 +403,22 @@ def first_round_signals(full_logits, forward_batch, mask_id: int, block_size: in
         index = torch.tensor(rows, device=full_logits.device)
         logits = full_logits.view(batch, block_size, -1).index_select(0, index).reshape(len(rows) * block_size, -1)
         picked = ids.view(batch, block_size).index_select(0, index.to(ids.device)).reshape(-1)
-        out[index] = early_signals(logits, picked, mask_id, block_size, threshold)
+        out[index] = early_signals(logits, picked, mask_id, block_size, threshold, stop_ids)
     return out
+
+
+def stop_token_ids(model_runner, device):
+    """The served model's end-of-sequence ids (SGLang's ``ModelConfig.hf_eos_token_id``: config.json and
+    generation_config.json together, the set its scheduler finishes requests on) as a device tensor,
+    for the ``end_probability`` signal. A request's own ``stop_token_ids`` are not included: the
+    signal describes the model, like the traces it was trained on."""
+    import torch
+
+    ids = sorted(getattr(model_runner.model_config, "hf_eos_token_id", None) or ())
+    if not ids:
+        raise ConfigError("the served model names no eos_token_id (config.json or generation_config.json): "
+                          "the early signal end_probability needs it; add it to the model's config")
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def install(
@@ -623,9 +640,12 @@ def install(
                 # the first forward's early signals, before the step fills masks: the refinement
                 # graph's fourth input (and recorded). From the forward's output, after any graph replay;
                 # an algorithm without a threshold counts every masked position, as the decoder does
+                logits_out = out.logits_output.full_logits
+                if state.stop_ids is None:
+                    state.stop_ids = stop_token_ids(model_runner, logits_out.device)
                 state.first_signals = first_round_signals(
-                    out.logits_output.full_logits, forward_batch, self.mask_id, self.block_size,
-                    float(getattr(self, "threshold", 0.0)), state.first_rids)
+                    logits_out, forward_batch, self.mask_id, self.block_size,
+                    float(getattr(self, "threshold", 0.0)), state.stop_ids, state.first_rids)
             state.forwards += 1
             return out
 

@@ -29,7 +29,8 @@ from dwise_predict.errors import TraceError
 from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
 from dwise_predict.identity import EARLY_SIGNALS
 
-SCHEMA_VERSION = 2  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config)
+SCHEMA_VERSION = 3  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config);
+# 3: a fourth early signal, end_probability
 MANIFEST_FILE = "manifest.json"
 REQUESTS_FILE = "requests.parquet"
 HIDDEN_FILE = "hidden.safetensors"
@@ -55,11 +56,12 @@ REQUEST_COLUMNS: dict[str, str] = {
     "frac_over_threshold": "first round: fraction of masked positions whose top-1 prob is above the algorithm's threshold",
     "mean_confidence": "first round: mean top-1 probability over the masked positions",
     "mean_entropy": "first round: mean predictive entropy over the masked positions (nats)",
+    "end_probability": "first round: probability that the block holds a stop token, 1 - prod(1 - p_stop) over the masked positions",
     "wall_s": "wall-clock seconds from the request's first prompt block to its last round",
 }
 NUMERIC_COLUMNS = (
     "prompt_tokens", "words", "newlines", "budget", "block_size", "prompt_blocks", "total_rounds",
-    "output_tokens", "frac_over_threshold", "mean_confidence", "mean_entropy", "wall_s",
+    "output_tokens", "frac_over_threshold", "mean_confidence", "mean_entropy", "end_probability", "wall_s",
 )
 # measured on the machine, not decided by the model and the seed: left out of the data fingerprint
 MEASURED_COLUMNS = ("wall_s",)
@@ -100,7 +102,7 @@ class TraceDataset:
 
     @property
     def early_signals(self) -> np.ndarray:
-        """(N, 3) float32, the first round's early signals in :data:`EARLY_SIGNALS` order (the
+        """(N, 4) float32, the first round's early signals in :data:`EARLY_SIGNALS` order (the
         refinement graph's ``early_signals`` input)."""
         return self.requests[list(EARLY_SIGNALS)].to_numpy(dtype=np.float32)
 

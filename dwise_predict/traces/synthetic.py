@@ -116,6 +116,7 @@ def make_synthetic_traces(
             "frac_over_threshold": rng.uniform(0.0, 1.0, n_requests),
             "mean_confidence": rng.uniform(0.3, 1.0, n_requests),
             "mean_entropy": rng.uniform(0.0, 2.0, n_requests),
+            "end_probability": rng.uniform(0.0, 1.0, n_requests),
             "wall_s": total_rounds * 0.01,
             # mean of min(Geometric, cap): sum_{j<cap} (1-h)^(j+1)
             "oracle_remaining": (1.0 - hazard) * (1.0 - (1.0 - hazard) ** (max_rounds - 1)) / hazard,

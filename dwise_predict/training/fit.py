@@ -213,7 +213,7 @@ def evaluate_predictors(predictors: Predictors, eval_ds: TraceDataset, bootstrap
 
 def _refine_inputs(ds: TraceDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The refinement graph's inputs of every request: first_round (N, H), prompt_tokens (N,), budget
-    (N,), early_signals (N, 3)."""
+    (N,), early_signals (N, 4)."""
     return (
         ds.first_round,
         ds.requests["prompt_tokens"].to_numpy(dtype=np.float32),

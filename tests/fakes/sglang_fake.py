@@ -236,11 +236,19 @@ def _replay(ops, result):
     return sub(result)
 
 
+class ModelConfig:
+    """SGLang's ``ModelConfig``: only the end-of-sequence ids (config.json and generation_config.json together)."""
+
+    def __init__(self, hf_eos_token_id):
+        self.hf_eos_token_id = set(hf_eos_token_id)
+
+
 class ModelRunner:
     """Every row of a request's block carries its hidden vector; optionally replayed like a CUDA graph."""
 
-    def __init__(self, block_size, hidden_size, cuda_graph=False, max_bs=16):
+    def __init__(self, block_size, hidden_size, cuda_graph=False, max_bs=16, eos_ids=(0,)):
         self.block_size, self.hidden_size = block_size, hidden_size
+        self.model_config = ModelConfig(eos_ids)  # the fake's logits have one entry, id 0
         self.logits_processor = LogitsProcessor()
         self.calls = 0
         self.cuda_graph, self.max_bs = cuda_graph, max_bs
@@ -440,6 +448,7 @@ MODULES = {
     "sglang.srt.managers.scheduler": SimpleNamespace(Scheduler=Scheduler),
     "sglang.srt.model_executor.forward_batch_info": SimpleNamespace(ForwardMode=ForwardMode, ForwardBatch=ForwardBatch),
     "sglang.srt.model_executor.model_runner": SimpleNamespace(ModelRunner=ModelRunner),
+    "sglang.srt.configs.model_config": SimpleNamespace(ModelConfig=ModelConfig),
 }
 
 

@@ -135,7 +135,7 @@ class DiffusionGemmaBackend:
         import torch
 
         probe = _Probe(self.model, threshold=config.algorithm_config.get("threshold", SIGNAL_THRESHOLD),
-                       block_size=self.block_size)
+                       block_size=self.block_size, stop_ids=self.eos_ids)
         prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
         cuda = [self.device] if self.device.type == "cuda" else []
         start = time.perf_counter()
@@ -158,6 +158,7 @@ class DiffusionGemmaBackend:
             frac_over_threshold=probe.signals[0],
             mean_confidence=probe.signals[1],
             mean_entropy=probe.signals[2],
+            end_probability=probe.signals[3],
             wall_s=wall_s,
             first_round_hidden=probe.first_round,
             prompt_last_hidden=probe.prompt_last,
@@ -174,14 +175,15 @@ def request_seed(seed: int, request_id: str) -> int:
 class _Probe:
     """Hooks that watch one ``generate`` call: encoder passes, decoder passes, first-round logits."""
 
-    def __init__(self, model, threshold: float, block_size: int) -> None:
+    def __init__(self, model, threshold: float, block_size: int, stop_ids: set[int]) -> None:
         self.model = model
+        self.stop_ids = sorted(stop_ids)
         self.threshold = threshold
         self.block_size = block_size
         self.rounds_per_block: list[int] = []
         self.first_round: np.ndarray | None = None  # (H,)
         self.prompt_last: np.ndarray | None = None  # (H,)
-        self.signals: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self.signals: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # identity.EARLY_SIGNALS order
         self._handles = []
 
     def __enter__(self) -> "_Probe":
@@ -221,9 +223,11 @@ class _Probe:
             probs = torch.softmax(scores[0].float(), dim=-1)  # (canvas, V)
             top1 = probs.max(dim=-1).values
             entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+            stop = probs[:, self.stop_ids].sum(-1).clamp(max=1.0 - 1e-7)
             self.signals = (
                 float((top1 >= self.threshold).float().mean()),
                 float(top1.mean()),
                 float(entropy.mean()),
+                float(-torch.expm1(torch.log1p(-stop).sum())),
             )
         return scores
