@@ -121,7 +121,7 @@ def versus_baselines(rows: Sequence[dict]) -> dict:
                                         "sets_shipped_level_or_ahead": sum(m >= 0 for m in defined),
                                         "sets": len(defined)}
     for measure in MEASURES:
-        scored = [n for n in names if baselines[n][measure]["mean"] is not None]
+        scored = [n for n in names if baselines[n][measure]["margin"]["mean"] is not None]  # both sides defined
         if not scored:
             best[measure] = None
             continue
@@ -196,9 +196,12 @@ def _versus_section(versus: dict, n_sets: int) -> Section:
     cols = ["baseline"] + [c for words in MEASURES.values()
                            for c in (f"{words}, mean ± sd", f"shipped − baseline, {words} (95% interval)",
                                      "sets shipped level or ahead")]
-    order = sorted(versus["baselines"], key=lambda n: -(versus["baselines"][n]["within_category_mean"]["mean"] or -9.0))
+    def within_mean(name: str) -> tuple[bool, float]:  # best first, undefined last
+        mean = versus["baselines"][name]["within_category_mean"]["mean"]
+        return mean is None, -(mean or 0.0)
+
     rows = []
-    for name in order:
+    for name in sorted(versus["baselines"], key=within_mean):
         cells = [name]
         for measure in MEASURES:
             stat = versus["baselines"][name][measure]
