@@ -108,13 +108,13 @@ def versus_baselines(rows: Sequence[dict]) -> dict:
     level or ahead. ``"best"``: per measure, the baseline with the highest mean and the shipped
     predictor's margin over it (``"inside_interval"``: the interval holds 0, no clear difference)."""
     names = [n for n in rows[0]["baselines"] if all(n in r["baselines"] for r in rows)]
+    shipped = {measure: [r["refined"][measure] for r in rows] for measure in MEASURES}
     baselines, best = {}, {}
     for name in names:
         baselines[name] = {}
         for measure in MEASURES:
-            shipped = [r["refined"][measure] for r in rows]
             theirs = [r["baselines"][name][measure] for r in rows]
-            margins = [None if a is None or b is None else a - b for a, b in zip(shipped, theirs)]
+            margins = [None if a is None or b is None else a - b for a, b in zip(shipped[measure], theirs)]
             defined = [m for m in margins if m is not None]
             baselines[name][measure] = {**M.mean_sd(theirs), "margin": M.mean_sd(margins),
                                         "margin_ci": M.mean_interval(margins),
@@ -128,7 +128,7 @@ def versus_baselines(rows: Sequence[dict]) -> dict:
         top = max(scored, key=lambda n: baselines[n][measure]["mean"])
         stat = baselines[top][measure]
         ci = stat["margin_ci"]
-        best[measure] = {"baseline": top, "mean": stat["mean"], "shipped": M.mean_sd(r["refined"][measure] for r in rows)["mean"],
+        best[measure] = {"baseline": top, "mean": stat["mean"], "shipped": M.mean_sd(shipped[measure])["mean"],
                          "margin": stat["margin"]["mean"], "margin_ci": ci,
                          "inside_interval": ci is None or ci[0] <= 0.0 <= ci[1],
                          "sets_shipped_level_or_ahead": stat["sets_shipped_level_or_ahead"], "sets": stat["sets"]}
@@ -196,6 +196,7 @@ def _versus_section(versus: dict, n_sets: int) -> Section:
     cols = ["baseline"] + [c for words in MEASURES.values()
                            for c in (f"{words}, mean ± sd", f"shipped − baseline, {words} (95% interval)",
                                      "sets shipped level or ahead")]
+
     def within_mean(name: str) -> tuple[bool, float]:  # best first, undefined last
         mean = versus["baselines"][name]["within_category_mean"]["mean"]
         return mean is None, -(mean or 0.0)
