@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dwise_predict.identity import EARLY_SIGNALS, LENGTH_SCALE
+from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES, LENGTH_SCALE
 from dwise_predict.exports.refine_export import (
     INPUT_NAMES,
     FusedRefineGraph,
@@ -53,6 +53,7 @@ def build_graph(random: bool, workdir: Path, seed: int = 0):
     evaluation = traces.split("eval")
     inputs = (
         evaluation.first_round.astype(np.float32),
+        evaluation.prompt_last.astype(np.float32),
         evaluation.requests["prompt_tokens"].to_numpy(np.float32),
         evaluation.requests["budget"].to_numpy(np.float32),
         evaluation.early_signals,
@@ -61,11 +62,11 @@ def build_graph(random: bool, workdir: Path, seed: int = 0):
         from dwise_predict.survival.network import HazardMLP, build_refine_graph, refine_state
 
         torch.manual_seed(seed)
-        in_features = HIDDEN + 2 + len(EARLY_SIGNALS)  # h1, prompt tokens, budget, early signals
+        in_features = 2 * HIDDEN + 2 + len(EARLY_SIGNALS)  # h1, h_prompt, prompt tokens, budget, early signals
         members = [HazardMLP(in_features, 256).eval() for _ in range(3)]
         state = refine_state(members, torch.zeros(in_features), torch.ones(in_features))
         spec = dict(in_features=in_features, num_rounds=256, width=256, members=3, prompt_norm=100.0, budget_norm=256.0,
-                    length_scale=LENGTH_SCALE)
+                    length_scale=LENGTH_SCALE, hidden_states=list(HIDDEN_STATES))
         return build_refine_graph(state, spec, {"x": [0.0, 50.0, 256.0], "y": [0.0, 40.0, 255.0]}), inputs, "random"
     from safetensors.torch import load_file
 

@@ -20,6 +20,10 @@ BUNDLE_DECODING_KEYS = ("algorithm", "algorithm_config", "block_size", "engine")
 # the first denoising round's early signals: request columns of a trace (contract 1) and, in this
 # order, the columns of the refinement graph's ``early_signals`` input (contract 2)
 EARLY_SIGNALS = ("frac_over_threshold", "mean_confidence", "mean_entropy", "end_probability")
+# the pooled hidden states the refinement graph takes, in this order (its first two inputs, each
+# [B, hidden_size]; refine.json ``hidden_states``): the first denoising forward's block rows and the last
+# prompt block's rows (bundle schema 5; trace tensors of the same names, contract 1)
+HIDDEN_STATES = ("first_round", "prompt_last")
 # how the refinement graph takes prompt length and budget: log(1 + n) / log(1 + norm) (refine.json and
 # bundle.json inputs.refine ``length_scale``; bundle schema 3, see survival.network.refine_input)
 LENGTH_SCALE = "log1p"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dwise_predict.identity import EARLY_SIGNALS, LENGTH_SCALE
+from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES, LENGTH_SCALE
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 HIDDEN = 32
@@ -30,10 +30,12 @@ def make_traces():
     return make_synthetic_traces(n_requests=400, hidden_size=HIDDEN, seed=0)
 
 
-def refine_inputs(ds) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def refine_inputs(ds) -> tuple[np.ndarray, ...]:
+    """The refinement graph's five inputs (first_round, prompt_last, prompt_tokens, budget, early_signals)."""
     r = ds.requests
     return (
         ds.first_round.astype(np.float32),
+        ds.prompt_last.astype(np.float32),
         r["prompt_tokens"].to_numpy(np.float32),
         r["budget"].to_numpy(np.float32),
         ds.early_signals,
@@ -62,21 +64,22 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
 
     torch.manual_seed(seed)
     K = int(ds.requests["total_rounds"].max())
-    in_features = HIDDEN + 2 + len(EARLY_SIGNALS)  # h1, prompt tokens, budget, early signals
+    in_features = 2 * HIDDEN + 2 + len(EARLY_SIGNALS)  # h1, h_prompt, prompt tokens, budget, early signals
     members = [HazardMLP(in_features, K, 256, 0.2).eval() for _ in range(3)]
-    h, p, b, signals = refine_inputs(train)
-    x = np.concatenate([h, p[:, None] / 100.0, b[:, None] / 256.0, signals], axis=1)
+    h, last, p, b, signals = refine_inputs(train)
+    x = np.concatenate([h, last, p[:, None] / 100.0, b[:, None] / 256.0, signals], axis=1)
     mean, std = torch.tensor(x.mean(0)), torch.tensor(x.std(0) + 1e-3)
     state = refine_state(members, mean, std)
     save_file(state, str(path / "refine.safetensors"))
     spec = {"hidden_size": HIDDEN, "early_signals": len(EARLY_SIGNALS), "in_features": in_features, "num_rounds": K, "width": 256, "dropout": 0.2,
             "members": 3, "seeds": [0, 1, 2], "prompt_norm": 100.0, "budget_norm": 256.0, "length_scale": LENGTH_SCALE,
+            "hidden_states": list(HIDDEN_STATES),
             "target": "remaining_rounds = total_rounds - 1 (after the first denoising round)"}
     (path / "refine.json").write_text(json.dumps(spec))
     # a monotone map from raw estimates to remaining rounds through matched quantiles
     identity = build_refine_graph(state, spec, {"x": [0.0, 1.0], "y": [0.0, 1.0]})
     with torch.no_grad():
-        raw = identity.raw(*map(torch.from_numpy, refine_inputs(train))).numpy()
+        raw = identity.raw(*map(lambda a: torch.from_numpy(np.array(a)), refine_inputs(train))).numpy()
     qs = np.linspace(0, 1, 9)
     calibration = {"x": np.unique(np.quantile(raw, qs)).tolist(), "fitted_on": "train"}
     calibration["y"] = np.sort(np.quantile(train.requests["total_rounds"] - 1, qs[: len(calibration["x"])])).tolist()
@@ -84,7 +87,7 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
 
     graph = build_refine_graph(state, spec, calibration)
     with torch.no_grad():
-        refined = graph(*map(torch.from_numpy, refine_inputs(evaluation))).numpy()
+        refined = graph(*map(lambda a: torch.from_numpy(np.array(a)), refine_inputs(evaluation))).numpy()
     admission = np.expm1(booster.predict(evaluation.requests[features].to_numpy(float)))
     truth = evaluation.requests["total_rounds"].to_numpy()
     metrics = {

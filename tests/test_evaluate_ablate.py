@@ -49,12 +49,16 @@ def test_inputs_ablation_finds_the_signal_in_the_first_round_state(split):
     train, ev = split
     result = ablate("inputs", train, ev, fast_config(), n_boot=200)
     rows = {r["name"]: r for r in result["rows"]}
-    assert result["reference"] == "survival, h1 + prompt tokens + budget + early signals"
-    # the synthetic traces' work lives in the hidden state; their early signals are noise
-    with_h1 = rows["ridge-within+signals, h1 + prompt tokens + budget + early signals"]["within_category_mean"]
-    without = rows["ridge-within+signals, prompt tokens + budget + early signals"]["within_category_mean"]
-    assert with_h1 > 0.5 and with_h1 > without + 0.3
-    assert rows["ridge-within+signals, h1 + prompt tokens + budget"]["within_category_mean"] > 0.5
+    assert result["reference"] == "survival, h1 + last prompt block + prompt tokens + budget + early signals"
+    # the synthetic traces' work lives in the first-round state (the last prompt block holds the
+    # category only); their early signals are noise
+    within = {label: rows[f"ridge-within+signals, {label}"]["within_category_mean"] for label in (
+        "h1 + last prompt block + prompt tokens + budget + early signals", "h1 + prompt tokens + budget + early signals",
+        "last prompt block + prompt tokens + budget + early signals", "prompt tokens + budget + early signals",
+        "h1 + last prompt block + prompt tokens + budget")}
+    both, h1_only, prompt_only, neither, no_signals = within.values()
+    assert both > 0.5 and h1_only > 0.5 and no_signals > 0.5
+    assert both > neither + 0.3 and both > prompt_only + 0.3
     assert rows["early signals (all four), LightGBM"]["bundle"] is False  # a tree ensemble: not a contract-2 graph
     for r in result["rows"]:
         assert r["n_train"] == len(train)
@@ -98,7 +102,7 @@ def test_cli_ablate_writes_tables_and_the_report_names_the_winner(tmp_path, caps
                  "--ablate", "inputs"]) == 0
     capsys.readouterr()
     table = json.loads((out / "ablation_inputs.json").read_text())
-    assert table["kind"] == "inputs" and len(table["rows"]) == 9
+    assert table["kind"] == "inputs" and len(table["rows"]) == 11  # 5 input sets x 2 candidates + seed 001's
     assert (out / "ablations.md").is_file() and (out / "ablations.html").is_file()
     assert (out / "plots" / "ablation_inputs.png").stat().st_size > 1000
     result = json.loads((out / "evaluation.json").read_text())

@@ -56,8 +56,9 @@ def test_manifest_shape_follows_contract(bundle, run):
     for key in ("hidden_size", "in_features", "num_rounds", "width", "dropout", "members", "seeds", "prompt_norm",
                 "budget_norm", "length_scale"):
         assert refine[key] == spec[key]
-    assert refine["tensors"] == {"first_round": ["B", HIDDEN], "prompt_tokens": ["B"], "budget": ["B"],
-                                 "early_signals": ["B", len(EARLY_SIGNALS)]}
+    assert refine["tensors"] == {"first_round": ["B", HIDDEN], "prompt_last": ["B", HIDDEN], "prompt_tokens": ["B"],
+                                 "budget": ["B"], "early_signals": ["B", len(EARLY_SIGNALS)]}
+    assert refine["hidden_states"] == ["first_round", "prompt_last"]
     assert refine["early_signal_columns"] == ["frac_over_threshold", "mean_confidence", "mean_entropy",
                                             "end_probability"]
     assert refine["output"] == {"remaining_rounds": ["B"]}
@@ -76,6 +77,7 @@ def test_onnx_signatures_have_dynamic_batch_and_contract_names(bundle):
     refine = ort.InferenceSession(str(bundle / "refine.onnx"), providers=["CPUExecutionProvider"])
     assert [(i.name, i.shape, i.type) for i in refine.get_inputs()] == [
         ("first_round", ["B", HIDDEN], "tensor(float)"),
+        ("prompt_last", ["B", HIDDEN], "tensor(float)"),
         ("prompt_tokens", ["B"], "tensor(float)"),
         ("budget", ["B"], "tensor(float)"),
         ("early_signals", ["B", len(EARLY_SIGNALS)], "tensor(float)"),
@@ -102,19 +104,23 @@ def test_admission_onnx_matches_lightgbm_in_rounds_not_log_space(bundle):
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
-def test_fused_graph_equals_member_by_member_graph():
+@pytest.mark.parametrize("short_width", [0, 5])
+def test_fused_graph_equals_member_by_member_graph(short_width):
     torch.manual_seed(3)
-    members = [HazardMLP(13, 9, width=16, dropout=0.0).eval() for _ in range(3)]
+    members = [HazardMLP(13, 9, width=16, dropout=0.0, short_features=5, short_width=short_width).eval()
+               for _ in range(3)]
     spec = dict(in_features=13, num_rounds=9, width=16, members=3, prompt_norm=50.0, budget_norm=64.0,
-                length_scale=LENGTH_SCALE)
+                length_scale=LENGTH_SCALE, hidden_states=["first_round", "prompt_last"], short_features=5,
+                short_width=short_width)
     graph = build_refine_graph(refine_state(members, torch.randn(13), torch.rand(13) + 0.5), spec,
                                {"x": [0.5, 2.0, 4.0, 8.0], "y": [0.0, 1.0, 3.0, 9.0]})
     fused = FusedRefineGraph(graph)
-    x = (torch.randn(33, 8), torch.rand(33) * 200, torch.full((33,), 64.0), torch.rand(33, 3))
+    x = (torch.randn(33, 4), torch.randn(33, 4), torch.rand(33) * 200, torch.full((33,), 64.0), torch.rand(33, 3))
     with torch.no_grad():
         torch.testing.assert_close(fused.raw(*x), graph.raw(*x), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fused(*x), graph(*x), rtol=1e-6, atol=1e-6)
-    assert fused.w1.shape == (48, 13) and fused.w2.shape == (3, 16, 9)
+    assert fused.w1.shape == (48, 13) and fused.w2.shape == (3, 16 + short_width, 9)
+    assert fused.w1_short.shape == (3 * short_width, 5)
 
 
 def test_model_card_has_hugging_face_front_matter(bundle):

@@ -45,8 +45,9 @@ CONSUMER = textwrap.dedent(
     opts.intra_op_num_threads = 1
     refine = ort.InferenceSession(str(bundle / "refine.onnx"), opts, providers=["CPUExecutionProvider"])
     admission = ort.InferenceSession(str(bundle / "admission.onnx"), opts, providers=["CPUExecutionProvider"])
-    remaining = refine.run(None, {"first_round": load("first_round"), "prompt_tokens": load("prompt_tokens"),
-                                  "budget": load("budget"), "early_signals": load("early_signals")})[0]
+    remaining = refine.run(None, {"first_round": load("first_round"), "prompt_last": load("prompt_last"),
+                                  "prompt_tokens": load("prompt_tokens"), "budget": load("budget"),
+                                  "early_signals": load("early_signals")})[0]
     total = admission.run(None, {"features": load("features")})[0]
     truth = load("total_rounds")
     banned = [m for m in ("torch", "lightgbm", "sklearn", "scipy", "pandas", "dwise_predict") if m in sys.modules]
@@ -81,6 +82,7 @@ def test_train_export_verify_publish_pull_reproduces_rho(trained_run, tmp_path, 
     r = evaluation.requests
     arrays = {
         "first_round": evaluation.first_round,
+        "prompt_last": evaluation.prompt_last,
         "prompt_tokens": r["prompt_tokens"].to_numpy(np.float32),
         "budget": r["budget"].to_numpy(np.float32),
         "early_signals": evaluation.early_signals,

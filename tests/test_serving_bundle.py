@@ -22,8 +22,9 @@ def bundle_and_traces():
 def inputs(bundle_and_traces):
     _, ds = bundle_and_traces
     r = ds.requests.iloc[:40]
-    return (ds.first_round[:40], r["prompt_tokens"].to_numpy(np.float32), r["budget"].to_numpy(np.float32),
-            ds.early_signals[:40], r[["words", "newlines", "prompt_tokens"]].to_numpy(np.float32), r["prompt"].tolist())
+    return (ds.first_round[:40], ds.prompt_last[:40], r["prompt_tokens"].to_numpy(np.float32),
+            r["budget"].to_numpy(np.float32), ds.early_signals[:40], r[["words", "newlines", "prompt_tokens"]].to_numpy(np.float32),
+            r["prompt"].tolist())
 
 
 def test_admission_matches_the_lightgbm_text_model(bundle_and_traces, inputs):
@@ -32,7 +33,7 @@ def test_admission_matches_the_lightgbm_text_model(bundle_and_traces, inputs):
     path, _ = bundle_and_traces
     b = load_bundle(path, expect_model={"config_hash": "synthetic-0", "hidden_size": HIDDEN},
                     expect_decoding={"algorithm_config": {}, "block_size": 8})
-    features = inputs[4]
+    features = inputs[5]
     expected = np.expm1(lightgbm.Booster(model_file=str(path / "admission.txt")).predict(features.astype(float)))
     got = b.admission(features)
     assert got.shape == (40,) and got.dtype == np.float32
@@ -41,7 +42,7 @@ def test_admission_matches_the_lightgbm_text_model(bundle_and_traces, inputs):
 
 def test_admission_from_text_needs_token_counts(bundle_and_traces, inputs):
     b = load_bundle(bundle_and_traces[0])
-    _, prompt_tokens, _, _, _, prompts = inputs
+    _, _, prompt_tokens, _, _, _, prompts = inputs
     prompts = [p + "\n" * (i % 3) for i, p in enumerate(prompts)]
     features = np.array([[len(p.split()), p.count("\n"), t] for p, t in zip(prompts, prompt_tokens)], np.float32)
     expected = b.admission(features)
@@ -56,29 +57,35 @@ def test_admission_from_text_needs_token_counts(bundle_and_traces, inputs):
 
 def test_refine_backends_agree_and_pool_block_rows(bundle_and_traces, inputs):
     path, _ = bundle_and_traces
-    h, pt, bu, sig = inputs[:4]
-    onnx = load_bundle(path).refine(h, pt, bu, sig)
+    h, last, pt, bu, sig = inputs[:5]
+    onnx = load_bundle(path).refine(h, last, pt, bu, sig)
     rebuilt = load_bundle(path, backend="torch")
-    eager = rebuilt.refine(h, pt, bu, sig)
-    scripted = load_bundle(path, backend="torch", torchscript=True).refine(h, pt, bu, sig)
+    eager = rebuilt.refine(h, last, pt, bu, sig)
+    scripted = load_bundle(path, backend="torch", torchscript=True).refine(h, last, pt, bu, sig)
     assert onnx.shape == (40,) and (onnx >= 0).all() and np.ptp(onnx) > 0
     np.testing.assert_allclose(eager, onnx, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(scripted, onnx, rtol=1e-4, atol=1e-3)
     # (B, L, H) rows are mean-pooled: rows spread symmetrically around h pool back to h
     rows = np.stack([h - 1.0, h + 1.0, h], axis=1)  # (B, 3, H)
-    np.testing.assert_allclose(rebuilt.refine(rows, pt, bu, sig), eager, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(rebuilt.refine(rows, last, pt, bu, sig), eager, rtol=1e-5, atol=1e-4)
+    last_rows = np.stack([last + 2.0, last - 2.0], axis=1)  # (B, 2, H), the same for prompt_last
+    np.testing.assert_allclose(rebuilt.refine(h, last_rows, pt, bu, sig), eager, rtol=1e-5, atol=1e-4)
+    assert np.abs(rebuilt.refine(h, np.zeros_like(last), pt, bu, sig) - eager).max() > 1e-3  # prompt_last is read
     # tensors in -> tensor out on the same device, no numpy round trip; scalar budget broadcasts
-    out = rebuilt.refine(torch.from_numpy(h), torch.from_numpy(pt), 256.0, torch.from_numpy(sig))
+    out = rebuilt.refine(torch.from_numpy(h), torch.from_numpy(last), torch.from_numpy(pt), 256.0, torch.from_numpy(sig))
     assert isinstance(out, torch.Tensor) and out.shape == (40,)
     np.testing.assert_allclose(out.numpy(), eager, rtol=1e-5, atol=1e-4)
 
 
 def test_refine_rejects_the_wrong_hidden_size(bundle_and_traces):
     b = load_bundle(bundle_and_traces[0])
-    with pytest.raises(InputError, match=f"H = {HIDDEN}.*got shape \\(2, 16\\)"):
-        b.refine(np.zeros((2, 16), np.float32), [1, 2], [8, 8], np.zeros((2, 4), np.float32))
+    good = np.zeros((2, HIDDEN), np.float32)
+    with pytest.raises(InputError, match=f"first_round must be .*H = {HIDDEN}.*got shape \\(2, 16\\)"):
+        b.refine(np.zeros((2, 16), np.float32), good, [1, 2], [8, 8], np.zeros((2, 4), np.float32))
+    with pytest.raises(InputError, match=f"prompt_last must be .*B = 2, got shape \\(3, {HIDDEN}\\)"):
+        b.refine(good, np.zeros((3, HIDDEN), np.float32), [1, 2], [8, 8], np.zeros((2, 4), np.float32))
     with pytest.raises(InputError, match=r"early_signals must be \(B, 4\) = \(2, 4\), got \(2, 2\)"):
-        b.refine(np.zeros((2, HIDDEN), np.float32), [1, 2], [8, 8], np.zeros((2, 2), np.float32))
+        b.refine(good, good, [1, 2], [8, 8], np.zeros((2, 2), np.float32))
 
 
 @pytest.mark.parametrize(
@@ -125,7 +132,7 @@ from dwise_predict.serving.bundle import load_bundle
 from dwise_predict.serving.policy import DwisePolicy
 from dwise_predict.serving import sglang_adapter, launcher
 b = load_bundle({str(bundle_and_traces[0])!r}, backend="torch")
-b.admission(np.ones((2, 3), np.float32)); b.refine(np.zeros((2, {HIDDEN}), np.float32), [5, 6], [64, 64], np.zeros((2, 4), np.float32))
+b.admission(np.ones((2, 3), np.float32)); b.refine(np.zeros((2, {HIDDEN}), np.float32), np.zeros((2, {HIDDEN}), np.float32), [5, 6], [64, 64], np.zeros((2, 4), np.float32))
 heavy = [m for m in ("lightgbm", "sklearn", "xgboost", "pandas", "dwise_predict.training", "dwise_predict.evaluation") if m in sys.modules]
 print(",".join(heavy))
 """

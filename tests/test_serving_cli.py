@@ -123,11 +123,11 @@ def test_raw_refinement_is_the_calibrated_one_before_its_isotonic_map(traces_and
 
     _, bundle_dir, traces = traces_and_bundle
     bundle = load_bundle(bundle_dir)
-    h = traces.first_round[:32]
+    h, last = traces.first_round[:32], traces.prompt_last[:32]
     pt = traces.requests["prompt_tokens"].to_numpy(np.float32)[:32]
     bu = traces.requests["budget"].to_numpy(np.float32)[:32]
     sig = traces.early_signals[:32]
-    raw = bundle.refine_raw(h, pt, bu, sig)
+    raw = bundle.refine_raw(h, last, pt, bu, sig)
     knots = json.loads((bundle_dir / "calibration.json").read_text())
-    np.testing.assert_allclose(np.interp(raw, knots["x"], knots["y"]), bundle.refine(h, pt, bu, sig), rtol=1e-4,
+    np.testing.assert_allclose(np.interp(raw, knots["x"], knots["y"]), bundle.refine(h, last, pt, bu, sig), rtol=1e-4,
                                atol=1e-3)

@@ -189,5 +189,7 @@ def test_recording_equals_collect_on_the_same_requests(tmp_path):
     order_a = np.argsort(want.requests["request_id"].to_numpy())
     order_b = np.argsort(got.requests["request_id"].to_numpy())
     np.testing.assert_allclose(want.first_round[order_a], got.first_round[order_b], rtol=1e-4, atol=1e-5)
+    # the refinement's second state: the last prompt block's rows (the leftover rows for a short prompt)
+    np.testing.assert_allclose(want.prompt_last[order_a], got.prompt_last[order_b], rtol=1e-4, atol=1e-5)
     for col in EARLY_SIGNALS:  # end_probability too: the hook's stop ids are the served model's
         np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-4, atol=1e-5, err_msg=col)

@@ -49,15 +49,15 @@ def served():
     # the synthetic traces are not bound by that, so clip them to what SGLang can run)
     rpb = [[min(max(int(v), 2), BS + 1) for v in x] for x in r["rounds_per_block"]]
     features = np.stack([r["words"].to_numpy(), r["newlines"].to_numpy(), L], axis=1).astype(np.float32)
-    hidden = ds.first_round[:40]
+    hidden, prompt_rows = ds.first_round[:40], ds.prompt_last[:40]
     workload = SimRequests(
         request_ids=r["request_id"].to_numpy(), prompt_blocks=P, total_rounds=np.array([sum(x) for x in rpb]),
         first_block_rounds=np.array([x[0] for x in rpb]), output_blocks=np.full(len(r), BUDGET // BS),
         admission=bundle.admission(features).astype(np.float64),
-        refined=bundle.refine(hidden, L.astype(np.float32), np.full(len(r), BUDGET, np.float32),
+        refined=bundle.refine(hidden, prompt_rows, L.astype(np.float32), np.full(len(r), BUDGET, np.float32),
                               np.tile(FAKE_SIGNALS, (len(r), 1))).astype(np.float64),
     )
-    return bundle, workload, L, rpb, features, hidden
+    return bundle, workload, L, rpb, features, hidden, prompt_rows
 
 
 def prompt(i, n, shared=0):
@@ -66,13 +66,13 @@ def prompt(i, n, shared=0):
 
 
 def make_server(served, slots, max_running, fdfo=True, graph=False, max_prefill_tokens=10**9):
-    _, workload, L, rpb, features, hidden = served
+    _, workload, L, rpb, features, hidden, prompt_rows = served
     config = fake.config(BS, max_running, fdfo=fdfo)
     scheduler = fake.Scheduler(config, batch_capacity=slots, max_total_num_tokens=10**12,
                                max_prefill_tokens=max_prefill_tokens)
     for i, rid in enumerate(workload.request_ids):
         scheduler.waiting_queue.append(fake.Req(rid, prompt(i, int(L[i])), SP(), config, rpb[i], hidden[i],
-                                                tuple(features[i])))
+                                                tuple(features[i]), prompt_hidden=prompt_rows[i]))
     runner = fake.ModelRunner(BS, hidden.shape[1], cuda_graph=graph, max_bs=slots)
     return scheduler, fake.FillAlgorithm(config), runner
 
@@ -100,16 +100,17 @@ class RecordingBundle:
     """The served bundle, remembering the pooled rows each refinement saw."""
 
     def __init__(self, bundle):
-        self.bundle, self.seen, self.signals = bundle, [], []
+        self.bundle, self.seen, self.seen_prompt, self.signals = bundle, [], [], []
         self.manifest, self.hidden_size = bundle.manifest, bundle.hidden_size
 
     def admission(self, x):
         return self.bundle.admission(x)
 
-    def refine(self, pooled, tokens, budget, signals):
+    def refine(self, pooled, prompt_last, tokens, budget, signals):
         self.seen.append(pooled.clone())
+        self.seen_prompt.append(prompt_last.clone())
         self.signals.append(signals.clone())
-        return self.bundle.refine(pooled, tokens, budget, signals)
+        return self.bundle.refine(pooled, prompt_last, tokens, budget, signals)
 
 
 # --- the fake is SGLang's semantics, not ours ----------------------------------------------------------
@@ -177,7 +178,7 @@ def test_sync_mode_advances_the_policy_by_every_forward_of_the_step(served):
 
 def test_graph_replays_give_the_same_pooled_rows_as_eager_python(served):
     """Graphs captured after install replay the pooling copy: refinement sees the true rows, not zeros."""
-    seen = {}
+    seen, seen_prompt = {}, {}
     for graph in (False, True):
         bundle = RecordingBundle(served[0])
         handle = hooked(bundle, slots=6, k=2)
@@ -186,14 +187,16 @@ def test_graph_replays_give_the_same_pooled_rows_as_eager_python(served):
             fake.serve(scheduler, algorithm, runner)
         finally:
             handle.uninstall()
-        seen[graph] = torch.cat(bundle.seen)
+        seen[graph], seen_prompt[graph] = torch.cat(bundle.seen), torch.cat(bundle.seen_prompt)
         # the early signals come from the same forward's logits, outside the replayed graph
         torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 4))
     torch.testing.assert_close(seen[True], seen[False])
-    hidden = torch.as_tensor(served[5])
-    # every pooled row is some request's hidden vector (the fake model's block rows)
-    match = (seen[True][:, None, :] - hidden[None]).abs().amax(dim=-1).amin(dim=1)
-    assert len(seen[True]) == 40 and float(match.max()) < 1e-5
+    torch.testing.assert_close(seen_prompt[True], seen_prompt[False])
+    # every pooled row is some request's hidden vector (the fake model's block rows), and every
+    # prompt_last row its prompt vector (its last prompt block's rows)
+    for rows, vectors in ((seen[True], served[5]), (seen_prompt[True], served[6])):
+        match = (rows[:, None, :] - torch.as_tensor(vectors)[None]).abs().amax(dim=-1).amin(dim=1)
+        assert len(rows) == 40 and float(match.max()) < 1e-5
 
 
 def test_early_signals_are_computed_for_first_round_rows_only(served, monkeypatch):
@@ -330,6 +333,47 @@ def test_p_follows_the_prefix_match(served):
         assert runner.calls - before + 1 == prefill_rounds(36, BS, 24) + 2  # 1 prompt block + 2 forwards
     finally:
         handle.uninstall()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_without_a_prompt_block_of_its_own_prompt_last_is_the_mean_of_the_leftover_prompt_rows(served, graph):
+    """A prompt shorter than a block, and a prompt whose every full block a prefix hit served (SGLang
+    never matches the last token, so 4 leftover tokens remain), run no prompt block of their own:
+    their ``prompt_last`` is the mean of their leftover prompt rows in the first denoising forward
+    (what the decoder records for a short prompt), through graph replays too; a request that ran its
+    prompt blocks gets its last one's rows."""
+    config = fake.config(BS, 4)
+    bundle = RecordingBundle(served[0])
+    width = served[5].shape[1]
+    rng = np.random.default_rng(0)
+    vectors = {rid: (rng.standard_normal(width).astype(np.float32), rng.standard_normal(width).astype(np.float32))
+               for rid in ("a", "short", "hit")}  # (first-round vector, prompt vector)
+    ids = {"a": prompt(0, 36, shared=36), "short": prompt(1, 5), "hit": prompt(2, 36, shared=36)}  # hit: a's prompt
+
+    def request(rid):
+        first, prompt_vector = vectors[rid]
+        n = len(ids[rid])
+        return fake.Req(rid, ids[rid], SP(), config, [2, 2], first, (1, 0, n), prompt_hidden=prompt_vector)
+
+    handle = hooked(bundle, slots=2, k=2)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=2, max_total_num_tokens=10**9)
+        runner, algorithm = fake.ModelRunner(BS, width, cuda_graph=graph, max_bs=2), fake.FillAlgorithm(config)
+        for rid in ("a", "short", "hit"):  # one at a time: "hit" finds a's prompt in the cache
+            req = request(rid)
+            scheduler.waiting_queue.append(req)
+            while not req.finished():
+                scheduler.step(algorithm, runner)
+        assert handle.stats.prefix_blocks == 4 and handle.stats.prompt_from_leftover == 2
+    finally:
+        handle.uninstall()
+    assert handle.stats.refined == 3
+    for i, rid in enumerate(("a", "short", "hit")):
+        first, prompt_vector = vectors[rid]
+        leftover = len(ids[rid]) % BS
+        pooled = (leftover * prompt_vector + (BS - leftover) * first) / BS  # the block mean: first_round
+        np.testing.assert_allclose(bundle.seen[i][0].numpy(), pooled, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(bundle.seen_prompt[i][0].numpy(), prompt_vector, rtol=1e-5, atol=1e-5)
 
 
 def test_refusals_are_one_clear_line(served):

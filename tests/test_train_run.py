@@ -69,7 +69,8 @@ def test_run_directory_layout_and_reload(small, tmp_path):
     spec = json.loads((run / "refine.json").read_text())
     weights = load_file(str(run / "refine.safetensors"))
     assert weights["member1.fc2.weight"].shape == (spec["num_rounds"], 16)
-    assert weights["input_mean"].shape == (8 + 2 + len(EARLY_SIGNALS),)  # hidden, prompt tokens, budget, early signals
+    assert weights["input_mean"].shape == (2 * 8 + 2 + len(EARLY_SIGNALS),)  # two states, prompt tokens, budget, signals
+    assert spec["hidden_size"] == 8 and spec["hidden_states"] == ["first_round", "prompt_last"]
     curves = json.loads((run / "curves.json").read_text())["members"]
     assert [len(c["val_loss"]) >= c["best_epoch"] + 1 for c in curves] == [True, True]
 
@@ -83,7 +84,8 @@ def test_run_directory_layout_and_reload(small, tmp_path):
     tokens = torch.tensor(eval_ds.requests["prompt_tokens"].to_numpy(np.float32))
     budget = torch.tensor(eval_ds.requests["budget"].to_numpy(np.float32))
     with torch.no_grad():
-        out = graph(torch.from_numpy(eval_ds.first_round), tokens, budget, torch.from_numpy(eval_ds.early_signals)).numpy()
+        out = graph(torch.from_numpy(eval_ds.first_round), torch.from_numpy(eval_ds.prompt_last), tokens, budget,
+                    torch.from_numpy(eval_ds.early_signals)).numpy()
     np.testing.assert_allclose(out, loaded.refined_remaining(eval_ds), rtol=1e-4)  # float32 graph vs float64
     assert evaluate_predictors(loaded, eval_ds, bootstrap=50) == metrics
 

@@ -21,7 +21,7 @@ from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead, blend, b
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import load_traces, write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
-from dwise_predict.training import Targets, TrainConfig, load_predictors, train_run
+from dwise_predict.training import Targets, TrainConfig, load_predictors, refine_inputs, train_run
 from dwise_predict.training.select import (
     BLEND_WEIGHTS, CANDIDATES, DEFAULT_BLEND_WEIGHT, choose_blend_weight, grouped_folds,
 )
@@ -31,8 +31,7 @@ FAST = dict(width=16, members=2, max_epochs=8, patience=3, bootstrap=20, num_thr
 
 
 def inputs(ds):
-    r = ds.requests
-    return ds.first_round, r["prompt_tokens"].to_numpy(np.float32), r["budget"].to_numpy(np.float32), ds.early_signals
+    return refine_inputs(ds)
 
 
 @pytest.fixture(scope="module")
@@ -194,16 +193,18 @@ def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, 
     assert main(["verify", str(bundle)]) == 0
     capsys.readouterr()
     ev = load_traces(traces).split("eval")
-    first_round, tokens, budget, signals = inputs(ev)
+    _, tokens, budget, signals = inputs(ev)
     expected = load_predictors(run).refined_remaining(ev)
     session = ort.InferenceSession(str(bundle / "refine.onnx"))
-    assert [i.name for i in session.get_inputs()] == ["first_round", "prompt_tokens", "budget", "early_signals"]
+    assert [i.name for i in session.get_inputs()] == ["first_round", "prompt_last", "prompt_tokens", "budget",
+                                                      "early_signals"]
     assert [o.name for o in session.get_outputs()] == ["remaining_rounds"]
-    onnx_out = session.run(None, {"first_round": first_round, "prompt_tokens": tokens, "budget": budget,
-                                  "early_signals": signals})[0]
+    onnx_out = session.run(None, {"first_round": ev.first_round, "prompt_last": ev.prompt_last, "prompt_tokens": tokens,
+                                  "budget": budget, "early_signals": signals})[0]
     scripted = torch.jit.load(str(bundle / "refine.pt"))
     with torch.no_grad():
-        ts_out = scripted(*map(torch.from_numpy, (first_round, tokens, budget, signals))).numpy()
+        ts_out = scripted(*map(lambda a: torch.from_numpy(np.array(a)),
+                               (ev.first_round, ev.prompt_last, tokens, budget, signals))).numpy()
     np.testing.assert_allclose(onnx_out, expected, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(ts_out, expected, rtol=1e-3, atol=1e-3)
     assert M.spearman(onnx_out, expected) > 0.999
@@ -248,7 +249,9 @@ def test_ridge_within_transfers_to_a_held_out_category():
     rho_within = M.spearman(within.ensemble().predict_raw(*inputs(held)), truth)
     rho_plain = M.spearman(plain.ensemble().predict_raw(*inputs(held)), truth)
     assert rho_within > 0.6 and rho_within >= rho_plain - 0.05  # a category never seen in training
-    assert within.ensemble().candidate == "ridge-within" and "alpha_within" in within.record()
+    assert within.ensemble().candidate == "ridge-within"
+    assert set(within.record()["states"]) == {"first_round", "prompt_last"}  # one two-stage fit per state
+    assert all("alpha_within" in fit for fit in within.record()["states"].values())
 
 
 def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
@@ -259,7 +262,7 @@ def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
     t = Targets.of(tr)
     make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=5, split_seed=0)  # noqa: E731
     folded = fit_pca_survival(make, *inputs(tr), t.remaining, t.events, components=8)
-    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 48 + 2 + len(EARLY_SIGNALS)
+    assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 2 * 48 + 2 + len(EARLY_SIGNALS)
     x = folded.standardise(*inputs(ev)).double()
     z = (x @ folded.projection_).float().numpy()
     zeros = np.zeros(len(ev), np.float32)
@@ -325,7 +328,10 @@ def test_blended_heads_are_one_member_that_ranks_exactly_like_the_blended_score(
     ridge = RidgeHead().fit(*inputs(tr), t.remaining, t.events, groups=tr.requests["category"].to_numpy())
     features = SignalFeatureHead(width=64).fit(ridge.base_, *inputs(tr), t.remaining, t.events)
     both = blend_heads(ridge, features, 0.4)
-    assert both.spec()["members"] == 1 and both.spec()["width"] == 66 and both.candidate == "ridge-within+signals"
+    assert both.spec()["members"] == 1 and both.candidate == "ridge-within+signals"
+    # two units carry the ridge score; the bag's 4 x 64 random units read the short inputs only
+    assert both.spec()["width"] == 2 and both.spec()["short_width"] == 4 * 64 == features.units
+    assert both.spec()["short_features"] == 2 + len(EARLY_SIGNALS)
     score = 0.4 * ridge.score(*inputs(ev)) + 0.6 * features.score(*inputs(ev))
     raw = both.predict_raw(*inputs(ev))
     assert M.spearman(score, raw) > 0.9999

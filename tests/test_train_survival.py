@@ -132,7 +132,9 @@ def test_ensemble_learns_ranking_and_rebuilds_from_state():
     np.testing.assert_allclose(surv.sum(axis=1), raw, rtol=1e-4)  # E[T] = sum_t S(t), same graph
     rebuilt = SurvivalEnsemble.from_state(ens.state(), ens.spec())
     np.testing.assert_array_equal(rebuilt.predict_raw(hidden, tokens, budget, _no_signals(len(z))), raw)
-    with pytest.raises(InputError, match="size 15 but the model was trained on 16"):
+    with pytest.raises(InputError, match="size 14 but the model was trained on 16"):
+        ens.predict_raw(hidden[:, :14], tokens, budget, _no_signals(len(z)))
+    with pytest.raises(InputError, match=r"\(N, 2H\) \(first_round and prompt_last side by side\), got \(800, 15\)"):
         ens.predict_raw(hidden[:, :15], tokens, budget, _no_signals(len(z)))
 
 
@@ -169,8 +171,8 @@ def test_prompts_far_longer_than_any_in_training_keep_their_order():
     long = torch.arange(100.0, 401.0, 25.0)  # (13,) prompt lengths never seen
     h = torch.as_tensor(rng.standard_normal((len(long), 16)), dtype=torch.float32)
     with torch.no_grad():
-        raw_long = graph.raw(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), len(EARLY_SIGNALS)))
-        out = graph(h, long, torch.full_like(long, 256.0), torch.zeros(len(long), len(EARLY_SIGNALS)))
+        inputs = (h[:, :8], h[:, 8:], long, torch.full_like(long, 256.0), torch.zeros(len(long), len(EARLY_SIGNALS)))
+        raw_long, out = graph.raw(*inputs), graph(*inputs)
     assert (raw_long < ensemble.num_rounds_ - 1e-3).all()  # not saturated at the horizon
     assert spearman(out.numpy(), long.numpy()) > 0.95 and len(np.unique(out.numpy())) == len(long)
     assert (out > calibrator.predict(raw.max())).all()  # longer than anything in training, as it should be

@@ -130,8 +130,10 @@ class LiveRecorder:
         self.open[rid] = _Open(self.next_index, features, block_size, len(req.origin_input_ids))
         self.next_index += 1
 
-    def forward(self, req, prompt: bool, pooled_row, rounds: int, signals=None) -> None:
-        """One step ran ``req``: a prompt block, or ``rounds`` forwards of its current output block."""
+    def forward(self, req, prompt: bool, pooled_row, rounds: int, signals=None, leftover_row=None) -> None:
+        """One step ran ``req``: a prompt block, or ``rounds`` forwards of its current output block.
+        ``leftover_row``: in its first denoising forward, the mean of its leftover prompt rows (its
+        ``prompt_last`` when it ran no prompt block of its own, as the decoder records it)."""
         entry = self.open.get(str(req.rid))
         if entry is None:
             return
@@ -144,6 +146,8 @@ class LiveRecorder:
             entry.first_round = pooled_row.float().cpu().numpy()  # the first denoising round's pooled rows
             if signals is not None:
                 entry.signals = tuple(float(x) for x in signals)
+            if entry.prompt_last is None and leftover_row is not None:
+                entry.prompt_last = leftover_row.float().cpu().numpy()
         entry.current += rounds
         if len(req.output_ids) > entry.outputs or req.finished():  # the step committed the block
             entry.blocks.append(entry.current)

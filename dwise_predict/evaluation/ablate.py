@@ -7,8 +7,9 @@ category, so every resample keeps the category mix), and the difference to the r
 paper's calibrated survival ensemble on the full bundle input) with a *paired* bootstrap interval:
 a difference whose interval contains 0 is reported as inside the noise.
 
-- ``inputs`` — the bundle input ``[h1, prompt tokens, budget, early signals]``, the same without
-  the early signals, without ``h1``, and with the pooled last prompt block instead of ``h1``; for
+- ``inputs`` — the bundle input ``[h1, last prompt block, prompt tokens, budget, early signals]``,
+  the same without the early signals, with one hidden state only (``h1``, or the pooled last prompt
+  block), and with neither; for
   the ``survival`` (the paper's recipe) and ``ridge-within+signals`` candidates. The row marked
   "not in a bundle" (seed 001's LightGBM on the four early signals) is for comparison only: a
   tree ensemble is not a contract-2 graph.
@@ -44,7 +45,7 @@ from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.pool import fit
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES
 from dwise_predict.metrics import mean_sd, percentile_interval, rank_scores, spearman, stratified_indices
 from dwise_predict.traces import TraceDataset
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
@@ -52,7 +53,7 @@ from dwise_predict.traces.hidden_extra import parse_tensor_name
 
 KINDS = ("inputs", "train-size", "seeds", "layers", "pooling")
 HIDDEN_KINDS = ("layers", "pooling")  # need the tensors of `collect --layers`
-REFERENCE = "survival, h1 + prompt tokens + budget + early signals"  # the inputs ablation's reference row
+REFERENCE = "survival, h1 + last prompt block + prompt tokens + budget + early signals"  # the inputs ablation's reference row
 INPUT_CANDIDATES = ("survival", "ridge-within+signals")
 # the train-size rows that also measure held-out-category ρ: the shipped default candidate (the
 # ensemble's 24 extra fits would double the ablation's time for a row that ships nowhere)
@@ -124,16 +125,15 @@ def _interval(ci) -> str:
 # --- the ablations ------------------------------------------------------------------------------------
 
 
-def _variant(ds: TraceDataset, hidden: str = "first_round", signals: bool = True) -> TraceDataset:
-    """``ds`` with the refinement input swapped: ``hidden`` "first_round", "prompt_last" or "none"
-    (zeros: a constant column carries nothing); ``signals`` False makes the early signals constant
+def _variant(ds: TraceDataset, states: tuple[str, ...] = HIDDEN_STATES, signals: bool = True) -> TraceDataset:
+    """``ds`` with only the hidden ``states`` kept (of ``identity.HIDDEN_STATES``; the others become
+    zeros: a constant column carries nothing); ``signals`` False makes the early signals constant
     (the admission model is not scored here)."""
     requests = ds.requests
     if not signals:
         requests = requests.assign(**{name: 0.0 for name in EARLY_SIGNALS})
-    first = {"first_round": ds.first_round, "prompt_last": ds.prompt_last,
-             "none": np.zeros_like(ds.first_round)}[hidden]
-    return TraceDataset(requests, first, ds.prompt_last, ds.manifest, ds.path)
+    kept = {name: getattr(ds, name) if name in states else np.zeros_like(ds.first_round) for name in HIDDEN_STATES}
+    return TraceDataset(requests, kept["first_round"], kept["prompt_last"], ds.manifest, ds.path)
 
 
 def hidden_settings(kind: str, ds: TraceDataset) -> list[tuple[str, str]]:
@@ -163,9 +163,9 @@ def hidden_settings(kind: str, ds: TraceDataset) -> list[tuple[str, str]]:
 
 
 def _with_hidden(ds: TraceDataset, tensor: str) -> TraceDataset:
-    """``ds`` with ``first_round`` replaced by the stored tensor ``tensor``, flattened to (N, features);
-    the refinement reads only ``first_round``, and ``prompt_last`` becomes zeros of the same width so
-    the dataset stays well formed."""
+    """``ds`` with ``first_round`` replaced by the stored tensor ``tensor``, flattened to (N, features),
+    and ``prompt_last`` by zeros of the same width (a constant carries nothing): these ablations
+    compare first-round tensors alone."""
     hidden = ds.first_round if tensor == "first_round" else ds.extra_hidden[tensor]
     hidden = hidden.reshape(len(ds), -1)  # positions: (N, block, H) -> (N, block * H)
     return TraceDataset(ds.requests, hidden, np.zeros_like(hidden), ds.manifest, ds.path)
@@ -235,14 +235,15 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
 
     extra: dict = {}
     if kind == "inputs":
-        settings = [("h1 + prompt tokens + budget + early signals", "first_round", True),
-                    ("h1 + prompt tokens + budget", "first_round", False),
-                    ("prompt tokens + budget + early signals", "none", True),
-                    ("last prompt block + prompt tokens + budget + early signals", "prompt_last", True)]
+        settings = [("h1 + last prompt block + prompt tokens + budget + early signals", HIDDEN_STATES, True),
+                    ("h1 + last prompt block + prompt tokens + budget", HIDDEN_STATES, False),
+                    ("h1 + prompt tokens + budget + early signals", ("first_round",), True),
+                    ("last prompt block + prompt tokens + budget + early signals", ("prompt_last",), True),
+                    ("prompt tokens + budget + early signals", (), True)]
         for candidate in INPUT_CANDIDATES:
-            for label, hidden, signals in settings:
+            for label, states, signals in settings:
                 log(f"  ablation inputs: {candidate}, {label}")
-                pred, _ = _refined(_variant(train, hidden, signals), _variant(eval_ds, hidden, signals),
+                pred, _ = _refined(_variant(train, states, signals), _variant(eval_ds, states, signals),
                                    dataclasses.replace(config, refine=candidate))
                 add(f"{candidate}, {label}", pred, candidate=candidate, inputs=label, bundle=True, n_train=len(train))
         early = early_signal_predictions(train, eval_ds, config.seed)["all four"]

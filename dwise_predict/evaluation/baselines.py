@@ -6,8 +6,8 @@ rounds scale) and mean within-category ρ against the actual remaining rounds:
 
 - **admission LightGBM** — the shipped admission predictor (total estimate minus the first round);
 - **survival on the prompt hidden state** — the full refinement recipe (candidate search included)
-  retrained with ``prompt_last`` (the pooled last prompt block) in the first-round state's place,
-  the other inputs (prompt tokens, budget, early signals) unchanged: does the denoised state add
+  retrained with the first-round state blanked, so it sees ``prompt_last`` (the pooled last prompt
+  block) and the other inputs (prompt tokens, budget, early signals): does the denoised state add
   anything over what the model already read?;
 - **early signals** (seed 001) — fraction over threshold, mean confidence, mean entropy and prompt
   length, each alone and all four together, through a small LightGBM (50 trees, 7 leaves) on
@@ -53,10 +53,11 @@ def remaining_rounds(ds: TraceDataset) -> np.ndarray:
 
 
 def prompt_hidden_task(train: TraceDataset, eval_ds: TraceDataset, config) -> RetrainTask:
-    """The retraining behind the prompt-hidden-state baseline: the same requests with ``prompt_last``
-    in the refinement input's place (its ``"refined"`` prediction is that row)."""
+    """The retraining behind the prompt-hidden-state baseline: the same requests with the first-round
+    state blanked (zeros: a constant carries nothing), so the recipe sees ``prompt_last`` and the
+    short inputs only (its ``"refined"`` prediction is that row)."""
     def with_prompt_state(ds: TraceDataset) -> TraceDataset:
-        return dataclasses.replace(ds, first_round=ds.prompt_last)
+        return dataclasses.replace(ds, first_round=np.zeros_like(ds.first_round))
 
     return RetrainTask(PROMPT_HIDDEN_TASK, with_prompt_state(train), with_prompt_state(eval_ds), config)
 

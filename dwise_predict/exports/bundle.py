@@ -49,7 +49,7 @@ from dwise_predict.exports.manifest import (
 from dwise_predict.exports.model_card import model_card
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.files import atomic_dir, claim_output, sha256_file
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES
 from dwise_predict.exports.refine_export import (
     ONNX_OPSET as REFINE_OPSET,
     INPUT_NAMES,
@@ -157,7 +157,7 @@ def _rebuild_graph(run: RunFiles):
         raise InputError(f"{path} is not a readable safetensors file ({err}): re-run `dwise-predict train`") from None
     spec = run.refine_spec
     hidden = int(spec["hidden_size"])
-    width = hidden + 2 + SIGNAL_COUNT
+    width = hidden * len(HIDDEN_STATES) + 2 + SIGNAL_COUNT
     traces_hidden = run.traces.get("hidden_size", hidden)
     if int(spec["early_signals"]) != SIGNAL_COUNT:
         raise InputError(f"{run.path}: refine.json says {spec['early_signals']} early signals, bundles take "
@@ -187,15 +187,16 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
     spec = run.refine_spec
     hidden = int(spec["hidden_size"])
     gen = torch.Generator().manual_seed(seed)
-    x = graph.input_mean + graph.input_std * torch.randn(n, hidden + 2 + SIGNAL_COUNT, generator=gen)
-    first_round = x[:, :hidden].contiguous()
+    states = hidden * len(HIDDEN_STATES)  # the input's hidden columns: first_round, then prompt_last
+    x = graph.input_mean + graph.input_std * torch.randn(n, states + 2 + SIGNAL_COUNT, generator=gen)
+    first_round, prompt_last = (x[:, k * hidden:(k + 1) * hidden].contiguous() for k in range(len(HIDDEN_STATES)))
     # the graph's length columns are log(1 + n) / log(1 + norm) (network.refine_input): invert them
-    prompt_tokens = torch.expm1(x[:, hidden] * math.log1p(float(spec["prompt_norm"]))).clamp(min=1).round()
-    budget = torch.expm1(x[:, hidden + 1] * math.log1p(float(spec["budget_norm"]))).clamp(min=1).round()
-    early_signals = x[:, hidden + 2:].contiguous()
+    prompt_tokens = torch.expm1(x[:, states] * math.log1p(float(spec["prompt_norm"]))).clamp(min=1).round()
+    budget = torch.expm1(x[:, states + 1] * math.log1p(float(spec["budget_norm"]))).clamp(min=1).round()
+    early_signals = x[:, states + 2:].contiguous()
     with torch.no_grad():
-        expected = graph(first_round, prompt_tokens, budget, early_signals)
-        fused_out = fused(first_round, prompt_tokens, budget, early_signals)
+        expected = graph(first_round, prompt_last, prompt_tokens, budget, early_signals)
+        fused_out = fused(first_round, prompt_last, prompt_tokens, budget, early_signals)
     error = ((fused_out - expected).abs() / expected.abs().clamp(min=1e-3)).max().item()
     if error > 1e-5:
         raise BundleError(f"internal error: the fused refinement graph differs from the eager one by {error:.2e}")
@@ -204,6 +205,7 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
     features = torch.stack([words, newlines, prompt_tokens], dim=1).numpy().astype(np.float32)
     tensors = {
         "refine.first_round": first_round.numpy(),
+        "refine.prompt_last": prompt_last.numpy(),
         "refine.prompt_tokens": prompt_tokens.numpy(),
         "refine.budget": budget.numpy(),
         "refine.early_signals": early_signals.numpy(),
@@ -254,8 +256,8 @@ def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dic
             "refine": {
                 **spec,
                 "dtype": "float32",
-                "tensors": {"first_round": ["B", hidden], "prompt_tokens": ["B"], "budget": ["B"],
-                            "early_signals": ["B", SIGNAL_COUNT]},
+                "tensors": {"first_round": ["B", hidden], "prompt_last": ["B", hidden], "prompt_tokens": ["B"],
+                            "budget": ["B"], "early_signals": ["B", SIGNAL_COUNT]},
                 "early_signal_columns": list(EARLY_SIGNALS),
                 "output": {"remaining_rounds": ["B"]},
             },

@@ -26,13 +26,15 @@ from dwise_predict.identity import EARLY_SIGNALS
 # 2: the graph takes a fourth input, `early_signals` (B, 3);
 # 3: prompt length and budget enter on a log scale (inputs.refine.length_scale, network.refine_input),
 #    same inputs and output as 2 but another function of them;
-# 4: `early_signals` gains a fourth column, end_probability (B, 4).
+# 4: `early_signals` gains a fourth column, end_probability (B, 4);
+# 5: a second hidden-state input, `prompt_last` (B, H), after `first_round` (identity.HIDDEN_STATES).
 OLDER_SCHEMAS = {
     1: "lacks the early_signals input",
     2: "takes prompt length and budget on a linear scale",
     3: "takes three early signals, not four (no end_probability)",
+    4: "lacks the prompt_last input (the last prompt block's pooled state)",
 }
-BUNDLE_SCHEMA_VERSION = 4
+BUNDLE_SCHEMA_VERSION = 5
 SIGNAL_COUNT = len(EARLY_SIGNALS)  # columns of the refinement graph's `early_signals` input
 BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"

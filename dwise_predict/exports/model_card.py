@@ -57,8 +57,8 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "- **admission** — LightGBM (`admission.txt`, `admission.onnx`) on three prompt features "
         "(`words`, `newlines`, `prompt_tokens` after the chat template) → predicted total denoising rounds;",
         f"- **refinement** — {_refine_words(refine)} "
-        f"(K = {manifest['K']}) on the pooled first-denoising-round hidden state "
-        f"(H = {refine['hidden_size']}), prompt tokens, budget and the first round's early signals, "
+        f"(K = {manifest['K']}) on the pooled hidden states of the first denoising round and of the last "
+        f"prompt block (H = {refine['hidden_size']} each), prompt tokens, budget and the first round's early signals, "
         "isotonic-calibrated → remaining denoising "
         "rounds (`refine.onnx`, `refine.pt`, `refine.pt2`, weights in `refine.safetensors`).",
         "",
@@ -91,7 +91,8 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "| graph | inputs (float32) | output (float32) |",
         "|---|---|---|",
         "| `admission.onnx` | `features` [B, 3] = words, newlines, prompt_tokens | `total_rounds` [B] |",
-        f"| `refine.onnx` | `first_round` [B, {refine['hidden_size']}] (raw, standardised inside), "
+        f"| `refine.onnx` | `first_round` [B, {refine['hidden_size']}], `prompt_last` [B, {refine['hidden_size']}] "
+        "(raw pooled rows, standardised inside), "
         f"`prompt_tokens` [B], `budget` [B], `early_signals` [B, {len(EARLY_SIGNALS)}] = {', '.join(EARLY_SIGNALS)} "
         "of the first denoising forward over the block's masked positions "
         "| `remaining_rounds` [B] (calibrated) |",
@@ -109,8 +110,8 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "```python",
         "import numpy as np, onnxruntime as ort",
         "refine = ort.InferenceSession('BUNDLE/refine.onnx', providers=['CPUExecutionProvider'])",
-        "rounds = refine.run(None, {'first_round': h1, 'prompt_tokens': tokens, 'budget': budget,",
-        "                           'early_signals': signals})[0]",
+        "rounds = refine.run(None, {'first_round': h1, 'prompt_last': h_prompt, 'prompt_tokens': tokens,",
+        "                           'budget': budget, 'early_signals': signals})[0]",
         "```",
         "",
         "Or rebuild the PyTorch module from the safetensors weights (no pickle):",

@@ -2,7 +2,7 @@
 
 The exported graph is :class:`FusedRefineGraph`, the same function as
 :class:`~dwise_predict.survival.network.RefineGraph` rearranged for speed: the members' first layers
-are concatenated into one ``(members * width, H + 2 + S)`` GEMM (the first layers are ~97 % of the
+are concatenated into one ``(members * width, 2H + 2 + S)`` GEMM (the first layers are ~97 % of the
 FLOPs at H = 2,048, and one large GEMM keeps both cores busier than three small ones) and the
 second layers run as one batched matmul. Everything else — the standardisation, hazards ->
 survival in log space, the ensemble mean and the isotonic lookup by comparison count — is the
@@ -23,12 +23,13 @@ from torch import nn
 
 from dwise_predict.errors import BundleError
 from dwise_predict.exports.manifest import SIGNAL_COUNT
+from dwise_predict.identity import HIDDEN_STATES
 from dwise_predict.survival.network import RefineGraph, isotonic_interp, refine_input
 
 ONNX_OPSET = 18
 # int8 weights are kept only while they rank like fp32 (Spearman against the eager outputs)
 INT8_MIN_SPEARMAN = 0.999
-INPUT_NAMES = ("first_round", "prompt_tokens", "budget", "early_signals")
+INPUT_NAMES = (*HIDDEN_STATES, "prompt_tokens", "budget", "early_signals")
 
 OUTPUT_NAME = "remaining_rounds"
 
@@ -36,9 +37,10 @@ OUTPUT_NAME = "remaining_rounds"
 class FusedRefineGraph(nn.Module):
     """:class:`RefineGraph` with the members' layers stacked: one GEMM for all first layers.
 
-    Inputs and output are those of :class:`RefineGraph`: ``first_round`` (B, H) raw pooled hidden
-    state, ``prompt_tokens`` (B,), ``budget`` (B,), ``early_signals`` (B, 4) -> (B,) calibrated remaining
-    rounds.
+    Inputs and output are those of :class:`RefineGraph`: ``first_round`` and ``prompt_last`` (B, H)
+    raw pooled hidden states, ``prompt_tokens`` (B,), ``budget`` (B,), ``early_signals`` (B, 4) -> (B,)
+    calibrated remaining rounds. The members' short units (reading only the last ``short_features``
+    input columns) are one more GEMM.
     """
 
     def __init__(self, graph: RefineGraph):
@@ -46,6 +48,9 @@ class FusedRefineGraph(nn.Module):
         members = list(graph.members)
         self.num_members = len(members)
         self.width = members[0].fc1.out_features
+        short = members[0].fc1_short
+        self.short_width = 0 if short is None else short.out_features
+        self.short_features = members[0].short_features
         self.register_buffer("input_mean", graph.input_mean.clone())
         self.register_buffer("input_std", graph.input_std.clone())
         self.register_buffer("calib_x", graph.calib_x.clone())
@@ -55,29 +60,40 @@ class FusedRefineGraph(nn.Module):
         with torch.no_grad():  # inference-only weights: buffers, not parameters
             self.register_buffer("w1", torch.cat([m.fc1.weight for m in members], 0).clone())  # (M*W, D)
             self.register_buffer("b1", torch.cat([m.fc1.bias for m in members], 0).clone())  # (M*W,)
+            # always present (TorchScript compiles both branches of raw); empty without short units
+            self.register_buffer("w1_short", torch.cat([m.fc1_short.weight for m in members], 0).clone()
+                                 if self.short_width else torch.zeros(0, self.short_features))  # (M*Ws, Ds)
+            self.register_buffer("b1_short", torch.cat([m.fc1_short.bias for m in members], 0).clone()
+                                 if self.short_width else torch.zeros(0))  # (M*Ws,)
             self.register_buffer("w2", torch.stack([m.fc2.weight.t() for m in members], 0).contiguous())  # (M, W, K)
             self.register_buffer("b2", torch.stack([m.fc2.bias for m in members], 0).unsqueeze(1).clone())  # (M, 1, K)
 
-    def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
-            early_signals: torch.Tensor) -> torch.Tensor:
+    def raw(self, first_round: torch.Tensor, prompt_last: torch.Tensor, prompt_tokens: torch.Tensor,
+            budget: torch.Tensor, early_signals: torch.Tensor) -> torch.Tensor:
         """(B,) ensemble mean of expected remaining rounds, before calibration."""
-        x = refine_input(first_round, prompt_tokens, budget, early_signals, self.prompt_norm, self.budget_norm)  # (B, D)
+        hidden = torch.cat([first_round, prompt_last], dim=1)
+        x = refine_input(hidden, prompt_tokens, budget, early_signals, self.prompt_norm, self.budget_norm)  # (B, D)
         x = (x - self.input_mean) / self.input_std
-        h = F.gelu(F.linear(x, self.w1, self.b1))  # (B, M*W)
-        h = h.view(h.shape[0], self.num_members, self.width).transpose(0, 1)  # (M, B, W)
+        h = F.gelu(F.linear(x, self.w1, self.b1)).view(x.shape[0], self.num_members, self.width)  # (B, M, W)
+        if self.short_width:
+            short = F.linear(x[:, x.shape[1] - self.short_features:], self.w1_short, self.b1_short)  # (B, M*Ws)
+            h = torch.cat([h, F.gelu(short).view(x.shape[0], self.num_members, self.short_width)], dim=2)
+        h = h.transpose(0, 1)  # (M, B, W + Ws)
         logits = torch.matmul(h, self.w2) + self.b2  # (M, B, K)
         # survival S(j) = prod_{i<=j} sigmoid(-l_i), as a cumulative sum of logs (see network.py)
         survival = torch.exp(torch.cumsum(F.logsigmoid(-logits), dim=2))  # (M, B, K)
         return survival.sum(dim=2).mean(dim=0)
 
-    def forward(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
-                early_signals: torch.Tensor) -> torch.Tensor:
-        return isotonic_interp(self.raw(first_round, prompt_tokens, budget, early_signals), self.calib_x, self.calib_y)
+    def forward(self, first_round: torch.Tensor, prompt_last: torch.Tensor, prompt_tokens: torch.Tensor,
+                budget: torch.Tensor, early_signals: torch.Tensor) -> torch.Tensor:
+        raw = self.raw(first_round, prompt_last, prompt_tokens, budget, early_signals)
+        return isotonic_interp(raw, self.calib_x, self.calib_y)
 
 
 def example_inputs(hidden_size: int, batch: int = 4) -> tuple[torch.Tensor, ...]:
     """Placeholder inputs for tracing; batch > 1 so exporters do not specialise the batch axis."""
-    return (torch.zeros(batch, hidden_size), torch.full((batch,), 100.0), torch.full((batch,), 256.0),
+    return (torch.zeros(batch, hidden_size), torch.zeros(batch, hidden_size), torch.full((batch,), 100.0),
+            torch.full((batch,), 256.0),
             torch.full((batch, SIGNAL_COUNT), 0.5))
 
 

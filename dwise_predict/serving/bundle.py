@@ -136,7 +136,7 @@ class LoadedBundle:
 
     # --- refinement ----------------------------------------------------------------------------
 
-    def refine(self, first_round, prompt_tokens, budget, early_signals):
+    def refine(self, first_round, prompt_last, prompt_tokens, budget, early_signals):
         """Calibrated remaining denoising rounds after the first denoising round.
 
         Parameters
@@ -145,6 +145,8 @@ class LoadedBundle:
             denoising round (mean-pooled here), or (B, H) already pooled. A torch tensor stays on
             its device and the result is a tensor there: pure tensor ops on the current stream,
             no host synchronisation (CUDA-graph friendly with the torch backend).
+        prompt_last : (B, L, H) or (B, H), the same for the last prompt block's forward (its final-layer
+            rows when the engine prefilled it; ``traces`` field ``prompt_last``).
         prompt_tokens : (B,) or scalar, prompt tokens after the chat template.
         budget : (B,) or scalar, output budget in tokens.
         early_signals : (B, 4) the same forward's early signals over the block's masked positions:
@@ -157,22 +159,24 @@ class LoadedBundle:
         (B,) float32 remaining rounds: a NumPy array for NumPy input, a tensor for tensor input.
         """
         shape = tuple(first_round.shape)
-        if len(shape) not in (2, 3) or (self.hidden_size and shape[-1] != self.hidden_size):
-            raise InputError(
-                f"first_round must be (B, H) or (B, L, H) with H = {self.hidden_size} (this bundle's "
-                f"hidden size), got shape {shape}: is the bundle for this model?"
-            )
+        for name, state in (("first_round", first_round), ("prompt_last", prompt_last)):
+            got = tuple(state.shape) if hasattr(state, "shape") else np.shape(state)
+            if len(got) not in (2, 3) or (self.hidden_size and got[-1] != self.hidden_size) or got[0] != shape[0]:
+                raise InputError(
+                    f"{name} must be (B, H) or (B, L, H) with H = {self.hidden_size} (this bundle's hidden size) "
+                    f"and B = {shape[0]}, got shape {got}: is the bundle for this model?"
+                )
         signal_shape = tuple(early_signals.shape) if hasattr(early_signals, "shape") else np.shape(early_signals)
         if signal_shape != (shape[0], SIGNAL_COUNT):
             raise InputError(f"early_signals must be (B, {SIGNAL_COUNT}) = ({shape[0]}, {SIGNAL_COUNT}), got {signal_shape}")
         if self.backend == "torch":
-            return self._refine_torch(first_round, prompt_tokens, budget, early_signals)
-        h = _host(first_round)
-        if h.ndim == 3:
-            h = h.mean(axis=1)
+            return self._refine_torch(first_round, prompt_last, prompt_tokens, budget, early_signals)
+        h, last = _host(first_round), _host(prompt_last)
+        h, last = (a.mean(axis=1) if a.ndim == 3 else a for a in (h, last))
         b = h.shape[0]
         feeds = {
             "first_round": np.ascontiguousarray(h),
+            "prompt_last": np.ascontiguousarray(last),
             "prompt_tokens": np.broadcast_to(_host(prompt_tokens), (b,)).copy(),
             "budget": np.broadcast_to(_host(budget), (b,)).copy(),
             "early_signals": np.ascontiguousarray(_host(early_signals)),
@@ -184,12 +188,12 @@ class LoadedBundle:
             return torch.from_numpy(out).to(first_round.device)
         return out
 
-    def refine_raw(self, first_round, prompt_tokens, budget, early_signals) -> np.ndarray:
+    def refine_raw(self, first_round, prompt_last, prompt_tokens, budget, early_signals) -> np.ndarray:
         """The ensemble's remaining-rounds estimate before the isotonic calibration, (B,) float32.
 
         For comparing raw and calibrated refinement (seed 000 Table 5) offline, e.g. in the
         simulator; any backend (the torch graph is rebuilt from ``refine.safetensors`` on the CPU).
-        NumPy in, NumPy out; ``first_round`` is (B, H) or (B, L, H).
+        NumPy in, NumPy out; ``first_round`` and ``prompt_last`` are (B, H) or (B, L, H).
         """
         import torch
 
@@ -197,15 +201,15 @@ class LoadedBundle:
         if graph is None:
             graph = self._raw_graph = _torch_refine(self.path, (self.manifest.get("inputs") or {}).get("refine") or {}, "cpu", False)
         with torch.inference_mode():
-            return graph.raw(*_torch_inputs(first_round, prompt_tokens, budget, early_signals, "cpu")).numpy()
+            return graph.raw(*_torch_inputs(first_round, prompt_last, prompt_tokens, budget, early_signals, "cpu")).numpy()
 
-    def _refine_torch(self, first_round, prompt_tokens, budget, early_signals):
+    def _refine_torch(self, first_round, prompt_last, prompt_tokens, budget, early_signals):
         import torch
 
         as_numpy = not isinstance(first_round, torch.Tensor)
         device = torch.device(self.device) if as_numpy else first_round.device
         with torch.inference_mode():
-            out = self._refine(*_torch_inputs(first_round, prompt_tokens, budget, early_signals, device))
+            out = self._refine(*_torch_inputs(first_round, prompt_last, prompt_tokens, budget, early_signals, device))
         return out.cpu().numpy() if as_numpy else out
 
 
@@ -214,8 +218,8 @@ def _host(x) -> np.ndarray:
     return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float32)
 
 
-def _torch_inputs(first_round, prompt_tokens, budget, early_signals, device):
-    """The graph's four float32 tensors on ``device``: rows pooled over L, scalars broadcast to B."""
+def _torch_inputs(first_round, prompt_last, prompt_tokens, budget, early_signals, device):
+    """The graph's five float32 tensors on ``device``: rows pooled over L, scalars broadcast to B."""
     import torch
 
     def tensor(x):
@@ -223,14 +227,13 @@ def _torch_inputs(first_round, prompt_tokens, budget, early_signals, device):
             x = x.copy()  # torch warns on (and must not share) read-only NumPy memory
         return torch.as_tensor(x, dtype=torch.float32, device=device)
 
-    h = tensor(first_round)
-    if h.dim() == 3:
-        h = h.mean(dim=1)  # (B, H): mean over the block's L rows
+    h, last = (tensor(x) for x in (first_round, prompt_last))
+    h, last = (x.mean(dim=1) if x.dim() == 3 else x for x in (h, last))  # (B, H): mean over the block's L rows
     b = h.shape[0]
     pt = tensor(prompt_tokens).reshape(-1).expand(b)
     bu = tensor(budget).reshape(-1).expand(b)
     signals = tensor(early_signals).reshape(b, SIGNAL_COUNT)
-    return h, pt, bu, signals
+    return h, last, pt, bu, signals
 
 
 def _ort_session(path: Path, device: str):

@@ -32,8 +32,14 @@ What the patch does, at the four points of seed 000 §5.1:
   ``DllmAlgorithm.run`` is wrapped to fill that buffer with NaN before a step and snapshot it after
   the step's first forward. The first refinement checks the snapshot: an unwritten buffer (a graph
   captured before install) is a one-line :class:`ConfigError`, never silent zeros. The same first
-  forward's early signals (``engine.signals``, the refinement graph's fourth input) are computed
-  from its ``full_logits`` after the forward returns, outside any captured graph.
+  forward's early signals (``engine.signals``, the refinement graph's last input) are computed
+  from its ``full_logits`` after the forward returns, outside any captured graph. The refinement's
+  ``prompt_last`` input is the same buffer's row for the request's last prompt block, kept on the
+  device; a request that runs no prompt block of its own (a prompt shorter than a block, or a
+  prefix-cache hit that served every full block: SGLang never matches the last token, so a hit on
+  every block leaves leftover tokens) gets the mean of its leftover prompt rows in its first
+  denoising forward, as the decoder records for short prompts. Those rows are pooled, like the
+  block rows, into a second static buffer through per-row weights written before each step.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
@@ -220,6 +226,9 @@ class HookStats:
     budget_overrides : policy picks that SGLang's batch budget (its ``PrefillAdder``: tokens,
         requests) left out of a step; DWISE's order yields to those budgets.
     refined : requests refined on their first denoising round.
+    prompt_from_leftover : refined requests that ran no prompt block of their own (a prompt shorter
+        than a block, or a prefix-cache hit on every full block): their ``prompt_last`` input was
+        the mean of their leftover prompt rows in the first denoising forward.
     """
 
     rounds: int = 0
@@ -231,6 +240,7 @@ class HookStats:
     prefix_blocks: int = 0
     budget_overrides: int = 0
     refined: int = 0
+    prompt_from_leftover: int = 0
 
 
 class _State:
@@ -254,6 +264,10 @@ class _State:
         self.first_rids: set | None = None  # requests whose first denoising forward the batch runs
         self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
+        self.prompt_last: dict = {}  # rid -> (H,) pooled rows of its latest prompt-block forward (device)
+        self.leftover_weights = None  # (max_batch, block) static: 1/n on a row's n leftover prompt positions
+        self.leftover_pooled = None  # (max_batch, H) static: those rows' weighted sum, written inside the forward
+        self.first_leftover = None  # (B, H) its snapshot after a step's first forward
         self.first_signals = None  # (B, 4) early signals of that forward, NaN outside first_rids' rows
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.forwards = 0  # forwards in the current step
@@ -298,6 +312,7 @@ class _State:
             if req.finished() or (id(req) not in queued and id(req) not in held):
                 self.policy.remove(rid)
                 del self.reqs[rid]
+                self.prompt_last.pop(rid, None)
                 if req.finished():
                     self.stats.finished += 1
                 else:
@@ -305,6 +320,7 @@ class _State:
             elif id(req) in queued and self.policy.fields(rid)["state"] != "waiting":
                 self.policy.remove(rid)  # registered again below, with the work it has left
                 del self.reqs[rid]
+                self.prompt_last.pop(rid, None)
                 self.stats.retracted += 1
 
     def register(self, scheduler, reqs: list) -> None:
@@ -490,7 +506,10 @@ def install(
         width = bundle.hidden_size if bundle is not None else hidden_size
         if not width:
             raise ConfigError("recording without a bundle needs hidden_size= (the model's hidden size)")
-        state.pooled = torch.full((max(int(max_batch or 0), int(slots)), int(width)), math.nan, device=device)
+        rows = max(int(max_batch or 0), int(slots))
+        state.pooled = torch.full((rows, int(width)), math.nan, device=device)
+        state.leftover_weights = torch.zeros((rows, int(block_size)), device=device)
+        state.leftover_pooled = torch.zeros((rows, int(width)), device=device)
 
     sched_mod = resolve(_SCHED)
     req_mod = resolve("sglang.srt.dllm.mixin.req")
@@ -598,20 +617,27 @@ def install(
 
             index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
             pooled = state.first_pooled[index]
+            own = [state.prompt_last.pop(reqs[i].rid, None) for i in first]
+            state.stats.prompt_from_leftover += sum(row is None for row in own)
+            leftover = state.first_leftover[index]
+            last = torch.stack([leftover[j] if row is None else row for j, row in enumerate(own)])
             tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
             budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
             signals = state.first_signals[index.to(state.first_signals.device)]
-            values = state.bundle.refine(pooled.float(), tokens, budget, signals).tolist()  # after SGLang's own sync
+            values = state.bundle.refine(pooled.float(), last.float(), tokens, budget, signals).tolist()  # after SGLang's own sync
             refined = {reqs[i].rid: v for i, v in zip(first, values)}
             state.stats.refined += len(refined)
         steps = max(state.forwards, 1)
         for r, is_prompt in zip(reqs, prompt):
             rounds = 1 if is_prompt else steps
+            if is_prompt and state.first_pooled is not None:  # the refinement's prompt_last, a device row
+                state.prompt_last[r.rid] = state.first_pooled[rows[r.rid]]
             if state.recorder is not None:
                 row = state.first_pooled[rows[r.rid]] if state.first_pooled is not None else None
                 signals = state.first_signals[rows[r.rid]].tolist() if state.first_signals is not None else None
                 own = state.row_forwards[rows[r.rid]] if state.row_forwards else 0
-                state.recorder.forward(r, is_prompt, row, own or rounds, signals)
+                leftover = state.first_leftover[rows[r.rid]] if state.first_leftover is not None else None
+                state.recorder.forward(r, is_prompt, row, own or rounds, signals, leftover)
             if not is_prompt:
                 r._dwise_rounds = getattr(r, "_dwise_rounds", 0) + rounds
             for j in range(rounds):
@@ -620,6 +646,7 @@ def install(
                                       finished=last and r.finished(), prompt=is_prompt)
             if r.finished():
                 del state.reqs[r.rid]
+                state.prompt_last.pop(r.rid, None)
                 state.stats.finished += 1
                 if state.recorder is not None:
                     state.recorder.finished(r)
@@ -628,15 +655,17 @@ def install(
     original_run = algorithm.run
 
     def run(self, model_runner, forward_batch, algo_states=None):
-        state.first_pooled, state.first_signals, state.forwards = None, None, 0
+        state.first_pooled, state.first_signals, state.first_leftover, state.forwards = None, None, None, 0
         if state.pooled is not None:
             state.pooled.fill_(math.nan)  # what a replay that skipped the copy would leave: caught below
+            set_leftover_weights(forward_batch)
         forward = model_runner.forward
 
         def counted_forward(*args, **kwargs):
             out = forward(*args, **kwargs)
             if state.forwards == 0 and state.pooled is not None:
                 state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
+                state.first_leftover = state.leftover_pooled[: forward_batch.batch_size].clone()
                 # the first forward's early signals, before the step fills masks: the refinement
                 # graph's fourth input (and recorded). From the forward's output, after any graph replay;
                 # an algorithm without a threshold counts every masked position, as the decoder does
@@ -677,6 +706,23 @@ def install(
             else:
                 self.step = own_step
 
+    def set_leftover_weights(forward_batch) -> None:
+        """Weights ``1/n`` on the ``n`` leftover prompt positions of each row whose request runs its first
+        denoising forward without a prompt block of its own, zeros elsewhere (one host-to-device copy,
+        before the step, so captured graphs read it)."""
+        import torch
+
+        rids = getattr(forward_batch, "rids", None) or [r.rid for r in getattr(forward_batch, "reqs", ())]
+        weights = torch.zeros(state.leftover_weights.shape)
+        for row, rid in enumerate(rids[: forward_batch.batch_size]):
+            req = state.reqs.get(rid)
+            if req is None or rid in state.prompt_last or state.batch_prompt.get(rid, True):
+                continue
+            n = len(req.origin_input_ids) % state.block_size
+            if n and state.first_round(req, False):
+                weights[row, :n] = 1.0 / n
+        state.leftover_weights.copy_(weights)
+
     original_logits = logits._get_dllm_logits
 
     def get_dllm_logits(self, hidden_states, lm_head, logits_metadata):
@@ -686,8 +732,12 @@ def install(
             if rows > buffer.shape[0]:
                 raise ConfigError(f"a forward of {rows} requests exceeds the pooling buffer's {buffer.shape[0]} rows: "
                                   "install the hook with max_batch at least SGLang's largest CUDA-graph batch")
-            # mean of each request's block rows, written in place: the address a CUDA graph captured
-            buffer[:rows].copy_(hidden_states.view(rows, state.block_size, hidden_states.shape[-1]).mean(dim=1))
+            # mean of each request's block rows, and the weighted sum of its leftover prompt rows, written
+            # in place: the addresses a CUDA graph captured
+            blocks = hidden_states.view(rows, state.block_size, hidden_states.shape[-1])
+            buffer[:rows].copy_(blocks.mean(dim=1))
+            weights = state.leftover_weights[:rows].to(blocks.dtype).unsqueeze(-1)  # (rows, block, 1)
+            state.leftover_pooled[:rows].copy_((weights * blocks).sum(dim=1))
         return original_logits(self, hidden_states, lm_head, logits_metadata)
 
     patch(mixin, "_fetch_waiting_reqs", fetch_waiting_reqs)

@@ -191,7 +191,7 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
     split : ``"eval"`` (default), ``"train"`` or None for every request.
     bundle : a :class:`~dwise_predict.serving.bundle.LoadedBundle` or None. Admission estimates
         come from its admission graph on the traces' (words, newlines, prompt_tokens); refined ones
-        from its refinement graph on ``first_round`` hidden states, prompt tokens and budget.
+        from its refinement graph on the ``first_round`` and ``prompt_last`` hidden states, prompt tokens and budget.
     """
     req = ds.requests
     if "prompt_blocks" not in req.columns:
@@ -217,7 +217,7 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
     if bundle is not None:
         features = req[list(FEATURE_NAMES)].to_numpy(dtype=np.float32)
         admission = np.maximum(bundle.admission(features).astype(np.float64), 0.0)
-        inputs = (ds.first_round, req["prompt_tokens"].to_numpy(np.float32), req["budget"].to_numpy(np.float32),
+        inputs = (ds.first_round, ds.prompt_last, req["prompt_tokens"].to_numpy(np.float32), req["budget"].to_numpy(np.float32),
                   ds.early_signals)
         refined = np.maximum(np.asarray(bundle.refine(*inputs), dtype=np.float64), 0.0)
         if hasattr(bundle, "refine_raw"):  # the same ensemble before calibration (seed 000 Table 5)

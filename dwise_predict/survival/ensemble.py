@@ -1,9 +1,9 @@
 """The refinement predictor's seed ensemble: fit several HazardMLPs, average their estimates.
 
-Input of a request: ``[h1, log(1 + prompt_tokens) / log(1 + prompt_norm), log(1 + budget) / log(1 +
-budget_norm), early signals]`` (``network.refine_input``; H + 2 + S values: S = 3, the first round's
-fraction over threshold, mean confidence and mean entropy, in the order of
-``identity.EARLY_SIGNALS``), standardised with the training split's mean and standard deviation.
+Input of a request: ``[h1, h_prompt, log(1 + prompt_tokens) / log(1 + prompt_norm), log(1 + budget) /
+log(1 + budget_norm), early signals]`` (``network.refine_input``; 2H + 2 + S values: the first
+denoising forward's and the last prompt block's pooled states, ``identity.HIDDEN_STATES``, and S = 4
+early signals in the order of ``identity.EARLY_SIGNALS``), standardised with the training split's mean and standard deviation.
 Each member is trained with the logistic-hazard NLL, Adam and early stopping on a validation part
 of the training split; the weights of its best validation epoch are kept. Fitted state is plain
 tensors, the same ones ``network.refine_state`` writes and ``network.build_refine_graph`` reads.
@@ -17,7 +17,7 @@ import torch
 from dwise_predict.errors import ConfigError, InputError
 from dwise_predict.survival.labels import RemainingRoundsLabels, informative
 from dwise_predict.survival.loss import logistic_hazard_nll
-from dwise_predict.identity import LENGTH_SCALE
+from dwise_predict.identity import HIDDEN_STATES, LENGTH_SCALE
 from dwise_predict.survival.network import (
     HazardMLP, RefineGraph, build_refine_graph, refine_input, refine_state, survival_from_logits,
 )
@@ -47,6 +47,7 @@ class SurvivalEnsemble:
     """
 
     candidate: str = "survival"
+    short_width: int = 0  # units reading only prompt length, budget and signals (network.HazardMLP)
 
     def __init__(
         self,
@@ -79,10 +80,11 @@ class SurvivalEnsemble:
 
         Parameters
         ----------
-        hidden : array of shape (N, H), pooled first-round hidden states.
+        hidden : array of shape (N, 2H), the pooled hidden states of ``identity.HIDDEN_STATES`` side
+            by side (``training.fit.refine_inputs`` builds them from a trace dataset).
         prompt_tokens, budget : arrays of shape (N,), prompt tokens after the chat template and output
             budget in tokens.
-        early_signals : array of shape (N, S), the first round's early signals (S = 3).
+        early_signals : array of shape (N, S), the first round's early signals (S = 4).
         remaining : array of shape (N,), remaining denoising rounds after the first (``total - 1``).
         events : array of shape (N,), 1 = finished, 0 = collection cut short (censored); all 1 if None.
         progress : optional callable ``(member, epoch, train_loss, val_loss)`` called after each epoch.
@@ -109,7 +111,7 @@ class SurvivalEnsemble:
 
     def prepare(self, hidden, prompt_tokens, budget, early_signals, remaining, events=None):
         """Fit K, the input norms and the standardisation on the informative requests; return their
-        standardised inputs (n, H + 2 + S) and survival labels (idx (n,), event (n,)).
+        standardised inputs (n, 2H + 2 + S) and survival labels (idx (n,), event (n,)).
 
         Shared with :class:`~dwise_predict.survival.linear.RidgeHead`, so every refinement candidate
         standardises its input the same way (the graph's ``input_mean`` / ``input_std``).
@@ -124,8 +126,8 @@ class SurvivalEnsemble:
         self.num_rounds_ = labels.out_features
         self.prompt_norm_ = float(max(1.0, prompt_tokens.max()))
         self.budget_norm_ = float(max(1.0, budget.max()))
-        self.hidden_size_ = int(hidden.shape[1])
-        x = self._assemble(hidden, prompt_tokens, budget, early_signals)[keep]  # (n, H + 2 + S)
+        self.hidden_size_ = int(hidden.shape[1])  # both states' columns: 2H
+        x = self._assemble(hidden, prompt_tokens, budget, early_signals)[keep]  # (n, 2H + 2 + S)
         self.input_mean_ = x.mean(dim=0)
         std = x.std(dim=0, unbiased=False)
         self.input_std_ = torch.where(std > _MIN_STD, std, torch.ones_like(std))
@@ -135,9 +137,9 @@ class SurvivalEnsemble:
         return x, idx, ev
 
     def with_members(self, members: list[HazardMLP], seeds: tuple[int, ...] | None = None, width: int | None = None,
-                     history: list[dict] | None = None) -> "SurvivalEnsemble":
+                     history: list[dict] | None = None, short_width: int = 0) -> "SurvivalEnsemble":
         """A fitted ensemble with this one's standardisation, K and norms but the given members (all of
-        one width): how the ridge head and the blend become the same graph family."""
+        one width and short width): how the ridge head and the blend become the same graph family."""
         ensemble = SurvivalEnsemble(
             width=int(width if width is not None else members[0].fc1.out_features), dropout=self.dropout,
             seeds=self.seeds if seeds is None else tuple(seeds),
@@ -146,6 +148,7 @@ class SurvivalEnsemble:
         ensemble.input_mean_, ensemble.input_std_ = self.input_mean_, self.input_std_
         ensemble.num_rounds_, ensemble.prompt_norm_, ensemble.budget_norm_ = self.num_rounds_, self.prompt_norm_, self.budget_norm_
         ensemble.hidden_size_ = self.hidden_size_
+        ensemble.short_width = int(short_width)
         ensemble.history_ = list(history or [])
         ensemble.candidate = self.candidate
         return ensemble
@@ -193,11 +196,14 @@ class SurvivalEnsemble:
     def spec(self) -> dict:
         """The refine.json dict of the run directory (see RUNDIR in the README)."""
         return {
-            "hidden_size": self.hidden_size_,
+            "hidden_size": self.hidden_size_ // len(HIDDEN_STATES),  # per state: each graph input's width
+            "hidden_states": list(HIDDEN_STATES),
             "early_signals": self.signal_count,
             "in_features": int(self.input_mean_.numel()),
             "num_rounds": self.num_rounds_,
             "width": self.width,
+            "short_features": int(self.input_mean_.numel()) - self.hidden_size_,
+            "short_width": self.short_width,
             "dropout": self.dropout,
             "members": len(self.members_),
             "seeds": list(self.seeds),
@@ -217,7 +223,8 @@ class SurvivalEnsemble:
         ensemble.input_mean_ = graph.input_mean.clone()
         ensemble.input_std_ = graph.input_std.clone()
         ensemble.num_rounds_ = int(spec["num_rounds"])
-        ensemble.hidden_size_ = int(spec["hidden_size"])
+        ensemble.hidden_size_ = int(spec["hidden_size"]) * len(HIDDEN_STATES)
+        ensemble.short_width = int(spec.get("short_width", 0))
         ensemble.prompt_norm_ = float(spec["prompt_norm"])
         ensemble.budget_norm_ = float(spec["budget_norm"])
         ensemble.history_ = []
@@ -244,7 +251,8 @@ class SurvivalEnsemble:
 
     def predict_raw(self, hidden, prompt_tokens, budget, early_signals, batch_size: int = 1024) -> np.ndarray:
         """Ensemble mean of expected remaining rounds, array of shape (N,) float64 (uncalibrated)."""
-        inputs = self._check(hidden, prompt_tokens, budget, early_signals)
+        hidden, *rest = self._check(hidden, prompt_tokens, budget, early_signals)
+        inputs = (*hidden.tensor_split(len(HIDDEN_STATES), dim=1), *rest)  # the graph's inputs, one per state
         graph = self.graph()
         out = []
         with torch.no_grad():
@@ -260,7 +268,7 @@ class SurvivalEnsemble:
         return curves.double().numpy()
 
     def standardise(self, hidden, prompt_tokens, budget, early_signals) -> torch.Tensor:
-        """(N, H), (N,), (N,), (N, S) raw inputs -> (N, H + 2 + S) standardised, as the graph does
+        """(N, 2H), (N,), (N,), (N, S) raw inputs -> (N, 2H + 2 + S) standardised, as the graph does
         before its members."""
         return (self._assemble(*self._check(hidden, prompt_tokens, budget, early_signals)) - self.input_mean_) / self.input_std_
 
@@ -269,7 +277,7 @@ class SurvivalEnsemble:
 
     def _assemble(self, hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
                   early_signals: torch.Tensor) -> torch.Tensor:
-        """(N, H), (N,), (N,), (N, S) -> (N, H + 2 + S) in the column order RefineGraph.raw uses."""
+        """(N, 2H), (N,), (N,), (N, S) -> (N, 2H + 2 + S) in the column order RefineGraph.raw uses."""
         return refine_input(hidden, prompt_tokens, budget, early_signals, self.prompt_norm_, self.budget_norm_)
 
 
@@ -280,8 +288,9 @@ def _check_inputs(hidden, prompt_tokens, budget, early_signals, hidden_size: int
     prompt_tokens = torch.as_tensor(np.asarray(prompt_tokens, dtype=np.float32)).ravel()
     budget = torch.as_tensor(np.asarray(budget, dtype=np.float32)).ravel()
     early_signals = torch.as_tensor(np.array(early_signals, dtype=np.float32))  # a copy: column views are read-only
-    if hidden.ndim != 2:
-        raise InputError(f"hidden states must have shape (N, H), got {tuple(hidden.shape)}")
+    if hidden.ndim != 2 or hidden.shape[1] % len(HIDDEN_STATES):
+        raise InputError(f"hidden states must have shape (N, {len(HIDDEN_STATES)}H) ({' and '.join(HIDDEN_STATES)} "
+                         f"side by side), got {tuple(hidden.shape)}")
     if hidden_size is not None and hidden.shape[1] != hidden_size:
         raise InputError(f"hidden states have size {hidden.shape[1]} but the model was trained on {hidden_size}")
     n = hidden.shape[0]

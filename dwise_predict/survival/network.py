@@ -17,20 +17,32 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from dwise_predict.identity import LENGTH_SCALE
+from dwise_predict.identity import HIDDEN_STATES, LENGTH_SCALE
 
 
 class HazardMLP(nn.Module):
-    """Two-layer MLP: standardised input (D) -> width -> K hazard logits (GELU, dropout)."""
+    """Two-layer MLP: standardised input (D) -> width -> K hazard logits (GELU, dropout).
 
-    def __init__(self, in_features: int, num_rounds: int, width: int = 256, dropout: float = 0.2):
+    ``short_width`` > 0 adds that many GELU units reading only the last ``short_features`` input
+    columns (prompt length, budget, early signals), beside the ``width`` units reading all of them.
+    The random-feature head of :mod:`dwise_predict.survival.linear` lives there: as ``fc1`` rows it
+    would store ``short_width x H`` zeros, some 100 MB at H = 4,096.
+    """
+
+    def __init__(self, in_features: int, num_rounds: int, width: int = 256, dropout: float = 0.2,
+                 short_features: int = 0, short_width: int = 0):
         super().__init__()
         self.fc1 = nn.Linear(in_features, width)
+        self.short_features = int(short_features)
+        self.fc1_short = nn.Linear(short_features, short_width) if short_width > 0 else None
         self.drop = nn.Dropout(dropout)
-        self.fc2 = nn.Linear(width, num_rounds)
+        self.fc2 = nn.Linear(width + short_width, num_rounds)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, K)
-        return self.fc2(self.drop(F.gelu(self.fc1(x))))
+        units = self.fc1(x)
+        if self.fc1_short is not None:
+            units = torch.cat([units, self.fc1_short(x[:, x.shape[1] - self.short_features:])], dim=1)
+        return self.fc2(self.drop(F.gelu(units)))
 
 
 def survival_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -62,9 +74,11 @@ def isotonic_interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torc
     return y0 + (y1 - y0) * (xc - x0) / span
 
 
-def refine_input(first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
+def refine_input(hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
                  early_signals: torch.Tensor, prompt_norm: float, budget_norm: float) -> torch.Tensor:
-    """(B, H), (B,), (B,), (B, S) raw inputs -> (B, H + 2 + S), the members' input before standardisation.
+    """(B, 2H), (B,), (B,), (B, S) raw inputs -> (B, 2H + 2 + S), the members' input before
+    standardisation. ``hidden`` is the pooled states of :data:`~dwise_predict.identity.HIDDEN_STATES`
+    side by side (``first_round`` then ``prompt_last``).
 
     Prompt length and budget enter as ``log(1 + n) / log(1 + norm)``, ``norm`` the largest training
     value. On a linear scale a category of long prompts never seen in training (the tiny model's
@@ -74,7 +88,7 @@ def refine_input(first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget:
     order. ``log(1 + n)`` rather than ``log1p``: the ONNX exporters map it to plain ops everywhere.
     """
     return torch.cat(
-        [first_round, (torch.log(prompt_tokens + 1.0) / math.log(prompt_norm + 1.0)).unsqueeze(1),
+        [hidden, (torch.log(prompt_tokens + 1.0) / math.log(prompt_norm + 1.0)).unsqueeze(1),
          (torch.log(budget + 1.0) / math.log(budget_norm + 1.0)).unsqueeze(1), early_signals],
         dim=1,
     )
@@ -83,8 +97,9 @@ def refine_input(first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget:
 class RefineGraph(nn.Module):
     """Calibrated ensemble in one graph: raw inputs in, calibrated remaining rounds out.
 
-    Inputs: ``first_round`` (B, H) pooled hidden state (raw), ``prompt_tokens`` (B,), ``budget`` (B,),
-    ``early_signals`` (B, S) the first round's early signals (raw).
+    Inputs: ``first_round`` (B, H) the first denoising forward's pooled block rows (raw),
+    ``prompt_last`` (B, H) the last prompt block's pooled rows (raw), ``prompt_tokens`` (B,),
+    ``budget`` (B,), ``early_signals`` (B, S) the first round's early signals (raw).
     Output: (B,) remaining denoising rounds on the scale of actual rounds.
     """
 
@@ -107,32 +122,40 @@ class RefineGraph(nn.Module):
         self.prompt_norm = float(prompt_norm)
         self.budget_norm = float(budget_norm)
 
-    def raw(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
-            early_signals: torch.Tensor) -> torch.Tensor:
+    def raw(self, first_round: torch.Tensor, prompt_last: torch.Tensor, prompt_tokens: torch.Tensor,
+            budget: torch.Tensor, early_signals: torch.Tensor) -> torch.Tensor:
         """(B,) ensemble mean of expected remaining rounds, before calibration."""
-        x = refine_input(first_round, prompt_tokens, budget, early_signals, self.prompt_norm, self.budget_norm)
+        hidden = torch.cat([first_round, prompt_last], dim=1)
+        x = refine_input(hidden, prompt_tokens, budget, early_signals, self.prompt_norm, self.budget_norm)
         x = (x - self.input_mean) / self.input_std
         estimates = [expected_remaining(m(x)) for m in self.members]
         return torch.stack(estimates, dim=0).mean(dim=0)
 
-    def forward(self, first_round: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
-                early_signals: torch.Tensor) -> torch.Tensor:
-        return isotonic_interp(self.raw(first_round, prompt_tokens, budget, early_signals), self.calib_x, self.calib_y)
+    def forward(self, first_round: torch.Tensor, prompt_last: torch.Tensor, prompt_tokens: torch.Tensor,
+                budget: torch.Tensor, early_signals: torch.Tensor) -> torch.Tensor:
+        raw = self.raw(first_round, prompt_last, prompt_tokens, budget, early_signals)
+        return isotonic_interp(raw, self.calib_x, self.calib_y)
 
 
 def build_refine_graph(weights: dict[str, torch.Tensor], spec: dict, calibration: dict) -> RefineGraph:
     """Rebuild the calibrated ensemble from plain arrays: the run directory's (and bundle's)
     ``refine.safetensors`` (``member{i}.fc1.weight`` ..., ``input_mean``, ``input_std``), the
-    ``refine.json`` spec (``in_features``, ``num_rounds``, ``width``, ``members``, ``prompt_norm``,
-    ``budget_norm``, ``length_scale``) and ``calibration.json`` (``x``, ``y``: increasing isotonic knots).
+    ``refine.json`` spec (``in_features``, ``num_rounds``, ``width``, ``short_features``,
+    ``short_width``, ``members``, ``prompt_norm``, ``budget_norm``, ``length_scale``,
+    ``hidden_states``) and ``calibration.json`` (``x``, ``y``: increasing isotonic knots).
 
-    Raises ``ValueError`` for a spec of another input scale (an older run or bundle)."""
+    Raises ``ValueError`` for a spec of another input scale or other hidden states (an older run or
+    bundle)."""
     if spec.get("length_scale") != LENGTH_SCALE:
         raise ValueError(f"refine spec length_scale is {spec.get('length_scale')!r}, not {LENGTH_SCALE!r}: "
                          "it was trained by an older dwise-predict; retrain it")
+    if tuple(spec.get("hidden_states", ("first_round",))) != HIDDEN_STATES:
+        raise ValueError(f"refine spec takes the hidden states {spec.get('hidden_states', ['first_round'])}, not "
+                         f"{list(HIDDEN_STATES)}: it was trained by an older dwise-predict; retrain it")
     members = []
     for i in range(int(spec["members"])):
-        member = HazardMLP(int(spec["in_features"]), int(spec["num_rounds"]), int(spec["width"]), 0.0)
+        member = HazardMLP(int(spec["in_features"]), int(spec["num_rounds"]), int(spec["width"]), 0.0,
+                           int(spec.get("short_features", 0)), int(spec.get("short_width", 0)))
         member.load_state_dict({k.split(".", 1)[1]: v for k, v in weights.items() if k.startswith(f"member{i}.")})
         members.append(member)
     graph = RefineGraph(

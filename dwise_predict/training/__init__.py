@@ -15,6 +15,7 @@ _HOMES = {
     "Targets": "fit",
     "evaluate_predictors": "fit",
     "fit_predictors": "fit",
+    "refine_inputs": "fit",
     "torch_threads": "fit",
     "load_predictors": "run",
     "train_run": "run",

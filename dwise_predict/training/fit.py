@@ -65,7 +65,7 @@ class Predictors:
 
     def refined_raw(self, ds: TraceDataset) -> np.ndarray:
         """(N,) ensemble mean of remaining rounds after the first denoising round, uncalibrated."""
-        return self.ensemble.predict_raw(*_refine_inputs(ds))
+        return self.ensemble.predict_raw(*refine_inputs(ds))
 
     def refined_remaining(self, ds: TraceDataset) -> np.ndarray:
         """(N,) calibrated remaining rounds (on the scale of actual remaining rounds)."""
@@ -73,7 +73,7 @@ class Predictors:
 
     def predict_survival(self, ds: TraceDataset) -> np.ndarray:
         """(N, K) ensemble survival curves S(t) = P(remaining > t), t = 0..K-1."""
-        return self.ensemble.predict_survival(*_refine_inputs(ds))
+        return self.ensemble.predict_survival(*refine_inputs(ds))
 
     def refine_graph(self):
         """The calibrated ensemble as one torch graph (``network.RefineGraph``), as export builds it."""
@@ -135,7 +135,7 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
             split_seed=config.seed,
         )
 
-    inputs = _refine_inputs(train)
+    inputs = refine_inputs(train)
     if config.refine == "auto":
         selection = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble, config.cv_folds,
                                    config.seed)
@@ -211,11 +211,12 @@ def evaluate_predictors(predictors: Predictors, eval_ds: TraceDataset, bootstrap
     }
 
 
-def _refine_inputs(ds: TraceDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The refinement graph's inputs of every request: first_round (N, H), prompt_tokens (N,), budget
-    (N,), early_signals (N, 4)."""
+def refine_inputs(ds: TraceDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The refinement inputs of every request, in the order every candidate's fit and predict take
+    (:meth:`SurvivalEnsemble.fit`): the hidden states of ``identity.HIDDEN_STATES`` side by side (N,
+    2H: ``first_round`` then ``prompt_last``), prompt_tokens (N,), budget (N,), early_signals (N, 4)."""
     return (
-        ds.first_round,
+        np.concatenate([ds.first_round, ds.prompt_last], axis=1),
         ds.requests["prompt_tokens"].to_numpy(dtype=np.float32),
         ds.requests["budget"].to_numpy(dtype=np.float32),
         ds.early_signals,

@@ -2,19 +2,20 @@
 
 Candidates (all one graph family, so all export under contract 2 — see
 :mod:`dwise_predict.survival.linear`; every one sees only what the bundle receives: ``first_round``,
-``prompt_tokens``, ``budget`` and the first round's ``early_signals``):
+``prompt_last``, ``prompt_tokens``, ``budget`` and the first round's ``early_signals``):
 
 - ``survival`` — the paper's seed ensemble of survival MLPs (the reference);
-- ``ridge`` — ridge of ``log1p(remaining)`` on the standardised state, penalty by leave-one-out;
+- ``ridge`` — ridge of ``log1p(remaining)`` on the standardised input, penalty by leave-one-out;
 - ``survival+ridge`` — both in one graph, the raw estimate averaged over all members;
 - ``ridge-within`` — the ridge fitted in two stages, first on inputs centred within each category
   (directions that order requests *inside* a category, what an unseen category can reuse), then the
-  residual's levels between categories; still one linear score, so serving needs no category;
+  residual's levels between categories, one such fit per hidden state averaged; still one linear
+  score, so serving needs no category;
 - ``survival-pca`` — the ensemble trained on the top 32 principal components of the standardised
   input, the projection folded into the members' first layer (fewer weights than requests);
-- ``ridge-within+signals`` — ``ridge-within`` blended on the log scale with a ridge on random GELU
-  features of prompt tokens, budget and the early signals (the non-linear part of seed 001's
-  signals that a linear head misses); the blend weight is :data:`DEFAULT_BLEND_WEIGHT` unless
+- ``ridge-within+signals`` — ``ridge-within`` blended on the log scale with a bag of ridges on
+  random GELU features of prompt tokens, budget and the early signals (the non-linear part of seed
+  001's signals that a linear head misses); the blend weight is :data:`DEFAULT_BLEND_WEIGHT` unless
   another entry of :data:`BLEND_WEIGHTS` scores clearly better under grouped and
   leave-one-category-out CV on the training split (:func:`choose_blend_weight`).
 

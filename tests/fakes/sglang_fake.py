@@ -34,13 +34,14 @@ Written here, for what needs a GPU or a real model (each mirrors the SGLang code
 - ``FillAlgorithm``: SGLang's ``DllmAlgorithm`` with a ``step`` that, like ``LowConfidence.step``,
   reports *done* when the forward's input held no mask and otherwise fills masks so that block b
   of a request is filled in ``forwards[b] - 1`` steps (so it costs ``forwards[b]`` forwards);
-- ``ModelRunner``: every row of a request's block carries the request's hidden vector; with
+- ``ModelRunner``: every row of a request's block carries the request's hidden vector (its prompt
+  vector in a prompt block, and on the leftover prompt positions of its first output block); with
   ``cuda_graph=True`` the logits path is recorded once at ``capture()`` (start-up) and every
   forward replays the recorded tensor operations without running any Python hook, as a CUDA graph
   replay does.
 
-A fake request knows its forwards per output block (SGLang units, as traces record them) and its
-first-round hidden vector.
+A fake request knows its forwards per output block (SGLang units, as traces record them), its
+first-round hidden vector and its prompt hidden vector (the first-round one unless given).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Req(ReqDllmMixin):
     """SGLang's request fields the dLLM path reads, with SGLang's own ``ReqDllmMixin``."""
 
     def __init__(self, rid, origin_input_ids, sampling_params, dllm_config, rounds_per_block, hidden, features,
-                 eos_token_id=None):
+                 eos_token_id=None, prompt_hidden=None):
         self.rid = rid
         self.origin_input_ids = array("q", [int(t) for t in origin_input_ids])
         self.output_ids = array("q")
@@ -105,6 +106,7 @@ class Req(ReqDllmMixin):
         # fake-only: forwards per output block (SGLang units) and the model's hidden vector
         self.forwards_per_block = [int(x) for x in rounds_per_block]
         self.hidden = hidden
+        self.prompt_hidden = hidden if prompt_hidden is None else prompt_hidden
         self.features = features
         self.eos_token_id = eos_token_id  # with a real model: finish on EOS or budget (update_finish_state)
         self.fills = 0  # fill steps done in the current block
@@ -266,8 +268,7 @@ class ModelRunner:
     def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None, reinit_attn_backend=False,
                 split_forward_count=1):
         self.calls += 1
-        rows = torch.stack([torch.as_tensor(r.hidden, dtype=torch.float32) for r in forward_batch.reqs])  # (B, H)
-        hidden_states = rows[:, None, :].expand(-1, self.block_size, -1).reshape(-1, self.hidden_size)  # (B*bs, H)
+        hidden_states = torch.cat([self._block_rows(r) for r in forward_batch.reqs])  # (B*bs, H)
         if self.graph is not None and forward_batch.batch_size <= self.max_bs:
             self.static_hidden.zero_()
             self.static_hidden[: hidden_states.shape[0]].copy_(hidden_states)
@@ -276,6 +277,18 @@ class ModelRunner:
             return SimpleNamespace(logits_output=SimpleNamespace(full_logits=full), can_run_graph=True)
         logits = self.logits_processor._get_dllm_logits(hidden_states, None, None)
         return SimpleNamespace(logits_output=logits, can_run_graph=False)
+
+
+    def _block_rows(self, req):
+        """(bs, H) rows of ``req``'s block: its prompt vector in a prompt block and on the leftover
+        prompt positions that open its first output block, its hidden vector elsewhere."""
+        rows = torch.as_tensor(req.hidden, dtype=torch.float32).expand(self.block_size, -1).clone()
+        prompt = torch.as_tensor(req.prompt_hidden, dtype=torch.float32)
+        if req.is_dllm_prefill():
+            rows[:] = prompt
+        elif req.blocks_done == 0:
+            rows[: len(req.origin_input_ids) % self.block_size] = prompt
+        return rows
 
 
 # --- sglang.srt.dllm.algorithm ------------------------------------------------------------------------
