@@ -617,10 +617,10 @@ def install(
 
             index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
             pooled = state.first_pooled[index]
-            own = [state.prompt_last.pop(reqs[i].rid, None) for i in first]
-            state.stats.prompt_from_leftover += sum(row is None for row in own)
+            prompt_rows = [state.prompt_last.pop(reqs[i].rid, None) for i in first]
+            state.stats.prompt_from_leftover += sum(row is None for row in prompt_rows)
             leftover = state.first_leftover[index]
-            last = torch.stack([leftover[j] if row is None else row for j, row in enumerate(own)])
+            last = torch.stack([leftover[j] if row is None else row for j, row in enumerate(prompt_rows)])
             tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
             budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
             signals = state.first_signals[index.to(state.first_signals.device)]
@@ -667,7 +667,7 @@ def install(
                 state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
                 state.first_leftover = state.leftover_pooled[: forward_batch.batch_size].clone()
                 # the first forward's early signals, before the step fills masks: the refinement
-                # graph's fourth input (and recorded). From the forward's output, after any graph replay;
+                # graph's last input (and recorded). From the forward's output, after any graph replay;
                 # an algorithm without a threshold counts every masked position, as the decoder does
                 logits_out = out.logits_output.full_logits
                 if state.stop_ids is None:
@@ -712,7 +712,7 @@ def install(
         before the step, so captured graphs read it)."""
         import torch
 
-        rids = getattr(forward_batch, "rids", None) or [r.rid for r in getattr(forward_batch, "reqs", ())]
+        rids = getattr(forward_batch, "rids", None) or ()
         weights = torch.zeros(state.leftover_weights.shape)
         for row, rid in enumerate(rids[: forward_batch.batch_size]):
             req = state.reqs.get(rid)
