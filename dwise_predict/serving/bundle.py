@@ -67,7 +67,7 @@ class LoadedBundle:
     Attributes
     ----------
     manifest : the parsed ``bundle.json``.
-    hidden_size : H, the width of ``first_round`` that :meth:`refine` expects.
+    hidden_size : H, the width of ``first_round`` and of ``prompt_last`` that :meth:`refine` expects.
     """
 
     def __init__(self, path: Path, manifest: dict, device: str, backend: str, torchscript: bool):
