@@ -708,12 +708,11 @@ def install(
 
     def set_leftover_weights(forward_batch) -> None:
         """Weights ``1/n`` on the ``n`` leftover prompt positions of each row whose request runs its first
-        denoising forward without a prompt block of its own, zeros elsewhere (one host-to-device copy,
-        before the step, so captured graphs read it)."""
-        import torch
-
+        denoising forward without a prompt block of its own, zeros elsewhere, written into the static
+        buffer before the step (captured graphs read it) by device fills: no host copy on the step's path."""
+        weights = state.leftover_weights
+        weights.zero_()
         rids = getattr(forward_batch, "rids", None) or ()
-        weights = torch.zeros(state.leftover_weights.shape)
         for row, rid in enumerate(rids[: forward_batch.batch_size]):
             req = state.reqs.get(rid)
             if req is None or rid in state.prompt_last or state.batch_prompt.get(rid, True):
@@ -721,7 +720,6 @@ def install(
             n = len(req.origin_input_ids) % state.block_size
             if n and state.first_round(req, False):
                 weights[row, :n] = 1.0 / n
-        state.leftover_weights.copy_(weights)
 
     original_logits = logits._get_dllm_logits
 
