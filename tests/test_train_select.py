@@ -12,12 +12,15 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
+from sklearn.linear_model import Ridge
 
 from dwise_predict import metrics as M
 from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError
 from dwise_predict.identity import EARLY_SIGNALS
-from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead, blend, blend_heads
+from dwise_predict.survival.linear import (
+    DEFAULT_ALPHAS, RidgeHead, SignalFeatureHead, _ridge_loo, _ridge_two_stage, blend, blend_heads,
+)
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import load_traces, write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
@@ -251,7 +254,55 @@ def test_ridge_within_transfers_to_a_held_out_category():
     assert rho_within > 0.6 and rho_within >= rho_plain - 0.05  # a category never seen in training
     assert within.ensemble().candidate == "ridge-within"
     assert set(within.record()["states"]) == {"first_round", "prompt_last"}  # one two-stage fit per state
-    assert all("alpha_within" in fit for fit in within.record()["states"].values())
+    assert all(fit["cv_between"] == "leave-one-category-out" for fit in within.record()["states"].values())
+
+
+def test_leave_one_category_out_penalty_is_what_refitting_without_each_category_gives():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 300))
+    groups = rng.integers(0, 5, 120).astype(str)
+    y = x[:, 0] + 2.0 * (groups == "1") + rng.normal(size=120)
+    fitted, _, alpha, mse = _ridge_loo(x, y, DEFAULT_ALPHAS, groups=groups)
+    refit = []  # scikit-learn's ridge refitted once per left-out category and penalty
+    for a in DEFAULT_ALPHAS:
+        error = 0.0
+        for cat in np.unique(groups):
+            seen = groups != cat
+            reference = Ridge(alpha=a).fit(x[seen], y[seen])
+            error += np.sum((y[~seen] - reference.predict(x[~seen])) ** 2)
+        refit.append(error / len(y))
+    assert alpha == DEFAULT_ALPHAS[int(np.argmin(refit))]
+    assert mse == pytest.approx(min(refit), rel=1e-6)  # no refit: the block hat-matrix identity
+    np.testing.assert_allclose(fitted, _ridge_loo(x, y, (alpha,))[0], rtol=1e-10)  # the fit itself is the same
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_ridge_within_does_not_memorise_the_levels_of_the_categories_seen(seed):
+    # twelve categories, each with its own mean input and level (unrelated to each other); inside every
+    # category column 20 orders the requests. Eight are seen: with leave-one-out the second stage maps
+    # the eight means to their levels, directions that only scramble the order inside the other four;
+    # leaving a category out finds them useless there and shrinks the second stage
+    rng = np.random.default_rng(seed)
+    groups = np.repeat(np.arange(12), 40)
+    x = rng.normal(0.0, 2.0, (12, 60))[groups] + rng.normal(size=(480, 60))
+    y = rng.normal(0.0, 2.0, 12)[groups] + 0.5 * x[:, 20] + 0.3 * rng.normal(size=480)
+    seen = groups < 8
+    coef, _, record = _ridge_two_stage(x[seen], y[seen], groups[seen].astype(str), DEFAULT_ALPHAS)
+    within = _ridge_two_stage_within(x[seen], y[seen], groups[seen])
+    levels, _, alpha_loo, _ = _ridge_loo(x[seen], y[seen] - x[seen] @ within, DEFAULT_ALPHAS)
+    assert record["alpha_between"] >= 100 * alpha_loo
+    new = [groups == cat for cat in range(8, 12)]
+    rho_group_cv = np.mean([M.spearman(x[rows] @ coef, y[rows]) for rows in new])
+    rho_loo = np.mean([M.spearman(x[rows] @ (within + levels), y[rows]) for rows in new])
+    assert rho_group_cv > 0.7 and rho_group_cv > rho_loo + 0.05
+
+
+def _ridge_two_stage_within(x, y, groups):
+    xc, yc = x.copy(), y.copy()
+    for cat in np.unique(groups):
+        xc[groups == cat] -= x[groups == cat].mean(axis=0)
+        yc[groups == cat] -= y[groups == cat].mean()
+    return _ridge_loo(xc, yc, DEFAULT_ALPHAS)[0]
 
 
 def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():

@@ -160,7 +160,8 @@ def _refine_words(refine: dict) -> str:
                 "GELU features of prompt tokens, budget and the early signals, written as one survival member of width "
                 f"{refine['width']} whose hazard logit is minus the blended score (`candidate: ridge-within+signals`)")
     if candidate == "ridge-within":
-        return ("a two-stage ridge head (within-category directions first, then the levels between categories; "
+        return ("a two-stage ridge head (within-category directions first, then the levels between categories with a "
+                "penalty chosen by leaving one category out; "
                 "log1p target), written as one width-2 survival member whose hazard logit is minus the ridge score "
                 "(`candidate: ridge-within`)")
     if candidate == "ridge":

@@ -65,8 +65,9 @@ class RidgeHead:
             (candidate ``ridge-within``): first a ridge on inputs and targets centred *within each
             category* — only the directions that order requests inside a category, which is what a
             category never seen in training can reuse — then a ridge of the residual on the raw
-            inputs for the levels between categories; one such fit per hidden state, averaged. All
-            of it is linear, so the result is one weight vector; serving needs no category.
+            inputs for the levels between categories, its penalty chosen by leaving one category
+            out (the levels are for categories the fit has not seen); one such fit per hidden state,
+            averaged. All of it is linear, so the result is one weight vector; serving needs no category.
         """
         if not self.alphas or min(self.alphas) <= 0:
             raise InputError(f"ridge penalties must be > 0, got {self.alphas}")
@@ -137,16 +138,25 @@ class RidgeHead:
 def _ridge_two_stage(x: np.ndarray, y: np.ndarray, groups: np.ndarray, alphas) -> tuple[np.ndarray, float, dict]:
     """``ridge-within`` on ``x`` (n, d): a ridge on inputs and targets centred within each category,
     then a ridge of its residual on the raw inputs; one weight vector (d,), its intercept and the
-    penalties chosen."""
+    penalties chosen.
+
+    The second stage learns each category's level. Its penalty is chosen by leaving one category out,
+    not one request: with every category in the fit, leave-one-out rewards memorising the levels of
+    the categories seen, and those directions only add noise to the order inside a category the fit
+    has never seen. On 14 draws of the tiny model's traces, end to end through ``train``: held-out-
+    category ρ 0.414 -> 0.428, within-category ρ +0.004, ρ over all requests 0.912 -> 0.904."""
     xc, yc = x.copy(), y.copy()
     for cat in np.unique(groups):
         rows = groups == cat
         xc[rows] -= x[rows].mean(axis=0)
         yc[rows] -= y[rows].mean()
     w1, _, alpha_within, loo_within = _ridge_loo(xc, yc, alphas)
-    w2, intercept, alpha, loo = _ridge_loo(x, y - x @ w1, alphas)
-    return w1 + w2, intercept, {"alpha_within": alpha_within, "loo_mse_within": loo_within, "alpha": alpha,
-                                "loo_mse": loo}
+    # one category: nothing to leave out, so leave one request out as in the first stage
+    by = groups if np.unique(groups).size > 1 else None
+    w2, intercept, alpha, error = _ridge_loo(x, y - x @ w1, alphas, groups=by)
+    return w1 + w2, intercept, {"alpha_within": alpha_within, "loo_mse_within": loo_within, "alpha_between": alpha,
+                                "cv_mse_between": error,
+                                "cv_between": "leave-one-out" if by is None else "leave-one-category-out"}
 
 
 def blend(ensemble: SurvivalEnsemble, ridge: RidgeHead) -> SurvivalEnsemble:
@@ -254,12 +264,16 @@ def blend_heads(ridge: RidgeHead, features: SignalFeatureHead, weight: float) ->
     return ensemble
 
 
-def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas) -> tuple[np.ndarray, float, float, float]:
-    """Ridge with intercept; penalty by exact leave-one-out MSE. Returns (coef (D,), intercept, alpha, mse).
+def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas, groups=None) -> tuple[np.ndarray, float, float, float]:
+    """Ridge with intercept; penalty by exact leave-one-out MSE, or, given ``groups`` (n,), by exact
+    leave-one-group-out MSE. Returns (coef (D,), intercept, alpha, mse).
 
     One eigendecomposition of the smaller Gram matrix serves every alpha: with the centred
-    ``X = U diag(s) V^T``, the fit is ``U diag(s^2 / (s^2 + a)) U^T y`` and the hat diagonal
-    ``sum_k U_ik^2 s_k^2 / (s_k^2 + a) + 1/n``. The algebra runs in torch (float64, on the caller's
+    ``X = U diag(s) V^T``, the fit is ``U diag(s^2 / (s^2 + a)) U^T y`` and the hat matrix
+    ``H = U diag(s^2 / (s^2 + a)) U^T + 1/n`` (the intercept is unpenalised). A request's
+    leave-one-out residual is ``r_i / (1 - H_ii)``; a group's residuals when the fit leaves out the
+    whole group are ``(I - H_gg)^{-1} r_g`` (the same Sherman-Morrison-Woodbury identity for a
+    block), so grouped CV needs no refit either. The algebra runs in torch (float64, on the caller's
     torch thread count): numpy's OpenBLAS ``eigh`` of a 1,453 x 1,453 Gram matrix took 6.6 s on two
     busy cores against 0.9 s for torch's.
     """
@@ -279,12 +293,21 @@ def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas) -> tuple[np.ndarray, float,
         u = (xc @ v) / torch.sqrt(lam)  # (n, r)
     uty = u.T @ yc
     u2 = u * u
+    blocks = None if groups is None else [torch.as_tensor(np.flatnonzero(groups == g)) for g in np.unique(groups)]
     best = None
     for a in alphas:
         f = lam / (lam + a)
         resid = yc - u @ (f * uty)
-        hat = u2 @ f + 1.0 / n
-        mse = float(torch.mean((resid / torch.clamp(1.0 - hat, min=1e-9)) ** 2))
+        if blocks is None:
+            hat = u2 @ f + 1.0 / n
+            mse = float(torch.mean((resid / torch.clamp(1.0 - hat, min=1e-9)) ** 2))
+        else:
+            sse = 0.0
+            for rows in blocks:
+                ub = u[rows]
+                held_out = torch.eye(len(rows), dtype=torch.float64) - (ub * f) @ ub.T - 1.0 / n
+                sse += float(torch.sum(torch.linalg.solve(held_out, resid[rows]) ** 2))
+            mse = sse / n
         if best is None or mse < best[1] - 1e-12:
             best = (float(a), mse)
     a, mse = best

@@ -9,8 +9,8 @@ Candidates (all one graph family, so all export under contract 2 — see
 - ``survival+ridge`` — both in one graph, the raw estimate averaged over all members;
 - ``ridge-within`` — the ridge fitted in two stages, first on inputs centred within each category
   (directions that order requests *inside* a category, what an unseen category can reuse), then the
-  residual's levels between categories, one such fit per hidden state averaged; still one linear
-  score, so serving needs no category;
+  residual's levels between categories (penalty by leaving one category out), one such fit per
+  hidden state averaged; still one linear score, so serving needs no category;
 - ``survival-pca`` — the ensemble trained on the top 32 principal components of the standardised
   input, the projection folded into the members' first layer (fewer weights than requests);
 - ``ridge-within+signals`` — ``ridge-within`` blended on the log scale with a bag of ridges on
