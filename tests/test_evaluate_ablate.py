@@ -84,6 +84,11 @@ def test_train_size_and_seeds_ablations(split):
         assert r["held_out_mean"] == pytest.approx(np.mean(list(r["held_out"].values())))
     assert shipped[2]["held_out_mean"] > 0.5
     assert all("held_out" not in r for r in sizes["rows"] if r["candidate"] == "survival")
+    # the retrainings run in a pool of one worker per core; in this process alone they agree exactly
+    serial = ablate("train-size", train, ev, fast_config(), n_boot=100, jobs=1)
+    for pooled, alone in zip(sizes["rows"], serial["rows"]):
+        assert (pooled["name"], pooled["spearman"], pooled["within_category_mean"], pooled.get("held_out")) == (
+            alone["name"], alone["spearman"], alone["within_category_mean"], alone.get("held_out"))
     seeds = ablate("seeds", train, ev, fast_config(), n_boot=100)
     summary = seeds["summary"]
     assert set(summary) == {"survival", "ridge", "auto"}

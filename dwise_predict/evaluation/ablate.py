@@ -44,7 +44,7 @@ import numpy as np
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval, fmt_pm
-from dwise_predict.evaluation.pool import fit
+from dwise_predict.evaluation.pool import RetrainTask, run_tasks
 from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES
 from dwise_predict.metrics import mean_sd, percentile_interval, rank_scores, spearman, stratified_indices
 from dwise_predict.traces import TraceDataset
@@ -171,17 +171,23 @@ def _with_hidden(ds: TraceDataset, tensor: str) -> TraceDataset:
     return TraceDataset(ds.requests, hidden, np.zeros_like(hidden), ds.manifest, ds.path)
 
 
-def _held_out(train: TraceDataset, eval_ds: TraceDataset, config, min_requests: int) -> dict[str, float | None]:
-    """Within-category ρ of each category held out of training (LOCO), for the categories
-    :func:`.loco.plan` evaluates (at least ``min_requests`` requests on each side)."""
+def _held_out_tasks(row: str, train: TraceDataset, eval_ds: TraceDataset, config,
+                    min_requests: int) -> list[RetrainTask]:
+    """The retrainings behind a row's held-out-category ρ: one per category :func:`.loco.plan`
+    evaluates (at least ``min_requests`` requests on each side), named ``"<row> | without <category>"``."""
     tasks, _ = loco.plan(train, eval_ds, config, min_requests=min_requests)
+    return [dataclasses.replace(task, name=f"{row} | without {task.name}") for task in tasks]
+
+
+def _held_out_rho(row: str, held: list[RetrainTask], results: dict, eval_ds: TraceDataset) -> dict[str, float | None]:
+    """Category -> within-category ρ of the retraining that held it out of training."""
     cats = eval_ds.requests["category"].astype(str).to_numpy()
     true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
     out = {}
-    for task in tasks:
-        rows = cats == task.name
-        pred, _ = _refined(task.train, eval_ds.subset(rows), config)
-        out[task.name] = spearman(pred, true[rows])
+    for task in held:
+        category = task.name.removeprefix(f"{row} | without ")
+        rows = cats == category
+        out[category] = spearman(results[task.name]["refined"][rows], true[rows])
     return out
 
 
@@ -189,11 +195,6 @@ def _held_out_fields(held: dict[str, float | None]) -> dict:
     """A row's ``held_out`` (category -> ρ) and ``held_out_mean`` over the categories with a ρ."""
     defined = [v for v in held.values() if v is not None]
     return {"held_out": held, "held_out_mean": float(np.mean(defined)) if defined else None}
-
-
-def _refined(train: TraceDataset, eval_ds: TraceDataset, config) -> tuple[np.ndarray, str]:
-    predictors = fit(train, config)
-    return np.asarray(predictors.refined_remaining(eval_ds), float), predictors.ensemble.candidate
 
 
 def _subsample(train: TraceDataset, fraction: float, seed: int) -> TraceDataset:
@@ -209,9 +210,12 @@ def _subsample(train: TraceDataset, fraction: float, seed: int) -> TraceDataset:
 
 
 def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot: int = N_BOOT,
-           log: Callable[[str], None] | None = None, min_requests: int = loco.MIN_REQUESTS) -> dict:
+           log: Callable[[str], None] | None = None, min_requests: int = loco.MIN_REQUESTS,
+           jobs: int | None = None) -> dict:
     """Run one ablation (``kind`` in :data:`KINDS`); ``eval_ds`` should hold finished requests only.
-    ``min_requests``: the held-out categories' floor, as ``evaluate --min-requests``.
+    ``min_requests``: the held-out categories' floor, as ``evaluate --min-requests``. Every retraining
+    is a :class:`~.pool.RetrainTask`, all of them run in one pool of ``jobs`` workers
+    (:func:`~.pool.run_tasks`; None: one per core), so results do not depend on ``jobs``.
 
     Returns ``{"kind", "rows": [{"name", "candidate", "inputs", "bundle", "n_train", "spearman",
     "spearman_ci", "within_category_mean", "within_category_ci", "delta_vs_reference"}, ...],
@@ -226,14 +230,13 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
         raise InputError(f"unknown ablation {kind!r}: choose from {', '.join(KINDS)}")
     true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
     cats = eval_ds.requests["category"].astype(str).to_numpy()
-    rows: list[dict] = []
-    preds: dict[str, np.ndarray] = {}
+    # (row fields, its fit, its held-out fits: None where the row reports no held-out ρ)
+    planned: list[tuple[dict, RetrainTask, list[RetrainTask] | None]] = []
 
-    def add(name: str, pred: np.ndarray, **fields) -> None:
-        rows.append({"name": name, **fields})
-        preds[name] = pred
+    def plan(row: dict, train_v: TraceDataset, eval_v: TraceDataset, row_config, held_out: bool = False) -> None:
+        held = _held_out_tasks(row["name"], train_v, eval_v, row_config, min_requests) if held_out else None
+        planned.append((row, RetrainTask(row["name"], train_v, eval_v, row_config), held))
 
-    extra: dict = {}
     if kind == "inputs":
         settings = [("h1 + last prompt block + prompt tokens + budget + early signals", HIDDEN_STATES, True),
                     ("h1 + last prompt block + prompt tokens + budget", HIDDEN_STATES, False),
@@ -242,45 +245,57 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
                     ("prompt tokens + budget + early signals", (), True)]
         for candidate in INPUT_CANDIDATES:
             for label, states, signals in settings:
-                log(f"  ablation inputs: {candidate}, {label}")
-                pred, _ = _refined(_variant(train, states, signals), _variant(eval_ds, states, signals),
-                                   dataclasses.replace(config, refine=candidate))
-                add(f"{candidate}, {label}", pred, candidate=candidate, inputs=label, bundle=True, n_train=len(train))
-        early = early_signal_predictions(train, eval_ds, config.seed)["all four"]
-        add("early signals (all four), LightGBM", early, candidate="-", inputs="seed 001's four early signals",
-            bundle=False, n_train=len(train))
+                plan({"name": f"{candidate}, {label}", "candidate": candidate, "inputs": label, "bundle": True,
+                      "n_train": len(train)}, _variant(train, states, signals), _variant(eval_ds, states, signals),
+                     dataclasses.replace(config, refine=candidate))
     elif kind == "train-size":
         for fraction in TRAIN_FRACTIONS:
             sub = _subsample(train, fraction, config.seed)
             for candidate in INPUT_CANDIDATES:
-                log(f"  ablation train-size: {candidate}, {fraction:.0%} ({len(sub)} requests)")
-                fixed = dataclasses.replace(config, refine=candidate)
-                pred, _ = _refined(sub, eval_ds, fixed)
-                held = (_held_out_fields(_held_out(sub, eval_ds, fixed, min_requests))
-                        if candidate == TRANSFER_CANDIDATE else {})
-                add(f"{candidate}, {fraction:.0%} of train", pred, candidate=candidate, inputs=f"{fraction:.0%} of the training split", bundle=True,
-                    n_train=len(sub), **held)
+                plan({"name": f"{candidate}, {fraction:.0%} of train", "candidate": candidate,
+                      "inputs": f"{fraction:.0%} of the training split", "bundle": True, "n_train": len(sub)},
+                     sub, eval_ds, dataclasses.replace(config, refine=candidate),
+                     held_out=candidate == TRANSFER_CANDIDATE)
     elif kind in HIDDEN_KINDS:
         ridge = dataclasses.replace(config, refine="ridge")
         for label, tensor in hidden_settings(kind, train):
-            log(f"  ablation {kind}: ridge on {tensor}")
-            train_v, eval_v = _with_hidden(train, tensor), _with_hidden(eval_ds, tensor)
-            pred, _ = _refined(train_v, eval_v, ridge)
             # only what first_round holds reaches a bundle: the serving hook pools the final layer
             bundle = tensor == "first_round" or np.array_equal(train.extra_hidden[tensor], train.first_round)
-            add(label, pred, candidate="ridge", inputs=f"{tensor} + prompt tokens, budget, early signals", bundle=bundle,
-                n_train=len(train), **_held_out_fields(_held_out(train_v, eval_v, ridge, min_requests)))
+            plan({"name": label, "candidate": "ridge", "inputs": f"{tensor} + prompt tokens, budget, early signals",
+                  "bundle": bundle, "n_train": len(train)},
+                 _with_hidden(train, tensor), _with_hidden(eval_ds, tensor), ridge, held_out=True)
     else:  # seeds
-        per_seed: dict[str, list[dict]] = {}
         for candidate in ("survival", "ridge", "auto"):
             for s in range(config.seed, config.seed + N_SEEDS):
-                log(f"  ablation seeds: {candidate}, seed {s}")
-                pred, chosen = _refined(train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s))
-                add(f"{candidate}, seed {s}", pred, candidate=chosen if candidate == "auto" else candidate, inputs=f"seed {s}",
-                    bundle=True, n_train=len(train))
-                overall, within = rank_scores(pred, true, cats)
-                per_seed.setdefault(candidate, []).append(
-                    {"seed": s, "chosen": chosen, "spearman": _num(overall), "within_category_mean": _num(within)})
+                plan({"name": f"{candidate}, seed {s}", "candidate": candidate, "inputs": f"seed {s}", "bundle": True,
+                      "n_train": len(train), "seed": s}, train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s))
+
+    tasks = [task for _, main, held in planned for task in (main, *(held or ()))]
+    log(f"  ablation {kind}: {len(tasks)} retrainings")
+    results = run_tasks(tasks, jobs, on_done=lambda name: log(f"  ablation {kind}: {name}"))
+    rows: list[dict] = []
+    preds: dict[str, np.ndarray] = {}
+    per_seed: dict[str, list[dict]] = {}
+    for row, main, held in planned:
+        pred = results[main.name]["refined"]
+        if held is not None:
+            row.update(_held_out_fields(_held_out_rho(row["name"], held, results, main.eval)))
+        if kind == "seeds":
+            candidate, seed = row["candidate"], row.pop("seed")
+            chosen = results[main.name]["candidate"]
+            overall, within = rank_scores(pred, true, cats)
+            per_seed.setdefault(candidate, []).append(
+                {"seed": seed, "chosen": chosen, "spearman": _num(overall), "within_category_mean": _num(within)})
+            row["candidate"] = chosen
+        rows.append(row)
+        preds[row["name"]] = pred
+    extra: dict = {}
+    if kind == "inputs":
+        name = "early signals (all four), LightGBM"
+        rows.append({"name": name, "candidate": "-", "inputs": "seed 001's four early signals", "bundle": False,
+                     "n_train": len(train)})
+        preds[name] = early_signal_predictions(train, eval_ds, config.seed)["all four"]
+    if kind == "seeds":
         extra["summary"] = {c: _mean_sd(v) for c, v in per_seed.items()}
     reference = {"inputs": REFERENCE, "train-size": "survival, 100% of train", "seeds": f"survival, seed {config.seed}",
                  "layers": DEFAULT_HIDDEN, "pooling": DEFAULT_HIDDEN}[kind]

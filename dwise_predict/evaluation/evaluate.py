@@ -194,7 +194,7 @@ def evaluate(
     for kind in dict.fromkeys(ablate):
         log(f"ablation: {kind}")
         ablations.append(ablate_mod.ablate(kind, finished_train, scored, config, n_boot=_n_boot(config), log=log,
-                                            min_requests=min_requests))
+                                            min_requests=min_requests, jobs=jobs))
 
     arrays = {"eval_requests": scored.requests, "all_requests": ds.requests, **preds}
     arrays["survival"] = survival_examples(

@@ -1,7 +1,7 @@
 """Retraining both predictors on a subset of the training split, in parallel where cores allow.
 
-Leave-one-category-out and the prompt-hidden-state baseline each need the full training recipe run
-again on different inputs. Each such run is a :class:`RetrainTask`; :func:`run_tasks` runs them in a
+Leave-one-category-out, the prompt-hidden-state baseline and every ablation row need the full
+training recipe run again on different inputs. Each such run is a :class:`RetrainTask`; :func:`run_tasks` runs them in a
 process pool and returns only the evaluation-split predictions, which is all the tables need. Every
 task trains with its config's ``num_threads`` torch threads (as ``train`` does), so results do not
 depend on ``jobs``.
@@ -47,14 +47,16 @@ def fit(train: TraceDataset, config):
         return fit_predictors(train, config)
 
 
-def fit_predict(task: RetrainTask) -> dict[str, np.ndarray]:
+def fit_predict(task: RetrainTask) -> dict[str, Any]:
     """Run one task: ``{"admission": total rounds, "refined": calibrated remaining, "refined_raw": ...}``,
-    each an array of shape (n_eval,)."""
+    each an array of shape (n_eval,), and ``"candidate"``, the refinement candidate fitted (the CV's
+    choice when the config says ``auto``)."""
     predictors = fit(task.train, task.config)
     return {
         "admission": np.asarray(predictors.admission_total(task.eval), dtype=float),
         "refined": np.asarray(predictors.refined_remaining(task.eval), dtype=float),
         "refined_raw": np.asarray(predictors.refined_raw(task.eval), dtype=float),
+        "candidate": predictors.ensemble.candidate,
     }
 
 
@@ -68,7 +70,7 @@ def run_tasks(
     tasks: Sequence[RetrainTask],
     jobs: int | None = None,
     on_done: Callable[[str], None] | None = None,
-) -> dict[str, dict[str, np.ndarray]]:
+) -> dict[str, dict[str, Any]]:
     """Run every task and return ``{task.name: fit_predict(task)}``.
 
     Parameters
@@ -80,7 +82,7 @@ def run_tasks(
     if jobs is None:
         jobs = default_jobs(len(tasks), max((t.config.num_threads for t in tasks), default=1))
     jobs = max(1, int(jobs))
-    results: dict[str, dict[str, np.ndarray]] = {}
+    results: dict[str, dict[str, Any]] = {}
     if jobs == 1 or len(tasks) <= 1:
         for task in tasks:
             results[task.name] = fit_predict(task)
