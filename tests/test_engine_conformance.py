@@ -251,23 +251,26 @@ def test_whole_requests_match_sglang(sgl, name):
 
 @pytest.mark.parametrize("block", [4, 8, 32])
 def test_layout_matches_req_mixin(sgl, block):
-    """Prefill forwards (with cached prefixes), leftover tokens under the prompt mask, first outputs."""
+    """Prefill forwards (with cached prefixes), the block each one runs (the serving hook keys its
+    prompt rows by ``prefix_len + block``), leftover tokens under the prompt mask, first outputs."""
     config = sgl.DllmConfig(algorithm="LowConfidence", algorithm_config={}, block_size=block, mask_id=MASK,
                             max_running_requests=1)
     for n in range(1, 4 * block + 2):
+        prompt = [1000 + i for i in range(n)]
         for cached in range(0, n // block + 1):
-            req = new_request(sgl, config, [7] * n)
+            req = new_request(sgl, config, prompt)
             kv_len, forwards = cached * block, 0
             next_round(req, kv_len)
             while req.is_dllm_prefill():
                 forwards += 1
+                assert list(req.full_untruncated_fill_ids[kv_len:kv_len + block]) == prompt[kv_len:kv_len + block]
                 kv_len += block
                 next_round(req, kv_len)
             layout = block_layout(n, block)
             assert kv_len == layout.prompt_blocks * block
             assert forwards == prefill_rounds(n, block, cached_prefix=cached * block), (n, cached)
             assert list(req.full_untruncated_fill_ids[kv_len:kv_len + block]) == (
-                [7] * layout.leftover + [MASK] * layout.first_block_outputs)
+                prompt[kv_len:] + [MASK] * layout.first_block_outputs)
 
 
 def test_mirrored_names_exist_in_the_wheel(sgl):

@@ -336,11 +336,15 @@ def test_p_follows_the_prefix_match(served):
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_without_a_prompt_block_of_its_own_prompt_last_is_the_mean_of_the_leftover_prompt_rows(served, graph):
-    """A prompt shorter than a block, and a prompt whose every full block a prefix hit served (SGLang
-    never matches the last token, so 4 leftover tokens remain), run no prompt block of their own:
-    their ``prompt_last`` is the mean of their leftover prompt rows in the first denoising forward
-    (what the decoder records for a short prompt), through graph replays too; a request that ran its
+@pytest.mark.parametrize("prompt_cache", [4096, 0])
+def test_without_a_prompt_block_of_its_own_prompt_last_is_the_same_block_or_the_leftover_rows(served, graph,
+                                                                                              prompt_cache):
+    """A prompt whose every full block a prefix hit served (SGLang never matches the last token, so 4
+    leftover tokens remain) runs no prompt block of its own: its ``prompt_last`` is the row that the
+    earlier request's forward computed for that same last block over the same tokens (in the fake,
+    that request's prompt vector), kept by the hook; without that row (``prompt_cache=0``), and for a
+    prompt shorter than a block, it is the mean of its leftover prompt rows in the first denoising
+    forward (in the fake, its own prompt vector), through graph replays too; a request that ran its
     prompt blocks gets its last one's rows."""
     config = fake.config(BS, 4)
     bundle = RecordingBundle(served[0])
@@ -355,7 +359,7 @@ def test_without_a_prompt_block_of_its_own_prompt_last_is_the_mean_of_the_leftov
         n = len(ids[rid])
         return fake.Req(rid, ids[rid], SP(), config, [2, 2], first, (1, 0, n), prompt_hidden=prompt_vector)
 
-    handle = hooked(bundle, slots=2, k=2)
+    handle = hooked(bundle, slots=2, k=2, prompt_cache=prompt_cache)
     try:
         scheduler = fake.Scheduler(config, batch_capacity=2, max_total_num_tokens=10**9)
         runner, algorithm = fake.ModelRunner(BS, width, cuda_graph=graph, max_bs=2), fake.FillAlgorithm(config)
@@ -364,16 +368,47 @@ def test_without_a_prompt_block_of_its_own_prompt_last_is_the_mean_of_the_leftov
             scheduler.waiting_queue.append(req)
             while not req.finished():
                 scheduler.step(algorithm, runner)
-        assert handle.stats.prefix_blocks == 4 and handle.stats.prompt_from_leftover == 2
+        assert handle.stats.prefix_blocks == 4
+        kept = prompt_cache > 0
+        assert (handle.stats.prompt_from_cache, handle.stats.prompt_from_leftover) == ((1, 1) if kept else (0, 2))
+        assert len(handle.state.prompt_rows.rows) == (4 if kept else 0)  # a's four prompt blocks
     finally:
         handle.uninstall()
     assert handle.stats.refined == 3
+    expected_prompt = {"a": vectors["a"][1], "short": vectors["short"][1],
+                       "hit": vectors["a"][1] if kept else vectors["hit"][1]}
     for i, rid in enumerate(("a", "short", "hit")):
         first, prompt_vector = vectors[rid]
         leftover = len(ids[rid]) % BS
         pooled = (leftover * prompt_vector + (BS - leftover) * first) / BS  # the block mean: first_round
         np.testing.assert_allclose(bundle.seen[i][0].numpy(), pooled, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(bundle.seen_prompt[i][0].numpy(), prompt_vector, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(bundle.seen_prompt[i][0].numpy(), expected_prompt[rid], rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_rows_keep_the_most_recently_used_and_key_every_token_before_the_block_end():
+    from dwise_predict.serving.sglang_adapter import _PromptRows, block_key
+
+    rows = _PromptRows(2)
+    for key, value in (("a", 1), ("b", 2)):
+        rows.put(key, value)
+    assert rows.get("a") == 1  # a is now the most recent: b leaves first
+    rows.put("c", 3)
+    assert list(rows.rows) == ["a", "c"] and rows.get("b") is None
+
+    class Req:
+        def __init__(self, ids):
+            self.origin_input_ids, self.output_ids = ids, []
+
+    base = list(range(40))
+    same, late, early = Req(base), Req(base[:39] + [99]), Req([7] + base[1:])
+    keys = [block_key(Req(base), blocks, 8) for blocks in (1, 2, 3, 4)]
+    assert len(set(keys)) == 4
+    assert [block_key(same, blocks, 8) for blocks in (4, 1)] == [keys[3], keys[0]]  # any order, same keys
+    assert block_key(late, 4, 8) == keys[3]  # a change after the block's end: same block
+    assert block_key(early, 4, 8) != keys[3] and block_key(early, 1, 8) != keys[0]  # a change before it: another
+    retracted = Req(base[:20])
+    retracted.output_ids = base[20:]  # a retraction re-prefills its outputs: they count as prompt tokens
+    assert block_key(retracted, 4, 8) == keys[3]
 
 
 def test_refusals_are_one_clear_line(served):

@@ -132,8 +132,9 @@ class LiveRecorder:
 
     def forward(self, req, prompt: bool, pooled_row, rounds: int, signals=None, leftover_row=None) -> None:
         """One step ran ``req``: a prompt block, or ``rounds`` forwards of its current output block.
-        ``leftover_row``: in its first denoising forward, the mean of its leftover prompt rows (its
-        ``prompt_last`` when it ran no prompt block of its own, as the decoder records it)."""
+        ``leftover_row``: in its first denoising forward, its ``prompt_last`` should it have run no
+        prompt block of its own: the hook's kept row of its last full block after a prefix-cache hit,
+        else the mean of its leftover prompt rows (as the decoder records a short prompt)."""
         entry = self.open.get(str(req.rid))
         if entry is None:
             return

@@ -35,11 +35,13 @@ What the patch does, at the four points of seed 000 §5.1:
   forward's early signals (``engine.signals``, the refinement graph's last input) are computed
   from its ``full_logits`` after the forward returns, outside any captured graph. The refinement's
   ``prompt_last`` input is the same buffer's row for the request's last prompt block, kept on the
-  device; a request that runs no prompt block of its own (a prompt shorter than a block, or a
-  prefix-cache hit that served every full block: SGLang never matches the last token, so a hit on
-  every block leaves leftover tokens) gets the mean of its leftover prompt rows in its first
-  denoising forward, as the decoder records for short prompts. Those rows are pooled, like the
-  block rows, into a second static buffer through per-row weights written before each step.
+  device. A request that runs no prompt block of its own after a prefix-cache hit on every full
+  block (SGLang never matches the last token, so leftover tokens remain) gets the row of the earlier
+  request's forward that computed that same last block over the same tokens (:class:`_PromptRows`,
+  bounded); a prompt shorter than a block, or a hit whose block no longer is there, gets the mean of
+  its leftover prompt rows in its first denoising forward, as the decoder records for short prompts.
+  Those rows are pooled, like the block rows, into a second static buffer through per-row weights
+  written before each step.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
@@ -53,8 +55,10 @@ Install it in the scheduler process with :mod:`dwise_predict.serving.launcher`.
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,9 +230,12 @@ class HookStats:
     budget_overrides : policy picks that SGLang's batch budget (its ``PrefillAdder``: tokens,
         requests) left out of a step; DWISE's order yields to those budgets.
     refined : requests refined on their first denoising round.
-    prompt_from_leftover : refined requests that ran no prompt block of their own (a prompt shorter
-        than a block, or a prefix-cache hit on every full block): their ``prompt_last`` input was
-        the mean of their leftover prompt rows in the first denoising forward.
+    prompt_from_cache : refined requests that ran no prompt block of their own after a prefix-cache
+        hit on every full block: their ``prompt_last`` input was the row an earlier request's forward
+        computed for the same last full block over the same tokens.
+    prompt_from_leftover : refined requests that ran no prompt block of their own and found no such
+        row (a prompt shorter than a block, or a hit whose block has left :class:`_PromptRows`): their
+        ``prompt_last`` input was the mean of their leftover prompt rows in the first denoising forward.
     """
 
     rounds: int = 0
@@ -240,14 +247,64 @@ class HookStats:
     prefix_blocks: int = 0
     budget_overrides: int = 0
     refined: int = 0
+    prompt_from_cache: int = 0
     prompt_from_leftover: int = 0
+
+
+class _PromptRows:
+    """Pooled rows of recent prompt-block forwards, keyed by every token up to the block's end: the
+    ``prompt_last`` of a later request whose every full prompt block a prefix-cache hit served.
+
+    A block's rows depend on its own tokens and those before it only (block-causal attention), so the
+    row an earlier request computed for a block ending where the later request's last full block ends,
+    over the same tokens, is the row that request's own forward would have computed — what ``collect``
+    (no prefix cache) records. Least recently used rows leave first once ``capacity`` are held
+    (``capacity`` rows of H floats on the model's device; 0 keeps none).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = max(0, int(capacity))
+        self.rows: OrderedDict = OrderedDict()
+
+    def put(self, key: bytes, row) -> None:
+        if not self.capacity:
+            return
+        self.rows[key] = row
+        self.rows.move_to_end(key)
+        while len(self.rows) > self.capacity:
+            self.rows.popitem(last=False)
+
+    def get(self, key: bytes):
+        row = self.rows.get(key)
+        if row is not None:
+            self.rows.move_to_end(key)
+        return row
+
+
+def block_key(req, blocks: int, block_size: int) -> bytes:
+    """Digest of ``req``'s first ``blocks`` full blocks of tokens (prompt, then any output a
+    retraction put back into its prompt), chained block by block and kept on the request, so a
+    request's keys cost one pass over its tokens however many blocks ask."""
+    keys = vars(req).setdefault("_dwise_block_keys", [])
+    if len(keys) < blocks:
+        import numpy as np
+
+        start, stop, n = len(keys) * block_size, blocks * block_size, len(req.origin_input_ids)
+        # only the blocks not hashed yet: the prompt's, then any outputs a retraction put back
+        tokens = list(req.origin_input_ids[start:stop]) + list(req.output_ids[max(0, start - n):max(0, stop - n)])
+        ids = np.asarray(tokens, dtype=np.int64)
+        for k in range(blocks - len(keys)):
+            previous = keys[-1] if keys else b""
+            keys.append(hashlib.blake2b(previous + ids[k * block_size:(k + 1) * block_size].tobytes(),
+                                        digest_size=16).digest())
+    return keys[blocks - 1]
 
 
 class _State:
     """What the patched functions share: the policy, the bundle and the refinement buffers."""
 
     def __init__(self, bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device,
-                 block_size, max_batch, recorder):
+                 block_size, max_batch, recorder, prompt_cache):
         self.bundle = bundle
         self.slots, self.k = slots, k
         self.kv_budget_tokens, self.kv_fraction, self.slack_blocks = kv_budget_tokens, kv_fraction, slack_blocks
@@ -265,6 +322,8 @@ class _State:
         self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
         self.prompt_last: dict = {}  # rid -> (H,) pooled rows of its latest prompt-block forward (device)
+        self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
+        self.block_end: dict = {}  # rid -> where the prompt block it runs in the batch being run ends
         self.leftover_weights = None  # (max_batch, block) static: 1/n on a row's n leftover prompt positions
         self.leftover_pooled = None  # (max_batch, H) static: those rows' weighted sum, written inside the forward
         self.first_leftover = None  # (B, H) its snapshot after a step's first forward
@@ -452,6 +511,7 @@ def install(
     max_batch: int | None = None,
     hidden_size: int | None = None,
     recorder=None,
+    prompt_cache: int = 4096,
 ) -> Installed:
     """Patch SGLang's dLLM scheduler (classes, so every scheduler in the process) with DWISE.
 
@@ -480,6 +540,9 @@ def install(
     hidden_size : the model's hidden size when recording without a bundle.
     recorder : an object with ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)``
         and ``finished(req)`` (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
+    prompt_cache : prompt-block rows kept for requests that a prefix-cache hit leaves without a prompt
+        block of their own (:class:`_PromptRows`; ``prompt_cache`` x H floats on ``device``; 0: none,
+        those requests get their leftover prompt rows' mean).
     resolve : module resolver (tests pass a fake SGLang here).
     """
     global _resolve_abort_req
@@ -499,7 +562,7 @@ def install(
                 "export a bundle for this decoding config"
             )
     state = _State(bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device,
-                   block_size, max_batch, recorder)
+                   block_size, max_batch, recorder, prompt_cache)
     if pooling:
         import torch
 
@@ -569,7 +632,7 @@ def install(
         taken = {r.rid for r in staged}
         state.stats.budget_overrides += sum(rid not in taken for rid in state.run_rids if rid in resident)
         # the phase each request runs in is known only now: SGLang matched its prefix while staging it
-        state.batch_prompt = {}
+        state.batch_prompt, state.block_end = {}, {}
         for r in staged:
             if r.rid not in state.reqs:
                 continue
@@ -578,6 +641,10 @@ def install(
             fields = state.policy.fields(r.rid)
             if prompt:
                 left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), state.block_size, r.prefix_len)
+                if not self.dllm_config.requires_separate_context_encoding:
+                    # SGLang's prefix ends on a block boundary (it asserts so) and the prompt forward
+                    # runs the full block after it (`ReqDllmMixin.determine_dllm_phase`)
+                    state.block_end[r.rid] = r.prefix_len + state.block_size
             else:
                 left = 0
             if left < fields["P"]:
@@ -611,16 +678,29 @@ def install(
                 if not bool(torch.isfinite(snap).all()):  # one sync, on the first refinement only
                     raise ConfigError(UNWRITTEN)
                 state.checked = True
+        # prompt_last of first-round requests that ran no prompt block of their own: an earlier
+        # forward's row for the same last full block, else the mean of their leftover prompt rows
+        cached, without_block = {}, {}
+        if first and state.first_pooled is not None:
+            for i in first:
+                r = reqs[i]
+                if r.rid in state.prompt_last:
+                    continue
+                blocks = len(r.origin_input_ids) // state.block_size
+                row = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
+                if row is not None:
+                    cached[r.rid] = row
+                without_block[r.rid] = row if row is not None else state.first_leftover[rows[r.rid]]
         refined = {}
         if first and state.bundle is not None and state.first_pooled is not None:
             import torch
 
             index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
             pooled = state.first_pooled[index]
-            prompt_rows = [state.prompt_last.pop(reqs[i].rid, None) for i in first]
-            state.stats.prompt_from_leftover += sum(row is None for row in prompt_rows)
-            leftover = state.first_leftover[index]
-            last = torch.stack([leftover[j] if row is None else row for j, row in enumerate(prompt_rows)])
+            last = torch.stack([state.prompt_last.pop(reqs[i].rid, None) if reqs[i].rid not in without_block
+                                else without_block[reqs[i].rid] for i in first])
+            state.stats.prompt_from_cache += len(cached)
+            state.stats.prompt_from_leftover += len(without_block) - len(cached)
             tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
             budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
             signals = state.first_signals[index.to(state.first_signals.device)]
@@ -631,12 +711,19 @@ def install(
         for r, is_prompt in zip(reqs, prompt):
             rounds = 1 if is_prompt else steps
             if is_prompt and state.first_pooled is not None:  # the refinement's prompt_last, a device row
-                state.prompt_last[r.rid] = state.first_pooled[rows[r.rid]]
+                row = state.first_pooled[rows[r.rid]]
+                state.prompt_last[r.rid] = row
+                if state.prompt_rows.capacity and r.rid in state.block_end:
+                    # a copy: a view would keep the whole step's snapshot alive
+                    state.prompt_rows.put(block_key(r, state.block_end[r.rid] // state.block_size, state.block_size),
+                                          row.clone())
             if state.recorder is not None:
                 row = state.first_pooled[rows[r.rid]] if state.first_pooled is not None else None
                 signals = state.first_signals[rows[r.rid]].tolist() if state.first_signals is not None else None
                 own = state.row_forwards[rows[r.rid]] if state.row_forwards else 0
-                leftover = state.first_leftover[rows[r.rid]] if state.first_leftover is not None else None
+                leftover = without_block.get(r.rid)
+                if leftover is None and state.first_leftover is not None:
+                    leftover = state.first_leftover[rows[r.rid]]
                 state.recorder.forward(r, is_prompt, row, own or rounds, signals, leftover)
             if not is_prompt:
                 r._dwise_rounds = getattr(r, "_dwise_rounds", 0) + rounds
