@@ -268,7 +268,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
         for candidate in ("survival", "ridge", "auto"):
             for s in range(config.seed, config.seed + N_SEEDS):
                 plan({"name": f"{candidate}, seed {s}", "candidate": candidate, "inputs": f"seed {s}", "bundle": True,
-                      "n_train": len(train), "seed": s}, train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s))
+                      "n_train": len(train)}, train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s))
 
     tasks = [task for _, main, held in planned for task in (main, *(held or ()))]
     log(f"  ablation {kind}: {len(tasks)} retrainings")
@@ -281,11 +281,10 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
         if held is not None:
             row.update(_held_out_fields(_held_out_rho(row["name"], held, results, main.eval)))
         if kind == "seeds":
-            candidate, seed = row["candidate"], row.pop("seed")
-            chosen = results[main.name]["candidate"]
+            chosen = results[main.name]["candidate"]  # the CV's choice where the row's config says auto
             overall, within = rank_scores(pred, true, cats)
-            per_seed.setdefault(candidate, []).append(
-                {"seed": seed, "chosen": chosen, "spearman": _num(overall), "within_category_mean": _num(within)})
+            per_seed.setdefault(row["candidate"], []).append({"seed": main.config.seed, "chosen": chosen,
+                                                              "spearman": _num(overall), "within_category_mean": _num(within)})
             row["candidate"] = chosen
         rows.append(row)
         preds[row["name"]] = pred

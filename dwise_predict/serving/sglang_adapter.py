@@ -680,7 +680,7 @@ def install(
                 state.checked = True
         # prompt_last of first-round requests that ran no prompt block of their own: an earlier
         # forward's row for the same last full block, else the mean of their leftover prompt rows
-        cached, without_block = {}, {}
+        without_block, from_cache = {}, 0
         if first and state.first_pooled is not None:
             for i in first:
                 r = reqs[i]
@@ -688,8 +688,7 @@ def install(
                     continue
                 blocks = len(r.origin_input_ids) // state.block_size
                 row = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
-                if row is not None:
-                    cached[r.rid] = row
+                from_cache += row is not None
                 without_block[r.rid] = row if row is not None else state.first_leftover[rows[r.rid]]
         refined = {}
         if first and state.bundle is not None and state.first_pooled is not None:
@@ -697,10 +696,10 @@ def install(
 
             index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
             pooled = state.first_pooled[index]
-            last = torch.stack([state.prompt_last.pop(reqs[i].rid, None) if reqs[i].rid not in without_block
-                                else without_block[reqs[i].rid] for i in first])
-            state.stats.prompt_from_cache += len(cached)
-            state.stats.prompt_from_leftover += len(without_block) - len(cached)
+            last = torch.stack([without_block[r.rid] if r.rid in without_block else state.prompt_last.pop(r.rid)
+                                for r in (reqs[i] for i in first)])
+            state.stats.prompt_from_cache += from_cache
+            state.stats.prompt_from_leftover += len(without_block) - from_cache
             tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
             budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
             signals = state.first_signals[index.to(state.first_signals.device)]
