@@ -27,5 +27,6 @@ def run_scheduler_process(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_r
     stats = launcher.ACTIVE.stats if launcher.ACTIVE is not None else None
     pipe_writer.send({"pid": os.getpid(), "hooked": hooked, "finished": sorted(order, key=order.get),
                       "rounds": stats.rounds if stats else 0, "admitted": stats.admitted if stats else 0,
-                      "gpu_id": gpu_id, "tp_rank": tp_rank})
+                      "gpu_id": gpu_id, "tp_rank": tp_rank,
+                      "prompt_cache": launcher.ACTIVE.state.prompt_rows.capacity if launcher.ACTIVE else None})
     pipe_writer.close()

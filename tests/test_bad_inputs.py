@@ -375,6 +375,8 @@ CASES = [
          ("--device 'bogus'", "cpu, cuda")),
     Case("serve-bundle-missing", ["serve", "--bundle", "{tmp}/nothing", "--dry-run"],
          ("no bundle.json", "dwise-predict export")),
+    Case("serve-prompt-cache-negative", ["serve", "--record", "{tmp}/t", "--block-size", "8", "--hidden-size", "4",
+                                         "--prompt-cache", "-1", "--dry-run"], ("--prompt-cache must be 0 or more",)),
 ]
 
 

@@ -14,7 +14,7 @@ from dwise_predict.serving.launcher import HookConfig, SchedulerEntry, resolved
 def test_the_hook_is_active_in_a_spawned_scheduler_process():
     ctx = mp.get_context("spawn")  # SGLang's start method (entrypoints/engine.py)
     reader, writer = ctx.Pipe(duplex=False)
-    entry = SchedulerEntry(HookConfig(slots=2, k=2, record=None, bundle=None, block_size=8,
+    entry = SchedulerEntry(HookConfig(slots=2, k=2, record=None, bundle=None, block_size=8, prompt_cache=16,
                                       resolver="fakes.sglang_fake:resolve"),
                            target="launcher_child:run_scheduler_process")
     # the arguments SGLang passes: server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer
@@ -30,7 +30,7 @@ def test_the_hook_is_active_in_a_spawned_scheduler_process():
     assert report["pid"] != os.getpid() and report["hooked"] is True
     # DWISE order (R = P + 0): the 8-token prompt (P=1), then 24 (P=3), then 40 (P=5)
     assert report["finished"] == ["r1", "r2", "r0"]
-    assert report["admitted"] == 3 and report["rounds"] > 0
+    assert report["admitted"] == 3 and report["rounds"] > 0 and report["prompt_cache"] == 16
 
 
 def test_hook_config_is_checked_before_anything_starts(tmp_path):
@@ -51,9 +51,11 @@ def test_serve_command_passes_sglang_arguments_through_and_checks_its_own(tmp_pa
     from dwise_predict.cli.app import main
 
     code = main(["serve", "--record", str(tmp_path / "t"), "--block-size", "32", "--hidden-size", "2048",
-                 "--slots", "64", "--k", "4", "--dry-run", "--", "--model-path", "m", "--dllm-fdfo"])
+                 "--slots", "64", "--k", "4", "--prompt-cache", "256", "--dry-run", "--", "--model-path", "m",
+                 "--dllm-fdfo"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["sglang_args"] == ["--model-path", "m", "--dllm-fdfo"]
     assert out["hook"]["block_size"] == 32 and out["hook"]["max_batch"] == 64 and out["hook"]["k"] == 4
+    assert out["hook"]["prompt_cache"] == 256
     assert main(["serve", "--", "--model-path", "m"]) == 1
     assert capsys.readouterr().err.strip().startswith("error: nothing to do")

@@ -52,6 +52,8 @@ class HookConfig:
         the server's ``--tokenizer-path`` or ``--model-path``.
     record : directory for recording mode, or None.
     record_every : requests per committed shard while recording.
+    prompt_cache : prompt-block rows the hook keeps for requests that a prefix-cache hit leaves
+        without a prompt block of their own (``sglang_adapter.install``; 0: none).
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
         imports SGLang.
     """
@@ -68,6 +70,7 @@ class HookConfig:
     tokenizer: str | None = None
     record: str | None = None
     record_every: int = 64
+    prompt_cache: int = 4096
     resolver: str | None = None
 
     def problems(self) -> list[str]:
@@ -82,6 +85,8 @@ class HookConfig:
             out.append("nothing to do: pass --bundle (schedule with DWISE), --record (collect traces), or both")
         if self.record_every < 1:
             out.append(f"--record-every must be positive, got {self.record_every}")
+        if self.prompt_cache < 0:
+            out.append(f"--prompt-cache must be 0 or more, got {self.prompt_cache}")
         return out
 
 
@@ -159,7 +164,7 @@ def install_in_this_process(config: HookConfig, gpu_id: int = 0, tp_rank: int = 
                      kv_fraction=config.kv_fraction, slack_blocks=config.slack_blocks, features=features,
                      device=device if (bundle is not None or recorder is not None) else None, resolve=resolve,
                      block_size=config.block_size, max_batch=config.max_batch, hidden_size=config.hidden_size,
-                     recorder=recorder)
+                     recorder=recorder, prompt_cache=config.prompt_cache)
     return ACTIVE
 
 
