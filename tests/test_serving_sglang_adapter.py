@@ -339,45 +339,54 @@ def test_p_follows_the_prefix_match(served):
 @pytest.mark.parametrize("prompt_cache", [4096, 0])
 def test_without_a_prompt_block_of_its_own_prompt_last_is_the_same_block_or_the_leftover_rows(served, graph,
                                                                                               prompt_cache):
-    """A prompt whose every full block a prefix hit served (SGLang never matches the last token, so 4
-    leftover tokens remain) runs no prompt block of its own: its ``prompt_last`` is the row that the
-    earlier request's forward computed for that same last block over the same tokens (in the fake,
-    that request's prompt vector), kept by the hook; without that row (``prompt_cache=0``), and for a
-    prompt shorter than a block, it is the mean of its leftover prompt rows in the first denoising
-    forward (in the fake, its own prompt vector), through graph replays too; a request that ran its
-    prompt blocks gets its last one's rows."""
+    """A prompt whose every full block a prefix hit served (SGLang never matches the last token, so
+    leftover tokens remain) runs no prompt block of its own. Its ``prompt_last`` is the row an earlier
+    request's forward computed for that same last block over the same tokens, kept by the hook: a's
+    last prompt block for a repeat of a's prompt ("hit", in the fake a's prompt vector), the second
+    output block's last forward for the next turn of a's chat ("turn": a's prompt and output plus 3
+    tokens; "hit" decoded the same tokens after a, so the row is hit's: in the fake its hidden
+    vector). Without those rows (``prompt_cache=0``), and for a prompt
+    shorter than a block, it is the mean of its leftover prompt rows in the first denoising forward
+    (in the fake, its own prompt vector), through graph replays too; a request that ran its prompt
+    blocks gets its last one's rows."""
     config = fake.config(BS, 4)
     bundle = RecordingBundle(served[0])
     width = served[5].shape[1]
     rng = np.random.default_rng(0)
+    names = ("a", "short", "hit", "turn")
     vectors = {rid: (rng.standard_normal(width).astype(np.float32), rng.standard_normal(width).astype(np.float32))
-               for rid in ("a", "short", "hit")}  # (first-round vector, prompt vector)
+               for rid in names}  # (first-round vector, prompt vector)
     ids = {"a": prompt(0, 36, shared=36), "short": prompt(1, 5), "hit": prompt(2, 36, shared=36)}  # hit: a's prompt
-
-    def request(rid):
-        first, prompt_vector = vectors[rid]
-        n = len(ids[rid])
-        return fake.Req(rid, ids[rid], SP(), config, [2, 2], first, (1, 0, n), prompt_hidden=prompt_vector)
 
     handle = hooked(bundle, slots=2, k=2, prompt_cache=prompt_cache)
     try:
         scheduler = fake.Scheduler(config, batch_capacity=2, max_total_num_tokens=10**9)
         runner, algorithm = fake.ModelRunner(BS, width, cuda_graph=graph, max_bs=2), fake.FillAlgorithm(config)
-        for rid in ("a", "short", "hit"):  # one at a time: "hit" finds a's prompt in the cache
-            req = request(rid)
+        served_reqs = {}
+        for rid in names:  # one at a time: each finds the earlier ones in the prefix cache
+            if rid == "turn":
+                a = served_reqs["a"]
+                ids["turn"] = list(a.origin_input_ids) + list(a.output_ids) + [7, 8, 9]
+            first, prompt_vector = vectors[rid]
+            req = fake.Req(rid, ids[rid], SP(), config, [2, 2], first, (1, 0, len(ids[rid])),
+                           prompt_hidden=prompt_vector)
             scheduler.waiting_queue.append(req)
             while not req.finished():
                 scheduler.step(algorithm, runner)
-        assert handle.stats.prefix_blocks == 4
+            served_reqs[rid] = req
+        assert len(ids["turn"]) == 51  # 36 prompt + 4 + 8 output tokens, six full blocks, all cached
+        assert handle.stats.prefix_blocks == 4 + 6
         kept = prompt_cache > 0
-        assert (handle.stats.prompt_from_cache, handle.stats.prompt_from_leftover) == ((1, 1) if kept else (0, 2))
-        assert len(handle.state.prompt_rows.rows) == (4 if kept else 0)  # a's four prompt blocks
+        assert (handle.stats.prompt_from_cache, handle.stats.prompt_from_leftover) == ((2, 1) if kept else (0, 3))
     finally:
         handle.uninstall()
-    assert handle.stats.refined == 3
+    assert handle.stats.refined == 4
     expected_prompt = {"a": vectors["a"][1], "short": vectors["short"][1],
-                       "hit": vectors["a"][1] if kept else vectors["hit"][1]}
-    for i, rid in enumerate(("a", "short", "hit")):
+                       "hit": vectors["a"][1] if kept else vectors["hit"][1],
+                       # the latest forward over those 48 tokens: hit's (a's prompt, and the fake decodes
+                       # the same output tokens for it), in the fake hit's hidden vector
+                       "turn": vectors["hit"][0] if kept else vectors["turn"][1]}
+    for i, rid in enumerate(names):
         first, prompt_vector = vectors[rid]
         leftover = len(ids[rid]) % BS
         pooled = (leftover * prompt_vector + (BS - leftover) * first) / BS  # the block mean: first_round

@@ -29,7 +29,7 @@ def serve_command(
     max_batch: Annotated[Optional[int], typer.Option(help="Largest batch of one forward [default: max(--slots, SGLang's --cuda-graph-max-bs*)].")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer for the prompt features [default: SGLang's --tokenizer-path or --model-path].")] = None,
     record_every: Annotated[int, typer.Option(help="Finished requests per committed trace shard.")] = _DEFAULT.record_every,
-    prompt_cache: Annotated[int, typer.Option(help="Prompt-block rows kept (H floats each, on the GPU) for requests a prefix-cache hit leaves without a prompt block of their own; 0: none.")] = _DEFAULT.prompt_cache,
+    prompt_cache: Annotated[int, typer.Option(help="Block rows kept (H floats each, on the GPU) for requests a prefix-cache hit leaves without a prompt block of their own; 0: none.")] = _DEFAULT.prompt_cache,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, print the hook config as JSON, start nothing.")] = False,
 ) -> None:
     """Run SGLang's HTTP server with the DWISE hook installed in every scheduler process.

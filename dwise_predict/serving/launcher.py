@@ -52,8 +52,8 @@ class HookConfig:
         the server's ``--tokenizer-path`` or ``--model-path``.
     record : directory for recording mode, or None.
     record_every : requests per committed shard while recording.
-    prompt_cache : prompt-block rows the hook keeps for requests that a prefix-cache hit leaves
-        without a prompt block of their own (``sglang_adapter.install``; 0: none).
+    prompt_cache : block rows the hook keeps for requests that a prefix-cache hit leaves without a
+        prompt block of their own (``sglang_adapter.install``; 0: none).
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
         imports SGLang.
     """

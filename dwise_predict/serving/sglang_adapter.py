@@ -37,8 +37,8 @@ What the patch does, at the four points of seed 000 §5.1:
   ``prompt_last`` input is the same buffer's row for the request's last prompt block, kept on the
   device. A request that runs no prompt block of its own after a prefix-cache hit on every full
   block (SGLang never matches the last token, so leftover tokens remain) gets the row of the earlier
-  request's forward that computed that same last block over the same tokens (:class:`_PromptRows`,
-  bounded); a prompt shorter than a block, or a hit whose block no longer is there, gets the mean of
+  request's forward that computed that same last block over the same tokens, as a prompt block or
+  as the last forward of an output block (:class:`_PromptRows`, bounded); a prompt shorter than a block, or a hit whose block no longer is there, gets the mean of
   its leftover prompt rows in its first denoising forward, as the decoder records for short prompts.
   Those rows are pooled, like the block rows, into a second static buffer through per-row weights
   written before each step.
@@ -252,8 +252,10 @@ class HookStats:
 
 
 class _PromptRows:
-    """Pooled rows of recent prompt-block forwards, keyed by every token up to the block's end: the
-    ``prompt_last`` of a later request whose every full prompt block a prefix-cache hit served.
+    """Pooled rows of the blocks recent requests completed — each prompt block's forward, and each
+    full output block's last forward (the one over its final tokens, which SGLang caches) — keyed by
+    every token up to the block's end: the ``prompt_last`` of a later request whose every full prompt
+    block a prefix-cache hit served (a repeated prompt, or the next turn of a chat).
 
     A block's rows depend on its own tokens and those before it only (block-causal attention), so the
     row an earlier request computed for a block ending where the later request's last full block ends,
@@ -327,6 +329,7 @@ class _State:
         self.leftover_weights = None  # (max_batch, block) static: 1/n on a row's n leftover prompt positions
         self.leftover_pooled = None  # (max_batch, H) static: those rows' weighted sum, written inside the forward
         self.first_leftover = None  # (B, H) its snapshot after a step's first forward
+        self.last_pooled = None  # (B, H) the pooled buffer after a step's last forward
         self.first_signals = None  # (B, 4) early signals of that forward, NaN outside first_rids' rows
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.forwards = 0  # forwards in the current step
@@ -540,7 +543,7 @@ def install(
     hidden_size : the model's hidden size when recording without a bundle.
     recorder : an object with ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)``
         and ``finished(req)`` (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
-    prompt_cache : prompt-block rows kept for requests that a prefix-cache hit leaves without a prompt
+    prompt_cache : block rows kept for requests that a prefix-cache hit leaves without a prompt
         block of their own (:class:`_PromptRows`; ``prompt_cache`` x H floats on ``device``; 0: none,
         those requests get their leftover prompt rows' mean).
     resolve : module resolver (tests pass a fake SGLang here).
@@ -639,12 +642,12 @@ def install(
             prompt = r.is_dllm_prefill()
             state.batch_prompt[r.rid] = prompt
             fields = state.policy.fields(r.rid)
+            if not self.dllm_config.requires_separate_context_encoding:
+                # SGLang's prefix ends on a block boundary (it asserts so) and the forward runs the
+                # block after it, a prompt block or an output block (`ReqDllmMixin.determine_dllm_phase`)
+                state.block_end[r.rid] = r.prefix_len + state.block_size
             if prompt:
                 left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), state.block_size, r.prefix_len)
-                if not self.dllm_config.requires_separate_context_encoding:
-                    # SGLang's prefix ends on a block boundary (it asserts so) and the prompt forward
-                    # runs the full block after it (`ReqDllmMixin.determine_dllm_phase`)
-                    state.block_end[r.rid] = r.prefix_len + state.block_size
             else:
                 left = 0
             if left < fields["P"]:
@@ -710,12 +713,14 @@ def install(
         for r, is_prompt in zip(reqs, prompt):
             rounds = 1 if is_prompt else steps
             if is_prompt and state.first_pooled is not None:  # the refinement's prompt_last, a device row
-                row = state.first_pooled[rows[r.rid]]
-                state.prompt_last[r.rid] = row
-                if state.prompt_rows.capacity and r.rid in state.block_end:
-                    # a copy: a view would keep the whole step's snapshot alive
-                    state.prompt_rows.put(block_key(r, state.block_end[r.rid] // state.block_size, state.block_size),
-                                          row.clone())
+                state.prompt_last[r.rid] = state.first_pooled[rows[r.rid]]
+            end = state.block_end.get(r.rid)
+            if state.prompt_rows.capacity and end is not None and state.last_pooled is not None \
+                    and len(r.origin_input_ids) + len(r.output_ids) >= end:
+                # the block is committed and full: a later prompt can hold it (a next turn of a chat).
+                # A copy: a view would keep the whole step's snapshot alive
+                state.prompt_rows.put(block_key(r, end // state.block_size, state.block_size),
+                                      state.last_pooled[rows[r.rid]].clone())
             if state.recorder is not None:
                 row = state.first_pooled[rows[r.rid]] if state.first_pooled is not None else None
                 signals = state.first_signals[rows[r.rid]].tolist() if state.first_signals is not None else None
@@ -742,6 +747,7 @@ def install(
 
     def run(self, model_runner, forward_batch, algo_states=None):
         state.first_pooled, state.first_signals, state.first_leftover, state.forwards = None, None, None, 0
+        state.last_pooled = None
         if state.pooled is not None:
             state.pooled.fill_(math.nan)  # what a replay that skipped the copy would leave: caught below
             set_leftover_weights(forward_batch)
@@ -781,7 +787,14 @@ def install(
         model_runner.forward = counted_forward
         self.step = counted_step
         try:
-            return original_run(self, model_runner, forward_batch, algo_states)
+            out = original_run(self, model_runner, forward_batch, algo_states)
+            if state.pooled is not None:
+                # a block SGLang emits ran its last forward over its final tokens: that forward writes
+                # the block's KV cache (LowConfidence reports done on a forward with no masks left;
+                # JointThresholdInDel keeps a block whose ids its step changed for one more forward)
+                state.last_pooled = (state.first_pooled if state.forwards == 1
+                                     else state.pooled[: forward_batch.batch_size].clone())
+            return out
         finally:
             if own is None:
                 del model_runner.forward  # back to the class method
