@@ -172,23 +172,20 @@ def _with_hidden(ds: TraceDataset, tensor: str) -> TraceDataset:
 
 
 def _held_out_tasks(row: str, train: TraceDataset, eval_ds: TraceDataset, config,
-                    min_requests: int) -> list[RetrainTask]:
-    """The retrainings behind a row's held-out-category ρ: one per category :func:`.loco.plan`
-    evaluates (at least ``min_requests`` requests on each side), named ``"<row> | without <category>"``."""
+                    min_requests: int) -> dict[str, RetrainTask]:
+    """The retrainings behind a row's held-out-category ρ: category -> its retraining without it, for
+    the categories :func:`.loco.plan` evaluates (at least ``min_requests`` requests on each side);
+    named ``"<row> | without <category>"``, unique across rows."""
     tasks, _ = loco.plan(train, eval_ds, config, min_requests=min_requests)
-    return [dataclasses.replace(task, name=f"{row} | without {task.name}") for task in tasks]
+    return {task.name: dataclasses.replace(task, name=f"{row} | without {task.name}") for task in tasks}
 
 
-def _held_out_rho(row: str, held: list[RetrainTask], results: dict, eval_ds: TraceDataset) -> dict[str, float | None]:
+def _held_out_rho(held: dict[str, RetrainTask], results: dict, eval_ds: TraceDataset) -> dict[str, float | None]:
     """Category -> within-category ρ of the retraining that held it out of training."""
     cats = eval_ds.requests["category"].astype(str).to_numpy()
     true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
-    out = {}
-    for task in held:
-        category = task.name.removeprefix(f"{row} | without ")
-        rows = cats == category
-        out[category] = spearman(results[task.name]["refined"][rows], true[rows])
-    return out
+    return {category: spearman(results[task.name]["refined"][cats == category], true[cats == category])
+            for category, task in held.items()}
 
 
 def _held_out_fields(held: dict[str, float | None]) -> dict:
@@ -231,7 +228,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
     true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
     cats = eval_ds.requests["category"].astype(str).to_numpy()
     # (row fields, its fit, its held-out fits: None where the row reports no held-out ρ)
-    planned: list[tuple[dict, RetrainTask, list[RetrainTask] | None]] = []
+    planned: list[tuple[dict, RetrainTask, dict[str, RetrainTask] | None]] = []
 
     def plan(row: dict, train_v: TraceDataset, eval_v: TraceDataset, row_config, held_out: bool = False) -> None:
         held = _held_out_tasks(row["name"], train_v, eval_v, row_config, min_requests) if held_out else None
@@ -270,7 +267,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
                 plan({"name": f"{candidate}, seed {s}", "candidate": candidate, "inputs": f"seed {s}", "bundle": True,
                       "n_train": len(train)}, train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s))
 
-    tasks = [task for _, main, held in planned for task in (main, *(held or ()))]
+    tasks = [task for _, main, held in planned for task in (main, *(held or {}).values())]
     log(f"  ablation {kind}: {len(tasks)} retrainings")
     results = run_tasks(tasks, jobs, on_done=lambda name: log(f"  ablation {kind}: {name}"))
     rows: list[dict] = []
@@ -279,7 +276,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
     for row, main, held in planned:
         pred = results[main.name]["refined"]
         if held is not None:
-            row.update(_held_out_fields(_held_out_rho(row["name"], held, results, main.eval)))
+            row.update(_held_out_fields(_held_out_rho(held, results, main.eval)))
         if kind == "seeds":
             chosen = results[main.name]["candidate"]  # the CV's choice where the row's config says auto
             overall, within = rank_scores(pred, true, cats)

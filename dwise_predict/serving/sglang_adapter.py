@@ -38,10 +38,10 @@ What the patch does, at the four points of seed 000 §5.1:
   device. A request that runs no prompt block of its own after a prefix-cache hit on every full
   block (SGLang never matches the last token, so leftover tokens remain) gets the row of the earlier
   request's forward that computed that same last block over the same tokens, as a prompt block or
-  as the last forward of an output block (:class:`_PromptRows`, bounded); a prompt shorter than a block, or a hit whose block no longer is there, gets the mean of
-  its leftover prompt rows in its first denoising forward, as the decoder records for short prompts.
-  Those rows are pooled, like the block rows, into a second static buffer through per-row weights
-  written before each step.
+  as the last forward of an output block (:class:`_PromptRows`, bounded); a prompt shorter than a
+  block, or a hit whose block no longer is there, gets the mean of its leftover prompt rows in its
+  first denoising forward, as the decoder records for short prompts. Those rows are pooled, like
+  the block rows, into a second static buffer through per-row weights written before each step.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
@@ -325,7 +325,7 @@ class _State:
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
         self.prompt_last: dict = {}  # rid -> (H,) pooled rows of its latest prompt-block forward (device)
         self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
-        self.block_end: dict = {}  # rid -> where the prompt block it runs in the batch being run ends
+        self.block_end: dict = {}  # rid -> where the block it runs in the batch being run ends
         self.leftover_weights = None  # (max_batch, block) static: 1/n on a row's n leftover prompt positions
         self.leftover_pooled = None  # (max_batch, H) static: those rows' weighted sum, written inside the forward
         self.first_leftover = None  # (B, H) its snapshot after a step's first forward
