@@ -7,6 +7,8 @@ and batches obey an adder's budgets. Each test below names the "Why" bullet of i
 each fails on the adapter before that issue.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -126,6 +128,39 @@ def test_fake_blocks_cost_r_plus_1_forwards_and_the_leftover_prompt_opens_the_fi
     fake.serve(scheduler, fake.FillAlgorithm(config), runner)
     assert runner.calls == prefill_rounds(n, BS) + sum(forwards) == 2 + 10
     assert len(req.output_ids) == (BS - n % BS) + BS + BS  # the leftover positions are not output
+
+
+def test_sglang_runs_prompt_blocks_and_output_blocks_in_one_forward_mode():
+    """The hook keeps a block's last forward as the row a later prompt forward over the same tokens
+    would compute (``_PromptRows``). That holds because SGLang's scheduler gives a prompt block and an
+    output block's denoising forward the same forward mode, DLLM_EXTEND, and its attention backends
+    choose masks by forward mode (the cached prefix, then the block bidirectionally), not by a
+    request's phase. Only an algorithm that encodes the context separately
+    (``requires_separate_context_encoding``) prefills as EXTEND, and there the hook keys no rows."""
+    config = fake.config(BS, 1)
+    scheduler = fake.Scheduler(config, batch_capacity=1, max_total_num_tokens=10**9)
+    req = fake.Req("a", prompt(0, 20), SP(), config, [2, 2], np.zeros(4, np.float32), (1, 0, 20))
+    scheduler.waiting_queue.append(req)
+    runner, algorithm = fake.ModelRunner(BS, 4), fake.FillAlgorithm(config)
+    modes = []
+    while not req.finished():
+        batch = scheduler.step(algorithm, runner)  # SGLang's _process_dllm_batches picks its mode
+        modes.append((req.dllm_phase, batch.forward_mode))  # the phase SGLang staged the batch in
+    assert modes == [(fake.DllmReqPhase.STAGING_PREFILL, fake.ForwardMode.DLLM_EXTEND)] * prefill_rounds(20, BS) \
+        + [(fake.DllmReqPhase.STAGING_DECODE, fake.ForwardMode.DLLM_EXTEND)] * 4  # two blocks of two forwards
+
+    # the separate-context algorithms: SGLang's own method on a scheduler holding one prefill request
+    for separate, mode in ((False, fake.ForwardMode.DLLM_EXTEND), (True, fake.ForwardMode.EXTEND)):
+        stub = SimpleNamespace(
+            dllm_config=SimpleNamespace(requires_separate_context_encoding=separate),
+            dllm_manager=SimpleNamespace(get_prefill_requests=lambda: [req]),
+            _process_batch_by_phase=lambda *args, **kwargs: None)
+        assert fake.RealSchedulerDllmMixin._process_dllm_batches(stub, None, None) == mode
+    # and nothing on the forward path (model runner, attention backends, models) reads a request's phase
+    srt = sglang_reference.source_root() / "sglang" / "srt"
+    forward_path = [f for d in ("model_executor", "layers", "models") for f in (srt / d).rglob("*.py")]
+    assert len(forward_path) > 100 and (srt / "layers" / "attention" / "triton_backend.py") in forward_path
+    assert [f for f in forward_path if "dllm_phase" in f.read_text() or "DllmReqPhase" in f.read_text()] == []
 
 
 def test_unpatched_fake_is_the_simulators_sglang_default(served):

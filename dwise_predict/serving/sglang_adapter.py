@@ -260,7 +260,10 @@ class _PromptRows:
     A block's rows depend on its own tokens and those before it only (block-causal attention), so the
     row an earlier request computed for a block ending where the later request's last full block ends,
     over the same tokens, is the row that request's own forward would have computed — what ``collect``
-    (no prefix cache) records. Least recently used rows leave first once ``capacity`` are held
+    (no prefix cache) records. That needs SGLang to run a prompt block and an output block's forward
+    alike: it gives both the forward mode DLLM_EXTEND, and nothing on its forward path reads a
+    request's phase (checked against the wheel in ``test_serving_sglang_adapter.py``); algorithms that
+    encode the context separately prefill as EXTEND, and for those no rows are keyed. Least recently used rows leave first once ``capacity`` are held
     (``capacity`` rows of H floats on the model's device; 0 keeps none).
     """
 
