@@ -263,8 +263,9 @@ class _PromptRows:
     (no prefix cache) records. That needs SGLang to run a prompt block and an output block's forward
     alike: it gives both the forward mode DLLM_EXTEND, and nothing on its forward path reads a
     request's phase (checked against the wheel in ``test_serving_sglang_adapter.py``); algorithms that
-    encode the context separately prefill as EXTEND, and for those no rows are keyed. Least recently used rows leave first once ``capacity`` are held
-    (``capacity`` rows of H floats on the model's device; 0 keeps none).
+    encode the context separately prefill as EXTEND, and for those no rows are keyed. Least recently
+    used rows leave first once ``capacity`` are held (``capacity`` rows of H floats on the model's
+    device; 0 keeps none).
     """
 
     def __init__(self, capacity: int):
@@ -718,7 +719,7 @@ def install(
             if is_prompt and state.first_pooled is not None:  # the refinement's prompt_last, a device row
                 state.prompt_last[r.rid] = state.first_pooled[rows[r.rid]]
             end = state.block_end.get(r.rid)
-            if state.prompt_rows.capacity and end is not None and state.last_pooled is not None \
+            if end is not None and state.last_pooled is not None \
                     and len(r.origin_input_ids) + len(r.output_ids) >= end:
                 # the block is committed and full: a later prompt can hold it (a next turn of a chat).
                 # A copy: a view would keep the whole step's snapshot alive
@@ -791,7 +792,7 @@ def install(
         self.step = counted_step
         try:
             out = original_run(self, model_runner, forward_batch, algo_states)
-            if state.pooled is not None:
+            if state.pooled is not None and state.prompt_rows.capacity:  # no rows kept: no snapshot
                 # a block SGLang emits ran its last forward over its final tokens: that forward writes
                 # the block's KV cache (LowConfidence reports done on a forward with no masks left;
                 # JointThresholdInDel keeps a block whose ids its step changed for one more forward)
