@@ -3,10 +3,14 @@
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
+from scipy import stats
 
 from dwise_predict.cli import main
-from dwise_predict.evaluation.characterize import characterize, discreteness, rounds_distribution, rounds_vs_wall
+from dwise_predict.evaluation.characterize import (characterize, discreteness, rounds_distribution, rounds_vs_wall,
+                                                    signal_directions)
+from dwise_predict.evaluation.report import signal_directions_text
 from evaluate_helpers import make_traces, write
 
 
@@ -63,3 +67,58 @@ def test_cli_writes_report_and_json(tmp_path, capsys):
     assert main(["characterize", str(a)]) == 0
     table = capsys.readouterr().out
     assert "Denoising rounds" in table and "mcq" in table
+
+
+def _signal_table(seed: int = 0, n: int = 80) -> pd.DataFrame:
+    """Three categories whose `mean_confidence` runs with rounds in one, against them in another and
+    not at all in the third; `mean_entropy` runs against rounds in all three; no `end_probability`
+    column (traces from before that signal)."""
+    rng = np.random.default_rng(seed)
+    frames = []
+    for category, sign in (("up", 1.0), ("down", -1.0), ("flat", 0.0)):
+        rounds = rng.integers(2, 60, n)
+        noise = rng.normal(0.0, 1.0, n)
+        confidence = sign * (rounds - rounds.mean()) / rounds.std() + (0.5 if sign else 3.0) * noise
+        frames.append(pd.DataFrame({"category": category, "total_rounds": rounds, "mean_confidence": confidence,
+                                    "mean_entropy": -rounds + 5.0 * rng.normal(0.0, 1.0, n),
+                                    "prompt_tokens": rng.integers(5, 200, n)}))
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_signal_directions_find_a_signal_that_reverses_between_categories():
+    requests = _signal_table()
+    by_column = {d["column"]: d for d in signal_directions(requests)}
+    assert list(by_column) == ["mean_confidence", "mean_entropy", "prompt_tokens"]  # absent columns left out
+    confidence = by_column["mean_confidence"]
+    assert confidence["more_rounds"] == ["up"] and confidence["fewer_rounds"] == ["down"]
+    assert confidence["direction"] == "depends on the category"
+    assert by_column["mean_entropy"]["fewer_rounds"] == ["down", "flat", "up"]
+    assert by_column["mean_entropy"]["direction"] == "fewer rounds"
+    assert by_column["prompt_tokens"]["direction"] == "none"  # unrelated to rounds everywhere
+    for category, cell in confidence["per_category"].items():  # ρ is scipy's, inside its own interval
+        rows = requests["category"] == category
+        assert cell["n"] == 80
+        assert cell["rho"] == pytest.approx(stats.spearmanr(requests.loc[rows, "mean_confidence"],
+                                                            requests.loc[rows, "total_rounds"]).statistic)
+        assert cell["interval"][0] <= cell["rho"] <= cell["interval"][1]
+    assert confidence["per_category"]["up"]["interval"][0] > 0.5 and confidence["per_category"]["down"]["interval"][1] < -0.5
+    assert confidence["overall"]["n"] == 240
+    assert signal_directions(requests) == signal_directions(requests)  # seeded bootstrap: deterministic
+    text = signal_directions_text(list(by_column.values()))
+    assert "Direction depends on the category: mean_confidence (more rounds in up; fewer in down)." in text
+    assert "mean_entropy (" not in text  # one direction everywhere: not named
+
+
+def test_signal_directions_in_reports(tmp_path, capsys):
+    traces = write(make_traces(), tmp_path / "t")
+    out = tmp_path / "char"
+    assert main(["characterize", str(traces), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Early signals against total rounds" in printed and "end_probability" in printed
+    result = json.loads((out / "characterization.json").read_text())
+    assert [d["column"] for d in result["signal_directions"]] == [
+        "frac_over_threshold", "mean_confidence", "mean_entropy", "end_probability", "prompt_tokens"]
+    markdown = (out / "characterization.md").read_text()
+    assert "## Early signals inside each category" in markdown
+    row = next(line for line in markdown.splitlines() if line.startswith("| direction |"))
+    assert row.count("|") == 8  # category, n and five signals

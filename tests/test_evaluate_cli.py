@@ -60,6 +60,10 @@ def test_report_is_self_contained(evaluated):
     for title in ("Summary", "Calibration", "Leave one category out", "Baselines", "Output length versus work"):
         assert f"## {title}" in md
     assert "Over all requests with mcq held out: admission ρ" in md
+    # the Workload section's early-signal directions; these synthetic signals reverse nowhere
+    assert "**Early signals against total rounds: Spearman ρ [95 % interval] inside each category**" in md
+    assert "No signal reverses its direction between categories here." in md
+    assert "Inputs whose direction inside a category depends" not in md
 
 
 def test_run_directory_gives_the_run_metrics(setup, tmp_path, capsys):

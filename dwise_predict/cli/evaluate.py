@@ -162,6 +162,8 @@ def characterize_command(
     Seed 001's measurements on any model: p25/p50/p90/max of denoising rounds, max/min ratio and CV;
     distinct values and dominant spacing ("tiers"); round count vs wall time; share truncated by the
     output budget; per category too. Given traces at several budgets, CV and truncation per budget.
+    And how each first-round early signal orders requests inside each category: where its direction
+    reverses between categories, no predictor can carry it to a category it never saw.
 
     Examples:
 
@@ -214,4 +216,14 @@ def _print_characterization(result: dict) -> None:
             sweep.add_row(str(r["budget"]), str(r["n"]), fmt(r["cv"]), f"{100 * r['truncated_share']:.1f}%",
                           fmt(r["p50"], 1), fmt(r["p90"], 1))
         screen.print(sweep)
+    if result["signal_directions"]:
+        from dwise_predict.evaluation.report import signal_directions_table
+
+        cells = signal_directions_table(result["signal_directions"])
+        signals = Table(title=cells.caption + " (▲ / ▼: above / below zero)")
+        for col in cells.columns:
+            signals.add_column(col, justify="left" if col == "category" else "right")
+        for row in cells.rows:
+            signals.add_row(*row)
+        screen.print(signals)
 

@@ -8,6 +8,8 @@ For the denoising rounds of each request (the work a scheduler must rank) it rep
   spacing above one shared by most gaps is that structure, a spacing of one means counts are dense;
 - round count versus wall time: Pearson r and Spearman rho (seed 001 found r > 0.99 on one GPU);
 - the share of requests truncated by the output budget (``finish == 'budget'``);
+- how each first-round early signal (and prompt length) orders requests inside each category, and
+  whether that direction holds from one category to the next (:func:`signal_directions`);
 
 over all requests and per category. Given requests at several output budgets (one or more trace
 directories of the same model), it also tabulates CV and truncation per budget: seed 001 found that
@@ -22,12 +24,15 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.evaluation.inputs import check_same_model, model_label
-from dwise_predict.metrics import spearman
+from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.metrics import bootstrap_ci, spearman
 from dwise_predict.traces import TraceDataset
 
 # A spacing counts as "tiers" when it is larger than one round and at least this share of the gaps
 # between consecutive distinct round counts equal it.
 TIER_SHARE = 0.5
+# what signal_directions measures: the first round's early signals, then prompt length
+SIGNAL_COLUMNS = (*EARLY_SIGNALS, "prompt_tokens")
 
 
 def rounds_distribution(rounds: np.ndarray) -> dict:
@@ -144,7 +149,8 @@ def characterize(datasets: Sequence[TraceDataset]) -> dict:
     Returns
     -------
     dict with ``model``, ``traces`` (paths), ``overall`` and ``per_category`` (see :func:`describe`),
-    ``per_trace`` (one :func:`describe` per input) and ``budget_sweep`` (see :func:`budget_sweep`).
+    ``per_trace`` (one :func:`describe` per input), ``budget_sweep`` (see :func:`budget_sweep`) and
+    ``signal_directions`` (see :func:`signal_directions`).
     """
     check_same_model(datasets)
     # Only the request tables: collections at several budgets often reuse request ids.
@@ -156,7 +162,57 @@ def characterize(datasets: Sequence[TraceDataset]) -> dict:
         "per_category": {str(c): describe(g) for c, g in requests.groupby("category", sort=True)},
         "per_trace": [describe(d.requests) for d in datasets],
         "budget_sweep": budget_sweep(requests),
+        "signal_directions": signal_directions(requests),
     }
+
+
+def signal_directions(requests: pd.DataFrame, columns: Sequence[str] = SIGNAL_COLUMNS, seed: int = 0) -> list[dict]:
+    """How each early signal orders requests by total rounds inside each category, and whether that
+    direction carries from one category to another.
+
+    Seed 001 measured each first-round signal against rounds over all requests. A predictor learns a
+    signal's direction from the categories it is trained on; where the direction reverses from one
+    category to another (in the tiny model's quickstart traces a confident first round means fewer
+    rounds in code, instruction, math, MCQ and multilingual math, and more in chat), a category never
+    seen in training may run against the direction learned from the others, and no predictor orders
+    it by that signal. This measures it: Spearman ρ of the signal with total rounds over all requests
+    and inside each category, each with its 95 % percentile bootstrap interval (requests resampled,
+    :func:`dwise_predict.metrics.bootstrap_ci`). A category's direction counts where its interval
+    excludes zero.
+
+    Parameters
+    ----------
+    columns : request-table columns to measure; those the traces lack (traces collected before a
+        signal existed) are left out. seed : the bootstrap's.
+
+    Returns
+    -------
+    One dict per column: ``column``, ``overall`` and ``per_category`` (category → ``{"n", "rho",
+    "interval"}``, None where undefined), ``more_rounds`` and ``fewer_rounds`` (the categories whose
+    interval lies above or below zero) and ``direction``: ``"more rounds"`` or ``"fewer rounds"``
+    where the categories with a direction agree, ``"depends on the category"`` where they disagree,
+    ``"none"`` where no category has one.
+    """
+    rounds = requests["total_rounds"].to_numpy(dtype=float)
+    categories = requests["category"].astype(str).to_numpy()
+
+    def cell(values: np.ndarray, rows: np.ndarray) -> dict:
+        interval = bootstrap_ci(values[rows], rounds[rows], seed=seed)
+        return {"n": int(rows.sum()), "rho": spearman(values[rows], rounds[rows]),
+                "interval": None if interval is None else list(interval)}
+
+    out = []
+    for column in (c for c in columns if c in requests.columns):
+        values = requests[column].to_numpy(dtype=float)
+        per_category = {c: cell(values, categories == c) for c in sorted(set(categories))}
+        more = [c for c, v in per_category.items() if v["interval"] and v["interval"][0] > 0]
+        fewer = [c for c, v in per_category.items() if v["interval"] and v["interval"][1] < 0]
+        direction = ("depends on the category" if more and fewer else "more rounds" if more
+                     else "fewer rounds" if fewer else "none")
+        out.append({"column": column, "overall": cell(values, np.ones(len(values), dtype=bool)),
+                    "per_category": per_category, "more_rounds": more, "fewer_rounds": fewer,
+                    "direction": direction})
+    return out
 
 
 def output_vs_work(requests: pd.DataFrame) -> dict:

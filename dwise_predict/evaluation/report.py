@@ -51,6 +51,37 @@ def budget_table(sweep: list[dict]) -> Table:
     )
 
 
+def signal_directions_table(directions: list[dict]) -> Table:
+    """Spearman ρ of each early signal with total rounds per category, with its interval; ▲ / ▼ where
+    the interval lies above / below zero (see :func:`.characterize.signal_directions`)."""
+    def cell(v: dict) -> str:
+        lo_hi = v["interval"]
+        mark = "▲" if lo_hi and lo_hi[0] > 0 else "▼" if lo_hi and lo_hi[1] < 0 else ""
+        return f"{fmt(v['rho'], 2)} {fmt_interval(lo_hi, 2)} {mark}".strip()
+
+    first = directions[0]
+    rows = [[c, fmt(v["n"]), *(cell(d["per_category"][c]) for d in directions)] for c, v in first["per_category"].items()]
+    rows.append(["all", fmt(first["overall"]["n"]), *(cell(d["overall"]) for d in directions)])
+    rows.append(["direction", "", *(d["direction"] for d in directions)])
+    return Table(["category", "n", *(d["column"] for d in directions)], rows,
+                 "Early signals against total rounds: Spearman ρ [95 % interval] inside each category")
+
+
+def signal_directions_text(directions: list[dict]) -> str:
+    """One paragraph: which signals reverse direction between categories, and what that means for a
+    held-out category."""
+    mixed = [d for d in directions if d["direction"] == "depends on the category"]
+    intro = ("▲ / ▼: the 95 % interval (requests resampled) lies above / below zero: inside that category "
+             "more of the signal means more / fewer rounds. ")
+    if not mixed:
+        return intro + "No signal reverses its direction between categories here."
+    named = "; ".join(f"{d['column']} (more rounds in {', '.join(d['more_rounds'])}; fewer in "
+                      f"{', '.join(d['fewer_rounds'])})" for d in mixed)
+    return (intro + f"Direction depends on the category: {named}. A predictor learns a signal's direction "
+            "from the categories it is trained on, so for a held-out category where the signal runs the other "
+            "way that direction is the wrong one, however the predictor is built.")
+
+
 def characterization_document(result: dict, requests: pd.DataFrame) -> Document:
     """Report of :func:`dwise_predict.evaluation.characterize.characterize`.
 
@@ -69,6 +100,9 @@ def characterization_document(result: dict, requests: pd.DataFrame) -> Document:
         budget_blocks.append("One output budget in these traces: give traces collected at several budgets "
                              "to see how truncation hides the spread.")
     sections.append(Section("Output budget", "", budget_blocks))
+    if result["signal_directions"]:
+        sections.append(Section("Early signals inside each category", "", [
+            signal_directions_text(result["signal_directions"]), signal_directions_table(result["signal_directions"])]))
     return Document(
         "dwise-predict: workload characterization",
         [f"model: {result['model']}", f"traces: {', '.join(str(t) for t in result['traces'])}"],
@@ -311,6 +345,12 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
             blocks.insert(1, Figure("loco", plots.loco_bars(loco["rows"]),
                                     "Within-category ρ: light = category in training, dark = held out; "
                                     "n/a = undefined."))
+        mixed = [d["column"] for d in result["characterization"]["signal_directions"]
+                 if d["direction"] == "depends on the category"]
+        if mixed:
+            blocks.append(f"Inputs whose direction inside a category depends on the category: {', '.join(mixed)} "
+                          "(Workload, early signals): the direction a predictor learns from the categories it "
+                          "trains on is the wrong one for a held-out category where such an input runs the other way.")
         sections.append(Section("Leave one category out", "", blocks))
 
     sections.append(Section("Baselines", "", [
@@ -328,7 +368,11 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
                                       every["category"].astype(str).to_numpy()),
                "Output tokens against denoising rounds, all requests."),
     ]))
-    sections.append(Section("Workload", "", [rounds_table(result["characterization"]), histogram_figure(every)]))
+    workload = [rounds_table(result["characterization"]), histogram_figure(every)]
+    directions = result["characterization"]["signal_directions"]
+    if directions:
+        workload += [signal_directions_text(directions), signal_directions_table(directions)]
+    sections.append(Section("Workload", "", workload))
 
     traces = result["traces"]
     meta = [
