@@ -44,6 +44,24 @@ def test_bundle_holds_every_file_with_its_hash(bundle):
     assert not list(bundle.parent.glob(".bundle.*")), "temporary directory left behind"
 
 
+def test_int8_weights_use_seven_bits_so_every_cpu_computes_them_exactly(bundle, tmp_path):
+    # onnxruntime's u8 x s8 kernel without VNNI adds pairs of products in 16 bits: 255 * 64 * 2 fits,
+    # 255 * 127 * 2 does not; with 7-bit weights the int8 graph ranks the same on every x86 CPU, and this
+    # hand-built bundle's keeps its place (kept on a 2-core AVX2 machine, where full-range weights gave 0.989)
+    import onnx
+    from onnx import numpy_helper
+
+    from dwise_predict.exports.refine_export import quantize_int8
+
+    quantize_int8(bundle / "refine.onnx", tmp_path / "int8.onnx")
+    weights = [numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "int8.onnx")).graph.initializer
+               if t.data_type == onnx.TensorProto.INT8]
+    assert sum(w.size for w in weights) >= 3 * 256 * (2 * HIDDEN + 2 + len(EARLY_SIGNALS))  # the members' first layers
+    largest = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
+    assert 60 <= largest <= 64  # symmetric 7-bit range [-64, 64], used and not exceeded
+    assert read_bundle_manifest(bundle)["int8"]["kept"]
+
+
 def test_manifest_shape_follows_contract(bundle, run):
     m = read_bundle_manifest(bundle)
     spec = json.loads((run / "refine.json").read_text())
