@@ -60,7 +60,8 @@ def signal_directions_table(directions: list[dict]) -> Table:
         return f"{fmt(v['rho'], 2)} {fmt_interval(lo_hi, 2)} {mark}".strip()
 
     first = directions[0]
-    rows = [[c, fmt(v["n"]), *(cell(d["per_category"][c]) for d in directions)] for c, v in first["per_category"].items()]
+    rows = [[c, fmt(v["n"]), *(cell(d["per_category"][c]) for d in directions)]
+            for c, v in first["per_category"].items()]
     rows.append(["all", fmt(first["overall"]["n"]), *(cell(d["overall"]) for d in directions)])
     rows.append(["direction", "", *(d["direction"] for d in directions)])
     return Table(["category", "n", *(d["column"] for d in directions)], rows,
