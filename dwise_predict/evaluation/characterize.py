@@ -33,6 +33,8 @@ from dwise_predict.traces import TraceDataset
 TIER_SHARE = 0.5
 # what signal_directions measures: the first round's early signals, then prompt length
 SIGNAL_COLUMNS = (*EARLY_SIGNALS, "prompt_tokens")
+# signal_directions' verdict for an input that orders some categories one way and others the other
+DEPENDS_ON_CATEGORY = "depends on the category"
 
 
 def rounds_distribution(rounds: np.ndarray) -> dict:
@@ -207,7 +209,7 @@ def signal_directions(requests: pd.DataFrame, columns: Sequence[str] = SIGNAL_CO
         per_category = {c: cell(values, categories == c) for c in sorted(set(categories))}
         more = [c for c, v in per_category.items() if v["interval"] and v["interval"][0] > 0]
         fewer = [c for c, v in per_category.items() if v["interval"] and v["interval"][1] < 0]
-        direction = ("depends on the category" if more and fewer else "more rounds" if more
+        direction = (DEPENDS_ON_CATEGORY if more and fewer else "more rounds" if more
                      else "fewer rounds" if fewer else "none")
         out.append({"column": column, "overall": cell(values, np.ones(len(values), dtype=bool)),
                     "per_category": per_category, "more_rounds": more, "fewer_rounds": fewer,

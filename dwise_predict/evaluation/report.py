@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.evaluation import plots
+from dwise_predict.evaluation.characterize import DEPENDS_ON_CATEGORY
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval
 from dwise_predict.files import write_errors, write_json
 
@@ -71,7 +72,7 @@ def signal_directions_table(directions: list[dict]) -> Table:
 def signal_directions_text(directions: list[dict]) -> str:
     """One paragraph: which signals reverse direction between categories, and what that means for a
     held-out category."""
-    mixed = [d for d in directions if d["direction"] == "depends on the category"]
+    mixed = [d for d in directions if d["direction"] == DEPENDS_ON_CATEGORY]
     intro = ("▲ / ▼: the 95 % interval (requests resampled) lies above / below zero: inside that category "
              "more of the signal means more / fewer rounds. ")
     if not mixed:
@@ -347,7 +348,7 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
                                     "Within-category ρ: light = category in training, dark = held out; "
                                     "n/a = undefined."))
         mixed = [d["column"] for d in result["characterization"]["signal_directions"]
-                 if d["direction"] == "depends on the category"]
+                 if d["direction"] == DEPENDS_ON_CATEGORY]
         if mixed:
             blocks.append(f"Inputs whose direction inside a category depends on the category: {', '.join(mixed)} "
                           "(Workload, early signals): the direction a predictor learns from the categories it "
