@@ -1,7 +1,8 @@
 """Wall time of a full `train` (both predictors, calibration, evaluation, run directory) on 2,048
-synthetic requests with hidden size 2,048 (the LLaDA2 shape). Target: <= 60 s on 2 cores (default: 1 thread, see TrainConfig.num_threads).
+synthetic requests with hidden size 2,048 (the LLaDA2 shape). Target: <= 60 s on 2 cores (default: 1 torch thread,
+see TrainConfig.num_threads, and the candidates' cross-validation in 2 threads, see training.select).
 
-Usage: python benchmarks/train_time.py [--requests 2048] [--hidden 2048] [--threads 1]
+Usage: python benchmarks/train_time.py [--requests 2048] [--hidden 2048] [--threads 1] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=None, help="CV threads (default: train's, 2 on 2+ cores)")
     args = parser.parse_args()
 
     ds = make_synthetic_traces(args.requests, args.hidden, seed=0)
@@ -28,10 +30,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         start, cpu_start = time.perf_counter(), time.process_time()
         metrics = train_run(ds, Path(tmp) / "run", config,
-                            progress=lambda member, epoch, *_: epochs.__setitem__(member, epoch + 1))
+                            progress=lambda member, epoch, *_: epochs.__setitem__(member, epoch + 1), jobs=args.jobs)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     print(f"requests {args.requests} (train {metrics['n_train']}, eval {metrics['n_eval']}), hidden {args.hidden}, "
-          f"threads {args.threads}")
+          f"threads {args.threads}, CV jobs {args.jobs or 'default'}")
     print(f"epochs per member: {[epochs[m] for m in sorted(epochs)]} (max {config.max_epochs}, patience {config.patience})")
     print(f"full train wall time: {elapsed:.1f} s (target <= 60 s); CPU time {cpu:.1f} s")
     print(f"refined rho {metrics['refined']['spearman']:.3f}, admission rho {metrics['admission']['spearman']:.3f}, "

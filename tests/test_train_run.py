@@ -187,6 +187,14 @@ def test_cli_missing_column_and_hidden_mismatch(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_cli_train_rejects_zero_jobs_in_one_line(tmp_path, capsys):
+    small = write_traces(make_synthetic_traces(40, 4, seed=7), tmp_path / "t")
+    assert main(["train", str(small), "--out", str(tmp_path / "r"), "--jobs", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "--jobs must be at least 1, got 0" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
 def test_cli_compare_regressors_writes_tables(tmp_path, capsys):
     small = write_traces(make_synthetic_traces(100, 4, seed=7), tmp_path / "t")
     assert main(["compare-regressors", str(small), "--out", str(tmp_path / "cmp"), "--folds", "2", "--repeats", "2",

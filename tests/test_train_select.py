@@ -53,10 +53,10 @@ def test_exclude_trains_without_the_categories_and_records_them(traces, tmp_path
     seen = {}
     real = run_module.fit_predictors
 
-    def spy(train, config, progress=None):
+    def spy(train, config, progress=None, jobs=None):
         seen["categories"] = set(train.requests["category"])
         seen["n"] = len(train)
-        return real(train, config, progress)
+        return real(train, config, progress, jobs)
 
     monkeypatch.setattr(run_module, "fit_predictors", spy)
     ds = load_traces(traces)
@@ -186,6 +186,58 @@ def test_well_trained_reference_can_win(traces):
     out = cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, candidates=("survival", "ridge"))
     scores = {c: s["cv_within_category"] for c, s in out["candidates"].items()}
     assert out["chosen"] == max(scores, key=scores.get)
+
+
+def test_cv_scores_and_choice_are_the_same_in_one_thread_and_in_two(traces):
+    """``jobs`` only says where the fits run: in two threads the ridge-within folds run beside the
+    survival fits, whose dropout draws from torch's global RNG (so they keep one thread)."""
+    from dwise_predict.training.select import cross_validate
+
+    ds = load_traces(traces).split("train")
+    t = Targets.of(ds)
+    make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), dropout=0.2, max_epochs=3, split_seed=0)  # noqa: E731
+    one, two = (cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, jobs=jobs) for jobs in (1, 2))
+    assert set(one["candidates"]) == set(CANDIDATES) and "blend_cv" in one
+    assert json.dumps(one, sort_keys=True) == json.dumps(two, sort_keys=True)
+
+
+def test_ridge_within_folds_draw_nothing_from_torchs_global_rng(traces):
+    """What lets them run beside the survival fits: those seed the global RNG for their dropout, and
+    a draw from another thread would change their masks (a run-to-run difference, seen before the
+    closed-form members were built blank)."""
+    from dwise_predict.training.select import _head_scores
+
+    ds = load_traces(traces).split("train")
+    t, rows = Targets.of(ds), np.arange(len(ds)) % 3 != 0
+    fit_in, val_in = (tuple(a[r] for a in inputs(ds)) for r in (rows, ~rows))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    _head_scores(fit_in, val_in, t.remaining[rows], t.events[rows], ds.requests["category"].to_numpy()[rows], 0)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_an_error_beside_the_cv_thread_cancels_the_fits_queued_there():
+    """An interrupt (or error) in the CV's own thread waits for the other thread's running fit only."""
+    import threading
+    import time
+
+    from dwise_predict.training.select import _other_thread
+
+    first_started, ran = threading.Event(), []
+
+    def fit(i):
+        ran.append(i)
+        first_started.set()
+        time.sleep(0.2)
+
+    with pytest.raises(KeyboardInterrupt):
+        with _other_thread(2) as pool:
+            queued = [pool.submit(fit, i) for i in range(4)]
+            first_started.wait(5)
+            raise KeyboardInterrupt
+    assert ran == [0] and queued[0].done() and all(f.cancelled() for f in queued[1:])
+    with _other_thread(1) as pool:
+        assert pool is None  # one job: every fit runs in the caller's thread
 
 
 @pytest.mark.parametrize("candidate", ["ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals"])

@@ -32,6 +32,7 @@ def train_command(
     cv_folds: Annotated[int, typer.Option(help="Folds of the cross-validation that --refine auto uses.")] = _DEFAULT.cv_folds,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave this category out of training (both predictors and calibration); repeatable. The eval split keeps it (reported as held out).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = _DEFAULT.num_threads,
+    jobs: Annotated[Optional[int], typer.Option(help="Threads for the refinement candidates' cross-validation (1 or 2; more adds nothing) [default: 2 when the cores hold two of --threads]. The run does not depend on it.")] = None,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json) instead of the flags above.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory (only once the new run is complete).")] = False,
     json_out: JsonOption = False,
@@ -71,6 +72,8 @@ def train_command(
         problems.append(f"--config sets every option: drop {', '.join(changed)} or edit the file")
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} is a file: give a directory")
+    if jobs is not None and jobs < 1:
+        problems.append(f"--jobs must be at least 1, got {jobs}")
     if problems:
         raise ConfigError("; ".join(problems))
     if config is not None:
@@ -80,7 +83,7 @@ def train_command(
     train_config.check()
 
     with _EpochProgress(train_config) as progress:
-        metrics = train_run(traces, out, train_config, overwrite=overwrite, progress=progress)
+        metrics = train_run(traces, out, train_config, overwrite=overwrite, progress=progress, jobs=jobs)
     log(f"wrote run directory {out} (refinement predictor: {metrics.get('refine_candidate')})")
     if json_out:
         typer.echo(json.dumps(metrics, indent=2))

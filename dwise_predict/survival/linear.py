@@ -105,13 +105,9 @@ class RidgeHead:
         if width < 2:
             raise InputError(f"the ridge member needs width >= 2, got {width}")
         d, k = self.coef_.size, self.base_.num_rounds_
-        net = HazardMLP(d, k, width, 0.0)
+        net = HazardMLP.blank(d, k, width, 0.0)
         w = torch.as_tensor(self.coef_, dtype=torch.float32)
         with torch.no_grad():
-            net.fc1.weight.zero_()
-            net.fc1.bias.zero_()
-            net.fc2.weight.zero_()
-            net.fc2.bias.zero_()
             net.fc1.weight[0], net.fc1.weight[1] = w, -w
             net.fc1.bias[0], net.fc1.bias[1] = self.intercept_, -self.intercept_
             net.fc2.weight[:, 0], net.fc2.weight[:, 1] = -1.0, 1.0  # logit = -(GELU(z) - GELU(-z)) = -z
@@ -248,14 +244,13 @@ def blend_heads(ridge: RidgeHead, features: SignalFeatureHead, weight: float) ->
         raise InputError(f"the blend weight must lie in [0, 1], got {weight}")
     base = ridge.base_
     d, k = int(base.input_mean_.numel()), base.num_rounds_
-    net = HazardMLP(d, k, 2, 0.0, short_features=d - base.hidden_size_, short_width=features.units)
+    net = HazardMLP.blank(d, k, 2, 0.0, short_features=d - base.hidden_size_, short_width=features.units)
     w = torch.as_tensor(ridge.coef_ * weight, dtype=torch.float32)
     with torch.no_grad():
         net.fc1.weight[0], net.fc1.weight[1] = w, -w
         net.fc1.bias[0], net.fc1.bias[1] = ridge.intercept_ * weight, -ridge.intercept_ * weight
         net.fc1_short.weight.copy_(torch.as_tensor(features.fc1_weight_, dtype=torch.float32))
         net.fc1_short.bias.copy_(torch.as_tensor(features.fc1_bias_, dtype=torch.float32))
-        net.fc2.weight.zero_()
         net.fc2.weight[:, 0], net.fc2.weight[:, 1] = -1.0, 1.0
         net.fc2.weight[:, 2:] = -torch.as_tensor(features.coef_ * (1.0 - weight), dtype=torch.float32)
         net.fc2.bias.fill_(-features.intercept_ * (1.0 - weight))
@@ -356,7 +351,7 @@ def fit_pca_survival(make_ensemble, hidden, prompt_tokens, budget, early_signals
     members = []
     for m in inner.members_:
         w = m.fc1.weight.detach().double()[:, :k]  # (W, k); the two zero columns standardise to 0
-        net = HazardMLP(x.shape[1], inner.num_rounds_, inner.width, 0.0)
+        net = HazardMLP.blank(x.shape[1], inner.num_rounds_, inner.width, 0.0)
         with torch.no_grad():
             net.fc1.weight.copy_(((w / std) @ proj.T).float())
             net.fc1.bias.copy_((m.fc1.bias.detach().double() - w @ (mean / std)).float())

@@ -38,6 +38,19 @@ class HazardMLP(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.fc2 = nn.Linear(width + short_width, num_rounds)
 
+    @classmethod
+    def blank(cls, *args, **kwargs) -> "HazardMLP":
+        """A member with every weight zero, for one whose weights are set rather than trained (a
+        closed-form head, a file). Built on the meta device, so it draws nothing from torch's global
+        RNG, which a survival member's dropout may be drawing from in another thread."""
+        with torch.device("meta"):
+            net = cls(*args, **kwargs)
+        net = net.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in net.parameters():
+                p.zero_()
+        return net
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, K)
         units = self.fc1(x)
         if self.fc1_short is not None:
@@ -154,8 +167,8 @@ def build_refine_graph(weights: dict[str, torch.Tensor], spec: dict, calibration
                          f"{list(HIDDEN_STATES)}: it was trained by an older dwise-predict; retrain it")
     members = []
     for i in range(int(spec["members"])):
-        member = HazardMLP(int(spec["in_features"]), int(spec["num_rounds"]), int(spec["width"]), 0.0,
-                           int(spec.get("short_features", 0)), int(spec.get("short_width", 0)))
+        member = HazardMLP.blank(int(spec["in_features"]), int(spec["num_rounds"]), int(spec["width"]), 0.0,
+                                 int(spec.get("short_features", 0)), int(spec.get("short_width", 0)))
         member.load_state_dict({k.split(".", 1)[1]: v for k, v in weights.items() if k.startswith(f"member{i}.")})
         members.append(member)
     graph = RefineGraph(

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,7 +19,7 @@ import numpy as np
 from dwise_predict import metrics as M
 from dwise_predict.admission.features import prompt_features
 from dwise_predict.admission.model import AdmissionModel
-from dwise_predict.errors import TraceError
+from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import TraceDataset
@@ -84,6 +85,7 @@ def fit_predictors(
     train: TraceDataset,
     config: TrainConfig | None = None,
     progress: Callable[[int, int, float, float], None] | None = None,
+    jobs: int | None = None,
 ) -> Predictors:
     """Fit the admission model, the survival ensemble and the calibration on ``train`` (no file I/O).
 
@@ -92,6 +94,9 @@ def fit_predictors(
     train : the requests to fit on (all of them; pass ``ds.split("train")`` for the train split).
     config : the knobs; defaults to ``TrainConfig()``.
     progress : optional ``(member, epoch, train_loss, val_loss)`` callback after each epoch.
+    jobs : threads for the candidates' cross-validation (``training.select``: more than 2 adds
+        nothing; None: 2 when the cores hold two of ``config.num_threads`` each). The predictors do
+        not depend on it.
 
     Raises
     ------
@@ -112,11 +117,11 @@ def fit_predictors(
         num_threads=config.num_threads,
     ).fit(features[targets.events], targets.total[targets.events])
     with torch_threads(config.num_threads):
-        ensemble, calibrator, selection = _fit_refinement(train, targets, config, progress)
+        ensemble, calibrator, selection = _fit_refinement(train, targets, config, progress, jobs)
     return Predictors(admission, ensemble, calibrator, len(train), selection)
 
 
-def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress) -> tuple:
+def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress, jobs: int | None) -> tuple:
     """The chosen refinement candidate (by CV when ``config.refine == "auto"``), its calibration and
     the selection record."""
     from dwise_predict.training.select import cross_validate, fit_candidate, grouped_folds
@@ -137,8 +142,12 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
 
     inputs = refine_inputs(train)
     if config.refine == "auto":
+        if jobs is None:
+            jobs = 2 if (os.cpu_count() or 1) >= 2 * config.num_threads else 1
+        if jobs < 1:
+            raise ConfigError(f"jobs must be at least 1, got {jobs}")
         selection = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble, config.cv_folds,
-                                   config.seed)
+                                   config.seed, jobs=jobs)
     else:
         selection = {"mode": "fixed", "candidates": {}, "chosen": config.refine}
     ensemble, inner = fit_candidate(selection["chosen"], inputs, targets.remaining, targets.events, make_ensemble,

@@ -36,8 +36,10 @@ def train_run(
     config: TrainConfig | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int, float, float], None] | None = None,
+    jobs: int | None = None,
 ) -> dict:
     """Load traces, fit on their train split, evaluate on their eval split, write the run directory.
+    ``jobs``: threads for the candidates' cross-validation (:func:`~.fit.fit_predictors`).
 
     Returns the metrics dict (also written to ``out/metrics.json``). See the module docstring for the
     layout (:mod:`dwise_predict.runs`) and the interruption guarantee.
@@ -53,7 +55,7 @@ def train_run(
 
         train = exclude_categories(ds, train, config.exclude)
 
-        predictors = fit_predictors(train, config, progress)
+        predictors = fit_predictors(train, config, progress, jobs)
         with torch_threads(config.num_threads):
             metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
         if config.exclude:
