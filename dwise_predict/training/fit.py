@@ -104,6 +104,8 @@ def fit_predictors(
     """
     config = config or TrainConfig()
     config.check()
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"jobs must be at least 1, got {jobs}")
     if len(train) < 8:
         raise TraceError(f"training needs at least 8 requests, got {len(train)}: collect more traces")
     targets = Targets.of(train)
@@ -144,8 +146,6 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
     if config.refine == "auto":
         if jobs is None:
             jobs = 2 if (os.cpu_count() or 1) >= 2 * config.num_threads else 1
-        if jobs < 1:
-            raise ConfigError(f"jobs must be at least 1, got {jobs}")
         selection = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble, config.cv_folds,
                                    config.seed, jobs=jobs)
     else:

@@ -146,11 +146,10 @@ def choose_blend_weight(inputs: tuple, remaining, events, groups, fold, seed: in
     return float(chosen), scores, chosen * by_prompt[0] + (1.0 - chosen) * by_prompt[1]
 
 
-def _out_of_fold_heads(inputs, remaining, events, groups, fold, seed,
-                       pool: Executor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _out_of_fold_heads(inputs, remaining, events, groups, fold, seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Out-of-fold log-scores (N,) of ridge-within and of the signal-feature head, and ridge-within's
-    raw estimates (N,) (NaN where unscored). ``pool``: where to fit the folds (None: here, in order)."""
-    return _gather_heads(len(remaining), _submit_heads(inputs, remaining, events, groups, fold, seed, pool))
+    raw estimates (N,) (NaN where unscored), the folds fitted here in order."""
+    return _gather_heads(len(remaining), _submit_heads(inputs, remaining, events, groups, fold, seed, None))
 
 
 def _submit_heads(inputs, remaining, events, groups, fold, seed, pool: Executor | None) -> list[tuple]:
@@ -168,6 +167,7 @@ def _submit_heads(inputs, remaining, events, groups, fold, seed, pool: Executor 
 
 
 def _gather_heads(n: int, pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_out_of_fold_heads`' three arrays from :func:`_submit_heads`' fits."""
     # the fits the other thread has not started run here instead, now that this thread is free: last
     # first, as that thread takes them first to last
     here = {i: _head_scores(*args) for i, (_, fitted, args) in reversed(list(enumerate(pending))) if fitted.cancel()}
