@@ -15,7 +15,6 @@ Python script that calls this with ``jobs > 1`` needs the ``if __name__ == "__ma
 from __future__ import annotations
 
 import multiprocessing
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dwise_predict.traces import TraceDataset
+from dwise_predict.training.config import default_jobs
 
 
 @dataclass
@@ -61,12 +61,6 @@ def fit_predict(task: RetrainTask, jobs: int | None = None) -> dict[str, Any]:
     }
 
 
-def default_jobs(n_tasks: int, threads_per_task: int) -> int:
-    """Workers used when the caller does not say: as many as the cores hold at ``threads_per_task``
-    threads each, never more than tasks."""
-    return max(1, min(n_tasks, (os.cpu_count() or 1) // max(1, threads_per_task)))
-
-
 def run_tasks(
     tasks: Sequence[RetrainTask],
     jobs: int | None = None,
@@ -86,7 +80,7 @@ def run_tasks(
     jobs = max(1, int(jobs))
     results: dict[str, dict[str, Any]] = {}
     if jobs == 1 or len(tasks) <= 1:
-        cv_jobs = None if requested is None else min(2, jobs)  # --jobs 1 means one core
+        cv_jobs = None if requested is None else jobs  # --jobs 1 means one core
         for task in tasks:
             results[task.name] = fit_predict(task, cv_jobs)
             if on_done:

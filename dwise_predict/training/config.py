@@ -1,4 +1,5 @@
-"""Every knob of a predictor training run, and reading them from a ``--config`` JSON file."""
+"""Every knob of a predictor training run, reading them from a ``--config`` JSON file, and how many
+workers the cores hold (:func:`default_jobs`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def _fits(value, default) -> bool:
     if isinstance(default, tuple):  # JSON has lists only
         return isinstance(value, (list, tuple))
     return isinstance(value, type(default))
+
+
+def default_jobs(n_tasks: int, threads_per_task: int) -> int:
+    """Workers used when the caller does not say: as many as the cores hold at ``threads_per_task``
+    threads each, never more than tasks."""
+    return max(1, min(n_tasks, (os.cpu_count() or 1) // max(1, threads_per_task)))
 
 
 @dataclass

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,7 +22,7 @@ from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import TraceDataset
-from dwise_predict.training.config import TrainConfig
+from dwise_predict.training.config import TrainConfig, default_jobs
 
 CENSORED_COLUMN = "censored"
 
@@ -144,8 +143,7 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
 
     inputs = refine_inputs(train)
     if config.refine == "auto":
-        if jobs is None:
-            jobs = 2 if (os.cpu_count() or 1) >= 2 * config.num_threads else 1
+        jobs = default_jobs(2, config.num_threads) if jobs is None else jobs  # two threads is all the CV uses
         selection = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble, config.cv_folds,
                                    config.seed, jobs=jobs)
     else:
