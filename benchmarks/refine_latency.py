@@ -1,6 +1,6 @@
 """Latency of the calibrated refinement ensemble: eager vs TorchScript vs ONNX Runtime.
 
-Hidden size 2,048, K ~ 256, 3 members, batch 1 / 16 / 128, 2 threads (torch and onnxruntime). The
+Hidden size 2,048, K ~ 256, batch 1 / 16 / 128, 2 threads (torch and onnxruntime). The
 weights come from a quick ``train_run`` on synthetic traces of that hidden size (``--random`` for
 untrained weights), because int8 quantisation must be judged on trained weights: it is kept only
 if its ranking holds (Spearman rho >= 0.999 against fp32 on the eval split).
@@ -16,6 +16,7 @@ Usage::
 
     python benchmarks/refine_latency.py            # ~2-3 minutes on 2 cores
     python benchmarks/refine_latency.py --random --repeats 50
+    python benchmarks/refine_latency.py --refine ridge-within+signals   # one candidate, no search
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ BATCHES = (1, 16, 128)
 THREADS = 2
 
 
-def build_graph(random: bool, workdir: Path, seed: int = 0):
+def build_graph(random: bool, workdir: Path, seed: int = 0, refine: str = "auto"):
     """(eager RefineGraph, eval inputs as numpy) from a quick training run or random weights."""
     from dwise_predict.traces.synthetic import make_synthetic_traces
 
@@ -74,14 +75,14 @@ def build_graph(random: bool, workdir: Path, seed: int = 0):
     from dwise_predict.training import TrainConfig, train_run
 
     run = workdir / "run"
-    train_run(traces, run, TrainConfig(max_epochs=20, bootstrap=0, num_threads=THREADS, seed=seed))
+    train_run(traces, run, TrainConfig(max_epochs=20, bootstrap=0, num_threads=THREADS, seed=seed, refine=refine))
     graph = build_refine_graph(
         load_file(str(run / "refine.safetensors")),
         json.loads((run / "refine.json").read_text()),
         json.loads((run / "calibration.json").read_text()),
     )
     rho = json.loads((run / "metrics.json").read_text())["refined"]["spearman"]
-    return graph, inputs, f"trained (eval rho {rho:.3f})"
+    return graph, inputs, f"trained, candidate {json.loads((run / 'refine.json').read_text())['candidate']} (eval rho {rho:.3f})"
 
 
 def time_call(fn, repeats: int) -> tuple[float, float]:
@@ -122,11 +123,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--random", action="store_true", help="untrained weights (no training run)")
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per row and batch size")
+    parser.add_argument("--refine", default="auto", help="refinement candidate to train (default: the CV's pick)")
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        graph, inputs, origin = build_graph(args.random, tmp)
+        graph, inputs, origin = build_graph(args.random, tmp, refine=args.refine)
         graph.eval()
         fused = FusedRefineGraph(graph).eval()
         K = int(graph.members[0].fc2.out_features)
@@ -164,7 +166,8 @@ def main() -> None:
             **{name: ort_fn(s, inputs)() for name, s in sessions.items()},
         }
         print(f"load average before timing: {os.getloadavg()[0]:.1f} (2 cores; timings are contended above ~2)")
-        print(f"weights: {origin}; H={HIDDEN}, K={K}, members=3, threads={THREADS}, eval rows={len(reference)}")
+        print(f"weights: {origin}; H={HIDDEN}, K={K}, members={len(graph.members)}, threads={THREADS}, "
+              f"eval rows={len(reference)}")
         print(f"{'path':<22} {'max rel err':>12} {'rho vs fp32':>12}")
         for name, out in outputs.items():
             rel = float((np.abs(out - reference) / np.maximum(np.abs(reference), 1e-3)).max())

@@ -47,7 +47,6 @@ from dwise_predict.exports.manifest import (
     write_bundle_manifest,
 )
 from dwise_predict.exports.model_card import model_card
-from dwise_predict.exports.probe_worker import TOLERANCE, relative_error
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.files import atomic_dir, claim_output, sha256_file
 from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES
@@ -198,11 +197,8 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
     with torch.no_grad():
         expected = graph(first_round, prompt_last, prompt_tokens, budget, early_signals)
         fused_out = fused(first_round, prompt_last, prompt_tokens, budget, early_signals)
-    # the bar verify holds every artifact to: the fused GEMMs sum the same float32 terms in another
-    # order, which over ridge-within+signals' 4,096 short units moves outputs by ~1e-5 relative; a
-    # real exporter bug moves them by O(1)
-    error = relative_error(expected.numpy(), fused_out.numpy())
-    if error > TOLERANCE:
+    error = ((fused_out - expected).abs() / expected.abs().clamp(min=1e-3)).max().item()
+    if error > 1e-5:
         raise BundleError(f"internal error: the fused refinement graph differs from the eager one by {error:.2e}")
     words = (prompt_tokens * (0.6 + 0.2 * torch.rand(n, generator=gen))).round()
     newlines = (prompt_tokens * 0.1 * torch.rand(n, generator=gen)).round()
