@@ -76,13 +76,11 @@ def build_graph(random: bool, workdir: Path, seed: int = 0, refine: str = "auto"
 
     run = workdir / "run"
     train_run(traces, run, TrainConfig(max_epochs=20, bootstrap=0, num_threads=THREADS, seed=seed, refine=refine))
-    graph = build_refine_graph(
-        load_file(str(run / "refine.safetensors")),
-        json.loads((run / "refine.json").read_text()),
-        json.loads((run / "calibration.json").read_text()),
-    )
+    spec = json.loads((run / "refine.json").read_text())
+    graph = build_refine_graph(load_file(str(run / "refine.safetensors")), spec,
+                               json.loads((run / "calibration.json").read_text()))
     rho = json.loads((run / "metrics.json").read_text())["refined"]["spearman"]
-    return graph, inputs, f"trained, candidate {json.loads((run / 'refine.json').read_text())['candidate']} (eval rho {rho:.3f})"
+    return graph, inputs, f"trained, candidate {spec['candidate']} (eval rho {rho:.3f})"
 
 
 def time_call(fn, repeats: int) -> tuple[float, float]:
