@@ -122,11 +122,18 @@ def test_admission_onnx_matches_lightgbm_in_rounds_not_log_space(bundle):
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize("short_width", [0, 5])
-def test_fused_graph_equals_member_by_member_graph(short_width):
+@pytest.mark.parametrize("short_width, one_logit", [(0, False), (5, False), (5, True)])
+def test_fused_graph_equals_member_by_member_graph(short_width, one_logit):
+    """``one_logit``: every round shares its hazard logit, as in the closed-form candidates; the fused
+    graph then computes one column of the second layer and broadcasts it."""
     torch.manual_seed(3)
     members = [HazardMLP(13, 9, width=16, dropout=0.0, short_features=5, short_width=short_width).eval()
                for _ in range(3)]
+    if one_logit:
+        with torch.no_grad():
+            for m in members:
+                m.fc2.weight.copy_(m.fc2.weight[:1].expand_as(m.fc2.weight))
+                m.fc2.bias.fill_(float(m.fc2.bias[0]))
     spec = dict(in_features=13, num_rounds=9, width=16, members=3, prompt_norm=50.0, budget_norm=64.0,
                 length_scale=LENGTH_SCALE, hidden_states=["first_round", "prompt_last"], short_features=5,
                 short_width=short_width)
@@ -137,7 +144,7 @@ def test_fused_graph_equals_member_by_member_graph(short_width):
     with torch.no_grad():
         torch.testing.assert_close(fused.raw(*x), graph.raw(*x), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fused(*x), graph(*x), rtol=1e-6, atol=1e-6)
-    assert fused.w1.shape == (48, 13) and fused.w2.shape == (3, 16 + short_width, 9)
+    assert fused.w1.shape == (48, 13) and fused.w2.shape == (3, 16 + short_width, 1 if one_logit else 9)
     assert fused.w1_short.shape == (3 * short_width, 5)
 
 

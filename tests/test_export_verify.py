@@ -1,13 +1,18 @@
 """verify: hashes first, then every artifact in a fresh process; tampering is refused, naming the file."""
 
 import json
+import shutil
+
+import numpy as np
 import pytest
 from export_helpers import make_run
+from safetensors.numpy import load_file
 
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError
 from dwise_predict.exports.bundle import export_bundle
 from dwise_predict.exports.manifest import read_bundle_manifest, seal_manifest, write_bundle_manifest
+from dwise_predict.exports.probe_worker import RAW_PROBE, calibrated_band, relative_error
 from dwise_predict.exports.verify import verify_bundle
 from dwise_predict.serving.bundle import load_bundle
 
@@ -44,7 +49,7 @@ def test_intact_bundle_passes_every_check(bundle, report):
     for row in report.rows:
         if row["detail"].startswith("max rel err") and row["artifact"] != "admission.txt":
             error = float(row["detail"].split("max rel err ")[1].split(",")[0])
-            assert error <= 1e-4 and "ranking identical" in row["detail"]
+            assert error <= 1e-4 and "every row inside its band" in row["detail"]
 
 
 def test_worker_process_never_imports_the_training_stack(report):
@@ -145,3 +150,104 @@ def test_loader_refuses_a_bundle_for_another_model(bundle):
         load_bundle(bundle, expect_model={"config_hash": "another-model"})
     loaded = load_bundle(bundle, expect_model={"hidden_size": hidden, "config_hash": manifest["model"]["config_hash"]})
     assert loaded.hidden_size == hidden
+
+
+def test_band_allows_for_the_calibration_slope_and_nothing_more():
+    """Row 0 sits on a knot pair 0.02 apart mapping 41 -> 43 (slope 100), row 1 on a slope below 1."""
+    calibration = {"x": [0.0, 10.0, 10.02, 50.0], "y": [0.0, 41.0, 43.0, 80.0]}
+    raw = np.array([10.01, 30.0])
+
+    def calibrate(r):
+        return np.interp(r, calibration["x"], calibration["y"])
+
+    expected = calibrate(raw)
+    lo, hi = calibrated_band(expected, raw, calibration)
+    # a raw estimate 5e-5 off moves row 0's output by 1.2e-3 relative: inside the band, which says
+    # what the calibration makes of raw estimates within 1e-4
+    nudged = calibrate(raw * (1 + 5e-5))
+    assert relative_error(expected[:1], nudged[:1]) > 1e-3
+    assert ((nudged >= lo) & (nudged <= hi)).all()
+    # 1e-3 off in the raw estimate is outside on both slopes
+    off = calibrate(raw * (1 + 1e-3))
+    assert not ((off >= lo) & (off <= hi)).any()
+    # without the raw estimate (bundles exported before it was probed): the output's own 1e-4
+    lo_plain, hi_plain = calibrated_band(expected, None, None)
+    np.testing.assert_allclose(hi_plain - expected, 1e-4 * expected)
+    assert not (nudged[0] <= hi_plain[0])
+
+
+@pytest.fixture(scope="module")
+def steep_bundle(bundle, tmp_path_factory):
+    """A bundle whose calibration is a steep line through the probes' raw estimates: out = 1 + slope *
+    (raw - just below the smallest), so a float32 rounding of 1e-7 in the raw estimate moves the
+    smallest outputs by 1e-4 relative and more."""
+    raw = np.sort(load_file(str(bundle / "probes.safetensors"))[RAW_PROBE].astype(np.float64))
+    run = make_run(tmp_path_factory.mktemp("steep") / "run")
+    calibration = json.loads((run / "calibration.json").read_text())
+    low, high = raw[0] * (1 - 1e-6), raw[-1] * (1 + 1e-3)
+    slope = 2000.0 / (high - low)
+    top = float(read_bundle_manifest(bundle)["K"])
+    calibration["x"] = [0.0, low, high, max(top, high + 1.0)]
+    calibration["y"] = [0.0, 1.0, 1.0 + slope * (high - low), 1.0 + slope * (high - low) + 1.0]
+    (run / "calibration.json").write_text(json.dumps(calibration))
+    return export_bundle(run, tmp_path_factory.mktemp("steep_b") / "bundle", created="2026-01-01T00:00:00+00:00")
+
+
+def test_steep_calibration_passes_verify(steep_bundle):
+    """Measured on the 2-core build machine: onnxruntime's outputs differ from eager by 5e-4 relative
+    here (the raw estimates by < 1e-6), which the output's own 1e-4 would have failed."""
+    report = verify_bundle(steep_bundle)
+    assert report.ok, report.failures()
+    probes = load_file(str(steep_bundle / "probes.safetensors"))
+    calibration = json.loads((steep_bundle / "calibration.json").read_text())
+    band = calibrated_band(probes["refine.remaining_rounds"], probes[RAW_PROBE], calibration)
+    plain = calibrated_band(probes["refine.remaining_rounds"], None, None)
+    # the band is wider than the output's own 1e-4 by the slope (up to ~2,000 x raw / output here)
+    assert ((band[1] - band[0]) / (plain[1] - plain[0])).max() > 100
+
+
+def test_an_exporter_bug_fails_even_under_a_steep_calibration(steep_bundle, tmp_path):
+    """refine.onnx rebuilt with its knots shifted by 3e-4 (as a raw estimate off by that much): the
+    band is the calibration of raw estimates within 1e-4, so the file fails, named, and re-sealing
+    the manifest does not help."""
+    import torch
+    from safetensors.torch import load_file as load_tensors
+
+    from dwise_predict.exports.refine_export import FusedRefineGraph, export_onnx
+    from dwise_predict.files import sha256_file
+    from dwise_predict.survival.network import build_refine_graph
+
+    broken = tmp_path / "broken"
+    shutil.copytree(steep_bundle, broken)
+    manifest = read_bundle_manifest(broken)
+    calibration = json.loads((broken / "calibration.json").read_text())
+    graph = build_refine_graph(load_tensors(str(broken / "refine.safetensors")), manifest["inputs"]["refine"], calibration)
+    fused = FusedRefineGraph(graph).eval()
+    with torch.no_grad():
+        fused.calib_x.mul_(1 + 3e-4)
+    export_onnx(fused, int(manifest["inputs"]["refine"]["hidden_size"]), broken / "refine.onnx")
+    path = broken / "refine.onnx"
+    manifest["files"]["refine.onnx"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    write_bundle_manifest(broken, manifest)
+    failed = verify_bundle(broken).failures()
+    assert [r["artifact"] for r in failed] == ["refine.onnx"]
+    assert "OUTSIDE their band" in failed[0]["detail"]
+
+
+def test_a_bundle_without_the_raw_probe_is_held_to_the_output_alone(bundle, tmp_path):
+    """Bundles exported before the raw estimate was probed still verify, against 1e-4 of the output."""
+    from safetensors.numpy import save
+
+    from dwise_predict.files import sha256_file
+
+    older = tmp_path / "older"
+    shutil.copytree(bundle, older)
+    path = older / "probes.safetensors"
+    probes = {k: v for k, v in load_file(str(path)).items() if k != RAW_PROBE}
+    path.write_bytes(save(probes))
+    manifest = read_bundle_manifest(older)
+    manifest["files"]["probes.safetensors"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    write_bundle_manifest(older, manifest)
+    report = verify_bundle(older)
+    assert report.ok, report.failures()
+    assert RAW_PROBE in load_file(str(bundle / "probes.safetensors"))  # what export writes today

@@ -4,7 +4,8 @@ The exported graph is :class:`FusedRefineGraph`, the same function as
 :class:`~dwise_predict.survival.network.RefineGraph` rearranged for speed: the members' first layers
 are concatenated into one ``(members * width, 2H + 2 + S)`` GEMM (the first layers are ~97 % of the
 FLOPs at H = 2,048, and one large GEMM keeps both cores busier than three small ones) and the
-second layers run as one batched matmul. Everything else — the standardisation, hazards ->
+second layers run as one batched matmul, of one column when every round shares its hazard logit
+(the closed-form candidates). Everything else — the standardisation, hazards ->
 survival in log space, the ensemble mean and the isotonic lookup by comparison count — is the
 shared code of ``survival/network.py``, which avoids the ops the ONNX exporters reject
 (cumprod, searchsorted, expm1).
@@ -65,8 +66,16 @@ class FusedRefineGraph(nn.Module):
                                  if self.short_width else torch.zeros(0, self.short_features))  # (M*Ws, Ds)
             self.register_buffer("b1_short", torch.cat([m.fc1_short.bias for m in members], 0).clone()
                                  if self.short_width else torch.zeros(0))  # (M*Ws,)
-            self.register_buffer("w2", torch.stack([m.fc2.weight.t() for m in members], 0).contiguous())  # (M, W, K)
-            self.register_buffer("b2", torch.stack([m.fc2.bias for m in members], 0).unsqueeze(1).clone())  # (M, 1, K)
+            w2 = torch.stack([m.fc2.weight.t() for m in members], 0)  # (M, W, K)
+            b2 = torch.stack([m.fc2.bias for m in members], 0).unsqueeze(1)  # (M, 1, K)
+            # closed-form members (survival/linear.py) give every round the same hazard logit: compute
+            # that one column and broadcast it, instead of a K-times larger second layer (with 4,098
+            # units at H = 2,048 that layer was most of the work at batch 128)
+            if torch.equal(w2, w2[:, :, :1].expand_as(w2)) and torch.equal(b2, b2[:, :, :1].expand_as(b2)):
+                w2, b2 = w2[:, :, :1], b2[:, :, :1]
+            self.register_buffer("w2", w2.contiguous().clone())  # (M, W, K) or (M, W, 1)
+            self.register_buffer("b2", b2.contiguous().clone())  # (M, 1, K) or (M, 1, 1)
+        self.num_rounds = members[0].fc2.out_features
 
     def raw(self, first_round: torch.Tensor, prompt_last: torch.Tensor, prompt_tokens: torch.Tensor,
             budget: torch.Tensor, early_signals: torch.Tensor) -> torch.Tensor:
@@ -79,9 +88,10 @@ class FusedRefineGraph(nn.Module):
             short = F.linear(x[:, x.shape[1] - self.short_features:], self.w1_short, self.b1_short)  # (B, M*Ws)
             h = torch.cat([h, F.gelu(short).view(x.shape[0], self.num_members, self.short_width)], dim=2)
         h = h.transpose(0, 1)  # (M, B, W + Ws)
-        logits = torch.matmul(h, self.w2) + self.b2  # (M, B, K)
+        logits = torch.matmul(h, self.w2) + self.b2  # (M, B, K) or (M, B, 1)
         # survival S(j) = prod_{i<=j} sigmoid(-l_i), as a cumulative sum of logs (see network.py)
-        survival = torch.exp(torch.cumsum(F.logsigmoid(-logits), dim=2))  # (M, B, K)
+        log_one_minus_hazard = F.logsigmoid(-logits).expand(-1, -1, self.num_rounds)  # (M, B, K)
+        survival = torch.exp(torch.cumsum(log_one_minus_hazard, dim=2))  # (M, B, K)
         return survival.sum(dim=2).mean(dim=0)
 
     def forward(self, first_round: torch.Tensor, prompt_last: torch.Tensor, prompt_tokens: torch.Tensor,
