@@ -434,8 +434,8 @@ def test_blended_heads_are_one_member_that_ranks_exactly_like_the_blended_score(
     features = SignalFeatureHead(width=64).fit(ridge.base_, *inputs(tr), t.remaining, t.events)
     both = blend_heads(ridge, features, 0.4)
     assert both.spec()["members"] == 1 and both.candidate == "ridge-within+signals"
-    # two units carry the ridge score; the bag's 4 x 64 random units read the short inputs only
-    assert both.spec()["width"] == 2 and both.spec()["short_width"] == 4 * 64 == features.units
+    # two units carry the ridge score; the bag's 8 x 64 random units read the short inputs only
+    assert both.spec()["width"] == 2 and both.spec()["short_width"] == 8 * 64 == features.units
     assert both.spec()["short_features"] == 2 + len(EARLY_SIGNALS)
     score = 0.4 * ridge.score(*inputs(ev)) + 0.6 * features.score(*inputs(ev))
     raw = both.predict_raw(*inputs(ev))
