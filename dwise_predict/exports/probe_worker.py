@@ -84,6 +84,7 @@ def compare(artifact: str, check: str, expected: np.ndarray, load, band: tuple[n
     Spearman rho >= ``min_spearman`` on all probes instead.
     """
     lo, hi = band if band is not None else calibrated_band(expected, None, None)
+    inside = "every row inside its band" if band is not None else f"every row within {TOLERANCE:g}"
     try:
         run = load()
         worst, outside = 0.0, np.zeros(len(expected), dtype=bool)
@@ -97,7 +98,7 @@ def compare(artifact: str, check: str, expected: np.ndarray, load, band: tuple[n
         batches = f"batch 1/7/{len(expected)}"
         if min_spearman is None:
             ok = not outside.any()
-            where = "every row inside its band" if ok else f"{int(outside.sum())} of {len(expected)} rows OUTSIDE their band"
+            where = inside if ok else f"{int(outside.sum())} of {len(expected)} rows OUTSIDE their band"
             detail = f"max rel err {worst:.1e}, {where}, {batches}"
         else:
             rho = spearman(expected, got)
