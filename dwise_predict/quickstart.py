@@ -2,9 +2,12 @@
 
 collect → train → evaluate (with leave-one-category-out) → export → verify → simulate, each stage
 writing into its own folder under ``out``. Every stage finishes by renaming its output into place,
-and counts as done only when every file it writes is there (:data:`STAGE_FILES`), so an
-interrupted quickstart resumes at the first stage whose output is missing or partial (and
-``collect`` itself resumes mid-stage from its shards).
+and counts as done only when every file it writes is there (:data:`STAGE_FILES`) and it was made
+from the same traces, options and code as this call would use (its stamp in ``out/stages.json``:
+the traces' fingerprint, the options of :data:`STAGE_OPTIONS` and
+:func:`~dwise_predict.versions.source_fingerprint`). So an interrupted quickstart resumes at the
+first stage whose output is missing, partial or stale, and redoes every stage after it; ``collect``
+itself resumes mid-stage from its shards, and its trace store refuses another seed.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dwise_predict.errors import BundleError
-from dwise_predict.files import atomic_write_text
+from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.files import atomic_write_text, read_json_object
+from dwise_predict.versions import source_fingerprint
 
 STAGES = ("collect", "train", "evaluate", "export", "verify", "simulate")
 # what each resumable stage leaves in its folder; the stage is redone unless all of it is there
@@ -25,6 +29,10 @@ STAGE_FILES = {
     "report": ("evaluation.json", "metrics.json", "predictions.parquet", "report.html", "report.md"),
     "bundle": ("bundle.json", "README.md", "admission.onnx", "refine.onnx", "refine.pt"),
 }
+# the quickstart options each resumable stage's output depends on, beside the traces and the code
+# (``jobs`` changes only the wall time; ``slots``, ``k`` only the simulation, which is always redone)
+STAGE_OPTIONS = {"run": ("seed", "max_epochs"), "report": ("seed", "max_epochs", "loco"), "bundle": ()}
+STAMPS = "stages.json"
 
 
 @dataclass(frozen=True)
@@ -91,24 +99,30 @@ def run_quickstart(
     collect("tiny", "tiny-default", paths["traces"], DecodingConfig(), seed=config.seed, limit=config.limit,
             progress=collect_progress)
 
+    ds = load_traces(paths["traces"])
+    stages = _Stages(out, paths, config, ds.data_hash(), log)
+
     epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}
     train_config = TrainConfig(seed=config.seed, **epochs)
     log(f"{next(step)}: admission LightGBM + refinement predictor (candidate chosen by CV) → {paths['run']}")
-    if not _done(paths, "run"):
-        train_run(paths["traces"], paths["run"], train_config, overwrite=True)
+    if stages.redo("run"):
+        train_run(ds, paths["run"], train_config, overwrite=True)
+        stages.finished("run")
     metrics = json.loads((paths["run"] / "metrics.json").read_text())
 
     log(f"{next(step)}: held-out categories, baselines, report → {paths['report']}")
-    if not _done(paths, "report"):
+    if stages.redo("report"):
         with claim_evaluation_out(paths["report"], [paths["traces"]], paths["run"]):
             evaluation = evaluate([paths["traces"]], run=paths["run"], loco=config.loco, jobs=config.jobs,
                                   config=train_config, log=lambda line: log(f"    {line}"))
             write_evaluation(evaluation, paths["report"])
+        stages.finished("report")
     evaluation = json.loads((paths["report"] / "evaluation.json").read_text())
 
     log(f"{next(step)}: ONNX + TorchScript bundle → {paths['bundle']}")
-    if not _done(paths, "bundle"):
+    if stages.redo("bundle"):
         export_bundle(paths["run"], paths["bundle"], force=True)
+        stages.finished("bundle")
 
     log(f"{next(step)}: hashes and parity in a fresh process")
     report = verify_bundle(paths["bundle"])
@@ -117,7 +131,6 @@ def run_quickstart(
                           f"run `dwise-predict verify {paths['bundle']}` for the table")
 
     log(f"{next(step)}: replay the eval split under every scheduler → {paths['simulate']}")
-    ds = load_traces(paths["traces"])
     bundle = load_bundle(paths["bundle"], expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
     sim_config = SimConfig(slots=config.slots, k=config.k, seed=config.seed)
     rows = compare_arrivals(sim_requests_from_traces(ds, "eval", bundle), sim_config, ["burst", "burst-poisson"])
@@ -130,6 +143,51 @@ def run_quickstart(
 
 def _done(paths: dict[str, Path], stage: str) -> bool:
     return all((paths[stage] / name).is_file() for name in STAGE_FILES[stage])
+
+
+class _Stages:
+    """Which resumable stages to redo: the first one whose files are missing or whose stamp differs
+    from this call's, and every one after it (each is made from the one before)."""
+
+    def __init__(self, out: Path, paths: dict[str, Path], config: QuickstartConfig, traces_fingerprint: str,
+                 log: Callable[[str], None]):
+        self.path, self.paths, self.log = out / STAMPS, paths, log
+        self.stamps = (read_json_object(self.path, ConfigError, fix="delete it to redo every stage after collect")
+                       if self.path.is_file() else {})
+        self.current = {stage: {"traces": traces_fingerprint, "code": source_fingerprint(),
+                                **{name: getattr(config, name) for name in options}}
+                        for stage, options in STAGE_OPTIONS.items()}
+        self.redoing = False
+
+    def redo(self, stage: str) -> bool:
+        if self.redoing:
+            return True
+        stamp, want = self.stamps.get(stage), self.current[stage]
+        if not _done(self.paths, stage):
+            why = None
+        elif stamp is None:
+            why = "has no record of what made it (an older dwise-predict)"
+        else:
+            changed = [f"different {key}" if key in ("code", "traces") else f"{key}={stamp.get(key)} (now {want[key]})"
+                       for key in want if stamp.get(key) != want[key]]
+            if not changed:
+                return False
+            why = f"was made with {', '.join(changed)}"
+        if why:
+            self.log(f"    {self.paths[stage]} {why}: redoing it and every later stage")
+        # forget this stage's and the later stamps first: killed part-way, a rerun redoes all of them
+        later = list(STAGE_OPTIONS)[list(STAGE_OPTIONS).index(stage):]
+        self.stamps = {name: value for name, value in self.stamps.items() if name not in later}
+        self._write()
+        self.redoing = True
+        return True
+
+    def finished(self, stage: str) -> None:
+        self.stamps[stage] = self.current[stage]
+        self._write()
+
+    def _write(self) -> None:
+        atomic_write_text(self.path, json.dumps(self.stamps, indent=2, sort_keys=True) + "\n")
 
 
 def _summary(paths: dict[str, Path], metrics: dict, evaluation: dict, rows: list[dict], verified: bool) -> dict:

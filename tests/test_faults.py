@@ -253,6 +253,47 @@ def test_quickstart_stage_is_redone_unless_all_its_files_exist(tmp_path):
     assert _done(paths, "report")
 
 
+def test_quickstart_stage_made_with_other_options_or_code_is_redone_with_every_later_one(tmp_path, monkeypatch):
+    import dwise_predict.quickstart as qs
+
+    paths = qs.stage_paths(tmp_path)
+    for stage, names in qs.STAGE_FILES.items():
+        paths[stage].mkdir(parents=True)
+        for name in names:
+            (paths[stage] / name).write_text("x")
+    lines = []
+
+    def stages(config=qs.QuickstartConfig(), traces="t" * 64):
+        return qs._Stages(tmp_path, paths, config, traces, lines.append)
+
+    first = stages()
+    assert [first.redo(stage) for stage in qs.STAGE_OPTIONS] == [True, True, True]  # files but no stamps: an older out
+    assert lines == [f"    {paths['run']} has no record of what made it (an older dwise-predict): redoing it and every later stage"]
+    for stage in qs.STAGE_OPTIONS:
+        first.finished(stage)
+    assert [stages().redo(stage) for stage in qs.STAGE_OPTIONS] == [False, False, False]
+    assert [stages(qs.QuickstartConfig(jobs=1, slots=4, k=2)).redo(s) for s in qs.STAGE_OPTIONS] == [False] * 3
+
+    lines.clear()
+    loco_changed = stages(qs.QuickstartConfig(loco=False))
+    assert [loco_changed.redo(stage) for stage in qs.STAGE_OPTIONS] == [False, True, True]
+    assert lines == [f"    {paths['report']} was made with loco=True (now False): redoing it and every later stage"]
+    # the redone stages' stamps are gone at once: killed now, a rerun redoes them whatever its options
+    assert sorted(json.loads((tmp_path / qs.STAMPS).read_text())) == ["run"]
+    assert [stages().redo(stage) for stage in qs.STAGE_OPTIONS] == [False, True, True]
+
+    lines.clear()
+    assert stages(traces="u" * 64).redo("run") is True
+    assert lines == [f"    {paths['run']} was made with different traces: redoing it and every later stage"]
+    lines.clear()
+    again = stages()
+    for stage in qs.STAGE_OPTIONS:
+        again.finished(stage)
+    monkeypatch.setattr(qs, "source_fingerprint", lambda: "edited")
+    assert stages().redo("run") is True
+    assert lines == [f"    {paths['run']} was made with different code: redoing it and every later stage"]
+
+
 # --- a full or read-only disk ---------------------------------------------------------------------
 
 def _tmpfs(mount: Path, size: str):

@@ -51,3 +51,18 @@ def test_rerun_resumes_and_reports_the_same(quickstart):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["refined_rho"] == summary["refined_rho"]
     assert (out / "run" / "metrics.json").stat().st_mtime_ns == before  # training was not redone
+
+
+def test_rerun_with_other_options_redoes_the_stages_they_change(quickstart):
+    """Last in this module: it replaces the fixture's run. The first run trained 15 epochs with LOCO;
+    asking for 14 without LOCO must retrain and re-evaluate, not resume the old run and report."""
+    out, _, cmd = quickstart
+    cmd = [arg for arg in cmd if arg != "15"]
+    cmd[cmd.index("--max-epochs") + 1:cmd.index("--max-epochs") + 1] = ["14"]
+    done = subprocess.run([*cmd, "--no-loco"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{out / 'run'} was made with max_epochs=15 (now 14): redoing it and every later stage" in done.stderr
+    assert json.loads((out / "run" / "config.json").read_text())["max_epochs"] == 14
+    assert json.loads(done.stdout)["held_out"] is None  # the report was redone without LOCO
+    stamps = json.loads((out / "stages.json").read_text())
+    assert stamps["run"]["max_epochs"] == stamps["report"]["max_epochs"] == 14 and stamps["report"]["loco"] is False

@@ -1,6 +1,7 @@
 """Training end to end: known answer on synthetic traces, run directory, determinism, bad input."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from dwise_predict.training import (
 )
 from dwise_predict.traces import write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
+from dwise_predict.versions import PACKAGE_ROOT, source_fingerprint
 
 torch.set_num_threads(1)
 # the reference refinement predictor (the paper's survival ensemble); tests/test_train_select.py covers "auto"
@@ -66,6 +68,7 @@ def test_run_directory_layout_and_reload(small, tmp_path):
     config = json.loads((run / "config.json").read_text())
     assert config["seeds"] == [0, 1] and config["traces"]["hidden_size"] == 8
     assert len(config["traces"]["fingerprint"]) == 64 and "torch" in config["versions"]
+    assert config["versions"]["dwise-predict source"] == source_fingerprint()
     spec = json.loads((run / "refine.json").read_text())
     weights = load_file(str(run / "refine.safetensors"))
     assert weights["member1.fc2.weight"].shape == (spec["num_rounds"], 16)
@@ -88,6 +91,18 @@ def test_run_directory_layout_and_reload(small, tmp_path):
                     torch.from_numpy(eval_ds.early_signals)).numpy()
     np.testing.assert_allclose(out, loaded.refined_remaining(eval_ds), rtol=1e-4)  # float32 graph vs float64
     assert evaluate_predictors(loaded, eval_ds, bootstrap=50) == metrics
+
+
+def test_source_fingerprint_follows_the_code_not_the_bytecode(tmp_path):
+    copy = tmp_path / "dwise_predict"
+    shutil.copytree(PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("weights"))
+    assert source_fingerprint(copy) == source_fingerprint()
+    (copy / "stray.pyc").write_bytes(b"\0")
+    assert source_fingerprint.__wrapped__(copy) == source_fingerprint()  # uncached: the .pyc is seen and ignored
+    edited = tmp_path / "edited"
+    shutil.copytree(copy, edited)
+    (edited / "quickstart.py").write_text((edited / "quickstart.py").read_text() + "\n# one line more\n")
+    assert source_fingerprint(edited) != source_fingerprint()
 
 
 def test_same_seed_same_bytes(small, tmp_path):
