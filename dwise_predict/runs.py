@@ -5,8 +5,9 @@ One format, one reader (:func:`load_run`, raising :class:`InputError`) and one w
 training and exports, because exports must not import the training stack::
 
     RUN/
-      config.json         resolved TrainConfig, seed, package versions (and the source fingerprint), traces {path, fingerprint
-                          (the traces' data hash), model (fingerprint), decoding, hidden_size}
+      config.json         resolved TrainConfig, seed, package versions and the source fingerprint,
+                          traces {path, fingerprint (the traces' data hash), model (fingerprint),
+                          decoding, hidden_size}
       metrics.json        eval-split metrics (see training.fit.evaluate_predictors)
       admission.txt       LightGBM text model, target log1p(total_rounds), features words, newlines,
                           prompt_tokens

@@ -30,8 +30,6 @@ def package_versions() -> dict[str, str | None]:
 # what decides results: the code and the presets shipped beside it (the tiny dLLM's weights have
 # their own fingerprint in every manifest's ``model`` block)
 SOURCE_SUFFIXES = (".py", ".toml")
-
-
 PACKAGE_ROOT = Path(__file__).parent
 
 
