@@ -80,6 +80,7 @@ def run_quickstart(
     """
     from dwise_predict.collectors.collect import collect
     from dwise_predict.collectors.records import DecodingConfig
+    from dwise_predict.collectors.store import mixed_sources_note
     from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
     from dwise_predict.exports.bundle import export_bundle
     from dwise_predict.exports.verify import verify_bundle
@@ -100,6 +101,8 @@ def run_quickstart(
             progress=collect_progress)
 
     ds = load_traces(paths["traces"])
+    if note := mixed_sources_note(paths["traces"], ds.manifest):
+        log(f"    {note}")
     stages = _Stages(out, paths, config, ds.data_hash(), log)
 
     epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}

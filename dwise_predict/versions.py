@@ -9,6 +9,7 @@ import platform
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+SOURCE_KEY = "dwise-predict source"  # the versions entry holding source_fingerprint()
 RECORDED_PACKAGES = (
     "dwise-predict", "torch", "transformers", "numpy", "pandas", "pyarrow", "safetensors", "lightgbm",
     "scikit-learn", "scipy", "onnx", "onnxruntime", "onnxscript", "onnxmltools",
@@ -23,7 +24,7 @@ def package_versions() -> dict[str, str | None]:
             found[name] = version(name)
         except PackageNotFoundError:
             found[name] = None
-    found["dwise-predict source"] = source_fingerprint()
+    found[SOURCE_KEY] = source_fingerprint()
     return found
 
 

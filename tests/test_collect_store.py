@@ -207,3 +207,39 @@ def test_a_run_that_wrote_no_shard_binds_nothing(tmp_path):
     with TraceStore(tmp_path, _manifest()) as store:
         store.write_shard(*_rows([0]))
     assert json.loads((tmp_path / "manifest.json").read_text())["decoding"]["algorithm_config"] == {"threshold": 0.9}
+
+
+def test_requests_decoded_by_other_code_are_kept_and_named_in_the_manifest(tmp_path, monkeypatch, capsys):
+    from dwise_predict.cli import main
+    from dwise_predict.versions import source_fingerprint
+
+    now = source_fingerprint()
+    with TraceStore(tmp_path / "one", _manifest()) as store:  # one version of the code: nothing to say
+        store.write_shard(*_rows([0, 1]))
+        store.consolidate()
+    assert "mixed_sources" not in load_traces(tmp_path / "one").manifest
+    assert [s.source for s in read_shards(tmp_path / "one")] == [now]
+
+    monkeypatch.setattr(store_mod, "source_fingerprint", lambda: "old" * 21 + "0")
+    with TraceStore(tmp_path / "resumed", _manifest()) as store:
+        store.write_shard(*_rows([0, 1, 2]))  # decoded before an upgrade ...
+    monkeypatch.undo()
+    with TraceStore(tmp_path / "resumed", _manifest()) as store:
+        store.write_shard(*_rows([3]))  # ... and resumed after it
+        store.consolidate()
+    resumed = load_traces(tmp_path / "resumed")
+    assert len(resumed) == 4 and resumed.manifest["mixed_sources"] == {"old" * 21 + "0": 3, now: 1}
+
+    merged = load_traces(merge([tmp_path / "one", tmp_path / "resumed"], tmp_path / "merged"))
+    # r000, r001 are in both inputs with the same results: the first input's copy (this code) is kept
+    assert len(merged) == 4 and merged.manifest["mixed_sources"] == {"old" * 21 + "0": 1, now: 3}
+    # a consolidated input that is itself mixed stays mixed, its rows no longer told apart
+    assert load_traces(merge([tmp_path / "merged"], tmp_path / "remerged")).manifest["mixed_sources"] == {"several": 4}
+
+    capsys.readouterr()
+    assert main(["traces", "show", str(tmp_path / "resumed"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["mixed_sources"] == {"old" * 21 + "0": 3, now: 1}
+    counts = ", ".join(sorted([f"{now[:12]}: 1", "oldoldoldold: 3"]))  # listed in fingerprint order
+    assert err.strip() == (f"note: {tmp_path / 'resumed'}'s requests were decoded by 2 versions of dwise-predict's "
+                           f"code (source fingerprint: requests; {counts}); delete its shards and collect again for one")

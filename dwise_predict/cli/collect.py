@@ -205,15 +205,18 @@ def workload_show_command(
 
 
 def _print_summary(path: Path, json_out: bool) -> None:
+    from dwise_predict.collectors.store import MIXED_SOURCES, mixed_sources_note
     from dwise_predict.collectors.summary import read_for_summary, summarize
 
     requests, manifest, complete = read_for_summary(path)
     rows = summarize(requests)
     model = manifest.get("model", {})
     decoding = manifest.get("decoding", {})
+    if note := mixed_sources_note(path, manifest):  # a resume or merge across versions of this package
+        typer.echo(note, err=True)
     if json_out:
         typer.echo(json.dumps({"path": str(path), "complete": complete, "model": model, "decoding": decoding,
-                               "categories": rows}, indent=2))
+                               "categories": rows, MIXED_SOURCES: manifest.get(MIXED_SOURCES)}, indent=2))
         return
     from rich.console import Console
     from rich.table import Table

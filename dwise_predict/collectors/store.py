@@ -22,6 +22,11 @@ batch size is recorded but not part of the identity, so a run can resume with an
 The ``--layers`` / ``--pooling`` spec (manifest key ``hidden_extra``) is not part of the model or
 decoding identity, but every shard of a directory carries the same tensors, so a resume or a merge
 with another spec is refused (:func:`check_same_hidden_extra`).
+
+Code: the package's own source is not part of the identity (a resume after an upgrade keeps the
+finished requests), but each shard records the source fingerprint of the code that decoded it, and
+a dataset whose requests were decoded by more than one version of the code says so in its manifest
+(``mixed_sources``: fingerprint -> requests; absent when one version did all of them).
 """
 
 from __future__ import annotations
@@ -50,10 +55,14 @@ from dwise_predict.traces.dataset import (
     load_traces,
     write_traces,
 )
+from dwise_predict.versions import SOURCE_KEY, source_fingerprint
 
 SHARDS_DIR = "shards"
 LOCK_FILE = ".lock"
 ORDER_COLUMN = "workload_index"  # position of the request in its workload: consolidation sorts by it
+MIXED_SOURCES = "mixed_sources"  # manifest key: source fingerprint -> requests, when more than one decoded them
+UNRECORDED = "unrecorded"  # a shard written before shards recorded their code
+SEVERAL = "several"  # rows of a consolidated input that was itself mixed: which code decoded each is not kept
 
 
 def model_identity(manifest: dict) -> dict:
@@ -111,6 +120,7 @@ class Shard:
     prompt_last: np.ndarray  # (n, H) float32
     path: Path
     extra: dict[str, np.ndarray] = field(default_factory=dict)  # `collect --layers` tensors, (n, ...) float32
+    source: str = UNRECORDED  # the source fingerprint of the code that decoded these requests
 
 
 def read_shards(out: Path) -> list[Shard]:
@@ -123,7 +133,8 @@ def read_shards(out: Path) -> list[Shard]:
         try:
             requests = pd.read_parquet(table)
             with safe_open(str(tensors), framework="numpy") as f:
-                ids = json.loads(f.metadata()["request_ids"])
+                metadata = f.metadata()
+                ids = json.loads(metadata["request_ids"])
                 first_round = f.get_tensor("first_round")
                 prompt_last = f.get_tensor("prompt_last")
                 extra = {name: f.get_tensor(name) for name in f.keys() if name not in ("first_round", "prompt_last")}
@@ -137,8 +148,28 @@ def read_shards(out: Path) -> list[Shard]:
                 f"shard {table} and {tensors.name} disagree on their requests: delete both and rerun to decode "
                 "those requests again"
             )
-        shards.append(Shard(requests, first_round, prompt_last, table, extra))
+        shards.append(Shard(requests, first_round, prompt_last, table, extra, metadata.get("source", UNRECORDED)))
     return shards
+
+
+def with_sources(manifest: dict, sources: Iterable[str]) -> dict:
+    """``manifest`` with ``mixed_sources`` (fingerprint -> requests) when ``sources`` (one per
+    request) hold more than one fingerprint (or rows of an already mixed input), without it otherwise."""
+    counts = pd.Series(list(sources), dtype=object).value_counts()
+    manifest = {k: v for k, v in manifest.items() if k != MIXED_SOURCES}
+    if len(counts) > 1 or SEVERAL in counts:
+        manifest[MIXED_SOURCES] = {str(source): int(n) for source, n in sorted(counts.items())}
+    return manifest
+
+
+def mixed_sources_note(path: str | os.PathLike, manifest: dict) -> str | None:
+    """One line saying which versions of the code decoded a dataset's requests, or None when one did."""
+    mixed = manifest.get(MIXED_SOURCES)
+    if not mixed:
+        return None
+    counts = ", ".join(f"{source[:12]}: {n}" for source, n in mixed.items())
+    return (f"note: {path}'s requests were decoded by {len(mixed)} versions of dwise-predict's code (source "
+            f"fingerprint: requests; {counts}); delete its shards and collect again for one")
 
 
 def concat_shards(shards: list[Shard], manifest: dict, sort_keys: list[str] | None = None) -> TraceDataset:
@@ -288,7 +319,7 @@ class TraceStore:
                 "prompt_last": np.ascontiguousarray(prompt_last, dtype=np.float32),
                 **{name: np.ascontiguousarray(v, dtype=np.float32) for name, v in extra.items()},
             },
-            metadata={"request_ids": json.dumps(requests["request_id"].tolist())},
+            metadata={"request_ids": json.dumps(requests["request_id"].tolist()), "source": source_fingerprint()},
         )
         table = io.BytesIO()
         requests.reset_index(drop=True).to_parquet(table, index=False)
@@ -312,9 +343,10 @@ class TraceStore:
 
     def consolidate(self, counts: dict | None = None) -> Path:
         """Write ``requests.parquet`` + ``hidden.safetensors`` + the final manifest from every shard."""
-        manifest = dict(self.manifest)
+        shards = read_shards(self.out)
+        manifest = with_sources(self.manifest, (s.source for s in shards for _ in range(len(s.requests))))
         manifest["counts"] = dict(counts or {})
-        dataset = concat_shards(read_shards(self.out), manifest)
+        dataset = concat_shards(shards, manifest)
         with _store_errors(self.out):
             write_traces(dataset, self.out)
         return self.out
@@ -348,7 +380,9 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
                 raise StoreError(f"{d} holds no shards and no readable traces: {err}") from None
             # a dataset written elsewhere (not by collect) may lack the workload order: keep its row order
             requests = ds.requests if ORDER_COLUMN in ds.requests else ds.requests.assign(**{ORDER_COLUMN: range(len(ds))})
-            shards = [Shard(requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE, ds.extra_hidden)]
+            source = (SEVERAL if MIXED_SOURCES in manifest
+                      else (manifest.get("versions") or {}).get(SOURCE_KEY) or UNRECORDED)
+            shards = [Shard(requests, ds.first_round, ds.prompt_last, d / REQUESTS_FILE, ds.extra_hidden, source)]
         inputs.append((d, manifest, shards))
     first_dir, first, _ = inputs[0]
     for d, manifest, _ in inputs:
@@ -364,16 +398,17 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
         if key not in workloads:
             workloads.append(key)
         for s in shards:
-            parts.append(Shard(s.requests.assign(_workload=workloads.index(key)), s.first_round, s.prompt_last, s.path,
-                               s.extra))
+            parts.append(Shard(s.requests.assign(_workload=workloads.index(key), _source=s.source), s.first_round,
+                               s.prompt_last, s.path, s.extra))
     requests, first_round, prompt_last, extra = _stack(parts, ["_workload", ORDER_COLUMN])
     keep = _unique_rows(requests)
-    requests = requests[keep].drop(columns="_workload").reset_index(drop=True)
-    merged_manifest = {
+    sources = requests.loc[keep, "_source"]
+    requests = requests[keep].drop(columns=["_workload", "_source"]).reset_index(drop=True)
+    merged_manifest = with_sources({
         **first,
         "workload": _merged_workload([m for _, m, _ in inputs], requests),
         "merged_from": [str(d) for d, _, _ in inputs],
-    }
+    }, sources)
     dataset = TraceDataset(requests, first_round[keep], prompt_last[keep], merged_manifest,
                            extra_hidden={name: values[keep] for name, values in extra.items()})
     out = Path(out)

@@ -2,7 +2,9 @@
 
 A directory holding
 
-- ``manifest.json``: schema version, model fingerprint, decoding config, workload, versions, counts;
+- ``manifest.json``: schema version, model fingerprint, decoding config, workload, versions, counts
+  (and ``mixed_sources``, fingerprint -> requests, when more than one version of this package's code
+  decoded them: :mod:`dwise_predict.collectors.store`);
 - ``requests.parquet``: one row per request with the columns in :data:`REQUEST_COLUMNS`
   (more may follow; these keep their names and meaning);
 - ``hidden.safetensors``: ``first_round`` ``[N, H]`` and ``prompt_last`` ``[N, H]``, row i belonging to
