@@ -226,6 +226,9 @@ def test_requests_decoded_by_other_code_are_kept_and_named_in_the_manifest(tmp_p
     monkeypatch.undo()
     with TraceStore(tmp_path / "resumed", _manifest()) as store:
         store.write_shard(*_rows([3]))  # ... and resumed after it
+        capsys.readouterr()
+        assert main(["traces", "show", str(tmp_path / "resumed"), "--json"]) == 0  # still collecting: from the shards
+        assert json.loads(capsys.readouterr().out)["mixed_sources"] == {"old" * 21 + "0": 3, now: 1}
         store.consolidate()
     resumed = load_traces(tmp_path / "resumed")
     assert len(resumed) == 4 and resumed.manifest["mixed_sources"] == {"old" * 21 + "0": 3, now: 1}

@@ -152,9 +152,14 @@ def read_shards(out: Path) -> list[Shard]:
     return shards
 
 
+def request_sources(shards: list[Shard]) -> list[str]:
+    """The source fingerprint behind each request of ``shards``, in shard order."""
+    return [s.source for s in shards for _ in range(len(s.requests))]
+
+
 def with_sources(manifest: dict, sources: Iterable[str]) -> dict:
-    """``manifest`` with ``mixed_sources`` (fingerprint -> requests) when ``sources`` (one per
-    request) hold more than one fingerprint (or rows of an already mixed input), without it otherwise."""
+    """``manifest`` with ``mixed_sources`` (fingerprint -> requests) when ``sources`` (one per request)
+    hold more than one fingerprint (or rows of an already mixed input), without it otherwise."""
     counts = pd.Series(list(sources), dtype=object).value_counts()
     manifest = {k: v for k, v in manifest.items() if k != MIXED_SOURCES}
     if len(counts) > 1 or SEVERAL in counts:
@@ -344,7 +349,7 @@ class TraceStore:
     def consolidate(self, counts: dict | None = None) -> Path:
         """Write ``requests.parquet`` + ``hidden.safetensors`` + the final manifest from every shard."""
         shards = read_shards(self.out)
-        manifest = with_sources(self.manifest, (s.source for s in shards for _ in range(len(s.requests))))
+        manifest = with_sources(self.manifest, request_sources(shards))
         manifest["counts"] = dict(counts or {})
         dataset = concat_shards(shards, manifest)
         with _store_errors(self.out):

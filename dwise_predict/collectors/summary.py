@@ -56,7 +56,7 @@ def _row(name: str, g: pd.DataFrame) -> dict:
 def read_for_summary(path: str | Path) -> tuple[pd.DataFrame, dict, bool]:
     """The request table and manifest of a trace directory, and whether it is consolidated
     (when it is not, the committed shards of a collection still running or interrupted)."""
-    from dwise_predict.collectors.store import read_shards
+    from dwise_predict.collectors.store import read_shards, request_sources, with_sources
     from dwise_predict.traces import MANIFEST_FILE, REQUESTS_FILE, load_traces
 
     path = Path(path)
@@ -67,4 +67,5 @@ def read_for_summary(path: str | Path) -> tuple[pd.DataFrame, dict, bool]:
     if not shards:
         raise DwiseError(f"{path} holds no traces: run `dwise-predict collect --out {path}` first")
     manifest = read_json_object(path / MANIFEST_FILE, DwiseError, fix="the collection is damaged; collect it again")
+    manifest = with_sources(manifest, request_sources(shards))  # what consolidation will record
     return pd.concat([s.requests for s in shards], ignore_index=True), manifest, False
