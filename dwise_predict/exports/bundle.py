@@ -47,7 +47,7 @@ from dwise_predict.exports.manifest import (
     write_bundle_manifest,
 )
 from dwise_predict.exports.model_card import model_card
-from dwise_predict.exports.probe_worker import RAW_PROBE, TOLERANCE, calibrated_band
+from dwise_predict.exports.probe_worker import RAW_PROBE, TOLERANCE, calibrated_band, outside_band
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.files import atomic_dir, claim_output, sha256_file
 from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES
@@ -204,7 +204,7 @@ def _write_probes(graph, fused, booster, run: RunFiles, path: Path, n: int, seed
         raw, fused_out = graph.raw(*inputs), fused(*inputs)
     expected = isotonic_interp(raw, graph.calib_x, graph.calib_y)  # = graph(*inputs), without a second pass
     lo, hi = calibrated_band(expected.numpy(), raw.numpy(), run.calibration, tolerance=EXPORT_TOLERANCE)
-    outside = ~((fused_out.numpy() >= lo) & (fused_out.numpy() <= hi))
+    outside = outside_band(fused_out.numpy(), lo, hi)
     if outside.any():
         error = ((fused_out - expected).abs() / expected.abs().clamp(min=1e-3)).max().item()
         raise BundleError(f"internal error: the fused refinement graph differs from the eager one by {error:.2e} "

@@ -57,6 +57,11 @@ def calibrated_band(expected: np.ndarray, raw: np.ndarray | None, calibration: d
     return np.interp(raw - slack, knots_x, knots_y) - margin, np.interp(raw + slack, knots_x, knots_y) + margin
 
 
+def outside_band(got: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per row, whether ``got`` lies outside ``[lo, hi]`` (:func:`calibrated_band`); NaN is outside."""
+    return ~((got >= lo) & (got <= hi))
+
+
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
     """Spearman's rho with average ranks for ties (NumPy only: the worker has no scipy)."""
 
@@ -94,7 +99,7 @@ def compare(artifact: str, check: str, expected: np.ndarray, load, band: tuple[n
             if got.shape != expected[rows].shape:
                 raise ValueError(f"output shape {got.shape}, expected {expected[rows].shape}")
             worst = max(worst, relative_error(expected[rows], got))
-            outside[rows] |= ~((got >= lo[rows]) & (got <= hi[rows]))  # NaN is outside
+            outside[rows] |= outside_band(got, lo[rows], hi[rows])
         batches = f"batch 1/7/{len(expected)}"
         if min_spearman is None:
             ok = not outside.any()
