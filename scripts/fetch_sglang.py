@@ -11,7 +11,8 @@ nothing is installed, and only ``*.py`` files and the wheel's METADATA are unpac
 ``$DWISE_SGLANG_SRC`` when set, else ``~/.cache/dwise-predict/sglang-0.5.23``.
 
 Exits 1 with one line on stderr when the wheel cannot be fetched (no network, say); the tests then
-skip with a reason that names this script.
+skip with a reason that names this script, except under ``DWISE_REQUIRE_SGLANG=1`` (CI), where the
+test session refuses to start.
 """
 
 from __future__ import annotations

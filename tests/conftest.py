@@ -8,6 +8,15 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_sessionstart(session):
+    """With ``DWISE_REQUIRE_SGLANG=1`` (CI sets it) a missing SGLang source stops the run: the
+    checks against SGLang's own code would otherwise all skip and the run would still pass."""
+    import sglang_reference
+
+    if os.environ.get("DWISE_REQUIRE_SGLANG") == "1" and not sglang_reference.available():
+        raise pytest.UsageError(f"DWISE_REQUIRE_SGLANG=1 but {sglang_reference.SKIP_REASON}")
+
+
 @pytest.fixture(scope="session")
 def synthetic_traces():
     from dwise_predict.traces.synthetic import make_synthetic_traces

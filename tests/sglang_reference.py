@@ -5,16 +5,17 @@
 parent packages that point at the unpacked tree and the smallest stand-ins for the few GPU-side
 names the dLLM modules import (``ForwardBatch``, ``ModelRunner``, ``LogitsProcessorOutput``,
 ``ServerArgs``, ``is_npu`` …). Everything the tests call — the algorithm classes, ``_run_sync``,
-``DllmConfig``, ``ReqDllmMixin`` — is SGLang's code, unmodified.
+``DllmConfig``, ``ReqDllmMixin``, ``Req.update_finish_state`` — is SGLang's code, unmodified.
 """
 
 from __future__ import annotations
 
+import ast
 import enum
 import importlib
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,58 @@ class AddReqResult(enum.Enum):
     OTHER = enum.auto()
 
 
+@dataclass
+class SamplingParams:
+    """Stand-in for ``sampling.sampling_params.SamplingParams`` after ``normalize``: the fields the
+    finish rule reads, at SGLang's defaults (no stop strings or regexes, EOS not ignored)."""
+
+    max_new_tokens: int
+    ignore_eos: bool = False
+    stop_token_ids: set | None = None
+    stop_strs: list = field(default_factory=list)
+    stop_regex_strs: list = field(default_factory=list)
+
+
+# schedule_batch.Req's finish rule: what ends a request after the scheduler appends a block's tokens
+FINISH_METHODS = ("finished", "update_finish_state", "_check_vocab_boundary_finish", "_check_str_based_finish",
+                  "_check_token_based_finish", "_cap_finished_len_at_max_new_tokens")
+FINISH_REASONS = ("BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_MATCHED_STR", "FINISHED_MATCHED_REGEX",
+                  "FINISH_LENGTH", "FINISH_ABORT")
+
+
+def _finish_rule(path: Path) -> types.SimpleNamespace:
+    """``Req``'s finish rule and the finish reasons, compiled from SGLang's ``schedule_batch.py``.
+
+    That module cannot be imported on a CPU (fifty imports, CUDA kernels among them), so the finish
+    reason classes and the :data:`FINISH_METHODS` of its ``Req`` are taken from its syntax tree as
+    written and compiled on their own (tracebacks keep SGLang's file and line numbers), the methods as
+    the class ``ReqFinishMixin``. The attributes they read are ``Req.__init__``'s: see
+    :func:`init_finish_state`.
+    """
+    tree = ast.parse(path.read_text(), str(path))
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    methods = [node for node in classes["Req"].body if isinstance(node, ast.FunctionDef) and node.name in FINISH_METHODS]
+    missing = set(FINISH_METHODS) - {m.name for m in methods} | set(FINISH_REASONS) - set(classes)
+    if missing:
+        raise RuntimeError(f"SGLang's schedule_batch.py no longer defines {sorted(missing)}")
+    mixin = ast.ClassDef(name="ReqFinishMixin", bases=[], keywords=[], body=methods, decorator_list=[], type_params=[])
+    module = ast.fix_missing_locations(ast.Module(body=[classes[n] for n in FINISH_REASONS] + [mixin], type_ignores=[]))
+    import re
+    from typing import List, Optional, Union
+
+    namespace = {"re": re, "List": List, "Optional": Optional, "Union": Union}
+    exec(compile(module, str(path), "exec"), namespace)
+    return types.SimpleNamespace(**{name: namespace[name] for name in (*FINISH_REASONS, "ReqFinishMixin")})
+
+
+def init_finish_state(req, max_new_tokens: int, eos_token_ids) -> None:
+    """The fields ``Req.__init__`` gives a request that the finish rule reads: no tokenizer-side
+    stops, no grammar, no vocabulary bound (token ids are checked for being negative only)."""
+    req.sampling_params = SamplingParams(max_new_tokens)
+    req.eos_token_ids = set(eos_token_ids)
+    req.finished_reason = req.finished_len = req.to_finish = req.grammar = req.tokenizer = req.vocab_size = None
+
+
 def _unused(*args, **kwargs):
     raise NotImplementedError("a GPU-side SGLang function the CPU fake must not reach")
 
@@ -121,6 +174,7 @@ def load() -> types.SimpleNamespace:
         _module("sglang.srt.configs.model_config", ModelConfig=_Placeholder)
     algorithm = importlib.import_module("sglang.srt.dllm.algorithm")
     return types.SimpleNamespace(
+        finish=_finish_rule(source_root() / "sglang" / "srt" / "managers" / "schedule_batch.py"),
         algorithms=algorithm.algo_name_to_cls,
         DllmConfig=importlib.import_module("sglang.srt.dllm.config").DllmConfig,
         req=importlib.import_module("sglang.srt.dllm.mixin.req"),
@@ -153,7 +207,8 @@ def load_scheduler() -> types.SimpleNamespace:
         for package in ("managers", "mem_cache", "observability"):
             if f"sglang.srt.{package}" not in sys.modules:
                 _module(f"sglang.srt.{package}", src / "srt" / package)
-        _module("sglang.srt.managers.schedule_batch", FINISH_LENGTH=_unused, Req=_Placeholder, ScheduleBatch=_Placeholder)
+        _module("sglang.srt.managers.schedule_batch", FINISH_LENGTH=sgl.finish.FINISH_LENGTH, Req=_Placeholder,
+                ScheduleBatch=_Placeholder)
         _module("sglang.srt.managers.schedule_policy", AddReqResult=AddReqResult, PrefillAdder=_Placeholder)
         _module("sglang.srt.mem_cache.common", release_kv_cache=_unused)
         _module("sglang.srt.observability.req_time_stats", set_time_batch=lambda reqs, name: None)

@@ -123,16 +123,18 @@ def oracle(seed: int, eos: int):
     return logits_for
 
 
-def new_request(sgl, config, prompt, cached_prefix=0):
-    """A request carrying SGLang's ``ReqDllmMixin`` (the engine's per-request dLLM state)."""
+def new_request(sgl, config, prompt, cached_prefix=0, budget=1, eos=2):
+    """A request carrying SGLang's ``ReqDllmMixin`` (the engine's per-request dLLM state) and
+    ``Req``'s finish rule (``update_finish_state``), with ``max_new_tokens = budget``."""
 
-    class Req(sgl.req.ReqDllmMixin):
+    class Req(sgl.req.ReqDllmMixin, sgl.finish.ReqFinishMixin):
         pass
 
     req = Req()
     req.origin_input_ids, req.output_ids = array("q", prompt), array("q")
     req.prefix_len, req.dllm_initialized = cached_prefix, False
     req.init_diffusion_llm(config)
+    sglang_reference.init_finish_state(req, budget, {eos})
     return req
 
 
@@ -147,12 +149,13 @@ def next_round(req, prefix_len: int) -> None:
 def sglang_request(sgl, name, params, prompt, budget, block, eos, logits_for, mask_id=MASK):
     """One request through SGLang's own code: ``ReqDllmMixin`` lays it out and decides its phase each
     round, the adder extends it by one block per forward (``_get_dllm_extend_len``), the algorithm's
-    ``_run_sync`` runs each output block (the runner counts forwards), and the scheduler's finish
-    rule (``Req.update_finish_state``: an EOS among the new tokens, or max_new_tokens) ends it."""
+    ``_run_sync`` runs each output block (the runner counts forwards), and ``Req.update_finish_state``
+    (what ``SchedulerDllmMixin`` calls after appending a block) ends it. The output is what the
+    client receives (``finished_len`` tokens), less the EOS itself, as traces count it."""
     config = sgl.DllmConfig(algorithm=name, algorithm_config=dict(params), block_size=block, mask_id=mask_id,
                             max_running_requests=1, delete_token_id=DELETE, split_token_id=SPLIT)
     algorithm = sgl.algorithms[name](config)
-    req = new_request(sgl, config, prompt)
+    req = new_request(sgl, config, prompt, budget=budget, eos=eos)
     kv_len, prefill, rounds = 0, 0, []
     while True:
         next_round(req, kv_len)
@@ -166,12 +169,13 @@ def sglang_request(sgl, name, params, prompt, budget, block, eos, logits_for, ma
         rounds.append(runner.forwards)
         new = tokens[0].tolist()
         req.output_ids.extend(new)
+        req.update_finish_state(new_accepted_len=len(new))
         kv_len += block
-        if eos in new:
-            output = list(req.output_ids)
-            return prefill, rounds, output[:output.index(eos)], "eos"
-        if len(req.output_ids) >= budget:
-            return prefill, rounds, list(req.output_ids)[:budget], "budget"
+        if isinstance(req.finished_reason, sgl.finish.FINISH_MATCHED_TOKEN):
+            return prefill, rounds, list(req.output_ids)[:req.finished_len - 1], "eos"
+        if isinstance(req.finished_reason, sgl.finish.FINISH_LENGTH):
+            return prefill, rounds, list(req.output_ids)[:req.finished_len], "budget"
+        assert req.finished_reason is None, req.finished_reason
 
 
 class PerRequestOracle(OracleModel):
@@ -245,6 +249,33 @@ def test_whole_requests_match_sglang(sgl, name):
     assert finishes == {"eos", "budget"}
     # JointThresholdInDel's final cleanup always ends a block inside the cap; the others can reach it
     assert capped > 0 or name == "JointThresholdInDel"
+
+
+def one_token_model(eos_at: int, token: int = 7):
+    """Logits that fill every position of a block at once: ``token``, and an EOS at ``eos_at``."""
+    def logits_for(block_ids: torch.Tensor, context: int) -> torch.Tensor:
+        logits = torch.zeros(len(block_ids), V)
+        logits[:, token] = 50.0
+        logits[eos_at] = 0.0
+        logits[eos_at, 2] = 50.0
+        return logits
+    return logits_for
+
+
+@pytest.mark.parametrize("eos_at,finish,tokens", [(1, "eos", 1), (2, "eos", 2), (3, "budget", 3), (7, "budget", 3)])
+def test_an_eos_past_the_budget_is_a_length_finish(sgl, eos_at, finish, tokens):
+    """A block can run past ``max_new_tokens``: SGLang's ``update_finish_state`` takes an EOS inside
+    the budget (finished length, EOS counted, <= budget) as a stop, and demotes one past it to a
+    length finish cut at the budget (``_cap_finished_len_at_max_new_tokens``). Budget 3, block 8."""
+    from dwise_predict.collectors.decoder import decode
+    from dwise_predict.collectors.records import DecodeRequest, DecodingConfig
+
+    request = DecodeRequest("r", [8] * 8, 3)  # one full prompt block: the first output block emits 8 tokens
+    want = sglang_request(sgl, "LowConfidence", {}, request.prompt_ids, request.budget, 8, 2, one_token_model(eos_at))
+    assert want == (1, [2], [7] * tokens, finish)  # SGLang's verdict, as this test's name says
+    backend = PerRequestOracle(8, {"r": one_token_model(eos_at)}, [request])
+    got = next(iter(decode(backend, [request], DecodingConfig(algorithm="LowConfidence", block_size=8, batch_size=1))))
+    assert (got.prompt_blocks, got.rounds_per_block, got.output_ids, got.finish) == want
 
 
 # ---- layout -------------------------------------------------------------------------------------

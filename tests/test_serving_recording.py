@@ -183,8 +183,9 @@ def test_recording_equals_collect_on_the_same_requests(tmp_path):
     a = want.requests.set_index("request_id").sort_index()
     b = got.requests.set_index("request_id").sort_index()
     assert list(a.index) == list(b.index) and len(a) == 8
-    for col in ("prompt_tokens", "prompt_blocks", "total_rounds", "finish", "budget", "block_size"):
+    for col in ("prompt_tokens", "prompt_blocks", "total_rounds", "finish", "output_tokens", "budget", "block_size"):
         assert a[col].tolist() == b[col].tolist(), col
+    assert (b["output_tokens"] <= budget).all()  # SGLang's finished_len, not the blocks it appended
     assert [list(x) for x in a["rounds_per_block"]] == [list(x) for x in b["rounds_per_block"]]
     order_a = np.argsort(want.requests["request_id"].to_numpy())
     order_b = np.argsort(got.requests["request_id"].to_numpy())

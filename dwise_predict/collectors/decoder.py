@@ -16,7 +16,8 @@ Rules
   the block is done and otherwise fills/edits positions; a block's count is the forwards it took,
   the one that showed it done included (``r + 1`` for ``LowConfidence``), capped as SGLang caps it.
 - A request ends after the block whose emitted tokens hold an EOS (finish ``"eos"``; output = tokens
-  before it) or once its output reaches the budget (finish ``"budget"``; output cut to the budget).
+  before it) or once its output reaches the budget (finish ``"budget"``; output cut to the budget);
+  an EOS past the budget is a budget finish, as in SGLang (``engine.layout.finish_after_block``).
 - **Committing a finished block**: the engine keeps the KV of the forward that showed the block
   done; the backend computes the same keys/values in the request's next row, in front of its next
   block (``[finished | next]``, block-causal, see ``backends.base``). That costs no extra round.
@@ -55,7 +56,7 @@ import torch
 from dwise_predict.collectors.backends.base import BlockBackend, StepBatch
 from dwise_predict.collectors.layers import pool_first_round
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
-from dwise_predict.engine import BlockLayout, block_layout
+from dwise_predict.engine import BlockLayout, block_layout, finish_after_block
 from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, StepRule, forwards_exhausted, make_rule
 from dwise_predict.engine.signals import early_signals
 from dwise_predict.errors import ConfigError, InputError
@@ -286,14 +287,11 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
         a = s.active[slot]
         tokens = new[j, a.layout.output_start(len(a.rounds_per_block)):].tolist()
         a.rounds_per_block.append(int(forwards[j]))
+        ending = finish_after_block(len(a.output), tokens, a.request.budget, eos_id)
         a.output.extend(tokens)
-        if eos_id in tokens:
-            del a.output[len(a.output) - len(tokens) + tokens.index(eos_id):]
-            a.finish = "eos"
-            finished.append(slot)
-        elif len(a.output) >= a.request.budget:
-            del a.output[a.request.budget:]
-            a.finish = "budget"
+        if ending is not None:
+            a.finish, kept = ending
+            del a.output[kept:]
             finished.append(slot)
         else:
             s.prev[slot] = new[j]

@@ -39,6 +39,20 @@ def live_split(request_id: str) -> str:
     return "eval" if digest / 0xFFFFFFFF < EVAL_FRACTION else "train"
 
 
+def received_tokens(req, reason: dict) -> int:
+    """Output tokens as traces count them (before the EOS, at most the budget) of a finished request.
+
+    SGLang appends whole blocks to ``output_ids``, so they can run past the EOS and the budget;
+    ``finished_len`` marks what the client receives (``Req.output_ids_through_stop``), the stop token
+    included when a token stopped it (``reason``: the finish reason's ``to_json()``).
+    """
+    through_stop = getattr(req, "finished_len", None)
+    if through_stop is None:
+        return len(req.output_ids)
+    stopped_by_token = reason.get("type") == "stop" and not isinstance(reason.get("matched"), str)
+    return through_stop - 1 if stopped_by_token else through_stop
+
+
 def live_manifest(model: dict, algorithm: str, algorithm_config: dict, block_size: int, budget: int,
                   dtype: str = "bfloat16", batch_size: int = 0) -> dict:
     """The manifest of a recording: model fingerprint, SGLang's decoding config, engine, versions."""
@@ -160,7 +174,8 @@ class LiveRecorder:
         if entry is None or entry.first_round is None:
             return
         reason = req.finished_reason
-        kind = str(getattr(reason, "to_json", lambda: {"type": reason})().get("type", reason)).lower()
+        reason = getattr(reason, "to_json", lambda: {"type": reason})()
+        kind = str(reason.get("type")).lower()
         if "abort" in kind:
             return  # an aborted request did not run to its end: not a trace
         if entry.current:
@@ -172,7 +187,7 @@ class LiveRecorder:
             prompt=getattr(req, "_dwise_text", "") or "", prompt_tokens=entry.prompt_tokens, words=int(words),
             newlines=int(newlines), budget=int(req.sampling_params.max_new_tokens), block_size=entry.block_size,
             prompt_blocks=entry.prompt_tokens // entry.block_size, rounds_per_block=entry.blocks,
-            output_tokens=len(req.output_ids), finish="budget" if "length" in kind else "eos",
+            output_tokens=received_tokens(req, reason), finish="budget" if "length" in kind else "eos",
             frac_over_threshold=frac, mean_confidence=conf, mean_entropy=ent, end_probability=end,
             wall_s=time.perf_counter() - entry.started,
         )

@@ -15,7 +15,8 @@ request by at most one block per forward):
   sees the final-layer rows of the whole block there (fixed shape, CUDA-graph safe), so
   ``first_round_hidden`` pools all ``block_size`` rows, leftover prompt rows included.
 - A request finishes after the block in which an EOS is emitted, or once its output reaches the
-  budget (``max_new_tokens``); the output is cut at the EOS or at the budget.
+  budget (``max_new_tokens``): :func:`finish_after_block`, read from ``srt/managers/schedule_batch.py``
+  (``Req.update_finish_state``, which ``srt/dllm/mixin/scheduler.py`` calls after every committed block).
 """
 
 from __future__ import annotations
@@ -75,3 +76,22 @@ def prefill_rounds(prompt_tokens: int, block_size: int, cached_prefix: int = 0) 
     """
     cached_blocks = max(0, cached_prefix) // block_size
     return max(0, prompt_tokens // block_size - cached_blocks)
+
+
+def finish_after_block(emitted_before: int, block_tokens: list[int], budget: int, eos_id: int) -> tuple[str, int] | None:
+    """How a request ends after committing ``block_tokens`` (the block's emitted tokens) behind
+    ``emitted_before`` earlier output tokens: ``(finish, output_tokens)``, or None while it goes on.
+
+    SGLang checks the new tokens for an EOS before it checks the length, and its finished length
+    counts the EOS: an EOS at output position ``p`` ends the request with finish ``"eos"`` when
+    ``p + 1 <= budget``; past that, ``_cap_finished_len_at_max_new_tokens`` demotes it to a length
+    finish at the budget (a block can run past the budget, and its EOS with it). Without an EOS the
+    request ends once its output holds ``budget`` tokens (finish ``"budget"``). ``output_tokens``
+    counts what the client receives before the EOS: ``p``, or ``budget``.
+    """
+    if eos_id in block_tokens:
+        position = emitted_before + block_tokens.index(eos_id)
+        return ("eos", position) if position + 1 <= budget else ("budget", budget)
+    if emitted_before + len(block_tokens) >= budget:
+        return "budget", budget
+    return None

@@ -12,7 +12,10 @@ used unmodified:
   ``DllmManager`` (queues, ``pop_aborted_reqs``, ``filter_finished_reqs``, ``init_next_round``);
 - ``srt/dllm/algorithm/base.py`` — ``DllmAlgorithm.run`` / ``_run_sync`` / ``_run_fdfo``, the loop
   that makes a KV-keeping block filled in r steps cost r + 1 forwards;
-- ``srt/dllm/config.py`` — ``DllmConfig``.
+- ``srt/dllm/config.py`` — ``DllmConfig``;
+- ``srt/managers/schedule_batch.py`` — ``Req``'s finish rule (``update_finish_state`` and the checks
+  it calls) and the finish reasons (``FINISH_MATCHED_TOKEN``, ``FINISH_LENGTH`` …), compiled from
+  that file's own text (``sglang_reference.load``: the module itself needs CUDA).
 
 Written here, for what needs a GPU or a real model (each mirrors the SGLang code it names):
 
@@ -26,7 +29,7 @@ Written here, for what needs a GPU or a real model (each mirrors the SGLang code
   rewritten without KV pools, streaming and metrics (sync:
   commit the block's tokens; FDFO: keep an unresolved block in ``dllm_incomplete_ids``, commit a
   resolved one, leftover prompt positions are not output; a request finishes after its planned
-  blocks, or, given an EOS id, on EOS or budget as ``Req.update_finish_state`` does); ``resolve``
+  blocks, or, given an EOS id, by SGLang's own ``Req.update_finish_state``); ``resolve``
   hands it out as ``SchedulerDllmMixin``, so the adapter patches what SGLang's ``Scheduler`` inherits;
 - ``Scheduler``: ``get_new_batch_dllm`` with the fake adder, ``abort_request`` (pops from both
   queues, as SGLang's does), ``retract`` (KV released, back to the waiting queue), and the step
@@ -86,8 +89,9 @@ class AbortReq:
 # --- sglang.srt.managers.schedule_batch --------------------------------------------------------------
 
 
-class Req(ReqDllmMixin):
-    """SGLang's request fields the dLLM path reads, with SGLang's own ``ReqDllmMixin``."""
+class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin):
+    """SGLang's request fields the dLLM path reads, with SGLang's own ``ReqDllmMixin`` and, given an
+    ``eos_token_id``, its own finish rule (``update_finish_state``, ``finished``)."""
 
     def __init__(self, rid, origin_input_ids, sampling_params, dllm_config, rounds_per_block, hidden, features,
                  eos_token_id=None, prompt_hidden=None):
@@ -96,6 +100,8 @@ class Req(ReqDllmMixin):
         self.output_ids = array("q")
         self.sampling_params = sampling_params
         self.finished_reason = None
+        if eos_token_id is not None:  # a real model: SGLang's finish rule reads these
+            sglang_reference.init_finish_state(self, sampling_params.max_new_tokens, {eos_token_id})
         self.prefix_len = 0
         self.extend_end = 0
         self.dllm_initialized = False
@@ -111,9 +117,6 @@ class Req(ReqDllmMixin):
         self.eos_token_id = eos_token_id  # with a real model: finish on EOS or budget (update_finish_state)
         self.fills = 0  # fill steps done in the current block
         self.blocks_done = 0
-
-    def finished(self):
-        return self.finished_reason is not None
 
     def init_next_round_input(self, tree_cache=None):
         """``schedule_batch.Req.init_next_round_input``, dLLM path."""
@@ -360,11 +363,8 @@ class FakeDllmMixin(SchedulerDllmMixin):
         req.output_ids.extend(tokens)
         req.fills = 0
         req.blocks_done += 1
-        if req.eos_token_id is not None:  # a real model: Req.update_finish_state
-            if req.eos_token_id in tokens:
-                req.finished_reason = "eos"
-            elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
-                req.finished_reason = "length"
+        if req.eos_token_id is not None:  # a real model: SGLang's own rule
+            req.update_finish_state(new_accepted_len=len(tokens))
         elif req.blocks_done >= len(req.forwards_per_block):
             req.finished_reason = "eos"
         elif len(req.output_ids) >= req.sampling_params.max_new_tokens:
