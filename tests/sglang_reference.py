@@ -118,29 +118,34 @@ FINISH_REASONS = ("BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_MATCHED_ST
                   "FINISH_LENGTH", "FINISH_ABORT")
 
 
-def _finish_rule(path: Path) -> types.SimpleNamespace:
-    """``Req``'s finish rule and the finish reasons, compiled from SGLang's ``schedule_batch.py``.
-
-    That module cannot be imported on a CPU (fifty imports, CUDA kernels among them), so the finish
-    reason classes and the :data:`FINISH_METHODS` of its ``Req`` are taken from its syntax tree as
-    written and compiled on their own (tracebacks keep SGLang's file and line numbers), the methods as
-    the class ``ReqFinishMixin``. The attributes they read are ``Req.__init__``'s: see
-    :func:`init_finish_state`.
-    """
+def compile_members(path: Path, owner: str, methods: tuple[str, ...], classes: tuple[str, ...] = ()) -> dict:
+    """Methods of class ``owner`` and whole module-level ``classes`` of an SGLang module that cannot
+    be imported on a CPU, compiled from its syntax tree as written (tracebacks keep SGLang's file and
+    line numbers); the methods become the class ``{owner}Methods``. Returns name -> object."""
     tree = ast.parse(path.read_text(), str(path))
-    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-    methods = [node for node in classes["Req"].body if isinstance(node, ast.FunctionDef) and node.name in FINISH_METHODS]
-    missing = set(FINISH_METHODS) - {m.name for m in methods} | set(FINISH_REASONS) - set(classes)
+    defined = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    found = [node for node in defined[owner].body if isinstance(node, ast.FunctionDef) and node.name in methods] \
+        if owner in defined else []
+    missing = set(methods) - {m.name for m in found} | set(classes) - set(defined)
     if missing:
-        raise RuntimeError(f"SGLang's schedule_batch.py no longer defines {sorted(missing)}")
-    mixin = ast.ClassDef(name="ReqFinishMixin", bases=[], keywords=[], body=methods, decorator_list=[], type_params=[])
-    module = ast.fix_missing_locations(ast.Module(body=[classes[n] for n in FINISH_REASONS] + [mixin], type_ignores=[]))
+        raise RuntimeError(f"SGLang's {path.name} no longer defines {sorted(missing)}")
+    holder = ast.ClassDef(name=f"{owner}Methods", bases=[], keywords=[], body=found, decorator_list=[], type_params=[])
+    module = ast.fix_missing_locations(ast.Module(body=[defined[n] for n in classes] + [holder], type_ignores=[]))
     import re
-    from typing import List, Optional, Union
+    from typing import List, Optional, Set, Union
 
-    namespace = {"re": re, "List": List, "Optional": Optional, "Union": Union}
+    namespace = {"re": re, "List": List, "Optional": Optional, "Set": Set, "Union": Union}
     exec(compile(module, str(path), "exec"), namespace)
-    return types.SimpleNamespace(**{name: namespace[name] for name in (*FINISH_REASONS, "ReqFinishMixin")})
+    return {name: namespace[name] for name in (*classes, f"{owner}Methods")}
+
+
+def _finish_rule(path: Path) -> types.SimpleNamespace:
+    """``Req``'s finish rule (``ReqFinishMixin``: the :data:`FINISH_METHODS`) and the finish reasons,
+    from SGLang's ``schedule_batch.py`` (fifty imports, CUDA kernels among them: see
+    :func:`compile_members`). The attributes they read are ``Req.__init__``'s: see
+    :func:`init_finish_state`."""
+    members = compile_members(path, "Req", FINISH_METHODS, FINISH_REASONS)
+    return types.SimpleNamespace(ReqFinishMixin=members.pop("ReqMethods"), **members)
 
 
 def init_finish_state(req, max_new_tokens: int, eos_token_ids) -> None:
@@ -175,6 +180,9 @@ def load() -> types.SimpleNamespace:
     algorithm = importlib.import_module("sglang.srt.dllm.algorithm")
     return types.SimpleNamespace(
         finish=_finish_rule(source_root() / "sglang" / "srt" / "managers" / "schedule_batch.py"),
+        # ModelConfig's stop ids (reads hf_config and hf_generation_config: give it both)
+        ModelConfigStops=compile_members(source_root() / "sglang" / "srt" / "configs" / "model_config.py",
+                                         "ModelConfig", ("_get_hf_eos_token_id",))["ModelConfigMethods"],
         algorithms=algorithm.algo_name_to_cls,
         DllmConfig=importlib.import_module("sglang.srt.dllm.config").DllmConfig,
         req=importlib.import_module("sglang.srt.dllm.mixin.req"),
@@ -219,3 +227,20 @@ def load_scheduler() -> types.SimpleNamespace:
         ForwardMode=ForwardMode, AddReqResult=AddReqResult, scheduler_module=scheduler,
         base=importlib.import_module("sglang.srt.dllm.algorithm.base"),
     )
+
+
+def load_server_config() -> types.SimpleNamespace:
+    """SGLang's resolved-arguments view (``arg_groups/model_override_base.py``: ``resolved_view``,
+    what ``resolve_once`` decided laid over the raw arguments) and its CUDA-graph settings
+    (``model_executor/cuda_graph_config.py``: ``CudaGraphConfig``, ``PhaseConfig``, ``Backend``),
+    unmodified; stand-ins answer as a CUDA machine for the platform queries they import."""
+    sgl = load_scheduler()
+    if "sglang.srt.arg_groups.model_override_base" not in sys.modules:
+        sys.modules["sglang.srt.runtime_context"].get_platform = _unused
+        sys.modules["sglang.srt.utils"].is_cuda = lambda: True
+        _module("sglang.srt.platforms", current_platform=None)
+        _module("sglang.srt.utils.common", is_mps=_unused, is_no_spec_infer_or_topk_one=_unused)
+    views = importlib.import_module("sglang.srt.arg_groups.model_override_base")
+    graphs = importlib.import_module("sglang.srt.model_executor.cuda_graph_config")
+    return types.SimpleNamespace(**vars(sgl), resolved_view=views.resolved_view, CudaGraphConfig=graphs.CudaGraphConfig,
+                                 PhaseConfig=graphs.PhaseConfig, Backend=graphs.Backend)

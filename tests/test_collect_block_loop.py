@@ -62,6 +62,30 @@ def test_collect_through_the_block_loop(model_dir, tmp_path):
     assert (ds.requests["total_rounds"] == ds.requests["rounds_per_block"].map(sum)).all()
 
 
+def test_every_declared_end_of_sequence_id_stops_a_request_as_in_sglang(model_dir, tmp_path):
+    """SGLang stops a request on any id that config.json or generation_config.json names as
+    ``eos_token_id`` (``ModelConfig._get_hf_eos_token_id``, compiled from the wheel) or that the
+    tokenizer does; Qwen-based checkpoints (SDAR) name a different one in each file."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    import sglang_reference
+
+    sgl = sglang_reference.load()
+    model = shutil.copytree(model_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    generation_path = model / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+    generation["eos_token_id"] = [config["eos_token_id"], 7]
+    generation_path.write_text(json.dumps(generation))
+    backend = load_backend(str(model))
+    reference = sgl.ModelConfigStops()
+    reference.hf_config, reference.hf_generation_config = SimpleNamespace(**config), SimpleNamespace(**generation)
+    want = reference._get_hf_eos_token_id() | {backend.tokenizer.eos_token_id}
+    assert set(backend.eos_token_ids) == want and 7 in want and len(want) == 2
+
+
 def test_autoregressive_model_is_refused(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -24,7 +24,7 @@ class ScriptedBackend:
     round's rows so a test can see what was unmasked when."""
 
     name = "scripted"
-    block_size, mask_token_id, eos_token_id, pad_token_id = BS, MASK, EOS, PAD
+    block_size, mask_token_id, eos_token_ids, pad_token_id = BS, MASK, (EOS,), PAD
     hidden_size, vocab_size, max_context, tokenizer = H, V, 256, None
     device = torch.device("cpu")
 

@@ -125,7 +125,8 @@ def oracle(seed: int, eos: int):
 
 def new_request(sgl, config, prompt, cached_prefix=0, budget=1, eos=2):
     """A request carrying SGLang's ``ReqDllmMixin`` (the engine's per-request dLLM state) and
-    ``Req``'s finish rule (``update_finish_state``), with ``max_new_tokens = budget``."""
+    ``Req``'s finish rule (``update_finish_state``), with ``max_new_tokens = budget``; ``eos``: the
+    stop id, or a set of them."""
 
     class Req(sgl.req.ReqDllmMixin, sgl.finish.ReqFinishMixin):
         pass
@@ -134,7 +135,7 @@ def new_request(sgl, config, prompt, cached_prefix=0, budget=1, eos=2):
     req.origin_input_ids, req.output_ids = array("q", prompt), array("q")
     req.prefix_len, req.dllm_initialized = cached_prefix, False
     req.init_diffusion_llm(config)
-    sglang_reference.init_finish_state(req, budget, {eos})
+    sglang_reference.init_finish_state(req, budget, eos if isinstance(eos, set) else {eos})
     return req
 
 
@@ -182,7 +183,7 @@ class PerRequestOracle(OracleModel):
     """A ``BlockBackend`` answering each row with its request's oracle logits for its current block."""
 
     name = "oracle"
-    mask_token_id, eos_token_id, pad_token_id = MASK, 2, 0
+    mask_token_id, eos_token_ids, pad_token_id = MASK, (2,), 0
     hidden_size, max_context, tokenizer = 4, 4096, None
     device = torch.device("cpu")
 
@@ -251,29 +252,33 @@ def test_whole_requests_match_sglang(sgl, name):
     assert capped > 0 or name == "JointThresholdInDel"
 
 
-def one_token_model(eos_at: int, token: int = 7):
-    """Logits that fill every position of a block at once: ``token``, and an EOS at ``eos_at``."""
+def one_token_model(eos_at: int, token: int = 7, stop: int = 2):
+    """Logits that fill every position of a block at once: ``token``, and the id ``stop`` at ``eos_at``."""
     def logits_for(block_ids: torch.Tensor, context: int) -> torch.Tensor:
         logits = torch.zeros(len(block_ids), V)
         logits[:, token] = 50.0
         logits[eos_at] = 0.0
-        logits[eos_at, 2] = 50.0
+        logits[eos_at, stop] = 50.0
         return logits
     return logits_for
 
 
-@pytest.mark.parametrize("eos_at,finish,tokens", [(1, "eos", 1), (2, "eos", 2), (3, "budget", 3), (7, "budget", 3)])
-def test_an_eos_past_the_budget_is_a_length_finish(sgl, eos_at, finish, tokens):
+@pytest.mark.parametrize("eos_at,finish,tokens,stop", [(1, "eos", 1, 2), (2, "eos", 2, 2), (3, "budget", 3, 2),
+                                                       (7, "budget", 3, 2), (1, "eos", 1, 4), (5, "budget", 3, 4)])
+def test_an_eos_past_the_budget_is_a_length_finish(sgl, eos_at, finish, tokens, stop):
     """A block can run past ``max_new_tokens``: SGLang's ``update_finish_state`` takes an EOS inside
     the budget (finished length, EOS counted, <= budget) as a stop, and demotes one past it to a
-    length finish cut at the budget (``_cap_finished_len_at_max_new_tokens``). Budget 3, block 8."""
+    length finish cut at the budget (``_cap_finished_len_at_max_new_tokens``). Budget 3, block 8;
+    the model stops on ids 2 and 4 (any of them ends a request)."""
     from dwise_predict.collectors.decoder import decode
     from dwise_predict.collectors.records import DecodeRequest, DecodingConfig
 
     request = DecodeRequest("r", [8] * 8, 3)  # one full prompt block: the first output block emits 8 tokens
-    want = sglang_request(sgl, "LowConfidence", {}, request.prompt_ids, request.budget, 8, 2, one_token_model(eos_at))
+    model = one_token_model(eos_at, stop=stop)
+    want = sglang_request(sgl, "LowConfidence", {}, request.prompt_ids, request.budget, 8, {2, 4}, model)
     assert want == (1, [2], [7] * tokens, finish)  # SGLang's verdict, as this test's name says
-    backend = PerRequestOracle(8, {"r": one_token_model(eos_at)}, [request])
+    backend = PerRequestOracle(8, {"r": model}, [request])
+    backend.eos_token_ids = (2, 4)
     got = next(iter(decode(backend, [request], DecodingConfig(algorithm="LowConfidence", block_size=8, batch_size=1))))
     assert (got.prompt_blocks, got.rounds_per_block, got.output_ids, got.finish) == want
 
@@ -309,6 +314,26 @@ def test_mirrored_names_exist_in_the_wheel(sgl):
     assert MIRRORED, "the list of mirrored names is empty"
     assert mirrored_problems(lambda name, block: sglang_reference.make_algorithm(sgl, name, block, MASK, None, DELETE,
                                                                                 SPLIT)) == []
+
+
+def test_real_checkpoints_get_the_block_size_and_mask_id_sglang_serves_them_with():
+    """``DllmConfig.from_server_args`` holds a table of architectures (its ``DLLM_PARAMS``) whose
+    block size and mask id override the checkpoint's config.json; the block loop uses the same."""
+    import ast
+
+    from dwise_predict.collectors.backends.block_loop import SGLANG_DLLM_PARAMS
+
+    if not sglang_reference.available():
+        pytest.skip(sglang_reference.SKIP_REASON)
+    path = sglang_reference.source_root() / "sglang" / "srt" / "dllm" / "config.py"
+    table = next(node.value for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DLLM_PARAMS" for t in node.targets))
+    sglang = {}
+    for key, value in zip(table.keys, table.values):
+        entry = {k.value: v.value for k, v in zip(value.keys, value.values) if isinstance(v, ast.Constant)}
+        if isinstance(entry.get("block_size"), int) and entry.get("mask_id", -1) >= 0:  # a mask-token model
+            sglang[key.value] = {"block_size": entry["block_size"], "mask_id": entry["mask_id"]}
+    assert SGLANG_DLLM_PARAMS == sglang and len(sglang) == 3
 
 
 # ---- the tiny dLLM's traces, re-decoded by SGLang's own loop on the same model ------------------

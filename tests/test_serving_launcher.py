@@ -45,6 +45,28 @@ def test_hook_config_is_checked_before_anything_starts(tmp_path):
         resolved(HookConfig(record=str(tmp_path / "t")))
 
 
+@pytest.mark.parametrize("max_running_requests,want", [(None, 256), (1024, 1024)])
+def test_the_pooling_buffer_holds_every_batch_the_server_can_run(tmp_path, max_running_requests, want):
+    """The buffer must hold the largest batch SGLang captures a CUDA graph for (a capture with more
+    rows than the buffer stops the server at start-up) and the largest eager batch. Those sizes are
+    decisions of ``resolve_once``, recorded beside the raw flags: read through SGLang's own
+    ``resolved_view``. The decision here is the memory hook's default on an H200 at tp 1 (decode
+    graphs up to 256 requests: ``arg_groups/memory_hook.py``, ``cuda_graph_hook.py``)."""
+    from types import SimpleNamespace
+
+    from dwise_predict.serving.launcher import largest_forward
+
+    sgl = sglang_reference.load_server_config()
+    h200 = sgl.PhaseConfig(backend=sgl.Backend.FULL, max_bs=256, bs=[1, 2, 4, 8, 12, *range(16, 257, 8)])
+    raw = SimpleNamespace(cuda_graph_config=sgl.CudaGraphConfig(), max_running_requests=max_running_requests,
+                          tokenizer_path=None, model_path="m")
+    raw._resolved_overrides = [("_handle_gpu_memory_settings", {"cuda_graph_config": sgl.CudaGraphConfig(decode=h200)})]
+    config = HookConfig(record=str(tmp_path / "t"), block_size=32, hidden_size=2048, slots=64, k=4)
+    assert resolved(config, sgl.resolved_view(raw)).max_batch == want
+    if max_running_requests is None:  # the raw flags alone would size the buffer short of the graphs
+        assert largest_forward(raw) == 0 and resolved(config, raw).max_batch == 64
+
+
 def test_serve_command_passes_sglang_arguments_through_and_checks_its_own(tmp_path, capsys):
     import json
 

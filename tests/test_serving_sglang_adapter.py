@@ -104,6 +104,7 @@ class RecordingBundle:
     def __init__(self, bundle):
         self.bundle, self.seen, self.seen_prompt, self.signals = bundle, [], [], []
         self.manifest, self.hidden_size = bundle.manifest, bundle.hidden_size
+        self.prompt_last_mean = bundle.prompt_last_mean
 
     def admission(self, x):
         return self.bundle.admission(x)
@@ -427,6 +428,53 @@ def test_without_a_prompt_block_of_its_own_prompt_last_is_the_same_block_or_the_
         pooled = (leftover * prompt_vector + (BS - leftover) * first) / BS  # the block mean: first_round
         np.testing.assert_allclose(bundle.seen[i][0].numpy(), pooled, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(bundle.seen_prompt[i][0].numpy(), expected_prompt[rid], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompt_cache", [4, 0])
+def test_a_block_aligned_prompt_cached_whole_gets_a_kept_row_or_the_training_mean(served, tmp_path, prompt_cache):
+    """A dLLM request's fill ids end in a mask block, so SGLang's prefix match (bounded by the real
+    tokens, floored to a block: ``Req._compute_max_prefix_len``) can cover a block-aligned prompt
+    whole: no forward then computes any of its prompt rows, and it has no leftover rows either. The
+    refinement gets the earlier request's kept row for that block, or without one the bundle's
+    training mean of ``prompt_last`` (never zeros); the recorder leaves such a request out."""
+    from dwise_predict.collectors.live import LiveRecorder, live_manifest
+    from dwise_predict.traces import load_traces
+
+    config = fake.config(BS, 4)
+    bundle = RecordingBundle(served[0])
+    width = served[5].shape[1]
+    rng = np.random.default_rng(1)
+    vectors = {rid: (rng.standard_normal(width).astype(np.float32), rng.standard_normal(width).astype(np.float32))
+               for rid in ("a", "again")}  # (first-round vector, prompt vector)
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, features=lambda req: req.features, every=1,
+                            manifest=live_manifest({"name": "fake", "hidden_size": width}, "LowConfidence", {}, BS, BUDGET))
+    handle = hooked(bundle, slots=2, k=2, prompt_cache=prompt_cache, recorder=recorder)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=2, max_total_num_tokens=10**9)
+        runner, algorithm = fake.ModelRunner(BS, width, max_bs=2), fake.FillAlgorithm(config)
+        for rid in ("a", "again"):  # the same 32-token prompt, one after the other
+            first, prompt_vector = vectors[rid]
+            req = fake.Req(rid, prompt(0, 4 * BS, shared=4 * BS), SP(), config, [2, 2], first, (1, 0, 4 * BS),
+                           prompt_hidden=prompt_vector)
+            scheduler.waiting_queue.append(req)
+            while not req.finished():
+                scheduler.step(algorithm, runner)
+        kept = prompt_cache > 0
+        assert handle.stats.prefix_blocks == 4  # again ran none of its four prompt blocks
+        assert (handle.stats.prompt_from_cache, handle.stats.prompt_from_leftover,
+                handle.stats.prompt_from_training_mean) == ((1, 0, 0) if kept else (0, 0, 1))
+    finally:
+        handle.uninstall()
+        recorder.close()
+    want = vectors["a"][1] if kept else served[0].prompt_last_mean
+    np.testing.assert_allclose(bundle.seen_prompt[1][0].numpy(), want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want).max() > 0.1  # not the zeros it used to get
+    traces = load_traces(tmp_path / "t")
+    assert sorted(traces.requests["request_id"]) == (["a", "again"] if kept else ["a"])
+    assert traces.manifest["counts"].get("left_out_without_prompt_rows", 0) == (0 if kept else 1)
+    if kept:
+        again = int(np.flatnonzero(traces.requests["request_id"].to_numpy() == "again")[0])
+        np.testing.assert_allclose(traces.prompt_last[again], vectors["a"][1], rtol=1e-5, atol=1e-5)
 
 
 def test_prompt_rows_keep_the_most_recently_used_and_key_every_token_before_the_block_end():

@@ -186,7 +186,7 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
 
         finished: list[int] = []
         if len(d_rows):
-            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_id, mask_id, hidden_layers)
+            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_ids, mask_id, hidden_layers)
         for slot in finished:
             result = _result(s.active[slot], slot, round_index)
             s.active[slot] = None
@@ -262,7 +262,7 @@ def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
     return batch, d_rows
 
 
-def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id: int,
+def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_ids: tuple[int, ...],
              mask_id: int, hidden_layers: HiddenExtra | None) -> list[int]:
     """One step of the algorithm for every denoising row; returns the slots whose request ended."""
     logits = out.logits[d_rows].float()  # (n_d, block, V)
@@ -271,7 +271,7 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
     forwards = s.forwards[d_slots]
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(d_slots.tolist(), forwards.tolist())]
     if any(first):
-        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, eos_id, hidden_layers)
+        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, eos_ids, hidden_layers)
 
     new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
     capped = forwards_exhausted(rule, forwards, block)  # the engine's loop ends these unstepped
@@ -287,7 +287,7 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
         a = s.active[slot]
         tokens = new[j, a.layout.output_start(len(a.rounds_per_block)):].tolist()
         a.rounds_per_block.append(int(forwards[j]))
-        ending = finish_after_block(len(a.output), tokens, a.request.budget, eos_id)
+        ending = finish_after_block(len(a.output), tokens, a.request.budget, eos_ids)
         a.output.extend(tokens)
         if ending is not None:
             a.finish, kept = ending
@@ -303,12 +303,12 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
 
 
 def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rule: StepRule, mask_id: int,
-                        eos_id: int, hidden_layers: HiddenExtra | None) -> None:
+                        eos_ids: tuple[int, ...], hidden_layers: HiddenExtra | None) -> None:
     """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
     rows = [j for j, is_first in enumerate(first) if is_first]
     # the leftover prompt tokens of the first output block hold token ids, never the mask id
     signals = early_signals(logits[rows].flatten(0, 1), ids[rows].flatten(), mask_id, ids.shape[1],
-                            rule.params.get("threshold", 0.0), torch.tensor([eos_id], device=logits.device)).tolist()
+                            rule.params.get("threshold", 0.0), torch.tensor(eos_ids, device=logits.device)).tolist()
     for j, row_signals in zip(rows, signals):
         a = s.active[int(d_slots[j])]
         a.signals = tuple(row_signals)

@@ -104,6 +104,11 @@ class LiveRecorder:
     features : ``req -> (words, newlines, prompt_tokens)`` (the hook's admission features); the
         prompt text, when the features decoded it, is kept as ``req._dwise_text``.
     every : finished requests per committed shard.
+
+    A finished request whose prompt rows no forward of this process computed (a block-aligned prompt
+    that SGLang's prefix cache matched whole, its last block no longer kept by the hook) is not
+    written: ``prompt_last`` would be made up. ``without_prompt_rows`` counts them, and the manifest's
+    ``counts`` says how many were left out (``left_out_without_prompt_rows``).
     manifest : the recording's manifest (:func:`live_manifest`); by default built from ``bundle``'s
         model fingerprint and decoding config (a bundle directory) when given.
     """
@@ -133,6 +138,7 @@ class LiveRecorder:
         self.last: list = []
         self.next_index = len(self.done)
         self.written = 0
+        self.without_prompt_rows = 0  # finished requests left out: no prompt row of theirs was computed here
 
     # --- events from the hook -----------------------------------------------------------------------
 
@@ -148,7 +154,8 @@ class LiveRecorder:
         """One step ran ``req``: a prompt block, or ``rounds`` forwards of its current output block.
         ``leftover_row``: in its first denoising forward, its ``prompt_last`` should it have run no
         prompt block of its own: the hook's kept row of its last full block after a prefix-cache hit,
-        else the mean of its leftover prompt rows (as the decoder records a short prompt)."""
+        else the mean of its leftover prompt rows (as the decoder records a short prompt); None when
+        SGLang computed none of its prompt rows in this process (see :meth:`finished`)."""
         entry = self.open.get(str(req.rid))
         if entry is None:
             return
@@ -178,6 +185,11 @@ class LiveRecorder:
         kind = str(reason.get("type")).lower()
         if "abort" in kind:
             return  # an aborted request did not run to its end: not a trace
+        if entry.prompt_last is None:
+            # a block-aligned prompt cached whole, whose rows no forward here computed: a made-up
+            # prompt_last would be a training row the model never produced, so it is left out (counted)
+            self.without_prompt_rows += 1
+            return
         if entry.current:
             entry.blocks.append(entry.current)
         words, newlines, _ = entry.features
@@ -195,7 +207,7 @@ class LiveRecorder:
         row[ORDER_COLUMN] = entry.index
         self.rows.append(row)
         self.first.append(entry.first_round)
-        self.last.append(entry.prompt_last if entry.prompt_last is not None else np.zeros_like(entry.first_round))
+        self.last.append(entry.prompt_last)
         self.done.add(rid)
         if len(self.rows) >= self.every:
             self.flush()
@@ -215,7 +227,10 @@ class LiveRecorder:
         try:
             self.flush()
             if self.done:
-                self.store.consolidate({"requests": len(self.done)})
+                counts = {"requests": len(self.done)}
+                if self.without_prompt_rows:  # this process's count: a resumed recording adds its own
+                    counts["left_out_without_prompt_rows"] = self.without_prompt_rows
+                self.store.consolidate(counts)
         finally:
             self.store.__exit__(None, None, None)
         return self.out

@@ -21,6 +21,7 @@ request by at most one block per forward):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 ENGINE = "sglang==0.5.23"  # the engine whose units traces are in (recorded in every manifest)
@@ -78,19 +79,21 @@ def prefill_rounds(prompt_tokens: int, block_size: int, cached_prefix: int = 0) 
     return max(0, prompt_tokens // block_size - cached_blocks)
 
 
-def finish_after_block(emitted_before: int, block_tokens: list[int], budget: int, eos_id: int) -> tuple[str, int] | None:
+def finish_after_block(emitted_before: int, block_tokens: list[int], budget: int,
+                       eos_ids: Collection[int]) -> tuple[str, int] | None:
     """How a request ends after committing ``block_tokens`` (the block's emitted tokens) behind
     ``emitted_before`` earlier output tokens: ``(finish, output_tokens)``, or None while it goes on.
 
-    SGLang checks the new tokens for an EOS before it checks the length, and its finished length
-    counts the EOS: an EOS at output position ``p`` ends the request with finish ``"eos"`` when
+    SGLang checks the new tokens for an EOS (any of the model's ``eos_ids``) before it checks the
+    length, and its finished length counts the EOS: the first EOS, at output position ``p``, ends the request with finish ``"eos"`` when
     ``p + 1 <= budget``; past that, ``_cap_finished_len_at_max_new_tokens`` demotes it to a length
     finish at the budget (a block can run past the budget, and its EOS with it). Without an EOS the
     request ends once its output holds ``budget`` tokens (finish ``"budget"``). ``output_tokens``
     counts what the client receives before the EOS: ``p``, or ``budget``.
     """
-    if eos_id in block_tokens:
-        position = emitted_before + block_tokens.index(eos_id)
+    stop = next((i for i, token in enumerate(block_tokens) if token in eos_ids), None)
+    if stop is not None:
+        position = emitted_before + stop
         return ("eos", position) if position + 1 <= budget else ("budget", budget)
     if emitted_before + len(block_tokens) >= budget:
         return "budget", budget

@@ -68,6 +68,9 @@ class LoadedBundle:
     ----------
     manifest : the parsed ``bundle.json``.
     hidden_size : H, the width of ``first_round`` and of ``prompt_last`` that :meth:`refine` expects.
+    prompt_last_mean : float32 (H,), the training requests' mean ``prompt_last`` (the graph's input
+        standardisation, ``refine.safetensors``): what to pass for a request whose prompt rows the
+        engine never computed (its standardised input is then zero, the training average).
     """
 
     def __init__(self, path: Path, manifest: dict, device: str, backend: str, torchscript: bool):
@@ -77,6 +80,10 @@ class LoadedBundle:
         self.backend = backend
         refine_spec = (manifest.get("inputs") or {}).get("refine") or {}
         self.hidden_size = int(refine_spec.get("hidden_size") or (manifest.get("model") or {}).get("hidden_size") or 0)
+        from safetensors import safe_open
+
+        with safe_open(path / "refine.safetensors", "np") as weights:  # input_mean: [first_round | prompt_last | short]
+            self.prompt_last_mean = weights.get_tensor("input_mean")[self.hidden_size:2 * self.hidden_size].astype(np.float32)
         self._admission = _ort_session(path / "admission.onnx", "cpu")
         if backend == "onnx":
             self._refine = _ort_session(path / "refine.onnx", device)

@@ -45,8 +45,9 @@ class HookConfig:
     slots, k : ``B`` and the resident-set multiplier (SGLang's ``--max-running-requests`` >= k*B).
     kv_budget_tokens, kv_fraction, slack_blocks : KV reservations (see ``sglang_adapter.install``).
     block_size : SGLang's dLLM block size; default the bundle's.
-    max_batch : the largest batch of one forward (SGLang's largest CUDA-graph batch); default
-        ``max(slots, --cuda-graph-max-bs*)`` read from the server arguments.
+    max_batch : the largest batch of one forward; default the larger of ``slots`` and what the
+        server can run in one forward (:func:`largest_forward`: its largest CUDA-graph batch or
+        ``--max-running-requests``).
     hidden_size : the model's hidden size (recording without a bundle); default the bundle's.
     tokenizer : tokenizer directory or hub id for the admission features (prompt text); default
         the server's ``--tokenizer-path`` or ``--model-path``.
@@ -95,8 +96,21 @@ def _load(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def largest_forward(server_args) -> int:
+    """The most requests one dLLM forward of this server can hold (what the hook's pooling buffer
+    needs), from its *resolved* arguments (SGLang's ``resolved_view``: ``resolve_once`` records its
+    decisions beside the raw flags). SGLang's decode graph runner captures ``DLLM_EXTEND`` at every
+    size of ``cuda_graph_config.decode.bs`` (by default up to 256 on an H100/H200 at tp < 4, 512
+    beyond), and eager batches run up to ``--max-running-requests``: the larger of the two."""
+    decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
+    sizes = [*(getattr(decode, "bs", None) or ()), getattr(decode, "max_bs", None),
+             getattr(server_args, "max_running_requests", None)]
+    return max([int(size) for size in sizes if size] or [0])
+
+
 def resolved(config: HookConfig, server_args=None) -> HookConfig:
-    """Fill block size, hidden size, batch and tokenizer from the bundle and the server arguments."""
+    """Fill block size, hidden size, batch and tokenizer from the bundle and the server arguments
+    (``server_args``: SGLang's resolved view of them, see :func:`largest_forward`)."""
     problems = config.problems()
     if problems:
         raise ConfigError("; ".join(problems))
@@ -107,9 +121,7 @@ def resolved(config: HookConfig, server_args=None) -> HookConfig:
         hidden = hidden or (manifest.get("model") or {}).get("hidden_size")
     max_batch = config.max_batch
     if server_args is not None:
-        graph_bs = [getattr(server_args, name, None) for name in
-                    ("cuda_graph_max_bs_decode", "cuda_graph_max_bs_prefill", "cuda_graph_max_bs")]
-        max_batch = max_batch or max([config.slots] + [int(b) for b in graph_bs if b])
+        max_batch = max_batch or max(config.slots, largest_forward(server_args))
         tokenizer = tokenizer or getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
     missing = [flag for flag, value in (("--block-size", block_size), ("--hidden-size", hidden if config.record else 1))
                if not value]
@@ -205,6 +217,7 @@ def serve(config: HookConfig, sglang_argv: list[str]) -> None:
     if problems:
         raise ConfigError("; ".join(problems))
     try:
+        from sglang.srt.arg_groups.model_override_base import resolved_view
         from sglang.srt.entrypoints.http_server import launch_server
         from sglang.srt.plugins import load_plugins
         from sglang.srt.server_args import prepare_server_args
@@ -216,7 +229,7 @@ def serve(config: HookConfig, sglang_argv: list[str]) -> None:
     for flag in ("encoder_only", "smg_grpc_mode", "use_ray"):
         if getattr(server_args, flag, False):
             raise ConfigError(f"dwise-predict serve runs SGLang's HTTP server only; drop --{flag.replace('_', '-')}")
-    launch_server(server_args, run_scheduler_process_func=SchedulerEntry(resolved(config, server_args)))
+    launch_server(server_args, run_scheduler_process_func=SchedulerEntry(resolved(config, resolved_view(server_args))))
 
 
 def engine(config: HookConfig, **engine_kwargs):

@@ -36,11 +36,14 @@ What the patch does, at the four points of seed 000 §5.1:
   from its ``full_logits`` after the forward returns, outside any captured graph. The refinement's
   ``prompt_last`` input is the same buffer's row for the request's last prompt block, kept on the
   device. A request that runs no prompt block of its own after a prefix-cache hit on every full
-  block (SGLang never matches the last token, so leftover tokens remain) gets the row of the earlier
-  request's forward that computed that same last block over the same tokens, as a prompt block or
-  as the last forward of an output block (:class:`_PromptRows`, bounded); a prompt shorter than a
-  block, or a hit whose block no longer is there, gets the mean of its leftover prompt rows in its
-  first denoising forward, as the decoder records for short prompts. Those rows are pooled, like
+  block gets the row of the earlier request's forward that computed that same last block over the
+  same tokens, as a prompt block or as the last forward of an output block (:class:`_PromptRows`,
+  bounded); a prompt shorter than a block, or a hit whose block no longer is there, gets the mean of
+  its leftover prompt rows in its first denoising forward, as the decoder records for short prompts.
+  A dLLM request's fill ids end in a mask block, so SGLang's match (``Req._compute_max_prefix_len``,
+  floored to a block) can cover a block-aligned prompt whole: with no leftover rows and no kept
+  row, the refinement gets the training mean instead (``HookStats.prompt_from_training_mean``) and
+  the recorder leaves the request out of the traces (``LiveRecorder.without_prompt_rows``). Those rows are pooled, like
   the block rows, into a second static buffer through per-row weights written before each step.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
@@ -236,6 +239,10 @@ class HookStats:
     prompt_from_leftover : refined requests that ran no prompt block of their own and found no such
         row (a prompt shorter than a block, or a hit whose block has left :class:`_PromptRows`): their
         ``prompt_last`` input was the mean of their leftover prompt rows in the first denoising forward.
+    prompt_from_training_mean : refined requests whose prompt rows SGLang never computed in this
+        process: a block-aligned prompt cached whole (no leftover tokens) whose last block has left
+        :class:`_PromptRows` (or ``prompt_cache=0``). Their ``prompt_last`` input was the training
+        requests' mean (``LoadedBundle.prompt_last_mean``), which the graph standardises to zero.
     """
 
     rounds: int = 0
@@ -249,6 +256,7 @@ class HookStats:
     refined: int = 0
     prompt_from_cache: int = 0
     prompt_from_leftover: int = 0
+    prompt_from_training_mean: int = 0
 
 
 class _PromptRows:
@@ -686,27 +694,36 @@ def install(
                     raise ConfigError(UNWRITTEN)
                 state.checked = True
         # prompt_last of first-round requests that ran no prompt block of their own: an earlier
-        # forward's row for the same last full block, else the mean of their leftover prompt rows
+        # forward's row for the same last full block, else the mean of their leftover prompt rows,
+        # else None (a block-aligned prompt cached whole: SGLang ran none of its rows here)
         without_block, from_cache = {}, 0
         if first and state.first_pooled is not None:
             for i in first:
                 r = reqs[i]
                 if r.rid in state.prompt_last:
                     continue
-                blocks = len(r.origin_input_ids) // state.block_size
+                blocks, leftover = divmod(len(r.origin_input_ids), state.block_size)
                 row = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
                 from_cache += row is not None
-                without_block[r.rid] = row if row is not None else state.first_leftover[rows[r.rid]]
+                if row is None and leftover:
+                    row = state.first_leftover[rows[r.rid]]
+                without_block[r.rid] = row
         refined = {}
         if first and state.bundle is not None and state.first_pooled is not None:
             import torch
 
             index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
             pooled = state.first_pooled[index]
-            last = torch.stack([without_block[r.rid] if r.rid in without_block else state.prompt_last.pop(r.rid)
+            average = None
+            if any(row is None for row in without_block.values()):
+                average = torch.as_tensor(state.bundle.prompt_last_mean, device=pooled.device)
+            last = torch.stack([state.prompt_last.pop(r.rid) if r.rid not in without_block
+                                else average if without_block[r.rid] is None else without_block[r.rid]
                                 for r in (reqs[i] for i in first)])
+            missing = sum(row is None for row in without_block.values())
             state.stats.prompt_from_cache += from_cache
-            state.stats.prompt_from_leftover += len(without_block) - from_cache
+            state.stats.prompt_from_leftover += len(without_block) - from_cache - missing
+            state.stats.prompt_from_training_mean += missing
             tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
             budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
             signals = state.first_signals[index.to(state.first_signals.device)]
@@ -729,9 +746,10 @@ def install(
                 row = state.first_pooled[rows[r.rid]] if state.first_pooled is not None else None
                 signals = state.first_signals[rows[r.rid]].tolist() if state.first_signals is not None else None
                 own = state.row_forwards[rows[r.rid]] if state.row_forwards else 0
-                leftover = without_block.get(r.rid)
-                if leftover is None and state.first_leftover is not None:
-                    leftover = state.first_leftover[rows[r.rid]]
+                if r.rid in without_block:
+                    leftover = without_block[r.rid]
+                else:
+                    leftover = state.first_leftover[rows[r.rid]] if state.first_leftover is not None else None
                 state.recorder.forward(r, is_prompt, row, own or rounds, signals, leftover)
             if not is_prompt:
                 r._dwise_rounds = getattr(r, "_dwise_rounds", 0) + rounds

@@ -101,7 +101,7 @@ class BlockBackend(Protocol):
     name: str
     block_size: int  # the model's own block size (the decoding default)
     mask_token_id: int
-    eos_token_id: int
+    eos_token_ids: tuple[int, ...]  # every id that ends a request (SGLang stops on any of them)
     pad_token_id: int
     hidden_size: int
     vocab_size: int

@@ -23,11 +23,13 @@ Verified versus untested (see also ``docs/backends.md``):
   in the manifest as the decoding config.
 - cost: there is no KV cache — every round recomputes the committed prefix, O(T^2) per row. Right for
   correctness checks and small collections; a serving-grade collection belongs in an engine hook
-  (NOTES.md: SGLang's ``_run_sync`` first forward is the first denoising round).
+  (in SGLang's ``DllmAlgorithm._run_sync`` the first ``model_runner.forward`` is the first
+  denoising round), as ``serve --record`` does inside SGLang.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -36,13 +38,21 @@ from dwise_predict.collectors.backends.base import DTYPES, LOAD_ERRORS, StepBatc
 from dwise_predict.errors import ModelError
 
 # Block sizes of known architectures (SGLang's DllmConfig); a config's own block_size wins.
-KNOWN_BLOCK_SIZES = {"LLaDA2MoeModelLM": 32, "SDARForCausalLM": 4, "SDARMoeForCausalLM": 4}
+# The block size and mask id SGLang 0.5.23 serves each dLLM architecture with, whatever its config.json
+# says (``DllmConfig.from_server_args``'s table in srt/dllm/config.py; only an algorithm-config
+# ``block_size`` overrides the block size there, as `--block-size` does here). Checked against the
+# wheel by tests/test_engine_conformance.py.
+SGLANG_DLLM_PARAMS = {
+    "LLaDA2MoeModelLM": {"block_size": 32, "mask_id": 156895},
+    "SDARForCausalLM": {"block_size": 4, "mask_id": 151669},
+    "SDARMoeForCausalLM": {"block_size": 4, "mask_id": 151669},
+}
 
 class BlockLoopBackend:
     """``BlockBackend`` over any HF model whose forward takes a 4-D attention mask (see module doc)."""
 
-    def __init__(self, model, tokenizer, path: Path, block_size: int, mask_token_id: int, eos_token_id: int,
-                 pad_token_id: int) -> None:
+    def __init__(self, model, tokenizer, path: Path, block_size: int, mask_token_id: int,
+                 eos_token_ids: tuple[int, ...], pad_token_id: int) -> None:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -51,7 +61,7 @@ class BlockLoopBackend:
         self.architecture = (getattr(model.config, "architectures", None) or [None])[0]
         self.block_size = block_size
         self.mask_token_id = mask_token_id
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.hidden_size = int(config.hidden_size)
         self.num_hidden_layers = int(config.num_hidden_layers)
@@ -156,17 +166,16 @@ def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise ModelError(f"cannot load the tokenizer in {path}: {err}") from None
-    mask_id = config.get("mask_token_id", getattr(tokenizer, "mask_token_id", None))
+    architecture = (config.get("architectures") or [""])[0]
+    served = SGLANG_DLLM_PARAMS.get(architecture, {})
+    mask_id = served.get("mask_id", config.get("mask_token_id", getattr(tokenizer, "mask_token_id", None)))
     if mask_id is None:
         raise ModelError(f"{path} is not a block-diffusion LM: neither config.json nor the tokenizer has a mask "
                          "token (autoregressive models cannot be collected)")
-    architecture = (config.get("architectures") or [""])[0]
-    block = config.get("block_size") or config.get("block_length") or KNOWN_BLOCK_SIZES.get(architecture) or block_size
+    block = served.get("block_size") or config.get("block_size") or config.get("block_length") or block_size
     if block is None:
         raise ModelError(f"{path}: unknown block size for {architecture or config.get('model_type')}: "
                          "pass --block-size")
-    eos = config.get("eos_token_id", tokenizer.eos_token_id)
-    eos = eos[0] if isinstance(eos, list) else eos
     pad = config.get("pad_token_id")
     pad = tokenizer.pad_token_id if pad is None else pad
     last_error = None
@@ -181,4 +190,26 @@ def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = 
     if getattr(tokenizer, "chat_template", None) is None:
         raise ModelError(f"the tokenizer in {path} has no chat template: add chat_template.jinja")
     return BlockLoopBackend(model.to(device), tokenizer, path, int(block), int(mask_id),
-                            int(eos if eos is not None else pad or 0), int(pad or 0))
+                            stop_token_ids(path, config, tokenizer), int(pad or 0))
+
+
+def stop_token_ids(path: Path, config: dict, tokenizer) -> tuple[int, ...]:
+    """The ids that end a request, as SGLang gathers them: ``eos_token_id`` of config.json and of
+    generation_config.json, each an int or a list, united (``ModelConfig._get_hf_eos_token_id``), and
+    the tokenizer's ``eos_token_id`` (``Req._check_token_based_finish``). Qwen-based checkpoints such
+    as SDAR name ``<|endoftext|>`` in one file and ``<|im_end|>`` in the other: keeping only the
+    first would decode past a stop SGLang honours."""
+    generation = path / "generation_config.json"
+    declared = [config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
+    if generation.is_file():
+        try:
+            declared.append(json.loads(generation.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError) as err:
+            raise ModelError(f"{generation} is not a readable JSON object ({err}): fix or remove it") from None
+    ids = set()
+    for value in declared:
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if not ids:
+        raise ModelError(f"{path} names no eos_token_id (config.json, generation_config.json or the tokenizer): "
+                         "a request could never stop before its budget; add one to config.json")
+    return tuple(sorted(int(i) for i in ids))

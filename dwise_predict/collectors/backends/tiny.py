@@ -22,6 +22,7 @@ class TinyBackend:
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.eos_token_id = config.eos_token_id
+        self.eos_token_ids = (config.eos_token_id,)
         self.pad_token_id = config.pad_token_id
         self.hidden_size = config.hidden_size
         self.num_hidden_layers = config.n_layers
