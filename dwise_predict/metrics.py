@@ -12,8 +12,9 @@ References
 Antolini, Boracchi, Biganzoli (2005), "A time-dependent discrimination index for survival data",
 Statistics in Medicine 24(24). Definitions as implemented in pycox ``EvalSurv.concordance_td``.
 Graf, Schmoor, Sauerbrei, Schumacher (1999), "Assessment and comparison of prognostic classification
-schemes for survival data", Statistics in Medicine 18(17-18): the IPCW Brier score, as in pycox
-``EvalSurv.brier_score`` and scikit-survival ``integrated_brier_score``.
+schemes for survival data", Statistics in Medicine 18(17-18): the IPCW Brier score, a mean over
+the requests (pycox's ``EvalSurv.brier_score`` divides by the sum of the weights instead and starts
+its censoring curve at the first duration; tests/test_metrics.py compares with its per-request terms).
 """
 
 from __future__ import annotations
@@ -265,10 +266,10 @@ def _censoring_km(durations: np.ndarray, events: np.ndarray, times: np.ndarray) 
 
 
 def brier_scores(survival, durations, events, grid) -> np.ndarray:
-    """IPCW Brier score at each grid time, censoring weights from Kaplan-Meier (pycox / Graf et al.).
+    """IPCW Brier score at each grid time, censoring weights from Kaplan-Meier (Graf et al.).
 
     ``BS(t) = mean_i [ S_i(t)^2 1{T_i <= t, d_i} / G(T_i-) + (1 - S_i(t))^2 1{T_i > t} / G(t) ]``,
-    with G fitted on the same requests (as pycox does).
+    with G fitted on the same requests; pycox's per-request terms, averaged over the requests.
 
     Parameters
     ----------
@@ -297,7 +298,7 @@ def brier_scores(survival, durations, events, grid) -> np.ndarray:
 
 def integrated_brier(survival, durations, events, grid) -> float:
     """IPCW Brier score integrated over ``grid`` by the trapezoid rule, divided by its span
-    (scikit-survival's ``integrated_brier_score``; pycox integrates the same curve)."""
+    (scikit-survival's ``integrated_brier_score``; pycox 0.3.0's uses Simpson's rule)."""
     grid = np.asarray(grid, dtype=np.float64).ravel()
     if grid.size < 2 or not (np.diff(grid) > 0).all():
         raise ValueError("grid needs at least two increasing times")

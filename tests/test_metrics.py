@@ -1,9 +1,10 @@
-"""Metrics against hand-computed values, scipy and brute-force transcriptions of pycox's definitions."""
-
-import itertools
+"""Metrics against hand-computed values, scipy and pycox (the survival metrics)."""
 
 import numpy as np
+import pandas as pd
 import pytest
+from pycox import utils
+from pycox.evaluation import EvalSurv, ipcw
 from scipy import stats
 
 from dwise_predict import metrics as M
@@ -67,50 +68,35 @@ def test_median_ratio_and_r2():
     assert M.r2([1, 2, 3, 5], true) == pytest.approx(1 - 1 / 5)
 
 
-# --- survival metrics: brute-force transcriptions of pycox ----------------------------------------
+# --- survival metrics against pycox 0.3.0's EvalSurv ----------------------------------------------
 
 
-def _pycox_concordance(surv, t, d, method):
-    """pycox.evaluation.concordance, loop for loop (surv here is (N, K); index = min(t, K-1))."""
-    n, k = surv.shape
-    idx = np.clip(t.astype(int), 0, k - 1)
-
-    def comparable(ti, tj, di, dj):
-        if method == "antolini":
-            return ((ti < tj) and di) or ((ti == tj) and di and not dj)
-        return ((ti < tj) and di) or ((ti == tj) and (di or dj))
-
-    def concordant(si, sj, ti, tj, di, dj):
-        if method == "antolini":
-            return float(si < sj and comparable(ti, tj, di, dj))
-        conc = 0.0
-        if ti < tj:
-            conc = (si < sj) + (si == sj) * 0.5
-        elif ti == tj:
-            if di and dj:
-                conc = 1.0 - (si != sj) * 0.5
-            elif di:
-                conc = (si < sj) + (si == sj) * 0.5
-            elif dj:
-                conc = (si > sj) + (si == sj) * 0.5
-        return conc * comparable(ti, tj, di, dj)
-
-    num = den = 0.0
-    for i, j in itertools.permutations(range(n), 2):
-        num += concordant(surv[i, idx[i]], surv[j, idx[i]], t[i], t[j], d[i], d[j])
-        den += comparable(t[i], t[j], d[i], d[j])
-    return num / den
+def _random_case(seed, n=40, k=12):
+    """(N, K) survival curves that cross and tie (rounded), durations with ties and some beyond the
+    grid, and ~30% censored."""
+    rng = np.random.default_rng(seed)
+    surv = np.round(np.cumprod(1 - rng.uniform(0.05, 0.5, size=(n, k)), axis=1), 2)
+    t = rng.integers(0, k + 2, n).astype(float)
+    d = (rng.uniform(size=n) < 0.7).astype(np.int64)
+    return surv, t, d
 
 
+def _eval_surv(surv, t, d):
+    """pycox's evaluator of our curves (its frame is grid times x requests), its censoring curve the
+    Kaplan-Meier fit of ``M.brier_scores``: pycox's own, started before time 0 so that G(0-) = 1 as
+    in Graf et al. (``censor_surv="km"`` starts at the first duration, and a request finishing at 0
+    rounds would be weighted by G(0))."""
+    km = utils.kaplan_meier(t, 1 - d, start_duration=-1)
+    censor = pd.DataFrame(np.repeat(km.to_numpy()[:, None], len(t), axis=1), index=km.index)
+    return EvalSurv(pd.DataFrame(surv.T, index=np.arange(surv.shape[1], dtype=float)), t, d, censor_surv=censor)
+
+
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("method", ["adj_antolini", "antolini"])
-def test_concordance_td_matches_pycox_loops(method):
-    rng = np.random.default_rng(2)
-    n, k = 40, 12
-    hazards = rng.uniform(0.05, 0.5, size=(n, 1)) * np.ones((1, k))
-    surv = np.round(np.cumprod(1 - hazards, axis=1), 2)  # rounding makes ties in survival
-    t = rng.integers(0, 14, n).astype(float)  # some beyond the grid, many tied times
-    d = rng.uniform(size=n) < 0.7
-    assert M.concordance_td(surv, t, d, method) == pytest.approx(_pycox_concordance(surv, t, d, method))
+def test_concordance_td_matches_pycox(method, seed):
+    surv, t, d = _random_case(seed)
+    expected = _eval_surv(surv, t, d).concordance_td(method)
+    assert M.concordance_td(surv, t, d, method) == pytest.approx(expected, abs=1e-12)
 
 
 def test_concordance_td_hand_values():
@@ -121,40 +107,28 @@ def test_concordance_td_hand_values():
     assert M.concordance_td(surv, [1, 2], [0, 0]) is None  # nothing observed: no comparable pair
 
 
-def _brier_loop(surv, t, d, grid):
-    """Graf et al. with KM censoring weights, one request and one time at a time."""
-    uniq = np.unique(t)
-
-    def g(time):  # KM of the censoring distribution, right-continuous
-        value = 1.0
-        for u in uniq[uniq <= time]:
-            value *= 1 - np.sum((t == u) & ~d) / np.sum(t >= u)
-        return value
-
-    out = []
-    for s in grid:
-        total = 0.0
-        for i in range(len(t)):
-            si = surv[i, min(int(s), surv.shape[1] - 1)]
-            if t[i] <= s and d[i]:
-                before = uniq[uniq < t[i]]
-                total += si**2 / (g(before[-1]) if before.size else 1.0)
-            elif t[i] > s:
-                total += (1 - si) ** 2 / g(s)
-        out.append(total / len(t))
-    return np.array(out)
+@pytest.mark.parametrize("seed", range(4))
+def test_brier_matches_pycox(seed):
+    """pycox weights each request's term by the inverse censoring survival as Graf et al. do, but
+    ``EvalSurv.brier_score`` divides by the sum of the weights where Graf et al. (and we, and
+    scikit-survival) divide by the number of requests: under censoring we compare with pycox's
+    per-request terms, without it (every weight 1) with ``EvalSurv.brier_score`` itself."""
+    surv, t, d = _random_case(seed)
+    grid = np.arange(0, 10, dtype=float)
+    ev = _eval_surv(surv, t, d)
+    terms, _ = ipcw.brier_score(grid, t, d, surv.T, ev.censor_surv.surv.to_numpy(), ev.index_surv,
+                                ev.censor_surv.index_surv, np.inf, False)  # (G, N)
+    expected = terms.sum(axis=1) / len(t)
+    assert M.brier_scores(surv, t, d, grid) == pytest.approx(expected, abs=1e-12)
+    # pycox's integrated_brier_score calls scipy.integrate.simps, gone since SciPy 1.14, and
+    # integrates by Simpson's rule; ours is the trapezoid rule over the same curve
+    assert M.integrated_brier(surv, t, d, grid) == pytest.approx(np.trapezoid(expected, grid) / 9, abs=1e-12)
+    done = np.ones_like(d)
+    expected = _eval_surv(surv, t, done).brier_score(grid).to_numpy()
+    assert M.brier_scores(surv, t, done, grid) == pytest.approx(expected, abs=1e-12)
 
 
-def test_brier_matches_loop_and_hand_value():
-    rng = np.random.default_rng(4)
-    n, k = 30, 10
-    surv = np.cumprod(1 - rng.uniform(0.05, 0.4, size=(n, k)), axis=1)
-    t = rng.integers(0, 10, n).astype(float)
-    d = rng.uniform(size=n) < 0.6
-    grid = np.arange(0, 9)
-    expected = _brier_loop(surv, t, d, grid)
-    assert M.brier_scores(surv, t, d, grid) == pytest.approx(expected)
-    assert M.integrated_brier(surv, t, d, grid) == pytest.approx(np.trapezoid(expected, grid) / 8)
+def test_brier_hand_values():
     # no censoring, by hand: S = [0.5, 0.5], T = (0, 1); at t=0: (0.5^2 + 0.5^2) / 2; at t=1: 0.5^2 * 2 / 2
     surv2 = np.array([[0.5, 0.5], [0.5, 0.5]])
     assert M.brier_scores(surv2, [0, 1], [1, 1], [0, 1]) == pytest.approx([0.25, 0.25])

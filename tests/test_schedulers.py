@@ -1,6 +1,7 @@
 """The baseline schedulers and the round-cost model: schedules and times worked out by hand."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -110,11 +111,12 @@ def test_trail_is_srpt_with_the_probe_in_place_of_the_refinement():
     w.refined = np.maximum(total - 1 + rng.normal(0, 3, n), 0)
     with pytest.raises(ConfigError, match="trail needs"):
         simulate(w, "trail", SimConfig(slots=4))
-    w.probe = w.refined.copy()
+    # a probe noisier than the refinement, drawn apart from it: trail must read this one
+    w.probe = np.maximum(total - 1 + rng.normal(0, 10, n), 0)
     cfg = SimConfig(slots=4, k=2, arrival="burst-poisson", rate=3.0, seed=2)
-    a = simulate(w, "trail", cfg)
-    b = simulate(w, "dwise-refined", cfg)
-    assert a.completion_round.tolist() == b.completion_round.tolist()
+    trail = simulate(w, "trail", cfg).completion_round.tolist()
+    assert trail == simulate(replace(w, refined=w.probe), "dwise-refined", cfg).completion_round.tolist()
+    assert trail != simulate(w, "dwise-refined", cfg).completion_round.tolist()
 
 
 def test_round_cost_fit_recovers_known_coefficients():
