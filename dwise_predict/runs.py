@@ -12,14 +12,16 @@ training and exports, because exports must not import the training stack::
       admission.txt       LightGBM text model, target log1p(total_rounds), features words, newlines,
                           prompt_tokens
       admission.json      {"features", "target", "params"}
-      refine.safetensors  network.refine_state(...): input_mean, input_std [H+2+S], S early signals, member{i}.fc1/fc2
-      refine.json         {"hidden_size", "early_signals", "in_features", "num_rounds", "width", "dropout", "members",
-                           "seeds", "prompt_norm", "budget_norm", "length_scale", "target", "candidate"}
+      refine.safetensors  network.refine_state(...): input_mean, input_std [2H+2+S] (H per hidden state, S early
+                          signals), member{i}.fc1/fc2, member{i}.fc1_short when short_width > 0
+      refine.json         {"hidden_size" (per state), "hidden_states", "early_signals", "in_features", "num_rounds",
+                           "width", "short_features", "short_width", "dropout", "members", "seeds", "prompt_norm",
+                           "budget_norm", "length_scale", "target", "candidate"}
       calibration.json    {"x": [...], "y": [...], "fitted_on": "train", "statistic"}
       candidates.json     the refinement candidate search (training.select): CV scores, chosen candidate
       curves.json         per member: seed, train_loss, val_loss per epoch, best_epoch
       curves.png          training curves
-      loco.json           optional
+      loco.json           optional: read when present (export copies it into bundle metrics), written by no command
 
 Export reads only these files, never CLI flags, so a bundle is fully determined by its run.
 """

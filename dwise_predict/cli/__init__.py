@@ -11,6 +11,7 @@ module             commands
 ``simulate``       ``simulate``
 ``round_profile``  ``profile-rounds``
 ``batch_timeout``  ``batch-timeout``
+``serve``          ``serve``
 ``quickstart``     ``quickstart``
 ``options``        option types and output helpers they share
 =================  =========================================================

@@ -17,7 +17,7 @@ def batch_timeout_command(
     service_times: Annotated[Optional[Path], typer.Option(help="Measured batch service times: JSON list, {\"batch_size\": B, \"service_s\": [...]}, or one number per line.")] = None,
     traces: Annotated[Optional[Path], typer.Option(help="Derive service times from these traces and --round-profile: synchronized batches of B requests drawn from the eval split.")] = None,
     round_profile: Annotated[Optional[Path], typer.Option(help="Round-cost profile JSON (with --traces): `dwise-predict profile-rounds` or your GPU's.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="B, requests per batch [default: the file's, 8 for the paper's figures].")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="B, requests per batch (default: the file's, 8 for the paper's figures).")] = None,
     paper_mean: Annotated[float, typer.Option(help="Without a file or traces: mean batch service time S, s (seed 001: 8.74).")] = 8.74,
     paper_cv: Annotated[float, typer.Option(help="Without a file or traces: CV of the service time (seed 001: 0.266).")] = 0.266,
     rhos: Annotated[str, typer.Option(help="Utilisations ρ = λS/B to simulate, comma list.")] = "0.30,0.50,0.70,0.85,0.95",

@@ -19,9 +19,9 @@ def quickstart_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for traces/, run/, report/, bundle/, simulate/.")] = Path("out/quickstart"),
     limit: Annotated[Optional[int], typer.Option(help="Collect only the first N requests of tiny-default (a quicker, noisier try).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for collection, training and arrivals.")] = _DEFAULT.seed,
-    max_epochs: Annotated[Optional[int], typer.Option(help="Cap each survival member's epochs [default: training default].")] = None,
+    max_epochs: Annotated[Optional[int], typer.Option(help="Cap each survival member's epochs (default: training default).")] = None,
     loco: Annotated[bool, typer.Option(help="Evaluate leave-one-category-out (retrains once per category).")] = _DEFAULT.loco,
-    jobs: Annotated[Optional[int], typer.Option(help="Worker processes for the LOCO retrainings [default: cores].")] = None,
+    jobs: Annotated[Optional[int], typer.Option(help="Worker processes for the LOCO retrainings (default: cores).")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Run the whole pipeline on the built-in tiny dLLM: collect, train, evaluate, export, verify, simulate.

@@ -11,7 +11,8 @@ a difference whose interval contains 0 is reported as inside the noise.
   the same without the early signals, with one hidden state only (``h1``, or the pooled last prompt
   block), and with neither; for
   the ``survival`` (the paper's recipe) and ``ridge-within+signals`` candidates. The row marked
-  "not in a bundle" (seed 001's LightGBM on the four early signals) is for comparison only: a
+  "not in a bundle" (seed 001's LightGBM on its four early signals, prompt length among them:
+  :data:`.baselines.EARLY_SIGNALS`) is for comparison only: a
   tree ensemble is not a contract-2 graph.
 - ``train-size`` — 25 %, 50 % and 100 % of the training split (drawn per category with the seed),
   for the same two candidates; the shipped candidate's rows also give the mean held-out-category ρ
@@ -27,8 +28,8 @@ a difference whose interval contains 0 is reported as inside the noise.
   stored pooling of the final layer: ``mean``, ``last`` (the block's last row) and ``positions``
   flattened to ``[N, block_size * H]`` (every row kept apart: what the mean could be losing).
 
-``layers`` and ``pooling`` fit the ``ridge`` candidate (fast and, on the tiny model, the strongest)
-with the hidden input swapped, the other inputs kept, and also report the mean held-out-category
+``layers`` and ``pooling`` fit the ``ridge`` candidate (fast, closed form) with the hidden input
+swapped, the other inputs kept, and also report the mean held-out-category
 ρ: for each category with enough requests (:data:`.loco.MIN_REQUESTS`) the ridge is refitted on the
 training split without it and scored within it. They are research rows: the serving hook pools the
 final layer only, so a better layer or pooling is a finding that no bundle can use yet.

@@ -10,16 +10,19 @@ rounds scale) and mean within-category ρ against the actual remaining rounds:
   block) and the other inputs (prompt tokens, budget, early signals): does the denoised state add
   anything over what the model already read?;
 - **early signals** (seed 001) — fraction over threshold, mean confidence, mean entropy and prompt
-  length, each alone and all four together, through a small LightGBM (50 trees, 7 leaves) on
-  ``log1p(remaining)``; seed 001 found R² ≤ 0.15 for each;
+  length (:data:`EARLY_SIGNALS`: seed 001's four, not the bundle's four of
+  :data:`dwise_predict.identity.EARLY_SIGNALS`, which have ``end_probability`` where this set has
+  prompt length), each alone and all four together, through a small LightGBM (50 trees, 7 leaves)
+  on ``log1p(remaining)``; seed 001 found R² ≤ 0.15 for each;
 - **TRAIL-style probe** — a multinomial logistic classifier over quantile bins of remaining rounds
   on the first-round hidden state (its top 64 principal components); estimate = expected bin mean under its
   probabilities (TRAIL refines output-length estimates from runtime embeddings this way);
 - **ridge on the first-round hidden state** — ridge regression (α chosen by cross-validation) on
   ``log1p(remaining)``;
-- **refinement predictor (shipped)** — the run's refinement predictor, whichever candidate `train`
-  chose (the paper's calibrated survival ensemble, or a ridge head in the same graph; see
-  :mod:`dwise_predict.training.select`);
+- **refinement predictor (shipped)** — the run's refinement predictor on the bundle's inputs (both
+  hidden states, prompt tokens, budget, the bundle's early signals), whichever candidate `train`
+  chose (the paper's calibrated survival ensemble, or a ridge head, alone or blended with signal
+  heads, in the same graph; see :mod:`dwise_predict.training.select`);
 - **oracles** — the actual remaining rounds (ρ = 1, the ceiling), the actual output tokens (what a
   perfect output-length ranker would use; R² is not comparable there, tokens are not rounds), and
   for synthetic traces the true expected remaining rounds (``oracle_remaining``).
@@ -168,7 +171,8 @@ def baseline_predictions(
         rows.append((f"early signal: {name}", what, pred, True))
     rows.append(("TRAIL-style probe", "first-round hidden state (bins)", trail_probe(train, eval_ds, seed=seed), True))
     rows.append(("ridge on first-round state", "first-round hidden state", ridge_hidden(train, eval_ds), True))
-    rows.append((SHIPPED, f"first-round hidden state, prompt tokens, budget, early signals (candidate: {candidate})", refined, True))
+    rows.append((SHIPPED, f"first-round hidden state, pooled last prompt block, prompt tokens, budget, early signals "
+                 f"(candidate: {candidate})", refined, True))
     rows.append(("oracle: actual remaining rounds", "the answer", true, True))
     rows.append(("oracle: actual output tokens", "output length (not rounds)",
                  eval_ds.requests["output_tokens"].to_numpy(dtype=float), False))

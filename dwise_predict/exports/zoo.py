@@ -6,7 +6,8 @@ Layout::
     ZOO/bundles/NAME/NAME-VERSION.tar       one bundle, flat, deterministic tar (mtime 0, root-owned)
 
 An entry holds ``name``, ``version``, ``file``, ``sha256`` and ``bytes`` of the tar, ``published``,
-and from the bundle: ``model`` fingerprint, ``decoding``, ``hidden_size``, ``K``, ``metrics``.
+and from the bundle: ``created``, ``bundle_schema_version``, ``model`` fingerprint, ``decoding``,
+``hidden_size``, ``K``, ``metrics``.
 A published (name, version) is never overwritten. ``publish`` verifies the bundle first, holds
 a lock on ``ZOO/.lock`` while it writes (released by the OS if the publisher dies), moves the
 finished tar into place and only then replaces the index (temp file + rename), so an interrupted publish leaves the index as it was. ``pull`` checks the

@@ -8,8 +8,9 @@ admission and which requests run; the simulator only advances the true state and
 simulated policy is the served one, line for line.
 
 Schedulers (:data:`POLICIES`, defined in :mod:`~dwise_predict.serving.schedulers`): SGLang's
-default, FCFS-mixed, MLFQ, SSJF, S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission,
-refined, oracle), each a configuration of the one policy class.
+default (with ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``), FCFS-mixed, MLFQ, SSJF,
+S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission, raw and calibrated refinement,
+oracle), each a configuration of the one policy class.
 
 Round time comes from a :class:`~dwise_predict.serving.round_cost.RoundCost`: a model fitted to a
 measured profile (``--round-profile``), or the flat ``round_ms + slot_ms * blocks`` of the flags.

@@ -194,7 +194,7 @@ class SurvivalEnsemble:
     # --- predict ------------------------------------------------------------------------------
 
     def spec(self) -> dict:
-        """The refine.json dict of the run directory (see RUNDIR in the README)."""
+        """The refine.json dict of the run directory (layout: :mod:`dwise_predict.runs`, docs/training.md)."""
         return {
             "hidden_size": self.hidden_size_ // len(HIDDEN_STATES),  # per state: each graph input's width
             "hidden_states": list(HIDDEN_STATES),

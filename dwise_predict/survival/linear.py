@@ -3,8 +3,9 @@
 Ridge regression of ``log1p(remaining rounds)`` on the refinement input the ensemble already uses
 (``[h1, h_prompt, prompt length, budget, early signals]``, lengths on a log scale, standardised with the same
 mean and deviation), its L2 penalty chosen by exact leave-one-out error over a grid (closed form from one eigendecomposition,
-on the training data only). On the tiny model's traces this kind of linear probe ranked above the
-survival ensemble (ρ 0.94 against 0.90), which is why it is a refinement *candidate*.
+on the training data only). On the tiny model's traces this kind of linear probe has ranked above
+the survival ensemble, which is why it is a refinement *candidate*; docs/training.md has the
+current figures of every candidate.
 
 No new graph type: the linear score ``z = w·x + b`` becomes a :class:`HazardMLP` of width 2 (or a
 wider one padded with zero units), because
