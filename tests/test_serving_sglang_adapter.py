@@ -197,16 +197,26 @@ def test_without_a_bundle_the_patch_ranks_by_prompt_blocks_only(served):
     assert got == simulated(served, "dwise-zero", slots=4, k=2)
 
 
-def test_sync_mode_advances_the_policy_by_every_forward_of_the_step(served):
-    handle = hooked(served[0], slots=6, k=2)
+@pytest.mark.parametrize("slots", [1, 6])
+def test_sync_mode_advances_the_policy_by_every_forward_of_the_step(served, slots):
+    """Without FDFO a step runs a block to its end: every request of the step is advanced by the
+    forwards the step ran (its slowest block's), so alone in its steps a request is advanced by its
+    own rounds exactly, and in company by at least them."""
+    handle = hooked(served[0], slots=slots, k=2)
     try:
-        scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, fdfo=False)
+        scheduler, algorithm, runner = make_server(served, slots=slots, max_running=2 * slots, fdfo=False)
+        reqs = {r.rid: r for r in scheduler.waiting_queue}
         finished = fake.serve(scheduler, algorithm, runner)
         assert handle.state.policy.n_resident == 0 and handle.state.policy.n_waiting == 0
     finally:
         handle.uninstall()
     work = served[1].prompt_blocks + served[1].total_rounds
-    assert len(finished) == len(work) and runner.calls >= work.sum() / 6
+    assert len(finished) == len(work) and runner.calls >= work.sum() / slots
+    advanced = np.array([reqs[rid]._dwise_rounds for rid in served[1].request_ids])
+    if slots == 1:
+        assert (advanced == served[1].total_rounds).all()
+    else:
+        assert (advanced >= served[1].total_rounds).all() and advanced.sum() > served[1].total_rounds.sum()
 
 
 # --- Why, CUDA graphs ------------------------------------------------------------------------------------
