@@ -180,6 +180,9 @@ def load() -> types.SimpleNamespace:
     algorithm = importlib.import_module("sglang.srt.dllm.algorithm")
     return types.SimpleNamespace(
         finish=_finish_rule(source_root() / "sglang" / "srt" / "managers" / "schedule_batch.py"),
+        # Req's prefix bound for a radix-cache lookup (reads dllm_config, return_logprob, logprob_start_len)
+        ReqPrefixMixin=compile_members(source_root() / "sglang" / "srt" / "managers" / "schedule_batch.py",
+                                       "Req", ("_compute_max_prefix_len",))["ReqMethods"],
         # ModelConfig's stop ids (reads hf_config and hf_generation_config: give it both)
         ModelConfigStops=compile_members(source_root() / "sglang" / "srt" / "configs" / "model_config.py",
                                          "ModelConfig", ("_get_hf_eos_token_id",))["ModelConfigMethods"],

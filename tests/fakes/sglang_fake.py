@@ -14,13 +14,14 @@ used unmodified:
   that makes a KV-keeping block filled in r steps cost r + 1 forwards;
 - ``srt/dllm/config.py`` — ``DllmConfig``;
 - ``srt/managers/schedule_batch.py`` — ``Req``'s finish rule (``update_finish_state`` and the checks
-  it calls) and the finish reasons (``FINISH_MATCHED_TOKEN``, ``FINISH_LENGTH`` …), compiled from
-  that file's own text (``sglang_reference.load``: the module itself needs CUDA).
+  it calls), the finish reasons (``FINISH_MATCHED_TOKEN``, ``FINISH_LENGTH`` …) and the bound of a
+  prefix-cache lookup (``_compute_max_prefix_len``), compiled from that file's own text
+  (``sglang_reference.load``: the module itself needs CUDA).
 
 Written here, for what needs a GPU or a real model (each mirrors the SGLang code it names):
 
 - ``Req``: token arrays, ``prefix_len``, ``init_next_round_input`` (``schedule_batch.Req``: fill
-  ids, prefix match bounded to real tokens on block boundaries, phase);
+  ids, prefix match within SGLang's bound, phase);
 - ``RadixCache``: block-aligned prefixes of committed tokens (``checkpoint_kv_cache`` inserts and
   sets ``prefix_len = extend_end``);
 - ``PrefillAdder``: SGLang's batch budgets (requests per batch, tokens per batch); a request that
@@ -89,7 +90,7 @@ class AbortReq:
 # --- sglang.srt.managers.schedule_batch --------------------------------------------------------------
 
 
-class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin):
+class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin):
     """SGLang's request fields the dLLM path reads, with SGLang's own ``ReqDllmMixin`` and, given an
     ``eos_token_id``, its own finish rule (``update_finish_state``, ``finished``)."""
 
@@ -107,6 +108,7 @@ class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin):
         self.dllm_initialized = False
         self.full_untruncated_fill_ids = array("q")
         self.inflight_middle_chunks = 0
+        self.return_logprob, self.logprob_start_len = False, -1  # read by SGLang's _compute_max_prefix_len
         self.kv = SimpleNamespace(holds_kv=False)
         self.init_diffusion_llm(dllm_config)  # SGLang's: the first phase from the prompt length
         # fake-only: forwards per output block (SGLang units) and the model's hidden vector
@@ -142,10 +144,9 @@ class RadixCache:
         self.prefixes: set = set()
 
     def match(self, req) -> int:
-        # real tokens only, on block boundaries (Req._compute_max_prefix_len for dLLM)
+        # real tokens only, on block boundaries: SGLang's own bound (Req._compute_max_prefix_len)
         ids = req.full_untruncated_fill_ids
-        committed = len(req.origin_input_ids) + len(req.output_ids)
-        limit = min(len(ids) - 1, committed) // self.block_size * self.block_size
+        limit = req._compute_max_prefix_len(len(ids))
         best = 0
         for end in range(self.block_size, limit + 1, self.block_size):
             if tuple(ids[:end]) in self.prefixes:
