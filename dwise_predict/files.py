@@ -226,11 +226,13 @@ def _fresh_tmp_dir(out: Path) -> Path:
     return tmp
 
 
-def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]]) -> None:
+def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
+                    flag: str = "--out") -> None:
     """Raise :class:`InputError` when ``out`` is, contains or lies inside one of ``inputs``.
 
     ``inputs`` pairs how the message names an input (``"TRACES"``, ``"--run"``) with its path (None:
-    not given). Paths are compared after resolving links, so ``d/..`` and a symlink alias too.
+    not given); ``flag`` is the option that names ``out``. Paths are compared after resolving links,
+    so ``d/..`` and a symlink alias too.
     """
     target = Path(out).resolve()
     for label, path in inputs:
@@ -245,8 +247,8 @@ def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os
             relation = "lies inside"
         else:
             continue
-        raise InputError(f"--out {out} {relation} the input {label} {path}: a command never writes over its "
-                         "inputs; choose an --out outside them")
+        raise InputError(f"{flag} {out} {relation} the input {label} {path}: a command never writes over its "
+                         f"inputs; choose a {flag} outside them")
 
 
 def output_lock(out: str | os.PathLike) -> FileLock:

@@ -83,6 +83,9 @@ def load_run(path: str | Path) -> RunFiles:
             "the isotonic map; re-run `dwise-predict train` to completion"
         )
     missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    if missing and (path / "manifest.json").is_file() and (path / "requests.parquet").is_file():
+        raise InputError(f"{path} is a trace dataset, not a training run: train one first "
+                         f"(`dwise-predict train {path} --out RUN`) and pass RUN")
     if missing:
         raise InputError(
             f"run {path} lacks {', '.join(missing)}: it is not a finished training run; "

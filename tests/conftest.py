@@ -2,10 +2,16 @@ import os
 
 import pytest
 import torch
+from transformers.utils import logging as transformers_logging
 
 # Two cores shared by everything: keep each test process to one torch thread.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# transformers gives its loggers a handler on whatever sys.stderr is when it first logs: inside a
+# test that is capsys's stream, closed afterwards, and every later warning prints a "Logging error"
+# traceback into the next test's stderr. Set the handler up now, on the session's stream.
+transformers_logging.get_logger("transformers")
 
 
 def pytest_sessionstart(session):

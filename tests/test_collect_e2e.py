@@ -87,6 +87,27 @@ def test_rerun_resumes_everything_and_decodes_nothing(reference, tmp_path, monke
     _same_traces(load_traces(out), reference)
 
 
+def test_a_resumed_collection_may_grow_but_not_shrink(reference, tmp_path, capsys):
+    """Rerun with a smaller --limit, the finished requests beyond it would be consolidated under a
+    manifest that plans fewer: refused, nothing changed; a larger --limit extends the collection."""
+    import shutil
+
+    out = tmp_path / "again"
+    shutil.copytree(reference.path, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    model = reference.manifest["model"]["path"]
+    flags = ["collect", "--model", model, "--out", str(out), "--batch-size", "4", "--budget", "16",
+             "--requests-per-shard", "4"]
+    assert main([*flags, "--limit", "8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"holds {LIMIT - 8} finished requests" in err and f"--limit {LIMIT}" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")} == before
+    assert main([*flags, "--limit", str(LIMIT + 4)]) == 0
+    grown = load_traces(out)
+    assert len(grown) == LIMIT + 4 and grown.manifest["workload"]["limit"] == LIMIT + 4
+    assert grown.requests["request_id"].tolist()[:LIMIT] == reference.requests["request_id"].tolist()
+
+
 def test_shards_merged_equal_the_unsharded_run(reference, tiny_dir, tmp_path, capsys):
     assert [list(r) for r in plan_shards(10, 4, (1, 2))] == [[4, 5, 6, 7]]
     for i in (0, 1):

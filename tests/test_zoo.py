@@ -61,6 +61,25 @@ def test_published_version_is_never_overwritten(bundle, tmp_path):
     assert sha256_file(zoo / first["file"]) == first["sha256"]
 
 
+def test_a_zoo_is_never_made_inside_the_bundle_or_over_another_folder(bundle, tmp_path, capsys):
+    """A zoo written into the bundle would break the bundle's own verification; one written over a
+    folder of another kind (traces, notes) would mix with it: both are refused, nothing written."""
+    import shutil
+
+    copy = shutil.copytree(bundle, tmp_path / "b")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    snapshot = {p: p.read_bytes() for p in [*copy.rglob("*"), *notes.rglob("*")] if p.is_file()}
+    for zoo, message in ((copy / "zoo", "--zoo .* lies inside the input BUNDLE"), (copy, "--zoo .* is the input BUNDLE"),
+                         (tmp_path, "--zoo .* contains the input BUNDLE"), (notes, "holds files but is not a zoo")):
+        assert main(["publish", str(copy), "--zoo", str(zoo)]) == 1, zoo
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and __import__("re").search(message, err), err
+    assert {p: p.read_bytes() for p in [*copy.rglob("*"), *notes.rglob("*")] if p.is_file()} == snapshot
+    assert main(["verify", str(copy)]) == 0
+
+
 def test_invalid_index_is_one_line_and_nothing_is_published(bundle, tmp_path, capsys):
     zoo = tmp_path / "zoo"
     zoo.mkdir()

@@ -12,6 +12,8 @@ import typer
 from dwise_predict.cli.options import JsonOption, SeedOption, console, log
 from dwise_predict.errors import ConfigError
 
+OUTPUT_JSON = "batch_timeout.json"  # always written: a folder holding it is a study the next run may replace
+
 
 def batch_timeout_command(
     service_times: Annotated[Optional[Path], typer.Option(help="Measured batch service times: JSON list, {\"batch_size\": B, \"service_s\": [...]}, or one number per line.")] = None,
@@ -41,6 +43,9 @@ def batch_timeout_command(
 
         dwise-predict batch-timeout --traces traces/ --round-profile profile.json --batch-size 8
     """
+    from contextlib import nullcontext
+
+    from dwise_predict.files import claim_output
     from dwise_predict.serving import batch_timeout as bt
 
     problems = []
@@ -63,32 +68,35 @@ def batch_timeout_command(
     if problems:
         raise ConfigError("; ".join(problems))
 
-    if service_times is not None:
-        service = bt.load_service_times(service_times, batch_size)
-    elif traces is not None:
-        from dwise_predict.serving.round_cost import load_round_cost
-        from dwise_predict.serving.simulator import sim_requests_from_traces, sync_batch_service_times
-        from dwise_predict.traces import load_traces
+    inputs = [("--service-times", service_times), ("--traces", traces), ("--round-profile", round_profile)]
+    with claim_output(out, inputs, "a batch-timeout study", OUTPUT_JSON, replace=True) if out else nullcontext():
+        if service_times is not None:
+            service = bt.load_service_times(service_times, batch_size)
+        elif traces is not None:
+            from dwise_predict.serving.round_cost import load_round_cost
+            from dwise_predict.serving.simulator import sim_requests_from_traces, sync_batch_service_times
+            from dwise_predict.traces import load_traces
 
-        cost = load_round_cost(round_profile)
-        sim = sim_requests_from_traces(load_traces(traces), "eval")
-        service = sync_batch_service_times(sim, cost, batch_size or 8, seed=seed)
-    else:
-        service = bt.paper_service_times(mean_s=paper_mean, cv=paper_cv, batch_size=batch_size or 8)
-    log(f"service times: {service.source} (S = {service.mean:.3g} s, CV = {service.cv:.3f}, B = {service.batch_size})")
-    rows = bt.timeout_study(service, rho_list, timeout, requests, seed)
-    settings = {"source": service.source, "batch_size": service.batch_size, "mean_s": service.mean,
-                "cv": service.cv, "samples": service.samples.tolist(), "requests": requests, "seed": seed,
-                "timeout_s": timeout}
-    if out is not None:
-        from dwise_predict.files import atomic_write_bytes, write_csv
-        from dwise_predict.serving.report import batch_timeout_plot
+            cost = load_round_cost(round_profile)
+            sim = sim_requests_from_traces(load_traces(traces), "eval")
+            service = sync_batch_service_times(sim, cost, batch_size or 8, seed=seed)
+        else:
+            service = bt.paper_service_times(mean_s=paper_mean, cv=paper_cv, batch_size=batch_size or 8)
+        log(f"service times: {service.source} (S = {service.mean:.3g} s, CV = {service.cv:.3f}, B = {service.batch_size})")
+        rows = bt.timeout_study(service, rho_list, timeout, requests, seed)
+        settings = {"source": service.source, "batch_size": service.batch_size, "mean_s": service.mean,
+                    "cv": service.cv, "samples": service.samples.tolist(), "requests": requests, "seed": seed,
+                    "timeout_s": timeout}
+        if out is not None:
+            from dwise_predict.files import atomic_write_bytes, write_csv, write_errors
+            from dwise_predict.serving.report import batch_timeout_plot
 
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv(out / "batch_timeout.csv", rows)
-        atomic_write_bytes(out / "batch_timeout.json", json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
-        atomic_write_bytes(out / "batch_timeout.png", batch_timeout_plot(rows, f"{service.source}"))
-        log(f"wrote {out / 'batch_timeout.csv'}, .json, .png")
+            with write_errors(out, "free space or fix permissions and rerun the same command"):
+                out.mkdir(exist_ok=True)
+                write_csv(out / "batch_timeout.csv", rows)
+                atomic_write_bytes(out / OUTPUT_JSON, json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
+                atomic_write_bytes(out / "batch_timeout.png", batch_timeout_plot(rows, f"{service.source}"))
+            log(f"wrote {out / 'batch_timeout.csv'}, .json, .png")
     if json_out:
         typer.echo(json.dumps({"settings": settings, "rows": rows}, indent=2))
         return

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from dwise_predict.cli.options import JsonOption, log
-from dwise_predict.errors import ConfigError
+from dwise_predict.errors import ConfigError, InputError
 
 
 def profile_rounds_command(
@@ -48,20 +48,23 @@ def profile_rounds_command(
             problems.append(f"{flag} must be >= {low}, got {value}")
     if problems:
         raise ConfigError("; ".join(problems))
+    _refuse_inside_an_output(out)
 
     import torch
 
-    from dwise_predict.collectors.backends import load_backend
-    from dwise_predict.collectors.round_profile import measure_round_profile
-    from dwise_predict.files import atomic_write_bytes
+    from dwise_predict.collectors.backends import TINY, load_backend
+    from dwise_predict.collectors.round_profile import claim_profile_out, measure_round_profile
+    from dwise_predict.files import atomic_write_bytes, write_errors
     from dwise_predict.serving.round_cost import round_cost_from_profile
 
-    torch.set_num_threads(threads)
-    backend = load_backend(model, dtype=dtype, device=device)
-    profile = measure_round_profile(backend, row_list, context_blocks, repeats, progress=log)
-    cost = round_cost_from_profile(profile)
-    profile["fit"] = cost.as_dict()
-    atomic_write_bytes(out, json.dumps(profile, indent=2).encode())
+    with claim_profile_out(out, [("--model", None if model == TINY else model)]):
+        torch.set_num_threads(threads)
+        backend = load_backend(model, dtype=dtype, device=device)
+        profile = measure_round_profile(backend, row_list, context_blocks, repeats, progress=log)
+        cost = round_cost_from_profile(profile)
+        profile["fit"] = cost.as_dict()
+        with write_errors(out, "free space or fix permissions and rerun the same command"):
+            atomic_write_bytes(out, json.dumps(profile, indent=2).encode())
     log(f"wrote {out}")
     if json_out:
         typer.echo(json.dumps(profile["fit"], indent=2))
@@ -69,3 +72,18 @@ def profile_rounds_command(
         typer.echo(f"round ms = {cost.base_ms:.3f} + {cost.prefill_block_ms:.3f} x prefill rows + "
                    f"{cost.decode_block_ms:.3f} x decode rows (rmse {cost.fit_rmse_ms:.3f} ms over {cost.samples} shapes)")
         typer.echo(f"source: {cost.source}")
+
+
+def _refuse_inside_an_output(out: Path) -> None:
+    """A profile dropped into a trace dataset, a run or a bundle is not theirs: the next rewrite of
+    that directory loses it, and a checker of its files may take it for damage."""
+    from dwise_predict.exports.manifest import BUNDLE_FILE
+    from dwise_predict.runs import RUN_MARKER
+    from dwise_predict.traces.dataset import MANIFEST_FILE, REQUESTS_FILE
+
+    kinds = {"a trace dataset": (MANIFEST_FILE, REQUESTS_FILE), "a run directory": (RUN_MARKER,),
+             "a bundle": (BUNDLE_FILE,)}
+    for folder in Path(out).resolve().parents:
+        for what, markers in kinds.items():
+            if all((folder / m).is_file() for m in markers):
+                raise InputError(f"--out {out} lies inside {what} ({folder}): write the profile outside it")

@@ -14,6 +14,7 @@ from dwise_predict.errors import ConfigError
 from dwise_predict.serving.simulator import SimConfig
 
 _DEFAULT = SimConfig()
+OUTPUT_JSONS = ("simulate.json", "sweep.json", "k_sweep.json")  # what a replay, a load sweep, a k sweep always write
 
 
 class Arrival(str, Enum):
@@ -70,11 +71,12 @@ def simulate_command(
 
         dwise-predict simulate traces/ --bundle bundle/ --round-profile h200.json --arrival-seeds 5 --out sim/
     """
+    from contextlib import nullcontext
     from dataclasses import asdict
 
+    from dwise_predict.files import claim_output
     from dwise_predict.serving.report import render_table, write_outputs
     from dwise_predict.serving.simulator import POLICIES, replay, sim_requests_from_traces
-    from dwise_predict.files import refuse_aliasing
     from dwise_predict.traces import load_traces
 
     problems = []
@@ -118,45 +120,43 @@ def simulate_command(
         from dwise_predict.serving.round_cost import load_round_cost
 
         config = replace(config, round_cost=load_round_cost(round_profile))
-    if out is not None:
-        refuse_aliasing(out, [("TRACES", traces), ("--bundle", bundle)])
+    stem = "k_sweep" if ks else "sweep" if rates else "simulate"
+    inputs = [("TRACES", traces), ("--bundle", bundle), ("--round-profile", round_profile)]
+    claim = claim_output(out, inputs, "a simulation", _marker(out, stem), replace=True) if out else nullcontext()
+    with claim:
+        ds = load_traces(traces)
+        loaded = None
+        if bundle is not None:
+            from dwise_predict.serving.bundle import load_bundle
 
-    ds = load_traces(traces)
-    loaded = None
-    if bundle is not None:
-        from dwise_predict.serving.bundle import load_bundle
+            loaded = load_bundle(bundle, backend=backend, expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
+        sim = sim_requests_from_traces(ds, None if split is Split.all else split.value, loaded)
+        if split is Split.eval and (chosen is None or "trail" in chosen):
+            sim.probe = _trail_probe(ds)
+        if requests:
+            sim = sim.draw(requests, seed)
+        patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
+        tails: list = []
+        rows, chosen = replay(sim, config, chosen, patterns, rate, rates, log=log, arrival_seeds=arrival_seeds,
+                              tails=tails, ks=k_list)
+        if out is not None:
+            settings = {**asdict(config), "round_cost": config.cost.as_dict(), "traces": str(traces),
+                        "bundle": str(bundle) if bundle else None, "split": split.value, "policies": chosen,
+                        "requests": len(sim), "arrival_seeds": arrival_seeds}
+            paths = write_outputs(rows, out, stem, settings, tails)
+            from dwise_predict.evaluation.simulation_report import write_simulation_report
 
-        loaded = load_bundle(bundle, backend=backend, expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
-    sim = sim_requests_from_traces(ds, None if split is Split.all else split.value, loaded)
-    if split is Split.eval and (chosen is None or "trail" in chosen):
-        sim.probe = _trail_probe(ds)
-    if requests:
-        sim = sim.draw(requests, seed)
-    patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
-    tails: list = []
-    rows, chosen = replay(sim, config, chosen, patterns, rate, rates, log=log, arrival_seeds=arrival_seeds, tails=tails,
-                          ks=k_list)
+            saved = json.loads((out / f"{stem}.json").read_text())
+            paths += write_simulation_report(saved, {p.stem: p.read_bytes() for p in paths if p.suffix == ".png"}, out)
+            for path in paths:
+                log(f"wrote {path}")
     if ks:
-        stem, first = "k_sweep", ("k", "k", "{:g}")
-        title = f"k sweep, {len(sim)} requests, B={slots}"
+        first, title = ("k", "k", "{:g}"), f"k sweep, {len(sim)} requests, B={slots}"
     elif rates:
-        stem, first = "sweep", ("rate_rps", "rate req/s", "{:.2f}")
-        title = f"Load sweep, Poisson arrivals, B={slots}, k={k:g}"
+        first, title = ("rate_rps", "rate req/s", "{:.2f}"), f"Load sweep, Poisson arrivals, B={slots}, k={k:g}"
     else:
-        stem, first = "simulate", ("arrival", "arrival", "{}")
-        title = f"Simulated serving, {len(sim)} requests, B={slots}, k={k:g}"
+        first, title = ("arrival", "arrival", "{}"), f"Simulated serving, {len(sim)} requests, B={slots}, k={k:g}"
     title += f"; round cost: {config.cost.source}"
-    if out is not None:
-        settings = {**asdict(config), "round_cost": config.cost.as_dict(), "traces": str(traces),
-                    "bundle": str(bundle) if bundle else None, "split": split.value, "policies": chosen,
-                    "requests": len(sim), "arrival_seeds": arrival_seeds}
-        paths = write_outputs(rows, out, stem, settings, tails)
-        from dwise_predict.evaluation.simulation_report import write_simulation_report
-
-        saved = json.loads((out / f"{stem}.json").read_text())
-        paths += write_simulation_report(saved, {p.stem: p.read_bytes() for p in paths if p.suffix == ".png"}, out)
-        for path in paths:
-            log(f"wrote {path}")
     if json_out:
         typer.echo(json.dumps(rows, indent=2))
     else:
@@ -172,6 +172,12 @@ def simulate_command(
             start = ranking_pays_from(rows)
             typer.echo("ranking never beats fcfs-mixed by 5 % at these rates" if start is None else
                        f"ranking beats fcfs-mixed by >= 5 % from {start:.3g} req/s up; below it ranking stops paying")
+
+
+def _marker(out: Path, stem: str) -> str:
+    """The JSON that makes ``out`` a simulate output: one already there (a replay, a load sweep and a k
+    sweep may share a folder: each writes its own stem), else the one this run writes."""
+    return next((name for name in OUTPUT_JSONS if (out / name).is_file()), f"{stem}.json")
 
 
 def _trail_probe(ds):

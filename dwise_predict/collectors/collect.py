@@ -14,6 +14,7 @@ run. A crash loses at most the shard in flight.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,9 +30,10 @@ from dwise_predict.collectors.records import DecodeRequest, DecodeResult, Decodi
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
 from dwise_predict.engine import ENGINE
 from dwise_predict.engine.algorithms import default_algorithm, make_rule
-from dwise_predict.errors import ConfigError, ModelError
+from dwise_predict.errors import ConfigError, InputError, ModelError, StoreError
 from dwise_predict.features.prompt import count_newlines, count_words
 from dwise_predict.files import refuse_aliasing
+from dwise_predict.traces.dataset import MANIFEST_FILE
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY, HiddenExtra
 from dwise_predict.versions import package_versions
 
@@ -132,6 +134,8 @@ def collect(
     decoding = decoding or DecodingConfig()
     refuse_aliasing(out, [(flag, path) for flag, path in (("--model", model), ("--workload", workload))
                           if Path(path).exists()])
+    if Path(out).exists() and not Path(out).is_dir():
+        raise InputError(f"--out {out} is a file: give a directory (new, empty, or a collection to resume)")
     shard = parse_shard(shard)
     layer_request = parse_layer_request(layers, pooling)
     per_shard = requests_per_shard or SHARD_REQUESTS_PER_SLOT * decoding.batch_size
@@ -153,8 +157,9 @@ def collect(
                              [requests[i] for run in owned for i in run])
         if hidden_extra is not None:  # absent otherwise: a default collection's manifest is unchanged
             manifest[MANIFEST_KEY] = hidden_extra.to_manifest()
-        store.begin(manifest)
         done = store.finished_ids()
+        _refuse_unplanned(out, done - {requests[i].request_id for run in owned for i in run})
+        store.begin(manifest)
         state = CollectProgress(total=sum(len(run) for run in owned))
         state.resumed = state.done = sum(requests[i].request_id in done for run in owned for i in run)
         if state.done < state.total:
@@ -178,6 +183,20 @@ def collect(
             )
         store.consolidate({"requests": state.total, "resumed": state.resumed})
     return Path(out)
+
+
+def _refuse_unplanned(out, unplanned: set[str]) -> None:
+    """A resumed collection may grow (a larger ``--limit``) but never shrink: finished requests that
+    this run's plan leaves out would be consolidated under a manifest that does not describe them."""
+    if not unplanned:
+        return
+    try:
+        started = json.loads((Path(out) / MANIFEST_FILE).read_text()).get("workload", {}).get("limit")
+    except (OSError, ValueError, AttributeError):
+        started = None
+    raise StoreError(f"{out} already holds {len(unplanned)} finished requests that this run's workload leaves out "
+                     f"(it was started with --limit {started}): rerun with that --limit or a larger one, or choose "
+                     "another --out")
 
 
 def resolve_decoding(backend, decoding: DecodingConfig) -> DecodingConfig:

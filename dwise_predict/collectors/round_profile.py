@@ -10,13 +10,20 @@ the profile JSON of :mod:`dwise_predict.serving.round_cost`.
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from dwise_predict.collectors.backends.base import StepBatch
+from dwise_predict.errors import InputError, StoreError
+from dwise_predict.files import output_lock, refuse_aliasing
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -88,3 +95,40 @@ def measure_round_profile(backend, rows=DEFAULT_ROWS, context_blocks: int = 4, r
         "torch": torch.__version__,
         "samples": samples,
     }
+
+
+def is_round_profile(path: str | os.PathLike) -> bool:
+    """Whether the file at ``path`` holds a round profile: a JSON object with ``samples`` or with the
+    three coefficients (the two forms :mod:`dwise_predict.serving.round_cost` reads)."""
+    try:
+        profile = json.loads(Path(path).read_bytes())
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(profile, dict) and (
+        isinstance(profile.get("samples"), list) or {"base_ms", "prefill_block_ms", "decode_block_ms"} <= profile.keys())
+
+
+@contextmanager
+def claim_profile_out(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]]) -> Iterator[Path]:
+    """Check the file ``out`` may take a round profile and hold its lock for the block.
+
+    Refused: an ``out`` that aliases an input (:func:`dwise_predict.files.refuse_aliasing`), a
+    directory, and an existing file that is not a round profile (:func:`is_round_profile`): only an
+    earlier profile is replaced.
+    """
+    out = Path(out)
+    refuse_aliasing(out, inputs)
+    if out.is_dir():
+        raise InputError(f"--out {out} is a directory: give the profile's file path, e.g. {out / 'round_profile.json'}")
+    if out.exists() and not is_round_profile(out):
+        raise InputError(f"--out {out} exists and is not a round profile (a JSON object with samples or base_ms, "
+                         "prefill_block_ms and decode_block_ms): it is never replaced; choose a new --out")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = output_lock(out).__enter__()
+    except OSError as err:
+        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another --out") from None
+    try:
+        yield out
+    finally:
+        lock.__exit__()

@@ -27,7 +27,8 @@ from pathlib import Path, PurePosixPath
 
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.manifest import BUNDLE_FILE, NAME_PATTERN, check_files, read_bundle_manifest
-from dwise_predict.files import FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, sha256_file, write_errors
+from dwise_predict.files import (FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, refuse_aliasing,
+                                  sha256_file, write_errors)
 
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
@@ -44,6 +45,14 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
     ``dwise-predict verify`` first; a bundle that fails is not published.
     """
     bundle, zoo = Path(bundle), Path(zoo)
+    refuse_aliasing(zoo, [("BUNDLE", bundle)], flag="--zoo")
+    if zoo.exists() and not zoo.is_dir():
+        raise InputError(f"--zoo {zoo} is a file: give a directory (a zoo, or a new or empty one)")
+    # a publish killed before its first index leaves bundles/ and dot-files: its rerun resumes there
+    if zoo.is_dir() and not (zoo / INDEX_FILE).is_file() and any(
+            p.name != "bundles" and not p.name.startswith(".") for p in zoo.iterdir()):
+        raise StoreError(f"--zoo {zoo} holds files but is not a zoo (no {INDEX_FILE}): a zoo is never made inside "
+                         "another folder; choose a new or empty directory, or an existing zoo")
     manifest = read_bundle_manifest(bundle)
     name = name or manifest.get("name", "")
     for flag, value in (("--name", name), ("--version", version)):

@@ -204,6 +204,8 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
     from safetensors.numpy import load_file
 
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise TraceError(f"{path} is a file: give a trace directory (the --out of `dwise-predict collect`)")
     if not path.is_dir():
         raise TraceError(f"no trace directory at {path}: run `dwise-predict collect --out {path}` first")
     for name in (MANIFEST_FILE, REQUESTS_FILE, HIDDEN_FILE):
@@ -226,7 +228,9 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
         requests = pd.read_parquet(path / REQUESTS_FILE)
         tensors = load_file(str(path / HIDDEN_FILE))
     except Exception as err:  # pyarrow / safetensors raise many types for a corrupt file
-        raise TraceError(f"cannot read traces in {path}: {err}") from None
+        fix = ("rerun the `dwise-predict collect` command that wrote it: it rebuilds these files from its shards"
+               if (path / "shards").is_dir() else "collect it again")
+        raise TraceError(f"cannot read traces in {path} ({err}): {fix}") from None
     missing = [t for t in HIDDEN_TENSORS if t not in tensors]
     if missing:
         raise TraceError(f"{path / HIDDEN_FILE} lacks tensors {', '.join(missing)}")

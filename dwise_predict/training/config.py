@@ -93,7 +93,7 @@ class TrainConfig:
         if self.calibration not in ("median", "mean"):
             problems.append(f"calibration must be 'median' or 'mean' (got {self.calibration!r})")
         if self.refine not in REFINE_CHOICES:
-            problems.append(f"refine must be one of {', '.join(REFINE_CHOICES)} (got {self.refine!r})")
+            problems.append(f"--refine must be one of {', '.join(REFINE_CHOICES)} (got {self.refine!r})")
         if self.cv_folds < 2:
             problems.append(f"cv_folds must be >= 2 (got {self.cv_folds})")
         if self.bootstrap < 0:
