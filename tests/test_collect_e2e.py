@@ -176,6 +176,12 @@ def test_missing_model_directory_is_one_line(tmp_path, capsys):
     assert main(["collect", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--limit", "2"]) == 1
     err = capsys.readouterr().err
     assert "no model directory" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()  # a refused collection leaves no directory (nor its lock) behind
+    assert main(["collect", "--layers", "99", "--out", str(tmp_path / "o"), "--limit", "2"]) == 1
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "mine").mkdir()  # a directory that was there stays
+    assert main(["collect", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "mine"), "--limit", "2"]) == 1
+    assert (tmp_path / "mine").is_dir()
 
 
 def test_traces_show_json_matches_the_table(reference, capsys):

@@ -216,10 +216,12 @@ class TraceStore:
         self.out = Path(out)
         self.manifest = manifest
         self._file_lock: FileLock | None = None
+        self._created = False  # whether __enter__ made the directory
 
     # -- opening -----------------------------------------------------------------------------------
 
     def __enter__(self) -> "TraceStore":
+        self._created = not self.out.exists()
         with _store_errors(self.out):
             self.out.mkdir(parents=True, exist_ok=True)
             self._lock()
@@ -242,7 +244,14 @@ class TraceStore:
         with _store_errors(self.out):
             atomic_write_bytes(self.out / MANIFEST_FILE, json.dumps(self.manifest, indent=2, sort_keys=True).encode(), durable=True)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self._created and [p.name for p in self.out.iterdir()] == [LOCK_FILE]:
+            # refused before anything was written (a bad --model, --device, --layers): leave no trace
+            # of the attempt. Unlinked while still held, so no other writer can take this lock file.
+            (self.out / LOCK_FILE).unlink()
+            self._unlock()
+            self.out.rmdir()
+            return
         self._unlock()
 
     def _lock(self) -> None:

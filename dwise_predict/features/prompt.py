@@ -90,9 +90,16 @@ def load_tokenizer(model: dict):
     for directory in candidates:
         if (directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file():
             from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
 
+            # AutoTokenizer reads config.json too, and a model type it has no class for (the tiny
+            # dLLM's, unless its backend registered it) draws a warning that concerns models only
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
             try:
                 return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
             except Exception:  # a broken or foreign tokenizer: fall back to whitespace, the caller says so
                 return None
+            finally:
+                hf_logging.set_verbosity(verbosity)
     return None
