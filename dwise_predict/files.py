@@ -5,7 +5,7 @@
 - :func:`atomic_dir`: the same for a whole directory (a run, a bundle, a pulled bundle, a model).
 - :func:`claim_output`: what every command that writes a directory does first: refuse an ``--out``
   that is, contains or lies inside one of its inputs, or that holds something not recognisably
-  ours, then hold the output's lock.
+  ours, then hold the output's lock (:func:`hold_output_lock`, also for a single output file).
 - :class:`FileLock`: ``fcntl.flock`` on a lock file, so the OS releases it when its holder dies;
   a crashed writer never leaves a lock behind that a user has to delete by hand. This is the one
   lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it, removed on release
@@ -279,12 +279,7 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
     refuse_aliasing(out, inputs)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file: give a directory")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        lock = output_lock(out).__enter__()
-    except OSError as err:
-        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another --out") from None
-    try:
+    with hold_output_lock(out):
         sweep_stale(out)
         if out.is_dir() and any(out.iterdir()):
             if not (out / marker).is_file():
@@ -293,6 +288,20 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
             if not replace:
                 raise StoreError(f"{out} already exists: choose another --out"
                                  + (f" or pass {flag} to replace it" if flag else ""))
+        yield out
+
+
+@contextmanager
+def hold_output_lock(out: str | os.PathLike) -> Iterator[Path]:
+    """Hold ``out``'s :func:`output_lock` for the block, making its parent first; a parent that cannot
+    be made or written is one :class:`StoreError` line."""
+    out = Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = output_lock(out).__enter__()
+    except OSError as err:
+        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another --out") from None
+    try:
         yield out
     finally:
         lock.__exit__()

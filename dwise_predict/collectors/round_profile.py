@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from dwise_predict.collectors.backends.base import StepBatch
-from dwise_predict.errors import InputError, StoreError
-from dwise_predict.files import output_lock, refuse_aliasing
+from dwise_predict.errors import InputError
+from dwise_predict.files import hold_output_lock, refuse_aliasing
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -123,12 +123,5 @@ def claim_profile_out(out: str | os.PathLike, inputs: Iterable[tuple[str, str | 
     if out.exists() and not is_round_profile(out):
         raise InputError(f"--out {out} exists and is not a round profile (a JSON object with samples or base_ms, "
                          "prefill_block_ms and decode_block_ms): it is never replaced; choose a new --out")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        lock = output_lock(out).__enter__()
-    except OSError as err:
-        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another --out") from None
-    try:
+    with hold_output_lock(out):
         yield out
-    finally:
-        lock.__exit__()

@@ -43,8 +43,9 @@ What the patch does, at the four points of seed 000 §5.1:
   A dLLM request's fill ids end in a mask block, so SGLang's match (``Req._compute_max_prefix_len``,
   floored to a block) can cover a block-aligned prompt whole: with no leftover rows and no kept
   row, the refinement gets the training mean instead (``HookStats.prompt_from_training_mean``) and
-  the recorder leaves the request out of the traces (``LiveRecorder.without_prompt_rows``). Those rows are pooled, like
-  the block rows, into a second static buffer through per-row weights written before each step.
+  the recorder leaves the request out of the traces (``LiveRecorder.without_prompt_rows``). Leftover
+  rows are pooled, like the block rows, into a second static buffer through per-row weights written
+  before each step.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
@@ -714,13 +715,11 @@ def install(
 
             index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
             pooled = state.first_pooled[index]
-            average = None
-            if any(row is None for row in without_block.values()):
-                average = torch.as_tensor(state.bundle.prompt_last_mean, device=pooled.device)
+            missing = sum(row is None for row in without_block.values())
+            average = torch.as_tensor(state.bundle.prompt_last_mean, device=pooled.device) if missing else None
             last = torch.stack([state.prompt_last.pop(r.rid) if r.rid not in without_block
                                 else average if without_block[r.rid] is None else without_block[r.rid]
                                 for r in (reqs[i] for i in first)])
-            missing = sum(row is None for row in without_block.values())
             state.stats.prompt_from_cache += from_cache
             state.stats.prompt_from_leftover += len(without_block) - from_cache - missing
             state.stats.prompt_from_training_mean += missing
