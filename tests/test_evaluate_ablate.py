@@ -4,6 +4,7 @@ Known answer: in the synthetic traces the difficulty is seen only by the first-r
 so within a category the rows without h1 rank near 0 and the rows with it well above.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -247,3 +248,68 @@ def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_p
     strict = across_sets([tmp_path / "d0"], fast_config(), loco=True, jobs=1, min_requests=10_000)
     held = strict["rows"][0]["held_out"]
     assert held["mean"] is None and held["categories"] == {} and len(held["skipped"]) >= 3
+
+
+def _snapshot(folder) -> dict:
+    """Every file under ``folder`` (hidden ones included) -> its bytes."""
+    from pathlib import Path
+
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def test_cli_across_writes_only_a_table_of_its_own(tmp_path, capsys):
+    traces = write(make_traces(seed=1), tmp_path / "a")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    before = {"a": _snapshot(traces), "mine": _snapshot(mine)}
+    for out, says in ((traces, "is the input TRACES"), (mine, "is not an across-set table")):
+        assert main(["evaluate", str(traces), "--across", "--out", str(out), "--config", str(config)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+        assert _snapshot(traces) == before["a"] and _snapshot(mine) == before["mine"]  # nothing written
+    table = tmp_path / "table"
+    assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config)]) == 0
+    (table / "stray.txt").write_text("from an earlier table")
+    assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config)]) == 0
+    capsys.readouterr()
+    names = {p.name for p in table.iterdir()}
+    assert {"across.html", "across.json", "across.md"} <= names and "stray.txt" not in names  # replaced whole
+    assert not (tmp_path / ".table.sets").exists()  # the rows kept for a resume go once the table is there
+
+
+def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeypatch):
+    from dwise_predict.evaluation import across
+
+    paths = [write(make_traces(seed=s), tmp_path / f"d{s}") for s in (1, 2)]
+    straight = across.across_sets(paths, fast_config())
+    real_fit, fitted = across.fit, []
+
+    def fit_until(limit):
+        def fit(train, config):
+            if len(fitted) == limit:
+                raise KeyboardInterrupt
+            fitted.append(len(train))
+            return real_fit(train, config)
+        return fit
+
+    kept = tmp_path / ".table.sets"
+    monkeypatch.setattr(across, "fit", fit_until(1))
+    with pytest.raises(KeyboardInterrupt):  # stopped while training on the second set
+        across.across_sets(paths, fast_config(), finished=kept)
+    assert len(list(kept.glob("*.json"))) == 1
+    monkeypatch.setattr(across, "fit", fit_until(None))
+    logged = []
+    resumed = across.across_sets(paths, fast_config(), log=logged.append, finished=kept)
+    assert len(fitted) == 2  # the rerun trained on the second set only
+    assert any(str(paths[0]) in line and "evaluated before the interruption" in line for line in logged)
+    as_json = lambda result: json.dumps(result, sort_keys=True, default=lambda v: v.tolist())  # noqa: E731
+    assert as_json(resumed) == as_json(straight)
+    # another option, another row: nothing kept is reused for it
+    ds = make_traces(seed=1)
+    key = across._row_key(ds, fast_config(), False, 10)
+    assert key != across._row_key(ds, fast_config(), True, 10)
+    assert key != across._row_key(ds, dataclasses.replace(fast_config(), seed=1), False, 10)
+    assert key != across._row_key(make_traces(seed=2), fast_config(), False, 10)

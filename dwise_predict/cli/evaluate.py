@@ -24,7 +24,7 @@ def evaluate_command(
     min_requests: Annotated[int, typer.Option(help="Fewest train and eval requests of a category evaluated in LOCO.")] = 10,
     config: Annotated[Optional[Path], typer.Option(help="JSON file of training options (e.g. a run's config.json; default: the run's, else the defaults).")] = None,
     ablate: Annotated[Optional[list[str]], typer.Option("--ablate", help="Ablation to run, repeatable: inputs, train-size, seeds, layers or pooling (the last two need traces from `collect --layers`; tables in ablations.md/.html and ablation_*.json).")] = None,
-    across: Annotated[bool, typer.Option("--across", help="Treat each TRACES set separately (different models allowed): train and score on each, one Table-8-style table with mean ± sd over the sets (across.json, across.md/.html); with --loco each set's mean held-out-category ρ too.")] = False,
+    across: Annotated[bool, typer.Option("--across", help="Treat each TRACES set separately (different models allowed): train and score on each, one Table-8-style table with mean ± sd over the sets (across.json, across.md/.html); with --loco each set's mean held-out-category ρ too. Interrupted, a rerun evaluates only the sets not yet done.")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Evaluate both predictors: main split, calibration, baselines, LOCO, output length vs work.
@@ -88,21 +88,19 @@ def evaluate_command(
 
 
 def _across(traces, out: Path, config, json_out: bool, loco: bool, jobs: int | None, min_requests: int) -> None:
-    from dwise_predict.evaluation.across import across_document, across_sets
-    from dwise_predict.evaluation.document import to_markdown, write_document
-    from dwise_predict.evaluation.evaluate import prepare_out
-    from dwise_predict.files import write_json
+    from dwise_predict.evaluation.across import (across_document, across_sets, claim_across_out, finished_rows_dir,
+                                                 write_across)
+    from dwise_predict.evaluation.document import to_markdown
 
-    prepare_out(out)
-    result = across_sets(traces, config, log=log, loco=loco, jobs=jobs, min_requests=min_requests)
-    write_json(out / "across.json", result)
-    document = across_document(result)
-    html_path, _ = write_document(document, out, stem="across")
+    with claim_across_out(out, traces):
+        result = across_sets(traces, config, log=log, loco=loco, jobs=jobs, min_requests=min_requests,
+                             finished=finished_rows_dir(out))
+        html_path = write_across(result, out)
     log(f"wrote {html_path}, across.md and across.json in {out}")
     if json_out:
         typer.echo(json.dumps(result, indent=2, default=str))
     else:
-        typer.echo(to_markdown(document))
+        typer.echo(to_markdown(across_document(result)))
 
 
 def _print_evaluation(result: dict) -> None:

@@ -14,19 +14,34 @@ the shipped predictor against every baseline, paired by set (:func:`versus_basel
 the best of them on average over the draws, and in how many? When the sets are draws of one model's
 workload (``collect --seed 1``, ``--seed 2`` …), that is the question one draw cannot answer (seed
 000 Table 10 reports the spread over seeds; ``evaluate --ablate seeds`` gives ours).
+
+A table over many sets takes a while (fourteen draws of the tiny model's workload with ``--loco``:
+12-18 min on 2 cores), so each set's row is kept as it finishes, in a folder beside ``--out``
+(:func:`finished_rows_dir`), under a key of its traces' data, the options and the code: a rerun of an
+interrupted command evaluates only the sets that were not done. The table itself appears whole, by
+rename, replacing only an earlier table (:func:`claim_across_out`, :func:`write_across`); the kept
+rows are removed once it is there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
 from dwise_predict.evaluation.pool import fit, run_tasks
+from dwise_predict.files import atomic_dir, claim_output, write_json
 from dwise_predict.traces import load_traces
+from dwise_predict.versions import source_fingerprint
+
+ACROSS_MARKER = "across.json"  # a directory holding it is an across-set table: the next one replaces it
 
 
 # the baselines with columns in the per-set table (label -> name in the row's "baselines"); the
@@ -36,12 +51,43 @@ BASELINES = {"ridge": "ridge on first-round state", "early signals": "early sign
 MEASURES = {"within_category_mean": "within-category ρ", "spearman": "ρ over all requests"}
 
 
+def claim_across_out(out: str | os.PathLike, traces: Sequence[str | os.PathLike]):
+    """Check ``out`` can take an across-set table and lock it for the ``with`` block (see
+    :func:`dwise_predict.files.claim_output`): an earlier table there is replaced; a trace set, an
+    evaluation or a folder of yours never is."""
+    return claim_output(out, [("TRACES", path) for path in traces], "an across-set table", ACROSS_MARKER,
+                        replace=True)
+
+
+def finished_rows_dir(out: str | os.PathLike) -> Path:
+    """Where the rows of the sets already evaluated wait for the table at ``out``: ``.NAME.sets``
+    beside it (hidden, like its lock), so ``out`` itself only ever holds a whole table."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.sets")
+
+
+def write_across(result: dict, out: str | os.PathLike) -> Path:
+    """``across.json``, ``across.md`` and ``across.html`` of ``result`` as the directory ``out``
+    (appearing whole, replacing an earlier table); the rows kept for a resume are removed after. Returns
+    the HTML path."""
+    from dwise_predict.evaluation.document import write_document
+
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        write_json(tmp / ACROSS_MARKER, result)
+        write_document(across_document(result), tmp, stem="across")
+    shutil.rmtree(finished_rows_dir(out), ignore_errors=True)
+    return out / "across.html"
+
+
 def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str], None] | None = None,
-                loco: bool = False, jobs: int | None = None, min_requests: int | None = None) -> dict:
+                loco: bool = False, jobs: int | None = None, min_requests: int | None = None,
+                finished: str | os.PathLike | None = None) -> dict:
     """``{"rows": [...one per trace set...], "summary": {column: {"mean", "sd", "n"}} and "versus"
     (two or more sets), "config": ...}``; see the module docstring. ``loco``: also hold out each
     category of each set in turn (``jobs`` worker processes and ``min_requests`` per category, as
-    ``evaluate --loco``)."""
+    ``evaluate --loco``). ``finished``: a folder where each set's row is kept as soon as it is done
+    and found again by a rerun with the same traces, options and code (None: nothing kept)."""
     from dwise_predict.evaluation import loco as loco_mod
     from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, SHIPPED, baseline_predictions, baseline_table,
                                                     prompt_hidden_task)
@@ -57,6 +103,11 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
         train, ev = ds.split("train"), ds.split("eval")
         if len(ev) == 0 or len(train) < 8:
             raise InputError(f"{path}: needs a train split (>= 8 requests) and an eval split to be evaluated")
+        kept = None if finished is None else Path(finished) / f"{_row_key(ds, config, loco, min_requests)}.json"
+        if kept is not None and (row := _read_row(kept)) is not None:
+            log(f"  {path}: evaluated before the interruption, row kept in {kept.parent}")
+            rows.append({**row, "path": str(path)})
+            continue
         log(f"  {path}: training on {len(train)} requests")
         predictors = fit(train, config)
         metrics = evaluate_predictors(predictors, ev, config.bootstrap, config.seed)
@@ -91,12 +142,31 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             rows[-1]["held_out"] = {"mean": table["mean"]["refined"]["held_out"],
                                     "categories": {r["category"]: r["refined"]["held_out"] for r in table["rows"]},
                                     "skipped": [s["category"] for s in table["skipped"]]}
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            write_json(kept, rows[-1])
     result = {"rows": rows, "config": config.to_dict()}
     if len(rows) >= 2:
         result["summary"] = {name: M.mean_sd(get(r) for r in rows) for name, get in SUMMARY_COLUMNS.items()
                              if any(get(r) is not None for r in rows)}
         result["versus"] = versus_baselines(rows)
     return result
+
+
+def _row_key(ds, config, loco: bool, min_requests: int) -> str:
+    """What decides a set's row: its data, the training options, the LOCO options and the code."""
+    what = {"traces": ds.data_hash(), "config": config.to_dict(), "loco": loco, "min_requests": min_requests,
+            "source": source_fingerprint()}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _read_row(path: Path) -> dict | None:
+    """A kept row, or None when there is none (or it cannot be read: then the set is evaluated again)."""
+    try:
+        row = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def versus_baselines(rows: Sequence[dict]) -> dict:

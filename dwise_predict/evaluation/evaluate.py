@@ -280,15 +280,6 @@ def _winner(predictions, scored: TraceDataset, candidate: str, config) -> dict:
     return out
 
 
-def prepare_out(out: str | os.PathLike) -> Path:
-    """Create the output directory (refusing a path that is a file)."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file: give a directory for the report")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def write_evaluation(evaluation: Evaluation, out: str | os.PathLike) -> dict[str, Path]:
     """Write the JSON files, predictions and report of ``evaluation`` as the directory ``out``; returns
     name -> path. The directory appears whole, replacing an earlier evaluation there (none of its
