@@ -82,6 +82,7 @@ def run_quickstart(
     from dwise_predict.collectors.records import DecodingConfig
     from dwise_predict.collectors.store import mixed_sources_note
     from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
+    from dwise_predict.evaluation.pool import kept_results_dir
     from dwise_predict.exports.bundle import export_bundle
     from dwise_predict.exports.verify import verify_bundle
     from dwise_predict.serving.bundle import load_bundle
@@ -117,7 +118,8 @@ def run_quickstart(
     if stages.redo("report"):
         with claim_evaluation_out(paths["report"], [paths["traces"]], paths["run"]):
             evaluation = evaluate([paths["traces"]], run=paths["run"], loco=config.loco, jobs=config.jobs,
-                                  config=train_config, log=lambda line: log(f"    {line}"))
+                                  config=train_config, log=lambda line: log(f"    {line}"),
+                                  kept=kept_results_dir(paths["report"]))
             write_evaluation(evaluation, paths["report"])
         stages.finished("report")
     evaluation = json.loads((paths["report"] / "evaluation.json").read_text())

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dwise_predict.cli import main
+from dwise_predict.cli.app import INTERRUPTED
 from dwise_predict.evaluation.ablate import ablate, score_rows
 from dwise_predict.metrics import rank_scores, stratified_indices
 from dwise_predict.training.select import CANDIDATES
@@ -277,7 +278,7 @@ def test_cli_across_writes_only_a_table_of_its_own(tmp_path, capsys):
     capsys.readouterr()
     names = {p.name for p in table.iterdir()}
     assert {"across.html", "across.json", "across.md"} <= names and "stray.txt" not in names  # replaced whole
-    assert not (tmp_path / ".table.sets").exists()  # the rows kept for a resume go once the table is there
+    assert not (tmp_path / ".table.kept").exists()  # what was kept for a resume goes once the table is there
 
 
 def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeypatch):
@@ -295,7 +296,7 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
             return real_fit(train, config)
         return fit
 
-    kept = tmp_path / ".table.sets"
+    kept = tmp_path / ".table.kept"
     monkeypatch.setattr(across, "fit", fit_until(1))
     with pytest.raises(KeyboardInterrupt):  # stopped while training on the second set
         across.across_sets(paths, fast_config(), finished=kept)
@@ -313,3 +314,35 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
     assert key != across._row_key(ds, fast_config(), True, 10)
     assert key != across._row_key(ds, dataclasses.replace(fast_config(), seed=1), False, 10)
     assert key != across._row_key(make_traces(seed=2), fast_config(), False, 10)
+
+
+def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, monkeypatch, capsys):
+    from dwise_predict.evaluation import evaluate as evaluate_mod, pool
+
+    traces = write(make_traces(seed=1), tmp_path / "t")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    real, ran = pool.fit_predict, []
+
+    def fit_predict_until(limit):
+        def fit_predict(task, jobs=None):
+            if len(ran) == limit:
+                raise KeyboardInterrupt
+            ran.append(task.name)
+            return real(task, jobs)
+        return fit_predict
+
+    args = ["evaluate", str(traces), "--loco", "--out", str(tmp_path / "eval"), "--config", str(config), "--jobs", "1"]
+    monkeypatch.setattr(pool, "fit_predict", fit_predict_until(2))
+    assert main(args) == INTERRUPTED  # two held-out categories done, stopped in the third
+    assert "interrupted: rerun the same command to resume" in capsys.readouterr().err
+    kept = tmp_path / ".eval.kept"
+    assert len(list(kept.glob("*.safetensors"))) == 2 and not (tmp_path / "eval").exists()
+    monkeypatch.setattr(pool, "fit_predict", fit_predict_until(None))
+    assert main(args) == 0
+    assert "2 of" in capsys.readouterr().err and len(ran) == len(set(ran))  # none of the first two again
+    assert not kept.exists()  # gone with the evaluation written
+    resumed = json.loads((tmp_path / "eval" / "loco.json").read_text())
+    straight = evaluate_mod.evaluate([traces], loco=True, jobs=1, config=fast_config().__class__.from_file(config))
+    assert json.dumps(resumed, sort_keys=True) == json.dumps(
+        json.loads(json.dumps(straight.result["loco"], default=lambda v: v.tolist())), sort_keys=True)

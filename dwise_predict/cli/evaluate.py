@@ -76,9 +76,11 @@ def evaluate_command(
         _across(traces, out, train_config or TrainConfig(), json_out, loco, jobs, min_requests)
         return
 
+    from dwise_predict.evaluation.pool import kept_results_dir
+
     with claim_evaluation_out(out, traces, run):
         evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
-                              config=train_config, log=log, ablate=tuple(ablate or ()))
+                              config=train_config, log=log, ablate=tuple(ablate or ()), kept=kept_results_dir(out))
         written = write_evaluation(evaluation, out)
     log(f"wrote {written['report_html']} and {len(written) - 1} more files in {out}")
     if json_out:
@@ -88,13 +90,13 @@ def evaluate_command(
 
 
 def _across(traces, out: Path, config, json_out: bool, loco: bool, jobs: int | None, min_requests: int) -> None:
-    from dwise_predict.evaluation.across import (across_document, across_sets, claim_across_out, finished_rows_dir,
-                                                 write_across)
+    from dwise_predict.evaluation.across import across_document, across_sets, claim_across_out, write_across
+    from dwise_predict.evaluation.pool import kept_results_dir
     from dwise_predict.evaluation.document import to_markdown
 
     with claim_across_out(out, traces):
         result = across_sets(traces, config, log=log, loco=loco, jobs=jobs, min_requests=min_requests,
-                             finished=finished_rows_dir(out))
+                             finished=kept_results_dir(out))
         html_path = write_across(result, out)
     log(f"wrote {html_path}, across.md and across.json in {out}")
     if json_out:

@@ -209,11 +209,12 @@ def _subsample(train: TraceDataset, fraction: float, seed: int) -> TraceDataset:
 
 def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot: int = N_BOOT,
            log: Callable[[str], None] | None = None, min_requests: int = loco.MIN_REQUESTS,
-           jobs: int | None = None) -> dict:
+           jobs: int | None = None, kept=None) -> dict:
     """Run one ablation (``kind`` in :data:`KINDS`); ``eval_ds`` should hold finished requests only.
     ``min_requests``: the held-out categories' floor, as ``evaluate --min-requests``. Every retraining
     is a :class:`~.pool.RetrainTask`, all of them run in one pool of ``jobs`` workers
-    (:func:`~.pool.run_tasks`; None: one per core), so results do not depend on ``jobs``.
+    (:func:`~.pool.run_tasks`; None: one per core), so results do not depend on ``jobs``; ``kept``: its
+    folder of finished retrainings (an interrupted run resumes).
 
     Returns ``{"kind", "rows": [{"name", "candidate", "inputs", "bundle", "n_train", "spearman",
     "spearman_ci", "within_category_mean", "within_category_ci", "delta_vs_reference"}, ...],
@@ -270,7 +271,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
 
     tasks = [task for _, main, held in planned for task in (main, *(held or {}).values())]
     log(f"  ablation {kind}: {len(tasks)} retrainings")
-    results = run_tasks(tasks, jobs, on_done=lambda name: log(f"  ablation {kind}: {name}"))
+    results = run_tasks(tasks, jobs, on_done=lambda name: log(f"  ablation {kind}: {name}"), kept=kept, log=log)
     rows: list[dict] = []
     preds: dict[str, np.ndarray] = {}
     per_seed: dict[str, list[dict]] = {}

@@ -17,7 +17,7 @@ workload (``collect --seed 1``, ``--seed 2`` …), that is the question one draw
 
 A table over many sets takes a while (fourteen draws of the tiny model's workload with ``--loco``:
 12-18 min on 2 cores), so each set's row is kept as it finishes, in a folder beside ``--out``
-(:func:`finished_rows_dir`), under a key of its traces' data, the options and the code: a rerun of an
+(:func:`~.pool.kept_results_dir`; the retrainings inside a set too), under a key of its traces' data, the options and the code: a rerun of an
 interrupted command evaluates only the sets that were not done. The table itself appears whole, by
 rename, replacing only an earlier table (:func:`claim_across_out`, :func:`write_across`); the kept
 rows are removed once it is there.
@@ -36,7 +36,7 @@ from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
-from dwise_predict.evaluation.pool import fit, run_tasks
+from dwise_predict.evaluation.pool import fit, kept_results_dir, run_tasks
 from dwise_predict.files import atomic_dir, claim_output, write_json
 from dwise_predict.traces import load_traces
 from dwise_predict.versions import source_fingerprint
@@ -59,13 +59,6 @@ def claim_across_out(out: str | os.PathLike, traces: Sequence[str | os.PathLike]
                         replace=True)
 
 
-def finished_rows_dir(out: str | os.PathLike) -> Path:
-    """Where the rows of the sets already evaluated wait for the table at ``out``: ``.NAME.sets``
-    beside it (hidden, like its lock), so ``out`` itself only ever holds a whole table."""
-    out = Path(out)
-    return out.with_name(f".{out.name}.sets")
-
-
 def write_across(result: dict, out: str | os.PathLike) -> Path:
     """``across.json``, ``across.md`` and ``across.html`` of ``result`` as the directory ``out``
     (appearing whole, replacing an earlier table); the rows kept for a resume are removed after. Returns
@@ -76,7 +69,7 @@ def write_across(result: dict, out: str | os.PathLike) -> Path:
     with atomic_dir(out) as tmp:
         write_json(tmp / ACROSS_MARKER, result)
         write_document(across_document(result), tmp, stem="across")
-    shutil.rmtree(finished_rows_dir(out), ignore_errors=True)
+    shutil.rmtree(kept_results_dir(out), ignore_errors=True)
     return out / "across.html"
 
 
@@ -115,7 +108,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
         loco_tasks, skipped = loco_mod.plan(train, scored, config, min_requests=min_requests) if loco else ([], [])
         log(f"    retraining {len(loco_tasks) + 1} times ({len(loco_tasks)} held-out categories "
             "+ prompt-hidden-state baseline)")
-        retrained = run_tasks(loco_tasks + [prompt_hidden_task(train, scored, config)], jobs)
+        retrained = run_tasks(loco_tasks + [prompt_hidden_task(train, scored, config)], jobs, kept=finished, log=log)
         shipped = {"admission": predictors.admission_total(scored), "refined": predictors.refined_remaining(scored)}
         predictions = baseline_predictions(train.subset(Targets.of(train).events), scored, shipped["admission"],
                                            shipped["refined"], retrained[PROMPT_HIDDEN_TASK]["refined"], config.seed,

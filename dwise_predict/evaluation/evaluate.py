@@ -21,6 +21,7 @@ held-out category, one for the prompt-hidden-state baseline) runs in a process p
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, SHIPPED, bas
 from dwise_predict.evaluation.characterize import characterize, output_vs_work
 from dwise_predict.files import atomic_dir, atomic_write, claim_output, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
-from dwise_predict.evaluation.pool import fit, run_tasks
+from dwise_predict.evaluation.pool import fit, kept_results_dir, run_tasks
 from dwise_predict.evaluation.report import survival_examples
 from dwise_predict.runs import load_run
 from dwise_predict.traces import TraceDataset
@@ -102,6 +103,7 @@ def evaluate(
     config=None,
     log: Callable[[str], None] | None = None,
     ablate: Sequence[str] = (),
+    kept: str | os.PathLike | None = None,
 ) -> Evaluation:
     """Evaluate the predictors on the traces' evaluation split.
 
@@ -118,6 +120,8 @@ def evaluate(
         ``TrainConfig()``.
     log : progress messages (to stderr in the CLI).
     ablate : ablations to run (``inputs``, ``train-size``, ``seeds``, ``layers``, ``pooling``; see :mod:`.ablate`).
+    kept : a folder keeping each finished retraining, so a rerun after an interruption skips it
+        (:func:`.pool.run_tasks`; the CLI keeps them beside ``--out``).
 
     Raises
     ------
@@ -174,7 +178,7 @@ def evaluate(
     tasks = loco_tasks + [prompt_task]
     log(f"retraining {len(tasks)} times ({len(loco_tasks)} held-out categories + prompt-hidden-state baseline)")
     retrained = run_tasks(tasks, jobs, on_done=lambda name: log(
-        f"  done: {'prompt hidden state' if name == PROMPT_HIDDEN_TASK else 'without ' + name}"))
+        f"  done: {'prompt hidden state' if name == PROMPT_HIDDEN_TASK else 'without ' + name}"), kept=kept, log=log)
 
     loco_result = None
     if loco_tasks or skipped:
@@ -194,7 +198,7 @@ def evaluate(
     for kind in dict.fromkeys(ablate):
         log(f"ablation: {kind}")
         ablations.append(ablate_mod.ablate(kind, finished_train, scored, config, n_boot=_n_boot(config), log=log,
-                                            min_requests=min_requests, jobs=jobs))
+                                            min_requests=min_requests, jobs=jobs, kept=kept))
 
     arrays = {"eval_requests": scored.requests, "all_requests": ds.requests, **preds}
     arrays["survival"] = survival_examples(
@@ -287,6 +291,7 @@ def write_evaluation(evaluation: Evaluation, out: str | os.PathLike) -> dict[str
     out = Path(out)
     with atomic_dir(out) as tmp:
         written = _write_evaluation(evaluation, tmp)
+    shutil.rmtree(kept_results_dir(out), ignore_errors=True)  # the retrainings kept for a resume
     return {name: out / path.relative_to(tmp) for name, path in written.items()}
 
 

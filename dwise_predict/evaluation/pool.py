@@ -7,6 +7,13 @@ task trains with its config's ``num_threads`` torch threads (as ``train`` does),
 depend on ``jobs``. Tasks in a pool cross-validate in one thread each (the pool already fills the
 cores); a task run here uses ``train``'s default (:func:`~dwise_predict.training.fit_predictors`).
 
+A retraining's predictions depend only on its two datasets, its config and the code, so with
+``kept`` set each one is kept as it finishes, under a key of those (:func:`task_key`), in a folder
+beside the command's output (:func:`kept_results_dir`): an interrupted ``evaluate`` (LOCO, the
+baselines, ablations; ``--across`` too) rerun with the same inputs skips the retrainings already done.
+The folder goes once the output is written. Stored as safetensors with the candidate's name in its
+metadata: nothing is unpickled.
+
 Workers are started with ``spawn``: a forked child of a process whose OpenMP pool is already running
 (LightGBM, torch) can hang, and spawn behaves the same on every platform. As with any spawn pool, a
 Python script that calls this with ``jobs > 1`` needs the ``if __name__ == "__main__":`` guard.
@@ -14,16 +21,26 @@ Python script that calls this with ``jobs > 1`` needs the ``if __name__ == "__ma
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
+from dwise_predict.files import atomic_write
 from dwise_predict.traces import TraceDataset
+from dwise_predict.traces.dataset import REQUEST_COLUMNS
 from dwise_predict.training.config import default_jobs
+from dwise_predict.versions import source_fingerprint
+
+PREDICTIONS = ("admission", "refined", "refined_raw")  # the arrays of a task's result
 
 
 @dataclass
@@ -61,10 +78,54 @@ def fit_predict(task: RetrainTask, jobs: int | None = None) -> dict[str, Any]:
     }
 
 
+def kept_results_dir(out: str | os.PathLike) -> Path:
+    """Where a command writing ``out`` keeps finished retrainings until ``out`` is written:
+    ``.NAME.kept`` beside it (hidden, like its lock), so ``out`` itself only ever holds a whole result."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.kept")
+
+
+def task_key(task: RetrainTask) -> str:
+    """What decides a task's predictions: both datasets (:meth:`TraceDataset.data_hash`, plus the
+    optional request columns such as ``censored``), the config and the code."""
+    digest = hashlib.sha256()
+    for ds in (task.train, task.eval):
+        digest.update(ds.data_hash().encode())
+        optional = sorted(c for c in ds.requests.columns if c not in REQUEST_COLUMNS)
+        digest.update(json.dumps(optional).encode())
+        digest.update(pd.util.hash_pandas_object(ds.requests[optional].astype(str), index=False).to_numpy().tobytes())
+    digest.update(json.dumps(task.config.to_dict(), sort_keys=True, default=str).encode())
+    digest.update(source_fingerprint().encode())
+    return digest.hexdigest()[:32]
+
+
+def _keep(path: Path, result: dict[str, Any]) -> None:
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: np.ascontiguousarray(result[name], dtype=np.float64) for name in PREDICTIONS}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"candidate": str(result["candidate"])}))
+
+
+def _kept(path: Path) -> dict[str, Any] | None:
+    """A kept result, or None when there is none (or it cannot be read: then the task runs again)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as f:
+            result: dict[str, Any] = {name: f.get_tensor(name) for name in PREDICTIONS}
+            result["candidate"] = (f.metadata() or {})["candidate"]
+    except (OSError, KeyError, SafetensorError):
+        return None
+    return result
+
+
 def run_tasks(
     tasks: Sequence[RetrainTask],
     jobs: int | None = None,
     on_done: Callable[[str], None] | None = None,
+    kept: str | os.PathLike | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run every task and return ``{task.name: fit_predict(task)}``.
 
@@ -73,25 +134,38 @@ def run_tasks(
     jobs : worker processes; None picks :func:`default_jobs`; 1 runs in this process (no pool).
         Each task uses its config's ``num_threads``, whatever ``jobs`` is, so results do not depend on it.
     on_done : called with a task's name when it finishes (progress reporting).
+    kept : a folder where each finished task's result is kept, and found again by a later call
+        (:func:`task_key`); None keeps nothing.
+    log : told how many tasks were found kept.
     """
+    paths = {} if kept is None else {task.name: Path(kept) / f"{task_key(task)}.safetensors" for task in tasks}
+    results: dict[str, dict[str, Any]] = {}
+    for name, path in paths.items():
+        if (found := _kept(path)) is not None:
+            results[name] = found
+    todo = [task for task in tasks if task.name not in results]
+    if results and log:
+        log(f"  {len(results)} of {len(tasks)} retrainings done before an interruption, kept in {kept}")
+
+    def finished(name: str, result: dict[str, Any]) -> None:
+        results[name] = result
+        if name in paths:
+            _keep(paths[name], result)
+        if on_done:
+            on_done(name)
+
     requested = jobs
     if jobs is None:
-        jobs = default_jobs(len(tasks), max((t.config.num_threads for t in tasks), default=1))
+        jobs = default_jobs(len(todo), max((t.config.num_threads for t in todo), default=1))
     jobs = max(1, int(jobs))
-    results: dict[str, dict[str, Any]] = {}
-    if jobs == 1 or len(tasks) <= 1:
+    if jobs == 1 or len(todo) <= 1:
         cv_jobs = None if requested is None else jobs  # --jobs 1 means one core
-        for task in tasks:
-            results[task.name] = fit_predict(task, cv_jobs)
-            if on_done:
-                on_done(task.name)
-        return results
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context) as pool:
-        futures = {pool.submit(fit_predict, task, 1): task.name for task in tasks}
-        for future in as_completed(futures):
-            name = futures[future]
-            results[name] = future.result()
-            if on_done:
-                on_done(name)
+        for task in todo:
+            finished(task.name, fit_predict(task, cv_jobs))
+    else:
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
+            futures = {pool.submit(fit_predict, task, 1): task.name for task in todo}
+            for future in as_completed(futures):
+                finished(futures[future], future.result())
     return {task.name: results[task.name] for task in tasks}
