@@ -13,6 +13,7 @@ import pytest
 from dwise_predict.cli import main
 from dwise_predict.cli.app import INTERRUPTED
 from dwise_predict.evaluation.ablate import ablate, score_rows
+from dwise_predict.evaluation.pool import result_key
 from dwise_predict.metrics import rank_scores, stratified_indices
 from dwise_predict.training.select import CANDIDATES
 from evaluate_helpers import fast_config, make_traces, write
@@ -310,10 +311,13 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
     assert as_json(resumed) == as_json(straight)
     # another option, another row: nothing kept is reused for it
     ds = make_traces(seed=1)
-    key = across._row_key(ds, fast_config(), False, 10)
-    assert key != across._row_key(ds, fast_config(), True, 10)
-    assert key != across._row_key(ds, dataclasses.replace(fast_config(), seed=1), False, 10)
-    assert key != across._row_key(make_traces(seed=2), fast_config(), False, 10)
+    key = result_key([ds], fast_config(), loco=False, min_requests=10)
+    assert key == result_key([make_traces(seed=1)], fast_config(), loco=False, min_requests=10)
+    assert key != result_key([ds], fast_config(), loco=True, min_requests=10)
+    assert key != result_key([ds], dataclasses.replace(fast_config(), seed=1), loco=False, min_requests=10)
+    assert key != result_key([make_traces(seed=2)], fast_config(), loco=False, min_requests=10)
+    censored = ds.requests.assign(censored=ds.requests.index % 7 == 0)  # an optional column counts too
+    assert key != result_key([dataclasses.replace(ds, requests=censored)], fast_config(), loco=False, min_requests=10)
 
 
 def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, monkeypatch, capsys):

@@ -91,8 +91,8 @@ def evaluate_command(
 
 def _across(traces, out: Path, config, json_out: bool, loco: bool, jobs: int | None, min_requests: int) -> None:
     from dwise_predict.evaluation.across import across_document, across_sets, claim_across_out, write_across
-    from dwise_predict.evaluation.pool import kept_results_dir
     from dwise_predict.evaluation.document import to_markdown
+    from dwise_predict.evaluation.pool import kept_results_dir
 
     with claim_across_out(out, traces):
         result = across_sets(traces, config, log=log, loco=loco, jobs=jobs, min_requests=min_requests,

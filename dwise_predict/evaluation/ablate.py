@@ -38,6 +38,7 @@ final layer only, so a better layer or pooling is a finding that no bundle can u
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -209,7 +210,7 @@ def _subsample(train: TraceDataset, fraction: float, seed: int) -> TraceDataset:
 
 def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot: int = N_BOOT,
            log: Callable[[str], None] | None = None, min_requests: int = loco.MIN_REQUESTS,
-           jobs: int | None = None, kept=None) -> dict:
+           jobs: int | None = None, kept: str | os.PathLike | None = None) -> dict:
     """Run one ablation (``kind`` in :data:`KINDS`); ``eval_ds`` should hold finished requests only.
     ``min_requests``: the held-out categories' floor, as ``evaluate --min-requests``. Every retraining
     is a :class:`~.pool.RetrainTask`, all of them run in one pool of ``jobs`` workers

@@ -17,15 +17,14 @@ workload (``collect --seed 1``, ``--seed 2`` …), that is the question one draw
 
 A table over many sets takes a while (fourteen draws of the tiny model's workload with ``--loco``:
 12-18 min on 2 cores), so each set's row is kept as it finishes, in a folder beside ``--out``
-(:func:`~.pool.kept_results_dir`; the retrainings inside a set too), under a key of its traces' data, the options and the code: a rerun of an
-interrupted command evaluates only the sets that were not done. The table itself appears whole, by
-rename, replacing only an earlier table (:func:`claim_across_out`, :func:`write_across`); the kept
-rows are removed once it is there.
+(:func:`~.pool.kept_results_dir`; the retrainings inside a set too), under a key of its traces' data,
+the options and the code (:func:`~.pool.result_key`): a rerun of an interrupted command evaluates
+only the sets that were not done. The table itself appears whole, by rename, replacing only an
+earlier table (:func:`claim_across_out`, :func:`write_across`); what was kept goes once it is there.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -36,10 +35,9 @@ from dwise_predict import metrics as M
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
-from dwise_predict.evaluation.pool import fit, kept_results_dir, run_tasks
+from dwise_predict.evaluation.pool import fit, kept_results_dir, result_key, run_tasks
 from dwise_predict.files import atomic_dir, claim_output, write_json
 from dwise_predict.traces import load_traces
-from dwise_predict.versions import source_fingerprint
 
 ACROSS_MARKER = "across.json"  # a directory holding it is an across-set table: the next one replaces it
 
@@ -96,7 +94,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
         train, ev = ds.split("train"), ds.split("eval")
         if len(ev) == 0 or len(train) < 8:
             raise InputError(f"{path}: needs a train split (>= 8 requests) and an eval split to be evaluated")
-        kept = None if finished is None else Path(finished) / f"{_row_key(ds, config, loco, min_requests)}.json"
+        kept = None if finished is None else Path(finished) / f"{result_key([ds], config, loco=loco, min_requests=min_requests)}.json"
         if kept is not None and (row := _read_row(kept)) is not None:
             log(f"  {path}: evaluated before the interruption, row kept in {kept.parent}")
             rows.append({**row, "path": str(path)})
@@ -144,13 +142,6 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
                              if any(get(r) is not None for r in rows)}
         result["versus"] = versus_baselines(rows)
     return result
-
-
-def _row_key(ds, config, loco: bool, min_requests: int) -> str:
-    """What decides a set's row: its data, the training options, the LOCO options and the code."""
-    what = {"traces": ds.data_hash(), "config": config.to_dict(), "loco": loco, "min_requests": min_requests,
-            "source": source_fingerprint()}
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def _read_row(path: Path) -> dict | None:

@@ -8,7 +8,7 @@ depend on ``jobs``. Tasks in a pool cross-validate in one thread each (the pool 
 cores); a task run here uses ``train``'s default (:func:`~dwise_predict.training.fit_predictors`).
 
 A retraining's predictions depend only on its two datasets, its config and the code, so with
-``kept`` set each one is kept as it finishes, under a key of those (:func:`task_key`), in a folder
+``kept`` set each one is kept as it finishes, under a key of those (:func:`result_key`), in a folder
 beside the command's output (:func:`kept_results_dir`): an interrupted ``evaluate`` (LOCO, the
 baselines, ablations; ``--across`` too) rerun with the same inputs skips the retrainings already done.
 The folder goes once the output is written. Stored as safetensors with the candidate's name in its
@@ -85,17 +85,18 @@ def kept_results_dir(out: str | os.PathLike) -> Path:
     return out.with_name(f".{out.name}.kept")
 
 
-def task_key(task: RetrainTask) -> str:
-    """What decides a task's predictions: both datasets (:meth:`TraceDataset.data_hash`, plus the
-    optional request columns such as ``censored``), the config and the code."""
+def result_key(datasets: Sequence[TraceDataset], config, **options) -> str:
+    """The name under which a result computed from ``datasets`` with ``config`` and ``options`` is
+    kept: a digest of the data (:meth:`TraceDataset.data_hash`, plus the optional request columns
+    such as ``censored``), the config, the options and the code."""
     digest = hashlib.sha256()
-    for ds in (task.train, task.eval):
+    for ds in datasets:
         digest.update(ds.data_hash().encode())
         optional = sorted(c for c in ds.requests.columns if c not in REQUEST_COLUMNS)
         digest.update(json.dumps(optional).encode())
         digest.update(pd.util.hash_pandas_object(ds.requests[optional].astype(str), index=False).to_numpy().tobytes())
-    digest.update(json.dumps(task.config.to_dict(), sort_keys=True, default=str).encode())
-    digest.update(source_fingerprint().encode())
+    what = {"config": config.to_dict(), "options": options, "source": source_fingerprint()}
+    digest.update(json.dumps(what, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:32]
 
 
@@ -135,10 +136,11 @@ def run_tasks(
         Each task uses its config's ``num_threads``, whatever ``jobs`` is, so results do not depend on it.
     on_done : called with a task's name when it finishes (progress reporting).
     kept : a folder where each finished task's result is kept, and found again by a later call
-        (:func:`task_key`); None keeps nothing.
+        (:func:`result_key`); None keeps nothing.
     log : told how many tasks were found kept.
     """
-    paths = {} if kept is None else {task.name: Path(kept) / f"{task_key(task)}.safetensors" for task in tasks}
+    paths = {} if kept is None else {
+        task.name: Path(kept) / f"{result_key((task.train, task.eval), task.config)}.safetensors" for task in tasks}
     results: dict[str, dict[str, Any]] = {}
     for name, path in paths.items():
         if (found := _kept(path)) is not None:
