@@ -322,6 +322,7 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
 
 def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, monkeypatch, capsys):
     from dwise_predict.evaluation import evaluate as evaluate_mod, pool
+    from dwise_predict.training import TrainConfig
 
     traces = write(make_traces(seed=1), tmp_path / "t")
     config = tmp_path / "config.json"
@@ -347,6 +348,6 @@ def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, 
     assert "2 of" in capsys.readouterr().err and len(ran) == len(set(ran))  # none of the first two again
     assert not kept.exists()  # gone with the evaluation written
     resumed = json.loads((tmp_path / "eval" / "loco.json").read_text())
-    straight = evaluate_mod.evaluate([traces], loco=True, jobs=1, config=fast_config().__class__.from_file(config))
+    straight = evaluate_mod.evaluate([traces], loco=True, jobs=1, config=TrainConfig.from_file(config))
     assert json.dumps(resumed, sort_keys=True) == json.dumps(
         json.loads(json.dumps(straight.result["loco"], default=lambda v: v.tolist())), sort_keys=True)

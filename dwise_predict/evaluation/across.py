@@ -25,18 +25,17 @@ earlier table (:func:`claim_across_out`, :func:`write_across`); what was kept go
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dwise_predict import metrics as M
-from dwise_predict.errors import InputError
+from dwise_predict.errors import InputError, StoreError
 from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
 from dwise_predict.evaluation.pool import fit, kept_results_dir, result_key, run_tasks
-from dwise_predict.files import atomic_dir, claim_output, write_json
+from dwise_predict.files import atomic_dir, claim_output, read_json_object, write_json
 from dwise_predict.traces import load_traces
 
 ACROSS_MARKER = "across.json"  # a directory holding it is an across-set table: the next one replaces it
@@ -147,10 +146,9 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
 def _read_row(path: Path) -> dict | None:
     """A kept row, or None when there is none (or it cannot be read: then the set is evaluated again)."""
     try:
-        row = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json_object(path, StoreError)
+    except (OSError, StoreError):
         return None
-    return row if isinstance(row, dict) else None
 
 
 def versus_baselines(rows: Sequence[dict]) -> dict:
