@@ -189,6 +189,14 @@ def zoo_index(content: str):
     return setup
 
 
+def algorithm_file(content: str):
+    """An algorithm config file, as a server's ``--dllm-algorithm-config`` YAML."""
+    def setup(w, tmp):
+        (tmp / "algorithm.yaml").write_text(content)
+        return {"alg": tmp / "algorithm.yaml"}
+    return setup
+
+
 def model_with(name: str | None, content: bytes | None, config_edit: Callable[[dict], object] | None = None,
                drop: str | None = None):
     """A copy of the tiny model directory with one file replaced, its config edited or a file dropped."""
@@ -365,6 +373,17 @@ CASES = [
     Case("collect-limit-zero", ["collect", "--limit", "0", "--out", "{tmp}/o"], ("--limit must be positive",)),
     Case("collect-shard-bad", ["collect", "--shard", "3/2", "--out", "{tmp}/o"], ("--shard", "0 <= i < n")),
     Case("collect-algorithm-config-list", ["collect", "--algorithm-config", "[1]", "--out", "{tmp}/o"], ("--algorithm-config", "json object")),
+    Case("collect-algorithm-config-bad-yaml", ["collect", "--algorithm-config", "{alg}", "--out", "{tmp}/o"],
+         ("--algorithm-config", "not valid yaml (line 2: mapping values are not allowed here)"),
+         algorithm_file("threshold: 0.9\n  edit: 1\n")),
+    Case("collect-algorithm-config-yaml-list", ["collect", "--algorithm-config", "{alg}", "--out", "{tmp}/o"],
+         ("--algorithm-config", "mapping"), algorithm_file("- threshold: 0.9\n")),
+    Case("collect-algorithm-config-block-size-clash", ["collect", "--algorithm-config", "{alg}", "--block-size", "4",
+                                                       "--out", "{tmp}/o"], ("--block-size 4", "block_size 8", "give one"),
+         algorithm_file("threshold: 0.9\nblock_size: 8\n")),
+    Case("collect-algorithm-config-switch-not-bool", ["collect", "--algorithm", "JointThreshold", "--algorithm-config",
+                                                      "{alg}", "--out", "{tmp}/o"],
+         ("vectorized_decoding must be true or false",), algorithm_file("vectorized_decoding: 1\n")),
     Case("quickstart-limit-zero", ["quickstart", "--limit", "0", "--out", "{tmp}/q"], ("--limit must be at least 1",)),
     Case("compare-folds-one", ["compare-regressors", "{traces}", "--folds", "1"], ("--folds must be at least 2",)),
     # the scheduling lab and the serving hook

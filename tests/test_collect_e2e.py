@@ -87,6 +87,27 @@ def test_rerun_resumes_everything_and_decodes_nothing(reference, tmp_path, monke
     _same_traces(load_traces(out), reference)
 
 
+def test_the_servers_algorithm_config_file_is_the_same_decoding_as_the_flags(reference, tmp_path, monkeypatch, capsys):
+    """A server's ``--dllm-algorithm-config`` YAML holding the defaults the reference ran with (and
+    an execution switch) resumes that collection without decoding; another threshold is refused."""
+    import shutil
+
+    import dwise_predict.collectors.decoder as decoder
+
+    out = tmp_path / "again"
+    shutil.copytree(reference.path, out)
+    monkeypatch.setattr(decoder, "decode", lambda *a, **k: pytest.fail("a finished request was decoded again"))
+    block = reference.manifest["decoding"]["block_size"]
+    flags = ["collect", "--model", reference.manifest["model"]["path"], "--out", str(out), *FLAGS]
+    server = tmp_path / "server.yaml"
+    server.write_text(f"threshold: 0.95\nblock_size: {block}\nvectorized_decoding: true\n")
+    assert main([*flags, "--algorithm-config", str(server)]) == 0
+    _same_traces(load_traces(out), reference)
+    server.write_text("threshold: 0.9\n")
+    assert main([*flags, "--algorithm-config", str(server)]) == 1
+    assert "{'threshold': 0.95} vs {'threshold': 0.9}" in capsys.readouterr().err
+
+
 def test_a_resumed_collection_may_grow_but_not_shrink(reference, tmp_path, capsys):
     """Rerun with a smaller --limit, the finished requests beyond it would be consolidated under a
     manifest that plans fewer: refused, nothing changed; a larger --limit extends the collection."""

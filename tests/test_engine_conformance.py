@@ -23,7 +23,7 @@ import torch
 
 import sglang_reference
 from dwise_predict.engine import block_layout, prefill_rounds
-from dwise_predict.engine.algorithms import make_rule
+from dwise_predict.engine.algorithms import AlgorithmConfig, make_rule
 from dwise_predict.engine.reference import MIRRORED, mirrored_problems
 
 MASK = 5
@@ -32,14 +32,17 @@ DELETE, SPLIT = 10, 11  # JointThresholdInDel's edit tokens (a model declares th
 ALGORITHM_PARAMS = {
     "LowConfidence": [{}, {"threshold": 0.5}, {"threshold": 0.3}, {"threshold": 1.0}],
     "JointThreshold": [{}, {"threshold": 0.7, "edit_threshold": 0.5}, {"max_post_edit_steps": 2, "threshold": 1.0},
-                       {"penalty_lambda": 1.5, "edit_threshold": 0.2}, {"max_post_edit_steps": 0}],
+                       {"penalty_lambda": 1.5, "edit_threshold": 0.2}, {"max_post_edit_steps": 0},
+                       # SGLang's batched step (the NPU default): an execution switch that we drop, so
+                       # SGLang's vectorized path must decide exactly as our rule does
+                       {"vectorized_decoding": True, "max_post_edit_steps": 2, "edit_threshold": 0.3}],
     "JointThresholdInDel": [{}, {"threshold": 0.7, "edit_threshold": 0.5}, {"max_post_edit_steps": 2},
                             {"max_post_edit_steps": 0, "threshold": 1.0}],
 }
 
 
 def our_rule(name, params):
-    rule = make_rule(name, MASK, params)
+    rule = make_rule(name, MASK, AlgorithmConfig.from_mapping(params).params)
     rule.bind(OracleModel)
     return rule
 
@@ -334,6 +337,49 @@ def test_real_checkpoints_get_the_block_size_and_mask_id_sglang_serves_them_with
         if isinstance(entry.get("block_size"), int) and entry.get("mask_id", -1) >= 0:  # a mask-token model
             sglang[key.value] = {"block_size": entry["block_size"], "mask_id": entry["mask_id"]}
     assert SGLANG_DLLM_PARAMS == sglang and len(sglang) == 3
+
+
+@pytest.mark.parametrize("name,text", [
+    ("LowConfidence", "threshold: 0.9\n"),
+    ("JointThreshold", "threshold: 0.7\nedit_threshold: 0.3\nblock_size: 16\nvectorized_decoding: true\n"
+                       "capture_input_preparation: false\n"),
+    ("JointThresholdInDel", "max_post_edit_steps: 4\nblock_size: 4\n"),
+])
+def test_the_servers_algorithm_config_file_reads_as_sglang_reads_it(sgl, tmp_path, monkeypatch, name, text):
+    """One ``--dllm-algorithm-config`` YAML file, read by SGLang's own ``DllmConfig.from_server_args``
+    (its model config stood in: an SDAR checkpoint) and by ``collect --algorithm-config``: the same
+    block size, and the algorithm SGLang builds from it holds our rule's parameters; the serving hook's
+    reading of SGLang's ``DllmConfig`` (``served_decoding``) records the same."""
+    import sys
+    from types import SimpleNamespace
+
+    from dwise_predict.cli.collect import read_algorithm_config
+    from dwise_predict.collectors.records import DecodingConfig
+    from dwise_predict.engine.algorithms import served_decoding
+    from dwise_predict.engine.reference import ATTRIBUTES
+
+    path = tmp_path / "algorithm.yaml"
+    path.write_text(text)
+    module = sys.modules["sglang.srt.dllm.config"]
+    hf_config = SimpleNamespace(architectures=["SDARForCausalLM"], delete_token_id=DELETE, split_token_id=SPLIT)
+    monkeypatch.setattr(module, "resolving_view", lambda args: args)
+    monkeypatch.setattr(module, "ModelConfig", SimpleNamespace(
+        from_server_args=lambda *a, **k: SimpleNamespace(hf_config=hf_config, vocab_size=200_000)))
+    server_args = SimpleNamespace(dllm_algorithm=name, dllm_algorithm_config=str(path), model_path="sdar",
+                                  revision=None, max_running_requests=None, dllm_fdfo=False)
+    theirs = module.DllmConfig.from_server_args(server_args)
+    algorithm = sgl.algorithms[name](theirs)
+
+    ours = DecodingConfig(algorithm=name, algorithm_config=read_algorithm_config(str(path)))
+    assert ours.block_size in (None, theirs.block_size) and (ours.block_size is None) == ("block_size" not in text)
+    rule = make_rule(name, theirs.mask_id, ours.algorithm_config)
+    for attribute, param in ATTRIBUTES[name].items():
+        assert getattr(algorithm, attribute) == rule.params[param], attribute
+    assert algorithm.max_steps(theirs.block_size) == rule.max_steps(theirs.block_size)
+    assert served_decoding(theirs.algorithm, theirs.algorithm_config, theirs.block_size) == {
+        "algorithm": name, "algorithm_config": rule.params, "block_size": theirs.block_size}
+    if name == "JointThreshold":  # SGLang took the file's execution switch; it decides nothing
+        assert algorithm.vectorized_decoding is True and "vectorized_decoding" not in ours.algorithm_config
 
 
 # ---- the tiny dLLM's traces, re-decoded by SGLang's own loop on the same model ------------------

@@ -12,6 +12,7 @@ if not sglang_reference.available():
 from dwise_predict.collectors.live import LiveRecorder, live_manifest  # noqa: E402
 from dwise_predict.collectors.store import merge  # noqa: E402
 from dwise_predict.engine import ENGINE, prefill_rounds  # noqa: E402
+from dwise_predict.errors import StoreError  # noqa: E402
 from dwise_predict.identity import EARLY_SIGNALS  # noqa: E402
 from dwise_predict.serving.sglang_adapter import install  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
@@ -35,8 +36,8 @@ def workload(n_requests, seed, shared=0):
     return out
 
 
-def record(out, requests, fdfo=True, graph=False):
-    config = fake.config(BS, 8, fdfo=fdfo)
+def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", algorithm_config=None):
+    config = fake.config(BS, 8, fdfo=fdfo, algorithm=algorithm, algorithm_config=algorithm_config)
     manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
                              "LowConfidence", {"threshold": 0.95}, BS, 64)
     recorder = LiveRecorder(out, block_size=BS, features=lambda r: (len(r.origin_input_ids) // 2, 1, len(r.origin_input_ids)),
@@ -70,6 +71,24 @@ def test_recorded_traces_are_the_servers_own_counts(tmp_path):
         i = ds.requests.index[ds.requests["request_id"] == rid][0]
         np.testing.assert_allclose(ds.first_round[i], hidden, rtol=1e-6)  # the pooled first-round rows
     assert set(ds.requests["split"]) == {"train", "eval"}
+
+
+def test_a_recording_is_in_the_decoding_the_server_runs_and_resumes_only_under_it(tmp_path):
+    """The manifest given says LowConfidence; the server runs JointThreshold from its algorithm
+    config file: the traces say what SGLang ran, and a restart under another decoding is refused."""
+    requests = workload(8, seed=5)
+    record(tmp_path / "t", requests[:4], algorithm="JointThreshold",
+           algorithm_config={"threshold": 0.7, "vectorized_decoding": True})
+    decoding = load_traces(tmp_path / "t").manifest["decoding"]
+    assert decoding["algorithm"] == "JointThreshold" and decoding["block_size"] == BS
+    # SGLang's defaults for the parameters the file left out; the execution switch is not an identity
+    assert decoding["algorithm_config"] == {"threshold": 0.7, "edit_threshold": 0, "max_post_edit_steps": 16,
+                                            "penalty_lambda": 0}
+    before = sorted(p.name for p in (tmp_path / "t" / "shards").iterdir())
+    with pytest.raises(StoreError, match="decoded with another config \\(algorithm 'JointThreshold' vs 'LowConfidence'"):
+        record(tmp_path / "t", requests[4:])  # restarted as LowConfidence
+    assert sorted(p.name for p in (tmp_path / "t" / "shards").iterdir()) == before
+    assert len(load_traces(tmp_path / "t")) == 4
 
 
 def test_graph_replays_and_sync_mode_record_the_same_traces(tmp_path):

@@ -7,6 +7,7 @@ and batches obey an adder's budgets. Each test below names the "Why" bullet of i
 each fails on the adapter before that issue.
 """
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -531,6 +532,34 @@ def test_refusals_are_one_clear_line(served):
                                                 (1, 0, 64)))
         with pytest.raises(ConfigError, match="installed for block_size 8 but SGLang runs 32"):
             scheduler.get_new_batch_dllm()
+    finally:
+        handle.uninstall()
+
+
+@pytest.mark.parametrize("algorithm,params,refused", [
+    ("LowConfidence", {}, None),  # SGLang's default threshold is the one the bundle's traces ran
+    ("LowConfidence", {"threshold": 0.95, "vectorized_decoding": True, "unread": 1}, None),  # keys that decide nothing
+    ("LowConfidence", {"threshold": 0.9}, "algorithm_config = {'threshold': 0.95}"),
+    ("JointThreshold", {}, "algorithm = 'LowConfidence'"),
+])
+def test_a_bundle_is_held_to_the_decoding_sglang_serves(served, algorithm, params, refused):
+    """Rounds of another algorithm or threshold are another unit: the hook compares the bundle's
+    decoding with the server's ``DllmConfig`` before the first request is ranked."""
+    bundle = RecordingBundle(served[0])
+    bundle.manifest = {**bundle.manifest, "decoding": {**bundle.manifest["decoding"], "algorithm": "LowConfidence",
+                                                        "algorithm_config": {"threshold": 0.95}}}
+    handle = hooked(bundle, slots=2, k=1)
+    try:
+        config = fake.config(BS, 4, algorithm=algorithm, algorithm_config=params)
+        scheduler = fake.Scheduler(config, 2, 10**9)
+        scheduler.waiting_queue.append(fake.Req("x", prompt(0, 16), SP(16), config, [2], np.zeros(served[5].shape[1],
+                                                np.float32), (1, 0, 16)))
+        if refused is None:
+            scheduler.get_new_batch_dllm()
+            assert handle.stats.rounds == 1
+        else:
+            with pytest.raises(BundleError, match=re.escape(f"built for another decoding (decoding.{refused}")):
+                scheduler.get_new_batch_dllm()
     finally:
         handle.uninstall()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import yaml
 
 from dwise_predict.cli.options import JsonOption
 from dwise_predict.collectors.records import DecodingConfig
@@ -34,7 +35,7 @@ def collect_command(
     seed: Annotated[int, typer.Option(help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = _DEFAULT.batch_size,
     algorithm: Annotated[Optional[str], typer.Option(help="SGLang dLLM algorithm: LowConfidence, JointThreshold or JointThresholdInDel (default: what SGLang serves the model with).")] = None,
-    algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object or a .json file, as SGLang\'s --dllm-algorithm-config (e.g. \'{"threshold": 0.9}\').')] = None,
+    algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object (e.g. \'{"threshold": 0.9}\'), a .json file, or the YAML file SGLang\'s --dllm-algorithm-config reads (its block_size sets the block size; vectorized_decoding and capture_input_preparation change no decision and are dropped).')] = None,
     threshold: Annotated[Optional[float], typer.Option(help="Shorthand for the algorithm's threshold parameter.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per block (default: the model's).")] = None,
     budget: Annotated[int, typer.Option(help="Output budget in tokens (unless the workload sets one).")] = _DEFAULT.budget,
@@ -67,7 +68,7 @@ def collect_command(
 
     problems = []
     try:
-        params = _algorithm_config(algorithm_config)
+        params = read_algorithm_config(algorithm_config)
         if threshold is not None:
             params["threshold"] = threshold
         decoding = DecodingConfig(algorithm=algorithm, algorithm_config=params, block_size=block_size,
@@ -93,23 +94,30 @@ def collect_command(
     _print_summary(path, json_out)
 
 
-def _algorithm_config(value: str | None) -> dict:
-    """``--algorithm-config``: a JSON object given inline or as a file path."""
+def read_algorithm_config(value: str | None) -> dict:
+    """``--algorithm-config``: a JSON object given inline, or a file: JSON, or YAML as SGLang's
+    ``--dllm-algorithm-config`` (read with ``yaml.safe_load`` as the server reads it)."""
     if value is None:
         return {}
-    text = value
-    if not value.lstrip().startswith("{"):
+    if value.lstrip().startswith("{"):
+        text, kind = value, "JSON"
+    else:
         try:
             text = Path(value).read_text()
         except OSError as err:
             raise ConfigError(f"--algorithm-config: not a JSON object and not a readable file ({err.strerror}): "
-                              "pass e.g. '{\"threshold\": 0.9}'") from None
+                              "pass e.g. '{\"threshold\": 0.9}' or the server's --dllm-algorithm-config file") from None
+        kind = "JSON" if Path(value).suffix == ".json" else "YAML"
     try:
-        params = json.loads(text)
+        params = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"--algorithm-config is not valid JSON ({err.msg} at column {err.colno})") from None
+    except yaml.YAMLError as err:
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+        at = f" (line {mark.line + 1}: {problem})" if mark is not None and problem else ""
+        raise ConfigError(f"--algorithm-config {value} is not valid YAML{at}") from None
     if not isinstance(params, dict):
-        raise ConfigError(f"--algorithm-config must be a JSON object, got {type(params).__name__}")
+        raise ConfigError(f"--algorithm-config must be a mapping of parameters, got {type(params).__name__}")
     return params
 
 

@@ -110,7 +110,9 @@ class LiveRecorder:
     written: ``prompt_last`` would be made up. ``without_prompt_rows`` counts them, and the manifest's
     ``counts`` says how many were left out (``left_out_without_prompt_rows``).
     manifest : the recording's manifest (:func:`live_manifest`); by default built from ``bundle``'s
-        model fingerprint and decoding config (a bundle directory) when given.
+        model fingerprint (a bundle directory) when given. Its decoding's algorithm, parameters and
+        block size are the server's: the hook passes them to :meth:`serving` before the first
+        request, and only then is the manifest written (a resume under another decoding is refused).
     """
 
     def __init__(self, out, block_size: int, features=None, every: int = 64, manifest: dict | None = None,
@@ -129,8 +131,9 @@ class LiveRecorder:
             manifest = live_manifest(model, decoding.get("algorithm") or "LowConfidence",
                                      decoding.get("algorithm_config") or {}, self.block_size,
                                      int(decoding.get("budget") or 0), decoding.get("dtype") or "bfloat16")
-        self.store = TraceStore(self.out).__enter__()
-        self.store.begin(manifest)
+        self.manifest = manifest
+        self.store = TraceStore(self.out).__enter__()  # held from now on, begun by serving()
+        self.started = False
         self.done = self.store.finished_ids()
         self.open: dict = {}
         self.rows: list = []
@@ -141,6 +144,14 @@ class LiveRecorder:
         self.without_prompt_rows = 0  # finished requests left out: no prompt row of theirs was computed here
 
     # --- events from the hook -----------------------------------------------------------------------
+
+    def serving(self, decoding: dict) -> None:
+        """Begin, or resume, the recording under the decoding SGLang runs: ``algorithm``,
+        ``algorithm_config`` (SGLang's defaults filled in) and ``block_size``, from its ``DllmConfig``
+        (:func:`dwise_predict.engine.algorithms.served_decoding`)."""
+        self.manifest["decoding"].update(decoding)
+        self.store.begin(self.manifest)
+        self.started = True
 
     def arrived(self, req, block_size: int) -> None:
         rid = str(req.rid)
@@ -226,7 +237,7 @@ class LiveRecorder:
         """Flush, consolidate ``requests.parquet`` + ``hidden.safetensors``, release the directory."""
         try:
             self.flush()
-            if self.done:
+            if self.done and self.started:
                 counts = {"requests": len(self.done)}
                 if self.without_prompt_rows:  # this process's count: a resumed recording adds its own
                     counts["left_out_without_prompt_rows"] = self.without_prompt_rows

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, make_rule
+from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, AlgorithmConfig, make_rule
 from dwise_predict.errors import ConfigError
 
 
@@ -17,7 +17,9 @@ class DecodingConfig:
     algorithm : one of SGLang's dLLM algorithms (:data:`dwise_predict.engine.ALGORITHMS`); ``None``
         means the one SGLang serves the model's architecture with (:func:`engine.default_algorithm`).
     algorithm_config : the algorithm's parameters (``--algorithm-config``, as SGLang's
-        ``--dllm-algorithm-config``); missing ones take SGLang's defaults.
+        ``--dllm-algorithm-config``); missing ones take SGLang's defaults. Read as SGLang reads that
+        file: its ``block_size`` sets ``block_size``, and its execution switches
+        (:data:`engine.algorithms.EXECUTION_KEYS`) are dropped, as they change no decision.
     block_size : tokens per block; ``None`` means the model's own.
     budget : output budget in tokens (``max_new_tokens``: a request stops at the block that reaches it).
     """
@@ -40,6 +42,13 @@ class DecodingConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
         try:  # the algorithm's name and parameters, checked before any model is loaded
+            split = AlgorithmConfig.from_mapping(self.algorithm_config)
+            if split.block_size is not None and self.block_size not in (None, split.block_size):
+                problems.append(f"--block-size {self.block_size} and the algorithm config's block_size "
+                                f"{split.block_size} disagree: give one")
+            # frozen: the split is written once, here, so what the manifest records is what runs
+            object.__setattr__(self, "algorithm_config", split.params)
+            object.__setattr__(self, "block_size", self.block_size or split.block_size)
             make_rule(self.algorithm or DEFAULT_ALGORITHM, mask_id=0, params=self.algorithm_config)
         except ConfigError as err:
             problems.append(str(err))

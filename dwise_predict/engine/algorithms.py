@@ -400,6 +400,53 @@ def make_rule(name: str, mask_id: int, params: dict | None = None) -> StepRule:
     return info.rule(mask_id=mask_id, params=dict(params or {}))
 
 
+# Keys of SGLang's ``--dllm-algorithm-config`` that are not a step rule's parameters.
+# ``block_size``: read by ``DllmConfig.from_server_args`` (it overrides the model's block size).
+# ``vectorized_decoding`` (JointThreshold's batched step) and ``capture_input_preparation`` (CUDA-graph
+# input preparation): how SGLang executes a step, not what it decides; tests/test_engine_conformance.py
+# checks that JointThreshold's vectorized step decides exactly as its per-row step.
+ENGINE_KEYS = ("block_size",)
+EXECUTION_KEYS = ("vectorized_decoding", "capture_input_preparation")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """SGLang's ``--dllm-algorithm-config`` mapping, split as the engine reads it.
+
+    params : the step rule's parameters (execution switches dropped: they change no decision).
+    block_size : the mapping's ``block_size``, or None.
+    """
+
+    params: dict
+    block_size: int | None = None
+
+    @classmethod
+    def from_mapping(cls, mapping, where: str = "--algorithm-config") -> AlgorithmConfig:
+        if not isinstance(mapping, dict):
+            raise ConfigError(f"{where} must be a mapping of parameters, got {type(mapping).__name__}")
+        for key in EXECUTION_KEYS:
+            if key in mapping and not isinstance(mapping[key], bool):
+                raise ConfigError(f"{where}: {key} must be true or false, got {mapping[key]!r}")
+        block = mapping.get("block_size")
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block <= 0):
+            raise ConfigError(f"{where}: block_size must be a positive integer, got {block!r}")
+        params = {k: v for k, v in mapping.items() if k not in ENGINE_KEYS + EXECUTION_KEYS}
+        return cls(params=params, block_size=block)
+
+
+def served_decoding(algorithm: str, algorithm_config: dict, block_size: int) -> dict:
+    """A running server's decoding (its ``DllmConfig``'s ``algorithm``, ``algorithm_config`` and
+    ``block_size``) as traces and bundles record it: the rule's parameters with SGLang's defaults
+    filled in. Keys the rule does not read are dropped, as SGLang ignores them; an algorithm this
+    decoder cannot run keeps its parameters as given."""
+    params = {key: value for key, value in (algorithm_config or {}).items() if key not in ENGINE_KEYS + EXECUTION_KEYS}
+    info = ALGORITHMS.get(algorithm)
+    if info is not None and info.rule is not None:
+        read = {key: value for key, value in params.items() if key in info.rule.DEFAULTS}
+        params = make_rule(algorithm, mask_id=0, params=read).params
+    return {"algorithm": algorithm, "algorithm_config": params, "block_size": int(block_size)}
+
+
 def forwards_exhausted(rule: StepRule, forwards: torch.Tensor, block_size: int) -> torch.Tensor:
     """Rows whose block has had ``max_steps + 1`` forwards: the engine's loop ends them unstepped."""
     return forwards > rule.max_steps(block_size)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dwise_predict.engine.algorithms import ALGORITHMS, make_rule
 
 # (SGLang class, attribute on the instance, our parameter name or None for max_steps)
-_ATTRIBUTES = {
+ATTRIBUTES = {
     "LowConfidence": {"threshold": "threshold"},
     "JointThreshold": {"threshold": "threshold", "edit_threshold": "edit_threshold",
                        "max_post_edit_steps": "max_post_edit_steps", "penalty_lambda": "penalty_lambda"},
@@ -21,15 +21,15 @@ _ATTRIBUTES = {
                             "max_post_edit_steps": "max_post_edit_steps"},
 }
 BLOCK_SIZES = (4, 8, 32)  # SDAR, the tiny dLLM, LLaDA2.x
-MIRRORED: list[tuple[str, str]] = [(cls, attr) for cls, attrs in _ATTRIBUTES.items() for attr in attrs] + [
-    (cls, f"max_steps({b})") for cls in _ATTRIBUTES for b in BLOCK_SIZES]
+MIRRORED: list[tuple[str, str]] = [(cls, attr) for cls, attrs in ATTRIBUTES.items() for attr in attrs] + [
+    (cls, f"max_steps({b})") for cls in ATTRIBUTES for b in BLOCK_SIZES]
 
 
 def mirrored_problems(build: Callable[[str, int], object], mask_id: int = 0) -> list[str]:
     """What differs between SGLang and us; ``build(name, block_size)`` returns SGLang's algorithm
     ``name`` configured with its defaults. Empty when everything matches."""
     problems = []
-    for name, attributes in _ATTRIBUTES.items():
+    for name, attributes in ATTRIBUTES.items():
         if name not in ALGORITHMS:
             problems.append(f"{name} is mirrored but not offered by --algorithm")
             continue

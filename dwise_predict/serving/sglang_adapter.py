@@ -50,6 +50,10 @@ What the patch does, at the four points of seed 000 §5.1:
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
 synchronisation, as one batched call of the bundle's torch graph on the rows' device.
 
+On its first step the hook reads the scheduler's ``DllmConfig``: a bundle trained for another
+algorithm, other parameters or another block size stops it with one line (rounds in other units),
+and a recording's manifest takes that decoding (``engine.algorithms.served_decoding``).
+
 A scheduler step is one round only with ``--dllm-fdfo`` (one forward per step); without it SGLang
 runs every denoising round of a block inside one step, and the policy is advanced by the number of
 forwards the step ran (its ranking then changes per block, not per round). Use FDFO with DWISE.
@@ -69,6 +73,7 @@ from pathlib import Path
 from dwise_predict.engine import prefill_rounds
 from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.serving.bundle import check_compatible
 from dwise_predict.serving.policy import DwisePolicy
 
 SGLANG_VERSION = "0.5.23"
@@ -108,6 +113,8 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.managers.scheduler", "Scheduler.waiting_queue", "attribute"),
     Touch("sglang.srt.managers.scheduler", "Scheduler.max_total_num_tokens", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.block_size", "attribute"),
+    Touch("sglang.srt.dllm.config", "DllmConfig.algorithm", "attribute"),
+    Touch("sglang.srt.dllm.config", "DllmConfig.algorithm_config", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.max_running_requests", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.requires_separate_context_encoding", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.first_done_first_out_mode", "attribute"),
@@ -363,6 +370,7 @@ class _State:
                 "install it with SGLang's block size"
             )
         self.block_size = int(config.block_size)
+        self.check_decoding(config)
         if self.slots * self.k > config.max_running_requests:
             raise ConfigError(
                 f"DWISE keeps up to k*B = {self.slots * self.k:g} requests resident but SGLang's "
@@ -397,6 +405,21 @@ class _State:
                 del self.reqs[rid]
                 self.prompt_last.pop(rid, None)
                 self.stats.retracted += 1
+
+    def check_decoding(self, config) -> None:
+        """Hold the bundle to the decoding SGLang serves (``config``: its ``DllmConfig``), and start the
+        recording under it: rounds in another algorithm's or threshold's units would rank requests
+        in units this server does not run. A bundle from traces of no SGLang algorithm (synthetic
+        traces, DiffusionGemma's transformers sampler) is held to the block size only."""
+        from dwise_predict.engine.algorithms import ALGORITHMS, served_decoding  # torch: not at import
+
+        served = served_decoding(config.algorithm, config.algorithm_config, config.block_size)
+        if self.bundle is not None:
+            trained = (self.bundle.manifest.get("decoding") or {}).get("algorithm")
+            compared = served if trained in ALGORITHMS else {"block_size": served["block_size"]}
+            check_compatible(self.bundle.manifest, None, compared, "given to the hook")
+        if self.recorder is not None:
+            self.recorder.serving(served)
 
     def register(self, scheduler, reqs: list) -> None:
         """Add newly arrived (or retracted) requests to the policy, admission estimates in one batch.
@@ -554,8 +577,9 @@ def install(
     max_batch : most requests in one forward (the largest captured CUDA-graph batch); the buffer
         has ``max(max_batch, slots)`` rows. A forward with more rows fails loudly.
     hidden_size : the model's hidden size when recording without a bundle.
-    recorder : an object with ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)``
-        and ``finished(req)`` (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
+    recorder : an object with ``serving(decoding)`` (called once, with the server's decoding, before
+        the first request), ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)`` and
+        ``finished(req)`` (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
     prompt_cache : block rows kept for requests that a prefix-cache hit leaves without a prompt
         block of their own (:class:`_PromptRows`; ``prompt_cache`` x H floats on ``device``; 0: none,
         those requests get their leftover prompt rows' mean).

@@ -73,10 +73,11 @@ MASK = 0  # mask id; prompt and output tokens are >= 1
 FILL = 7  # the token the fake model "predicts"
 
 
-def config(block_size, max_running_requests, fdfo=True, mask_id=MASK):
-    """SGLang's real ``DllmConfig`` for LowConfidence."""
-    return DllmConfig(algorithm="LowConfidence", algorithm_config={}, block_size=block_size, mask_id=mask_id,
-                      max_running_requests=max_running_requests, first_done_first_out_mode=fdfo)
+def config(block_size, max_running_requests, fdfo=True, mask_id=MASK, algorithm="LowConfidence",
+           algorithm_config=None):
+    """SGLang's real ``DllmConfig`` (LowConfidence with its defaults unless told otherwise)."""
+    return DllmConfig(algorithm=algorithm, algorithm_config=dict(algorithm_config or {}), block_size=block_size,
+                      mask_id=mask_id, max_running_requests=max_running_requests, first_done_first_out_mode=fdfo)
 
 
 # --- sglang.srt.managers.io_struct -------------------------------------------------------------------
