@@ -37,8 +37,9 @@ def test_collect_diffusion_gemma_end_to_end(traces):
     assert len({r for rs in rounds for r in rs}) > 1, "round counts should vary per canvas"
     # a request decodes ceil(24 / 8) = 3 canvases unless a canvas holds EOS
     assert all(len(rs) == 3 or f == "eos" for rs, f in zip(rounds, req["finish"]))
-    # generate()'s own count agrees: tokens_per_forward = valid tokens / decoder forward passes
-    forwards = np.where(req["finish"] == "eos", req["output_tokens"], 8 * rounds.map(len)) / req["tokens_per_forward"]
+    # generate()'s own count agrees: tokens_per_forward = valid tokens (the EOS among them, which
+    # output_tokens leaves out, as contract 1 counts) / decoder forward passes
+    forwards = np.where(req["finish"] == "eos", req["output_tokens"] + 1, 8 * rounds.map(len)) / req["tokens_per_forward"]
     np.testing.assert_allclose(forwards, req["total_rounds"], rtol=1e-5)
     assert ((req["mean_confidence"] > 0) & (req["mean_confidence"] <= 1)).all() and (req["mean_entropy"] > 0).all()
     m = traces.manifest

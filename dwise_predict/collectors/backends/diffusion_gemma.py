@@ -145,7 +145,7 @@ class DiffusionGemmaBackend:
         wall_s = time.perf_counter() - start
         generated = out.sequences[0, prompt.shape[1]:].tolist()
         end = next((i for i, t in enumerate(generated) if t in self.eos_ids), None)
-        output_ids = generated if end is None else generated[: end + 1]
+        output_ids = generated if end is None else generated[:end]  # contract 1: the tokens before the EOS
         n = len(request.prompt_ids)
         return DecodeResult(
             request_id=request.request_id,
