@@ -382,6 +382,43 @@ def test_the_servers_algorithm_config_file_reads_as_sglang_reads_it(sgl, tmp_pat
         assert algorithm.vectorized_decoding is True and "vectorized_decoding" not in ours.algorithm_config
 
 
+def test_a_tokenizer_stops_requests_on_the_ids_sglang_attaches_to_it():
+    """SGLang's ``attach_additional_stop_token_ids`` (with its table of turn-final markers), run from
+    its source on a tokenizer stand-in, finds the ids ``tokenizer_stop_ids`` finds, beside the eos."""
+    import ast
+
+    from dwise_predict.engine import tokenizer_stop_ids
+
+    if not sglang_reference.available():
+        pytest.skip(sglang_reference.SKIP_REASON)
+    path = sglang_reference.source_root() / "sglang" / "srt" / "utils" / "hf_transformers" / "common.py"
+    wanted = {"_ADDITIONAL_STOP_TOKEN_TEXTS", "attach_additional_stop_token_ids"}
+    nodes = [node for node in ast.parse(path.read_text()).body
+             if getattr(node, "name", None) in wanted
+             or any(getattr(target, "id", None) in wanted for target in getattr(node, "targets", ()))]
+    assert len(nodes) == 2, "SGLang moved its additional stop tokens"
+    sglang = {}
+    exec(compile(ast.Module(nodes, type_ignores=[]), str(path), "exec"), sglang)
+
+    markers = {text: 100 + i for i, text in enumerate(sglang["_ADDITIONAL_STOP_TOKEN_TEXTS"])}
+
+    class Tokenizer:  # every marker SGLang knows, and an added token that is none of them
+        eos_token_id = 2
+
+        def get_added_vocab(self):
+            return {**markers, "<|other|>": 11}
+
+    attached = Tokenizer()
+    sglang["attach_additional_stop_token_ids"](attached)
+    assert attached.additional_stop_token_ids == set(markers.values()) and len(markers) >= 3
+    assert tokenizer_stop_ids(Tokenizer()) == {2, *markers.values()}
+    assert tokenizer_stop_ids(attached) == {2, *markers.values()}  # SGLang's own tokenizer: its attached ids
+    Tokenizer.get_added_vocab = lambda self: {}
+    bare = Tokenizer()
+    sglang["attach_additional_stop_token_ids"](bare)
+    assert bare.additional_stop_token_ids is None and tokenizer_stop_ids(bare) == tokenizer_stop_ids(Tokenizer()) == {2}
+
+
 # ---- the tiny dLLM's traces, re-decoded by SGLang's own loop on the same model ------------------
 
 class TinyRunner:

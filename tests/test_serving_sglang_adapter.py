@@ -271,6 +271,27 @@ def test_early_signals_are_computed_for_first_round_rows_only(served, monkeypatc
     assert got == simulated(served, "dwise-refined", slots=6, k=2)
 
 
+@pytest.mark.parametrize("tokenizer", [SimpleNamespace(eos_token_id=0, additional_stop_token_ids=None),
+                                       SimpleNamespace(eos_token_id=None, additional_stop_token_ids={0}), None])
+def test_end_probability_counts_the_ids_sglang_stops_on_through_its_tokenizer(served, tokenizer):
+    """Here the model config names no end-of-sequence id; SGLang's finish rule also stops on its
+    tokenizer's ``eos_token_id`` and ``additional_stop_token_ids`` (the fake model's one logit, id 0),
+    and so does the signal, as ``collect`` gathers them. Without any id the hook says so."""
+    bundle = RecordingBundle(served[0])
+    handle = hooked(bundle, slots=6, k=2)
+    try:
+        scheduler, algorithm, runner = make_server(served, slots=6, max_running=12)
+        runner.model_config, scheduler.tokenizer = fake.ModelConfig(()), tokenizer
+        if tokenizer is None:
+            with pytest.raises(ConfigError, match="names no eos_token_id"):
+                fake.serve(scheduler, algorithm, runner)
+            return
+        fake.serve(scheduler, algorithm, runner)
+    finally:
+        handle.uninstall()
+    torch.testing.assert_close(torch.cat(bundle.signals), torch.tensor(FAKE_SIGNALS).expand(40, 4))
+
+
 def test_a_graph_captured_before_install_fails_loudly_instead_of_refining_on_an_unwritten_buffer(served):
     scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, graph=True)  # captured unhooked
     handle = hooked(served[0], slots=6, k=2)

@@ -7,8 +7,8 @@ here, and ``tests/test_engine_conformance.py`` checks it against SGLang's own co
 
 - :mod:`.layout` — block layout of a prompt (full prompt blocks, leftover tokens under the prompt
   mask in the first output block), prefill rounds with and without a cached prefix, the output
-  positions of each block, which hidden rows the first denoising round pools, and how a request
-  ends after a block (EOS or budget).
+  positions of each block, which hidden rows the first denoising round pools, how a request
+  ends after a block (EOS or budget), and which of its tokenizer's ids stop it.
 - :mod:`.algorithms` — per-algorithm step rules mirroring ``srt/dllm/algorithm/*.py`` by name,
   parameters and defaults, and the forward-pass accounting of SGLang's loop.
 - :mod:`.reference` — the SGLang names we mirror (module, class, attribute, default), in one list
@@ -18,6 +18,13 @@ The package root exports the layout only (standard library: the serving side use
 torch); the step rules are in :mod:`.algorithms`, which needs torch.
 """
 
-from dwise_predict.engine.layout import ENGINE, BlockLayout, block_layout, finish_after_block, prefill_rounds
+from dwise_predict.engine.layout import (
+    ENGINE,
+    BlockLayout,
+    block_layout,
+    finish_after_block,
+    prefill_rounds,
+    tokenizer_stop_ids,
+)
 
-__all__ = ["ENGINE", "BlockLayout", "block_layout", "finish_after_block", "prefill_rounds"]
+__all__ = ["ENGINE", "BlockLayout", "block_layout", "finish_after_block", "prefill_rounds", "tokenizer_stop_ids"]

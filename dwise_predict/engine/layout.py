@@ -25,6 +25,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 ENGINE = "sglang==0.5.23"  # the engine whose units traces are in (recorded in every manifest)
+# Turn-final markers SGLang stops on wherever a checkpoint's tokenizer holds them, EOS metadata or not
+# (``srt/utils/hf_transformers/common.py``: ``_ADDITIONAL_STOP_TOKEN_TEXTS``)
+ADDITIONAL_STOP_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,23 @@ def prefill_rounds(prompt_tokens: int, block_size: int, cached_prefix: int = 0) 
     """
     cached_blocks = max(0, cached_prefix) // block_size
     return max(0, prompt_tokens // block_size - cached_blocks)
+
+
+def tokenizer_stop_ids(tokenizer) -> set[int]:
+    """The ids a request stops on through its tokenizer, beside the model config's EOS ids
+    (``Req._check_token_based_finish``): the tokenizer's ``eos_token_id`` and its
+    ``additional_stop_token_ids`` — SGLang's tokenizers carry them
+    (``attach_additional_stop_token_ids``); for any other, the ids of :data:`ADDITIONAL_STOP_TEXTS`
+    in its added vocabulary, as that function finds them."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if hasattr(tokenizer, "additional_stop_token_ids"):
+        extra = tokenizer.additional_stop_token_ids or ()
+    else:
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        extra = [added[text] for text in ADDITIONAL_STOP_TEXTS if text in added]
+    return ids | {int(i) for i in extra}
 
 
 def finish_after_block(emitted_before: int, block_tokens: list[int], budget: int,

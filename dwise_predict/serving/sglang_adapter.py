@@ -70,7 +70,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from dwise_predict.engine import prefill_rounds
+from dwise_predict.engine import prefill_rounds, tokenizer_stop_ids
 from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.serving.bundle import check_compatible
@@ -112,6 +112,7 @@ SURFACE: tuple[Touch, ...] = (
     Touch(_SCHED, "SchedulerDllmMixin.dllm_config", "attribute"),
     Touch("sglang.srt.managers.scheduler", "Scheduler.waiting_queue", "attribute"),
     Touch("sglang.srt.managers.scheduler", "Scheduler.max_total_num_tokens", "attribute"),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.tokenizer", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.block_size", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.algorithm", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.algorithm_config", "attribute"),
@@ -352,6 +353,7 @@ class _State:
         self.last_pooled = None  # (B, H) the pooled buffer after a step's last forward
         self.first_signals = None  # (B, 4) early signals of that forward, NaN outside first_rids' rows
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
+        self.tokenizer_stop_ids: set[int] = set()  # the scheduler tokenizer's stop ids (bind)
         self.forwards = 0  # forwards in the current step
         self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
         self.checked = False  # the first refinement checked that the buffer was written
@@ -371,6 +373,8 @@ class _State:
             )
         self.block_size = int(config.block_size)
         self.check_decoding(config)
+        if getattr(scheduler, "tokenizer", None) is not None:  # None under --skip-tokenizer-init
+            self.tokenizer_stop_ids = tokenizer_stop_ids(scheduler.tokenizer)
         if self.slots * self.k > config.max_running_requests:
             raise ConfigError(
                 f"DWISE keeps up to k*B = {self.slots * self.k:g} requests resident but SGLang's "
@@ -521,14 +525,16 @@ def first_round_signals(full_logits, forward_batch, mask_id: int, block_size: in
     return out
 
 
-def stop_token_ids(model_runner, device):
-    """The served model's end-of-sequence ids (SGLang's ``ModelConfig.hf_eos_token_id``: config.json and
-    generation_config.json together, the set its scheduler finishes requests on) as a device tensor,
-    for the ``end_probability`` signal. A request's own ``stop_token_ids`` are not included: the
-    signal describes the model, like the traces it was trained on."""
+def stop_token_ids(model_runner, tokenizer_ids, device):
+    """The ids the served model's requests stop on, as a device tensor for the ``end_probability``
+    signal: SGLang's ``ModelConfig.hf_eos_token_id`` (config.json and generation_config.json together)
+    and ``tokenizer_ids``, its tokenizer's (:func:`engine.layout.tokenizer_stop_ids`), the set
+    ``Req._check_token_based_finish`` tests and ``collect`` gathers. A request's own
+    ``stop_token_ids`` are not included: the signal describes the model, like the traces it was
+    trained on."""
     import torch
 
-    ids = sorted(getattr(model_runner.model_config, "hf_eos_token_id", None) or ())
+    ids = sorted(set(getattr(model_runner.model_config, "hf_eos_token_id", None) or ()) | set(tokenizer_ids))
     if not ids:
         raise ConfigError("the served model names no eos_token_id (config.json or generation_config.json): "
                           "the early signal end_probability needs it; add it to the model's config")
@@ -808,7 +814,7 @@ def install(
                 # an algorithm without a threshold counts every masked position, as the decoder does
                 logits_out = out.logits_output.full_logits
                 if state.stop_ids is None:
-                    state.stop_ids = stop_token_ids(model_runner, logits_out.device)
+                    state.stop_ids = stop_token_ids(model_runner, state.tokenizer_stop_ids, logits_out.device)
                 state.first_signals = first_round_signals(
                     logits_out, forward_batch, self.mask_id, self.block_size,
                     float(getattr(self, "threshold", 0.0)), state.stop_ids, state.first_rids)

@@ -378,8 +378,9 @@ class FakeDllmMixin(SchedulerDllmMixin):
 class Scheduler(FakeDllmMixin):
     """The scheduler state and the GPU-side methods SGLang's dLLM mixin calls."""
 
-    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9):
+    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9, tokenizer=None):
         self.dllm_config = dllm_config
+        self.tokenizer = tokenizer  # SGLang's, with additional_stop_token_ids attached; None: skip_tokenizer_init
         self.batch_capacity = batch_capacity
         self.max_prefill_tokens = max_prefill_tokens
         self.max_total_num_tokens = max_total_num_tokens

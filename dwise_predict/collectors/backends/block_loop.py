@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from dwise_predict.collectors.backends.base import DTYPES, LOAD_ERRORS, StepBatch, StepOutput, directory_fingerprint
+from dwise_predict.engine.layout import tokenizer_stop_ids
 from dwise_predict.errors import ModelError
 
 # Block sizes of known architectures (SGLang's DllmConfig); a config's own block_size wins.
@@ -196,11 +197,11 @@ def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = 
 def stop_token_ids(path: Path, config: dict, tokenizer) -> tuple[int, ...]:
     """The ids that end a request, as SGLang gathers them: ``eos_token_id`` of config.json and of
     generation_config.json, each an int or a list, united (``ModelConfig._get_hf_eos_token_id``), and
-    the tokenizer's ``eos_token_id`` (``Req._check_token_based_finish``). Qwen-based checkpoints such
+    the tokenizer's (:func:`engine.layout.tokenizer_stop_ids`). Qwen-based checkpoints such
     as SDAR name ``<|endoftext|>`` in one file and ``<|im_end|>`` in the other: keeping only the
     first would decode past a stop SGLang honours."""
     generation = path / "generation_config.json"
-    declared = [config.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
+    declared = [config.get("eos_token_id"), sorted(tokenizer_stop_ids(tokenizer))]
     if generation.is_file():
         try:
             declared.append(json.loads(generation.read_text()).get("eos_token_id"))
