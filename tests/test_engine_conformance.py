@@ -353,9 +353,8 @@ def test_the_servers_algorithm_config_file_reads_as_sglang_reads_it(sgl, tmp_pat
     import sys
     from types import SimpleNamespace
 
-    from dwise_predict.cli.collect import read_algorithm_config
     from dwise_predict.collectors.records import DecodingConfig
-    from dwise_predict.engine.algorithms import served_decoding
+    from dwise_predict.engine.algorithms import read_algorithm_config, served_decoding
     from dwise_predict.engine.reference import ATTRIBUTES
 
     path = tmp_path / "algorithm.yaml"

@@ -6,7 +6,7 @@ import os
 import pytest
 
 import sglang_reference
-from dwise_predict.errors import ConfigError
+from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.serving.launcher import HookConfig, SchedulerEntry, resolved
 
 
@@ -81,3 +81,35 @@ def test_serve_command_passes_sglang_arguments_through_and_checks_its_own(tmp_pa
     assert out["hook"]["prompt_cache"] == 256
     assert main(["serve", "--", "--model-path", "m"]) == 1
     assert capsys.readouterr().err.strip().startswith("error: nothing to do")
+
+
+@pytest.mark.parametrize("algorithm,config_text,refused", [
+    ("LowConfidence", None, None),
+    ("LowConfidence", "threshold: 0.95\nvectorized_decoding: true\n", None),
+    ("LowConfidence", "threshold: 0.9\n", "algorithm_config"),
+    ("LowConfidence", "block_size: 16\n", "block_size"),
+    ("JointThreshold", "", "algorithm"),
+])
+def test_a_bundle_for_another_decoding_is_refused_before_sglang_loads_the_model(tmp_path, algorithm, config_text,
+                                                                                refused):
+    """`serve` reads the server's --dllm-algorithm and --dllm-algorithm-config file as SGLang will
+    and refuses a bundle trained for other rounds in one line, before any weights load."""
+    import json
+    from types import SimpleNamespace
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "bundle.json").write_text(json.dumps({"model": {"name": "m", "hidden_size": 16}, "decoding": {
+        "algorithm": "LowConfidence", "algorithm_config": {"threshold": 0.95}, "block_size": 32}}))
+    path = None
+    if config_text is not None:
+        path = tmp_path / "algorithm.yaml"
+        path.write_text(config_text)
+    server_args = SimpleNamespace(dllm_algorithm=algorithm, dllm_algorithm_config=None if path is None else str(path),
+                                  model_path="m", tokenizer_path=None, max_running_requests=1024)
+    config = HookConfig(bundle=str(bundle))
+    if refused is None:
+        assert resolved(config, server_args).block_size == 32
+    else:
+        with pytest.raises(BundleError, match=f"built for another decoding \\(decoding.{refused} = "):
+            resolved(config, server_args)

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-import yaml
 
 from dwise_predict.cli.options import JsonOption
 from dwise_predict.collectors.records import DecodingConfig
+from dwise_predict.engine.algorithms import read_algorithm_config
 from dwise_predict.errors import ConfigError
 
 _DEFAULT = DecodingConfig()
@@ -92,33 +92,6 @@ def collect_command(
                        device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
                        allow_missing=allow_missing, layers=layers, pooling=pooling)
     _print_summary(path, json_out)
-
-
-def read_algorithm_config(value: str | None) -> dict:
-    """``--algorithm-config``: a JSON object given inline, or a file: JSON, or YAML as SGLang's
-    ``--dllm-algorithm-config`` (read with ``yaml.safe_load`` as the server reads it)."""
-    if value is None:
-        return {}
-    if value.lstrip().startswith("{"):
-        text, kind = value, "JSON"
-    else:
-        try:
-            text = Path(value).read_text()
-        except OSError as err:
-            raise ConfigError(f"--algorithm-config: not a JSON object and not a readable file ({err.strerror}): "
-                              "pass e.g. '{\"threshold\": 0.9}' or the server's --dllm-algorithm-config file") from None
-        kind = "JSON" if Path(value).suffix == ".json" else "YAML"
-    try:
-        params = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--algorithm-config is not valid JSON ({err.msg} at column {err.colno})") from None
-    except yaml.YAMLError as err:
-        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
-        at = f" (line {mark.line + 1}: {problem})" if mark is not None and problem else ""
-        raise ConfigError(f"--algorithm-config {value} is not valid YAML{at}") from None
-    if not isinstance(params, dict):
-        raise ConfigError(f"--algorithm-config must be a mapping of parameters, got {type(params).__name__}")
-    return params
 
 
 def merge_command(

@@ -25,12 +25,15 @@ vectorised call: ``new_state`` allocates them, ``start_block`` resets the slots 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 from dwise_predict.errors import ConfigError
 
@@ -434,17 +437,47 @@ class AlgorithmConfig:
         return cls(params=params, block_size=block)
 
 
-def served_decoding(algorithm: str, algorithm_config: dict, block_size: int) -> dict:
+def read_algorithm_config(value: str | None, option: str = "--algorithm-config") -> dict:
+    """An algorithm config given as ``option``: a JSON object inline, a ``.json`` file, or any other
+    file read as YAML with ``yaml.safe_load``, as SGLang reads its ``--dllm-algorithm-config``."""
+    if value is None:
+        return {}
+    if value.lstrip().startswith("{"):
+        text, kind = value, "JSON"
+    else:
+        try:
+            text = Path(value).read_text()
+        except OSError as err:
+            raise ConfigError(f"{option}: not a JSON object and not a readable file ({err.strerror}): "
+                              "pass e.g. '{\"threshold\": 0.9}' or the server's --dllm-algorithm-config file") from None
+        kind = "JSON" if Path(value).suffix == ".json" else "YAML"
+    try:
+        params = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{option} is not valid JSON ({err.msg} at column {err.colno})") from None
+    except yaml.YAMLError as err:
+        mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+        at = f" (line {mark.line + 1}: {problem})" if mark is not None and problem else ""
+        raise ConfigError(f"{option} {value} is not valid YAML{at}") from None
+    if params is None and kind == "YAML":  # an empty file: SGLang's `yaml.safe_load(f) or {}`
+        params = {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{option} must be a mapping of parameters, got {type(params).__name__}")
+    return params
+
+
+def served_decoding(algorithm: str, algorithm_config: dict, block_size: int | None) -> dict:
     """A running server's decoding (its ``DllmConfig``'s ``algorithm``, ``algorithm_config`` and
-    ``block_size``) as traces and bundles record it: the rule's parameters with SGLang's defaults
-    filled in. Keys the rule does not read are dropped, as SGLang ignores them; an algorithm this
-    decoder cannot run keeps its parameters as given."""
+    ``block_size``, None where not known yet) as traces and bundles record it: the rule's parameters
+    with SGLang's defaults filled in. Keys the rule does not read are dropped, as SGLang ignores them;
+    an algorithm this decoder cannot run keeps its parameters as given."""
     params = {key: value for key, value in (algorithm_config or {}).items() if key not in ENGINE_KEYS + EXECUTION_KEYS}
     info = ALGORITHMS.get(algorithm)
     if info is not None and info.rule is not None:
         read = {key: value for key, value in params.items() if key in info.rule.DEFAULTS}
         params = make_rule(algorithm, mask_id=0, params=read).params
-    return {"algorithm": algorithm, "algorithm_config": params, "block_size": int(block_size)}
+    return {"algorithm": algorithm, "algorithm_config": params,
+            "block_size": None if block_size is None else int(block_size)}
 
 
 def forwards_exhausted(rule: StepRule, forwards: torch.Tensor, block_size: int) -> torch.Tensor:

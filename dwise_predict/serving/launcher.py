@@ -119,6 +119,8 @@ def resolved(config: HookConfig, server_args=None) -> HookConfig:
         manifest = json.loads((Path(config.bundle) / "bundle.json").read_text())
         block_size = block_size or (manifest.get("decoding") or {}).get("block_size")
         hidden = hidden or (manifest.get("model") or {}).get("hidden_size")
+        if server_args is not None:
+            check_served_algorithm(manifest, config.bundle, server_args)
     max_batch = config.max_batch
     if server_args is not None:
         max_batch = max_batch or max(config.slots, largest_forward(server_args))
@@ -130,6 +132,22 @@ def resolved(config: HookConfig, server_args=None) -> HookConfig:
                           "a bundle carries both): pass them")
     return replace(config, block_size=int(block_size), hidden_size=int(hidden) if hidden else None,
                    max_batch=int(max_batch or config.slots), tokenizer=tokenizer)
+
+
+def check_served_algorithm(manifest: dict, bundle: str, server_args) -> None:
+    """Refuse, before SGLang loads the model, a bundle trained for another algorithm or parameters
+    than the server's ``--dllm-algorithm`` and ``--dllm-algorithm-config`` file name, read as SGLang
+    reads them. The hook checks again on its first step, against the scheduler's ``DllmConfig``,
+    with the block size SGLang settled on."""
+    from dwise_predict.engine.algorithms import ALGORITHMS, read_algorithm_config, served_decoding
+    from dwise_predict.serving.bundle import check_compatible
+
+    algorithm = getattr(server_args, "dllm_algorithm", None)
+    if algorithm is None or (manifest.get("decoding") or {}).get("algorithm") not in ALGORITHMS:
+        return  # not a dLLM server, or a bundle of no SGLang algorithm (the hook holds it to the block size)
+    raw = read_algorithm_config(getattr(server_args, "dllm_algorithm_config", None), "--dllm-algorithm-config")
+    served = served_decoding(algorithm, raw, raw.get("block_size"))
+    check_compatible(manifest, None, served, bundle)
 
 
 class SchedulerEntry:
