@@ -381,9 +381,9 @@ CASES = [
     Case("collect-algorithm-config-block-size-clash", ["collect", "--algorithm-config", "{alg}", "--block-size", "4",
                                                        "--out", "{tmp}/o"], ("--block-size 4", "block_size 8", "give one"),
          algorithm_file("threshold: 0.9\nblock_size: 8\n")),
-    Case("collect-algorithm-config-switch-not-bool", ["collect", "--algorithm", "JointThreshold", "--algorithm-config",
-                                                      "{alg}", "--out", "{tmp}/o"],
-         ("vectorized_decoding must be true or false",), algorithm_file("vectorized_decoding: 1\n")),
+    Case("collect-algorithm-config-key-not-read", ["collect", "--algorithm-config", "{alg}", "--out", "{tmp}/o"],
+         ("has no parameter edit_threshold", "sglang ignores", "remove it"),
+         algorithm_file("threshold: 0.9\nedit_threshold: 0.1\n")),
     Case("quickstart-limit-zero", ["quickstart", "--limit", "0", "--out", "{tmp}/q"], ("--limit must be at least 1",)),
     Case("compare-folds-one", ["compare-regressors", "{traces}", "--folds", "1"], ("--folds must be at least 2",)),
     # the scheduling lab and the serving hook

@@ -354,7 +354,7 @@ def test_the_servers_algorithm_config_file_reads_as_sglang_reads_it(sgl, tmp_pat
     from types import SimpleNamespace
 
     from dwise_predict.collectors.records import DecodingConfig
-    from dwise_predict.engine.algorithms import read_algorithm_config, served_decoding
+    from dwise_predict.engine.algorithms import read_algorithm_file, served_decoding
     from dwise_predict.engine.reference import ATTRIBUTES
 
     path = tmp_path / "algorithm.yaml"
@@ -369,7 +369,7 @@ def test_the_servers_algorithm_config_file_reads_as_sglang_reads_it(sgl, tmp_pat
     theirs = module.DllmConfig.from_server_args(server_args)
     algorithm = sgl.algorithms[name](theirs)
 
-    ours = DecodingConfig(algorithm=name, algorithm_config=read_algorithm_config(str(path)))
+    ours = DecodingConfig(algorithm=name, algorithm_config=read_algorithm_file(str(path)))
     assert ours.block_size in (None, theirs.block_size) and (ours.block_size is None) == ("block_size" not in text)
     rule = make_rule(name, theirs.mask_id, ours.algorithm_config)
     for attribute, param in ATTRIBUTES[name].items():

@@ -12,7 +12,8 @@ if not sglang_reference.available():
 from dwise_predict.collectors.live import LiveRecorder, live_manifest  # noqa: E402
 from dwise_predict.collectors.store import merge  # noqa: E402
 from dwise_predict.engine import ENGINE, prefill_rounds  # noqa: E402
-from dwise_predict.errors import StoreError  # noqa: E402
+from dwise_predict.engine.algorithms import served_decoding  # noqa: E402
+from dwise_predict.errors import ConfigError, StoreError  # noqa: E402
 from dwise_predict.identity import EARLY_SIGNALS  # noqa: E402
 from dwise_predict.serving.sglang_adapter import install  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
@@ -36,10 +37,14 @@ def workload(n_requests, seed, shared=0):
     return out
 
 
-def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", algorithm_config=None):
+def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", algorithm_config=None, recorded=None):
+    """Serve ``requests`` through the fake with SGLang's ``algorithm`` and ``algorithm_config`` (what its
+    --dllm-algorithm-config file holds), recording what the launcher reads from those arguments, or the
+    ``recorded`` decoding."""
     config = fake.config(BS, 8, fdfo=fdfo, algorithm=algorithm, algorithm_config=algorithm_config)
+    decoding = recorded or served_decoding(algorithm, algorithm_config or {}, BS)
     manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
-                             "LowConfidence", {"threshold": 0.95}, BS, 64)
+                             decoding["algorithm"], decoding["algorithm_config"], BS, 64)
     recorder = LiveRecorder(out, block_size=BS, features=lambda r: (len(r.origin_input_ids) // 2, 1, len(r.origin_input_ids)),
                             every=7, manifest=manifest)
     handle = install(None, slots=4, k=2, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu",
@@ -74,21 +79,30 @@ def test_recorded_traces_are_the_servers_own_counts(tmp_path):
 
 
 def test_a_recording_is_in_the_decoding_the_server_runs_and_resumes_only_under_it(tmp_path):
-    """The manifest given says LowConfidence; the server runs JointThreshold from its algorithm
-    config file: the traces say what SGLang ran, and a restart under another decoding is refused."""
+    """A server runs JointThreshold from its algorithm config file: the traces say so, with SGLang's
+    defaults; a restart under another decoding is refused before it serves, and a recorder that
+    names another decoding than the server's stops on the first step, writing nothing."""
+    from types import SimpleNamespace
+
+    from dwise_predict.serving.launcher import served_algorithm
+
     requests = workload(8, seed=5)
+    path = tmp_path / "algorithm.yaml"
+    path.write_text("threshold: 0.7\nvectorized_decoding: true\n")
+    decoding = served_algorithm(SimpleNamespace(dllm_algorithm="JointThreshold", dllm_algorithm_config=str(path)), BS)
+    assert decoding == {"algorithm": "JointThreshold", "block_size": BS, "algorithm_config": {
+        "threshold": 0.7, "edit_threshold": 0.0, "max_post_edit_steps": 16, "penalty_lambda": 0.0}}
     record(tmp_path / "t", requests[:4], algorithm="JointThreshold",
-           algorithm_config={"threshold": 0.7, "vectorized_decoding": True})
-    decoding = load_traces(tmp_path / "t").manifest["decoding"]
-    assert decoding["algorithm"] == "JointThreshold" and decoding["block_size"] == BS
-    # SGLang's defaults for the parameters the file left out; the execution switch is not an identity
-    assert decoding["algorithm_config"] == {"threshold": 0.7, "edit_threshold": 0, "max_post_edit_steps": 16,
-                                            "penalty_lambda": 0}
+           algorithm_config={"threshold": 0.7, "vectorized_decoding": True}, recorded=decoding)
+    assert load_traces(tmp_path / "t").manifest["decoding"]["algorithm_config"] == decoding["algorithm_config"]
     before = sorted(p.name for p in (tmp_path / "t" / "shards").iterdir())
     with pytest.raises(StoreError, match="decoded with another config \\(algorithm 'JointThreshold' vs 'LowConfidence'"):
         record(tmp_path / "t", requests[4:])  # restarted as LowConfidence
+    with pytest.raises(ConfigError, match="the recording says the server decodes with .*JointThreshold.* but SGLang "
+                                          "runs .*LowConfidence"):
+        record(tmp_path / "other", requests[4:], recorded=decoding)
     assert sorted(p.name for p in (tmp_path / "t" / "shards").iterdir()) == before
-    assert len(load_traces(tmp_path / "t")) == 4
+    assert len(load_traces(tmp_path / "t")) == 4 and not (tmp_path / "other" / "shards").exists()
 
 
 def test_graph_replays_and_sync_mode_record_the_same_traces(tmp_path):

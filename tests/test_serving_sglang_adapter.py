@@ -551,7 +551,8 @@ def test_refusals_are_one_clear_line(served):
         scheduler = fake.Scheduler(config, 2, 10**9)
         scheduler.waiting_queue.append(fake.Req("x", prompt(0, 64), SP(64), config, [2], np.zeros(32, np.float32),
                                                 (1, 0, 64)))
-        with pytest.raises(ConfigError, match="installed for block_size 8 but SGLang runs 32"):
+        with pytest.raises(BundleError, match=re.escape("(decoding.block_size = 8, model 'synthetic') but the served "
+                                                        "one has block_size = 32: export a bundle")):
             scheduler.get_new_batch_dllm()
     finally:
         handle.uninstall()

@@ -12,7 +12,7 @@ import typer
 
 from dwise_predict.cli.options import JsonOption
 from dwise_predict.collectors.records import DecodingConfig
-from dwise_predict.engine.algorithms import read_algorithm_config
+from dwise_predict.engine.algorithms import read_algorithm_file
 from dwise_predict.errors import ConfigError
 
 _DEFAULT = DecodingConfig()
@@ -35,7 +35,7 @@ def collect_command(
     seed: Annotated[int, typer.Option(help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = _DEFAULT.batch_size,
     algorithm: Annotated[Optional[str], typer.Option(help="SGLang dLLM algorithm: LowConfidence, JointThreshold or JointThresholdInDel (default: what SGLang serves the model with).")] = None,
-    algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object (e.g. \'{"threshold": 0.9}\'), a .json file, or the YAML file SGLang\'s --dllm-algorithm-config reads (its block_size sets the block size; vectorized_decoding and capture_input_preparation change no decision and are dropped).')] = None,
+    algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object (e.g. \'{"threshold": 0.9}\') or a file read as SGLang reads --dllm-algorithm-config (YAML or JSON; its block_size sets the block size; vectorized_decoding and capture_input_preparation change no decision and are dropped; a key the algorithm does not read is refused, where SGLang ignores it).')] = None,
     threshold: Annotated[Optional[float], typer.Option(help="Shorthand for the algorithm's threshold parameter.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per block (default: the model's).")] = None,
     budget: Annotated[int, typer.Option(help="Output budget in tokens (unless the workload sets one).")] = _DEFAULT.budget,
@@ -68,7 +68,7 @@ def collect_command(
 
     problems = []
     try:
-        params = read_algorithm_config(algorithm_config)
+        params = _algorithm_config(algorithm_config)
         if threshold is not None:
             params["threshold"] = threshold
         decoding = DecodingConfig(algorithm=algorithm, algorithm_config=params, block_size=block_size,
@@ -92,6 +92,25 @@ def collect_command(
                        device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
                        allow_missing=allow_missing, layers=layers, pooling=pooling)
     _print_summary(path, json_out)
+
+
+def _algorithm_config(value: str | None) -> dict:
+    """``--algorithm-config``: a JSON object given inline, or a file read as SGLang reads its
+    ``--dllm-algorithm-config`` (YAML; JSON is YAML too)."""
+    if value is None:
+        return {}
+    if not value.lstrip().startswith("{"):
+        if not Path(value).is_file():
+            raise ConfigError(f"--algorithm-config {value!r} is neither a JSON object nor a file: pass e.g. "
+                              "'{\"threshold\": 0.9}' or the server's --dllm-algorithm-config file")
+        return read_algorithm_file(value, "--algorithm-config")
+    try:
+        params = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--algorithm-config is not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(params, dict):
+        raise ConfigError(f"--algorithm-config must be a JSON object, got {type(params).__name__}")
+    return params
 
 
 def merge_command(

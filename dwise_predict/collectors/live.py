@@ -28,6 +28,7 @@ import pandas as pd
 from dwise_predict.collectors.collect import contract_row
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
 from dwise_predict.engine import ENGINE
+from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, served_decoding
 from dwise_predict.versions import package_versions
 
 EVAL_FRACTION = 0.2
@@ -55,12 +56,13 @@ def received_tokens(req, reason: dict) -> int:
 
 def live_manifest(model: dict, algorithm: str, algorithm_config: dict, block_size: int, budget: int,
                   dtype: str = "bfloat16", batch_size: int = 0) -> dict:
-    """The manifest of a recording: model fingerprint, SGLang's decoding config, engine, versions."""
+    """The manifest of a recording: model fingerprint, SGLang's decoding config (its parameters over
+    SGLang's defaults, as ``collect`` records them), engine, versions."""
     return {
         "model": dict(model),
         "decoding": {
             "algorithm": algorithm,
-            "algorithm_config": dict(algorithm_config),
+            "algorithm_config": served_decoding(algorithm, algorithm_config, block_size)["algorithm_config"],
             "block_size": int(block_size),
             "budget": int(budget),
             "dtype": dtype,
@@ -110,13 +112,15 @@ class LiveRecorder:
     written: ``prompt_last`` would be made up. ``without_prompt_rows`` counts them, and the manifest's
     ``counts`` says how many were left out (``left_out_without_prompt_rows``).
     manifest : the recording's manifest (:func:`live_manifest`); by default built from ``bundle``'s
-        model fingerprint (a bundle directory) when given. Its decoding's algorithm, parameters and
-        block size are the server's: the hook passes them to :meth:`serving` before the first
-        request, and only then is the manifest written (a resume under another decoding is refused).
+        model fingerprint (a bundle directory) and ``decoding``.
+    decoding : the decoding the server runs (``algorithm``, ``algorithm_config`` with SGLang's
+        defaults, ``block_size``: :func:`dwise_predict.serving.launcher.served_algorithm`); by default
+        SGLang's default algorithm with its defaults. The hook compares it with the scheduler's
+        ``DllmConfig`` on its first step and stops on a difference: traces say what SGLang ran.
     """
 
     def __init__(self, out, block_size: int, features=None, every: int = 64, manifest: dict | None = None,
-                 bundle: str | None = None):
+                 bundle: str | None = None, decoding: dict | None = None):
         self.out = Path(out)
         self.block_size = int(block_size)
         self.features = features
@@ -124,16 +128,16 @@ class LiveRecorder:
         if manifest is None:
             import json
 
-            model, decoding = {}, {}
+            model, trained = {}, {}
             if bundle is not None:
                 spec = json.loads((Path(bundle) / "bundle.json").read_text())
-                model, decoding = spec.get("model") or {}, spec.get("decoding") or {}
-            manifest = live_manifest(model, decoding.get("algorithm") or "LowConfidence",
-                                     decoding.get("algorithm_config") or {}, self.block_size,
-                                     int(decoding.get("budget") or 0), decoding.get("dtype") or "bfloat16")
+                model, trained = spec.get("model") or {}, spec.get("decoding") or {}
+            decoding = decoding or served_decoding(DEFAULT_ALGORITHM, {}, self.block_size)
+            manifest = live_manifest(model, decoding["algorithm"], decoding["algorithm_config"],
+                                     decoding.get("block_size") or self.block_size, int(trained.get("budget") or 0),
+                                     trained.get("dtype") or "bfloat16")
         self.manifest = manifest
-        self.store = TraceStore(self.out).__enter__()  # held from now on, begun by serving()
-        self.started = False
+        self.store = TraceStore(self.out, manifest).__enter__()
         self.done = self.store.finished_ids()
         self.open: dict = {}
         self.rows: list = []
@@ -143,15 +147,12 @@ class LiveRecorder:
         self.written = 0
         self.without_prompt_rows = 0  # finished requests left out: no prompt row of theirs was computed here
 
-    # --- events from the hook -----------------------------------------------------------------------
+    @property
+    def decoding(self) -> dict:
+        """What this recording says SGLang decodes with (its manifest's ``decoding``)."""
+        return self.manifest["decoding"]
 
-    def serving(self, decoding: dict) -> None:
-        """Begin, or resume, the recording under the decoding SGLang runs: ``algorithm``,
-        ``algorithm_config`` (SGLang's defaults filled in) and ``block_size``, from its ``DllmConfig``
-        (:func:`dwise_predict.engine.algorithms.served_decoding`)."""
-        self.manifest["decoding"].update(decoding)
-        self.store.begin(self.manifest)
-        self.started = True
+    # --- events from the hook -----------------------------------------------------------------------
 
     def arrived(self, req, block_size: int) -> None:
         rid = str(req.rid)
@@ -237,7 +238,7 @@ class LiveRecorder:
         """Flush, consolidate ``requests.parquet`` + ``hidden.safetensors``, release the directory."""
         try:
             self.flush()
-            if self.done and self.started:
+            if self.done:
                 counts = {"requests": len(self.done)}
                 if self.without_prompt_rows:  # this process's count: a resumed recording adds its own
                     counts["left_out_without_prompt_rows"] = self.without_prompt_rows

@@ -25,7 +25,6 @@ vectorised call: ``new_state`` allocates them, ``start_block`` resets the slots 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +55,9 @@ class StepRule:
         unknown = sorted(set(self.params) - set(self.DEFAULTS))
         if unknown:
             accepted = ", ".join(self.DEFAULTS) or "none"
-            raise ConfigError(f"{self.name} has no parameter {', '.join(unknown)}: its parameters are {accepted}")
+            # SGLang ignores such a key, so a typo there decodes with the default: refused here, named
+            raise ConfigError(f"{self.name} has no parameter {', '.join(unknown)}: its parameters are {accepted} "
+                              "(SGLang ignores other keys; remove it)")
         self.params = {**self.DEFAULTS, **self.params}
         self._validate()
 
@@ -427,9 +428,6 @@ class AlgorithmConfig:
     def from_mapping(cls, mapping, where: str = "--algorithm-config") -> AlgorithmConfig:
         if not isinstance(mapping, dict):
             raise ConfigError(f"{where} must be a mapping of parameters, got {type(mapping).__name__}")
-        for key in EXECUTION_KEYS:
-            if key in mapping and not isinstance(mapping[key], bool):
-                raise ConfigError(f"{where}: {key} must be true or false, got {mapping[key]!r}")
         block = mapping.get("block_size")
         if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block <= 0):
             raise ConfigError(f"{where}: block_size must be a positive integer, got {block!r}")
@@ -437,45 +435,36 @@ class AlgorithmConfig:
         return cls(params=params, block_size=block)
 
 
-def read_algorithm_config(value: str | None, option: str = "--algorithm-config") -> dict:
-    """An algorithm config given as ``option``: a JSON object inline, a ``.json`` file, or any other
-    file read as YAML with ``yaml.safe_load``, as SGLang reads its ``--dllm-algorithm-config``."""
-    if value is None:
-        return {}
-    if value.lstrip().startswith("{"):
-        text, kind = value, "JSON"
-    else:
-        try:
-            text = Path(value).read_text()
-        except OSError as err:
-            raise ConfigError(f"{option}: not a JSON object and not a readable file ({err.strerror}): "
-                              "pass e.g. '{\"threshold\": 0.9}' or the server's --dllm-algorithm-config file") from None
-        kind = "JSON" if Path(value).suffix == ".json" else "YAML"
+def read_algorithm_file(path: str, option: str = "--dllm-algorithm-config") -> dict:
+    """An algorithm config file read as SGLang reads ``--dllm-algorithm-config``:
+    ``yaml.safe_load`` (JSON is YAML too), an empty file being no parameters."""
     try:
-        params = json.loads(text) if kind == "JSON" else yaml.safe_load(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{option} is not valid JSON ({err.msg} at column {err.colno})") from None
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"{option}: cannot read {path} ({err.strerror}): pass the server's "
+                          "--dllm-algorithm-config file") from None
+    try:
+        params = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
         at = f" (line {mark.line + 1}: {problem})" if mark is not None and problem else ""
-        raise ConfigError(f"{option} {value} is not valid YAML{at}") from None
-    if params is None and kind == "YAML":  # an empty file: SGLang's `yaml.safe_load(f) or {}`
+        raise ConfigError(f"{option} {path} is not valid YAML{at}") from None
+    if params is None:  # SGLang's `yaml.safe_load(f) or {}`
         params = {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{option} must be a mapping of parameters, got {type(params).__name__}")
+        raise ConfigError(f"{option} {path} must hold a mapping of parameters, got {type(params).__name__}")
     return params
 
 
 def served_decoding(algorithm: str, algorithm_config: dict, block_size: int | None) -> dict:
-    """A running server's decoding (its ``DllmConfig``'s ``algorithm``, ``algorithm_config`` and
-    ``block_size``, None where not known yet) as traces and bundles record it: the rule's parameters
-    with SGLang's defaults filled in. Keys the rule does not read are dropped, as SGLang ignores them;
-    an algorithm this decoder cannot run keeps its parameters as given."""
-    params = {key: value for key, value in (algorithm_config or {}).items() if key not in ENGINE_KEYS + EXECUTION_KEYS}
+    """A server's decoding (its ``DllmConfig``'s ``algorithm``, ``algorithm_config`` and
+    ``block_size``, None where not known yet) as traces and bundles record it: as SGLang's algorithm
+    reads it, the rule's parameters over its defaults, other keys ignored, nothing range-checked (the
+    server runs what it was given). An algorithm this decoder cannot run keeps its parameters as given."""
+    params = AlgorithmConfig.from_mapping(algorithm_config or {}, "SGLang's --dllm-algorithm-config").params
     info = ALGORITHMS.get(algorithm)
     if info is not None and info.rule is not None:
-        read = {key: value for key, value in params.items() if key in info.rule.DEFAULTS}
-        params = make_rule(algorithm, mask_id=0, params=read).params
+        params = {**info.rule.DEFAULTS, **{key: params[key] for key in params if key in info.rule.DEFAULTS}}
     return {"algorithm": algorithm, "algorithm_config": params,
             "block_size": None if block_size is None else int(block_size)}
 

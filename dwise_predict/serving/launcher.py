@@ -134,20 +134,32 @@ def resolved(config: HookConfig, server_args=None) -> HookConfig:
                    max_batch=int(max_batch or config.slots), tokenizer=tokenizer)
 
 
-def check_served_algorithm(manifest: dict, bundle: str, server_args) -> None:
-    """Refuse, before SGLang loads the model, a bundle trained for another algorithm or parameters
-    than the server's ``--dllm-algorithm`` and ``--dllm-algorithm-config`` file name, read as SGLang
-    reads them. The hook checks again on its first step, against the scheduler's ``DllmConfig``,
-    with the block size SGLang settled on."""
-    from dwise_predict.engine.algorithms import ALGORITHMS, read_algorithm_config, served_decoding
-    from dwise_predict.serving.bundle import check_compatible
+def served_algorithm(server_args, block_size: int | None = None) -> dict | None:
+    """The decoding SGLang will run, from its arguments, before it starts: ``--dllm-algorithm`` and
+    the ``--dllm-algorithm-config`` file read as SGLang reads them
+    (:func:`~dwise_predict.engine.algorithms.served_decoding`), with the file's ``block_size``, else
+    ``block_size``. None for a server without a dLLM algorithm."""
+    from dwise_predict.engine.algorithms import AlgorithmConfig, read_algorithm_file, served_decoding
 
     algorithm = getattr(server_args, "dllm_algorithm", None)
-    if algorithm is None or (manifest.get("decoding") or {}).get("algorithm") not in ALGORITHMS:
-        return  # not a dLLM server, or a bundle of no SGLang algorithm (the hook holds it to the block size)
-    raw = read_algorithm_config(getattr(server_args, "dllm_algorithm_config", None), "--dllm-algorithm-config")
-    served = served_decoding(algorithm, raw, raw.get("block_size"))
-    check_compatible(manifest, None, served, bundle)
+    if algorithm is None:
+        return None
+    path = getattr(server_args, "dllm_algorithm_config", None)
+    raw = read_algorithm_file(path) if path else {}
+    return served_decoding(algorithm, raw, AlgorithmConfig.from_mapping(raw, "--dllm-algorithm-config").block_size
+                           or block_size)
+
+
+def check_served_algorithm(manifest: dict, bundle: str, server_args) -> None:
+    """Refuse, before SGLang loads the model, a bundle trained for another algorithm or parameters
+    (or the block size the algorithm config file names) than the server will run. The hook checks
+    again on its first step, against the scheduler's ``DllmConfig``, block size included."""
+    from dwise_predict.engine.algorithms import ALGORITHMS
+    from dwise_predict.serving.bundle import check_compatible
+
+    served = served_algorithm(server_args)
+    if served is not None and (manifest.get("decoding") or {}).get("algorithm") in ALGORITHMS:
+        check_compatible(manifest, None, served, bundle)  # a bundle of no SGLang algorithm: block size only
 
 
 class SchedulerEntry:
@@ -165,13 +177,16 @@ class SchedulerEntry:
         # run_scheduler_process(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_rank, pipe_writer, ...)
         names = ("server_args", "port_args", "gpu_id", "tp_rank", "pp_rank", "dp_rank")
         ranks = {name: kwargs.get(name, args[i] if i < len(args) else None) for i, name in enumerate(names)}
-        install_in_this_process(self.config, gpu_id=ranks["gpu_id"] or 0, tp_rank=ranks["tp_rank"] or 0,
-                                pp_rank=ranks["pp_rank"] or 0, dp_rank=ranks["dp_rank"] or 0)
+        install_in_this_process(self.config, ranks["server_args"], gpu_id=ranks["gpu_id"] or 0,
+                                tp_rank=ranks["tp_rank"] or 0, pp_rank=ranks["pp_rank"] or 0,
+                                dp_rank=ranks["dp_rank"] or 0)
         return _load(self.target)(*args, **kwargs)
 
 
-def install_in_this_process(config: HookConfig, gpu_id: int = 0, tp_rank: int = 0, pp_rank: int = 0, dp_rank: int = 0):
-    """Install the hook in the current (scheduler) process; returns the ``Installed`` handle."""
+def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 0, tp_rank: int = 0, pp_rank: int = 0,
+                            dp_rank: int = 0):
+    """Install the hook in the current (scheduler) process; returns the ``Installed`` handle.
+    ``server_args``: SGLang's, whose decoding a recording is made in (:func:`served_algorithm`)."""
     global ACTIVE
     from dwise_predict.serving.sglang_adapter import install
 
@@ -188,7 +203,8 @@ def install_in_this_process(config: HookConfig, gpu_id: int = 0, tp_rank: int = 
         from dwise_predict.collectors.live import LiveRecorder
 
         recorder = LiveRecorder(Path(config.record) / f"dp{dp_rank}", block_size=config.block_size,
-                                features=features, every=config.record_every, bundle=config.bundle)
+                                features=features, every=config.record_every, bundle=config.bundle,
+                                decoding=served_algorithm(server_args, config.block_size))
     resolve = _load(config.resolver) if config.resolver else importlib.import_module
     ACTIVE = install(bundle, slots=config.slots, k=config.k, kv_budget_tokens=config.kv_budget_tokens,
                      kv_fraction=config.kv_fraction, slack_blocks=config.slack_blocks, features=features,

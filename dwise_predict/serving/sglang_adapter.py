@@ -52,7 +52,7 @@ synchronisation, as one batched call of the bundle's torch graph on the rows' de
 
 On its first step the hook reads the scheduler's ``DllmConfig``: a bundle trained for another
 algorithm, other parameters or another block size stops it with one line (rounds in other units),
-and a recording's manifest takes that decoding (``engine.algorithms.served_decoding``).
+and so does a recording whose manifest names another (``engine.algorithms.served_decoding``).
 
 A scheduler step is one round only with ``--dllm-fdfo`` (one forward per step); without it SGLang
 runs every denoising round of a block inside one step, and the policy is advanced by the number of
@@ -366,13 +366,13 @@ class _State:
     def bind(self, scheduler) -> None:
         """Create the policy from the scheduler's dLLM config on first use (no allocation here)."""
         config = scheduler.dllm_config
+        self.check_decoding(config)  # a bundle for another block size is named as such, first
         if self.block_size and int(config.block_size) != self.block_size:
             raise ConfigError(
                 f"the hook was installed for block_size {self.block_size} but SGLang runs {config.block_size}: "
                 "install it with SGLang's block size"
             )
         self.block_size = int(config.block_size)
-        self.check_decoding(config)
         if getattr(scheduler, "tokenizer", None) is not None:  # None under --skip-tokenizer-init
             self.tokenizer_stop_ids = tokenizer_stop_ids(scheduler.tokenizer)
         if self.slots * self.k > config.max_running_requests:
@@ -411,10 +411,11 @@ class _State:
                 self.stats.retracted += 1
 
     def check_decoding(self, config) -> None:
-        """Hold the bundle to the decoding SGLang serves (``config``: its ``DllmConfig``), and start the
-        recording under it: rounds in another algorithm's or threshold's units would rank requests
-        in units this server does not run. A bundle from traces of no SGLang algorithm (synthetic
-        traces, DiffusionGemma's transformers sampler) is held to the block size only."""
+        """Hold the bundle and the recording to the decoding SGLang serves (``config``: its
+        ``DllmConfig``): rounds in another algorithm's or threshold's units would rank requests in
+        units this server does not run, or be recorded under a decoding it did not run. A bundle from
+        traces of no SGLang algorithm (synthetic traces, DiffusionGemma's transformers sampler) is
+        held to the block size only."""
         from dwise_predict.engine.algorithms import ALGORITHMS, served_decoding  # torch: not at import
 
         served = served_decoding(config.algorithm, config.algorithm_config, config.block_size)
@@ -423,7 +424,11 @@ class _State:
             compared = served if trained in ALGORITHMS else {"block_size": served["block_size"]}
             check_compatible(self.bundle.manifest, None, compared, "given to the hook")
         if self.recorder is not None:
-            self.recorder.serving(served)
+            said = self.recorder.decoding
+            recorded = served_decoding(said.get("algorithm"), said.get("algorithm_config"), said.get("block_size"))
+            if recorded != served:
+                raise ConfigError(f"the recording says the server decodes with {recorded} but SGLang runs {served}: "
+                                  "give the recorder the server's decoding (`dwise-predict serve --record` reads it from SGLang's arguments)")
 
     def register(self, scheduler, reqs: list) -> None:
         """Add newly arrived (or retracted) requests to the policy, admission estimates in one batch.
@@ -583,9 +588,9 @@ def install(
     max_batch : most requests in one forward (the largest captured CUDA-graph batch); the buffer
         has ``max(max_batch, slots)`` rows. A forward with more rows fails loudly.
     hidden_size : the model's hidden size when recording without a bundle.
-    recorder : an object with ``serving(decoding)`` (called once, with the server's decoding, before
-        the first request), ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)`` and
-        ``finished(req)`` (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
+    recorder : an object with ``decoding`` (what it records SGLang to decode with: checked on the first
+        step), ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)`` and ``finished(req)``
+        (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
     prompt_cache : block rows kept for requests that a prefix-cache hit leaves without a prompt
         block of their own (:class:`_PromptRows`; ``prompt_cache`` x H floats on ``device``; 0: none,
         those requests get their leftover prompt rows' mean).
