@@ -469,6 +469,16 @@ def served_decoding(algorithm: str, algorithm_config: dict, block_size: int | No
             "block_size": None if block_size is None else int(block_size)}
 
 
+def comparable_decoding(trained_algorithm: str | None, served: dict) -> dict:
+    """What of a ``served`` decoding a bundle trained on ``trained_algorithm``'s traces must match:
+    everything where this decoder mirrors the algorithm (its parameters then carry SGLang's
+    defaults on both sides); the block size alone for traces of anything else (synthetic traces,
+    DiffusionGemma's transformers sampler, a Gemma4Renoise recording, whose parameters have no
+    defaults here to compare by)."""
+    info = ALGORITHMS.get(trained_algorithm or "")
+    return served if info is not None and info.rule is not None else {"block_size": served["block_size"]}
+
+
 def forwards_exhausted(rule: StepRule, forwards: torch.Tensor, block_size: int) -> torch.Tensor:
     """Rows whose block has had ``max_steps + 1`` forwards: the engine's loop ends them unstepped."""
     return forwards > rule.max_steps(block_size)

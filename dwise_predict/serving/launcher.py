@@ -154,12 +154,13 @@ def check_served_algorithm(manifest: dict, bundle: str, server_args) -> None:
     """Refuse, before SGLang loads the model, a bundle trained for another algorithm or parameters
     (or the block size the algorithm config file names) than the server will run. The hook checks
     again on its first step, against the scheduler's ``DllmConfig``, block size included."""
-    from dwise_predict.engine.algorithms import ALGORITHMS
+    from dwise_predict.engine.algorithms import comparable_decoding
     from dwise_predict.serving.bundle import check_compatible
 
     served = served_algorithm(server_args)
-    if served is not None and (manifest.get("decoding") or {}).get("algorithm") in ALGORITHMS:
-        check_compatible(manifest, None, served, bundle)  # a bundle of no SGLang algorithm: block size only
+    if served is not None:
+        check_compatible(manifest, None, comparable_decoding((manifest.get("decoding") or {}).get("algorithm"), served),
+                         bundle)
 
 
 class SchedulerEntry:

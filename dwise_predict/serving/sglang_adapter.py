@@ -413,16 +413,14 @@ class _State:
     def check_decoding(self, config) -> None:
         """Hold the bundle and the recording to the decoding SGLang serves (``config``: its
         ``DllmConfig``): rounds in another algorithm's or threshold's units would rank requests in
-        units this server does not run, or be recorded under a decoding it did not run. A bundle from
-        traces of no SGLang algorithm (synthetic traces, DiffusionGemma's transformers sampler) is
-        held to the block size only."""
-        from dwise_predict.engine.algorithms import ALGORITHMS, served_decoding  # torch: not at import
+        units this server does not run, or be recorded under a decoding it did not run
+        (:func:`~dwise_predict.engine.algorithms.comparable_decoding` says what a bundle is held to)."""
+        from dwise_predict.engine.algorithms import comparable_decoding, served_decoding  # torch: not at import
 
         served = served_decoding(config.algorithm, config.algorithm_config, config.block_size)
         if self.bundle is not None:
             trained = (self.bundle.manifest.get("decoding") or {}).get("algorithm")
-            compared = served if trained in ALGORITHMS else {"block_size": served["block_size"]}
-            check_compatible(self.bundle.manifest, None, compared, "given to the hook")
+            check_compatible(self.bundle.manifest, None, comparable_decoding(trained, served), "given to the hook")
         if self.recorder is not None:
             said = self.recorder.decoding
             recorded = served_decoding(said.get("algorithm"), said.get("algorithm_config"), said.get("block_size"))
