@@ -86,6 +86,23 @@ def test_every_declared_end_of_sequence_id_stops_a_request_as_in_sglang(model_di
     assert set(backend.eos_token_ids) == want and 7 in want and len(want) == 2
 
 
+def test_a_checkpoint_routed_per_block_is_collected_only_at_its_own_block_size(model_dir, tmp_path, capsys):
+    """As SGLang serves it (``DllmConfig.from_server_args``; tests/test_engine_conformance.py)."""
+    import json
+    import shutil
+
+    model = shutil.copytree(model_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "expert_capacity": 8}))
+    flags = ["collect", "--model", str(model), "--limit", "2", "--budget", "8"]
+    assert main([*flags, "--block-size", "8", "--out", str(tmp_path / "o8")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "block_size 4, not 8" in err and "drop --block-size" in err
+    assert not (tmp_path / "o8").exists()
+    assert main([*flags, "--out", str(tmp_path / "o4")]) == 0
+    assert (load_traces(tmp_path / "o4").requests["block_size"] == 4).all()
+
+
 def test_autoregressive_model_is_refused(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 

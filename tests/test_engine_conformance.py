@@ -381,6 +381,41 @@ def test_the_servers_algorithm_config_file_reads_as_sglang_reads_it(sgl, tmp_pat
         assert algorithm.vectorized_decoding is True and "vectorized_decoding" not in ours.algorithm_config
 
 
+@pytest.mark.parametrize("expert_capacity", [None, 8])
+@pytest.mark.parametrize("checkpoint_block", [4, 32, None])
+@pytest.mark.parametrize("served_block", [4, 32])
+def test_a_checkpoint_routed_per_block_is_served_only_at_its_own_block_size(sgl, tmp_path, monkeypatch,
+                                                                          expert_capacity, checkpoint_block,
+                                                                          served_block):
+    """SGLang's ``DllmConfig.from_server_args`` (its model config stood in) refuses what
+    ``routing_block_size_problem`` refuses, and nothing else, for an SDAR checkpoint served at its
+    table's block size (4) or at an algorithm config's ``block_size``."""
+    import sys
+    from types import SimpleNamespace
+
+    from dwise_predict.engine.layout import routing_block_size_problem
+
+    path = tmp_path / "algorithm.yaml"
+    path.write_text(f"block_size: {served_block}\n" if served_block != 4 else "")
+    module = sys.modules["sglang.srt.dllm.config"]
+    checkpoint = {"architectures": ["SDARForCausalLM"], "block_size": checkpoint_block, "expert_capacity": expert_capacity}
+    monkeypatch.setattr(module, "resolving_view", lambda args: args)
+    monkeypatch.setattr(module, "ModelConfig", SimpleNamespace(
+        from_server_args=lambda *a, **k: SimpleNamespace(hf_config=SimpleNamespace(**checkpoint), vocab_size=1000)))
+    server_args = SimpleNamespace(dllm_algorithm="LowConfidence", dllm_algorithm_config=str(path), model_path="m",
+                                  revision=None, max_running_requests=None, dllm_fdfo=False)
+    try:
+        config = module.DllmConfig.from_server_args(server_args)
+    except ValueError as err:
+        assert "block routing" in str(err), err
+        refused = True
+    else:
+        assert config.block_size == served_block
+        refused = False
+    assert (routing_block_size_problem(checkpoint, served_block) is not None) == refused
+    assert refused == (expert_capacity is not None and checkpoint_block != served_block)
+
+
 def test_a_tokenizer_stops_requests_on_the_ids_sglang_attaches_to_it():
     """SGLang's ``attach_additional_stop_token_ids`` (with its table of turn-final markers), run from
     its source on a tokenizer stand-in, finds the ids ``tokenizer_stop_ids`` finds, beside the eos."""

@@ -82,6 +82,17 @@ def prefill_rounds(prompt_tokens: int, block_size: int, cached_prefix: int = 0) 
     return max(0, prompt_tokens // block_size - cached_blocks)
 
 
+def routing_block_size_problem(checkpoint_config: dict, block_size: int) -> str | None:
+    """Why SGLang refuses to serve a checkpoint (``checkpoint_config``: its config.json) at
+    ``block_size``, or None. A checkpoint that routes experts per block (``expert_capacity``: LLaDA2)
+    runs only at its own ``block_size`` (``DllmConfig.from_server_args``)."""
+    own = checkpoint_config.get("block_size")
+    if checkpoint_config.get("expert_capacity") is not None and block_size != own:
+        return (f"its experts are routed per block (expert_capacity in config.json), so SGLang serves it only at "
+                f"the checkpoint's block_size {own}, not {block_size}")
+    return None
+
+
 def tokenizer_stop_ids(tokenizer) -> set[int]:
     """The ids a request stops on through its tokenizer, beside the model config's EOS ids
     (``Req._check_token_based_finish``): the tokenizer's ``eos_token_id`` and its

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dwise_predict.collectors.backends.base import DTYPES, LOAD_ERRORS, StepBatch, StepOutput, directory_fingerprint
-from dwise_predict.engine.layout import tokenizer_stop_ids
+from dwise_predict.engine.layout import routing_block_size_problem, tokenizer_stop_ids
 from dwise_predict.errors import ModelError
 
 # Block sizes of known architectures (SGLang's DllmConfig); a config's own block_size wins.
@@ -177,6 +177,8 @@ def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = 
     if block is None:
         raise ModelError(f"{path}: unknown block size for {architecture or config.get('model_type')}: "
                          "pass --block-size")
+    if problem := routing_block_size_problem(config, block_size or block):
+        raise ModelError(f"{path}: {problem}: drop --block-size (or the algorithm config's block_size)")
     pad = config.get("pad_token_id")
     pad = tokenizer.pad_token_id if pad is None else pad
     last_error = None
