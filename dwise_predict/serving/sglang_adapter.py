@@ -426,7 +426,8 @@ class _State:
             recorded = served_decoding(said.get("algorithm"), said.get("algorithm_config"), said.get("block_size"))
             if recorded != served:
                 raise ConfigError(f"the recording says the server decodes with {recorded} but SGLang runs {served}: "
-                                  "give the recorder the server's decoding (`dwise-predict serve --record` reads it from SGLang's arguments)")
+                                  "give the recorder the server's decoding (`dwise-predict serve --record` reads "
+                                  "it from SGLang's arguments)")
 
     def register(self, scheduler, reqs: list) -> None:
         """Add newly arrived (or retracted) requests to the policy, admission estimates in one batch.
