@@ -339,6 +339,21 @@ def test_real_checkpoints_get_the_block_size_and_mask_id_sglang_serves_them_with
     assert SGLANG_DLLM_PARAMS == sglang and len(sglang) == 3
 
 
+def sglang_dllm_config(monkeypatch, checkpoint: dict, algorithm: str, config_path):
+    """SGLang's own ``DllmConfig.from_server_args`` for a server given ``--dllm-algorithm algorithm
+    --dllm-algorithm-config config_path``, its model config stood in by ``checkpoint`` (config.json)."""
+    import sys
+    from types import SimpleNamespace
+
+    module = sys.modules["sglang.srt.dllm.config"]
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(**checkpoint), vocab_size=200_000)
+    monkeypatch.setattr(module, "resolving_view", lambda args: args)
+    monkeypatch.setattr(module, "ModelConfig", SimpleNamespace(from_server_args=lambda *a, **k: model_config))
+    return module.DllmConfig.from_server_args(SimpleNamespace(
+        dllm_algorithm=algorithm, dllm_algorithm_config=str(config_path), model_path="m", revision=None,
+        max_running_requests=None, dllm_fdfo=False))
+
+
 @pytest.mark.parametrize("name,text", [
     ("LowConfidence", "threshold: 0.9\n"),
     ("JointThreshold", "threshold: 0.7\nedit_threshold: 0.3\nblock_size: 16\nvectorized_decoding: true\n"
@@ -350,23 +365,14 @@ def test_the_servers_algorithm_config_file_reads_as_sglang_reads_it(sgl, tmp_pat
     (its model config stood in: an SDAR checkpoint) and by ``collect --algorithm-config``: the same
     block size, and the algorithm SGLang builds from it holds our rule's parameters; the serving hook's
     reading of SGLang's ``DllmConfig`` (``served_decoding``) records the same."""
-    import sys
-    from types import SimpleNamespace
-
     from dwise_predict.collectors.records import DecodingConfig
     from dwise_predict.engine.algorithms import read_algorithm_file, served_decoding
     from dwise_predict.engine.reference import ATTRIBUTES
 
     path = tmp_path / "algorithm.yaml"
     path.write_text(text)
-    module = sys.modules["sglang.srt.dllm.config"]
-    hf_config = SimpleNamespace(architectures=["SDARForCausalLM"], delete_token_id=DELETE, split_token_id=SPLIT)
-    monkeypatch.setattr(module, "resolving_view", lambda args: args)
-    monkeypatch.setattr(module, "ModelConfig", SimpleNamespace(
-        from_server_args=lambda *a, **k: SimpleNamespace(hf_config=hf_config, vocab_size=200_000)))
-    server_args = SimpleNamespace(dllm_algorithm=name, dllm_algorithm_config=str(path), model_path="sdar",
-                                  revision=None, max_running_requests=None, dllm_fdfo=False)
-    theirs = module.DllmConfig.from_server_args(server_args)
+    theirs = sglang_dllm_config(monkeypatch, {"architectures": ["SDARForCausalLM"], "delete_token_id": DELETE,
+                                              "split_token_id": SPLIT}, name, path)
     algorithm = sgl.algorithms[name](theirs)
 
     ours = DecodingConfig(algorithm=name, algorithm_config=read_algorithm_file(str(path)))
@@ -390,22 +396,13 @@ def test_a_checkpoint_routed_per_block_is_served_only_at_its_own_block_size(sgl,
     """SGLang's ``DllmConfig.from_server_args`` (its model config stood in) refuses what
     ``routing_block_size_problem`` refuses, and nothing else, for an SDAR checkpoint served at its
     table's block size (4) or at an algorithm config's ``block_size``."""
-    import sys
-    from types import SimpleNamespace
-
     from dwise_predict.engine.layout import routing_block_size_problem
 
     path = tmp_path / "algorithm.yaml"
     path.write_text(f"block_size: {served_block}\n" if served_block != 4 else "")
-    module = sys.modules["sglang.srt.dllm.config"]
     checkpoint = {"architectures": ["SDARForCausalLM"], "block_size": checkpoint_block, "expert_capacity": expert_capacity}
-    monkeypatch.setattr(module, "resolving_view", lambda args: args)
-    monkeypatch.setattr(module, "ModelConfig", SimpleNamespace(
-        from_server_args=lambda *a, **k: SimpleNamespace(hf_config=SimpleNamespace(**checkpoint), vocab_size=1000)))
-    server_args = SimpleNamespace(dllm_algorithm="LowConfidence", dllm_algorithm_config=str(path), model_path="m",
-                                  revision=None, max_running_requests=None, dllm_fdfo=False)
     try:
-        config = module.DllmConfig.from_server_args(server_args)
+        config = sglang_dllm_config(monkeypatch, checkpoint, "LowConfidence", path)
     except ValueError as err:
         assert "block routing" in str(err), err
         refused = True

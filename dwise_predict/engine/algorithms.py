@@ -462,9 +462,8 @@ def served_decoding(algorithm: str, algorithm_config: dict, block_size: int | No
     reads it, the rule's parameters over its defaults, other keys ignored, nothing range-checked (the
     server runs what it was given). An algorithm this decoder cannot run keeps its parameters as given."""
     params = AlgorithmConfig.from_mapping(algorithm_config or {}, "SGLang's --dllm-algorithm-config").params
-    info = ALGORITHMS.get(algorithm)
-    if info is not None and info.rule is not None:
-        params = {**info.rule.DEFAULTS, **{key: params[key] for key in params if key in info.rule.DEFAULTS}}
+    if (rule := _mirrored_rule(algorithm)) is not None:
+        params = {**rule.DEFAULTS, **{key: params[key] for key in params if key in rule.DEFAULTS}}
     return {"algorithm": algorithm, "algorithm_config": params,
             "block_size": None if block_size is None else int(block_size)}
 
@@ -475,8 +474,13 @@ def comparable_decoding(trained_algorithm: str | None, served: dict) -> dict:
     defaults on both sides); the block size alone for traces of anything else (synthetic traces,
     DiffusionGemma's transformers sampler, a Gemma4Renoise recording, whose parameters have no
     defaults here to compare by)."""
-    info = ALGORITHMS.get(trained_algorithm or "")
-    return served if info is not None and info.rule is not None else {"block_size": served["block_size"]}
+    return served if _mirrored_rule(trained_algorithm) is not None else {"block_size": served["block_size"]}
+
+
+def _mirrored_rule(algorithm: str | None):
+    """The step rule class mirroring SGLang's ``algorithm``, or None where we run no such rule."""
+    info = ALGORITHMS.get(algorithm or "")
+    return None if info is None else info.rule
 
 
 def forwards_exhausted(rule: StepRule, forwards: torch.Tensor, block_size: int) -> torch.Tensor:
