@@ -287,22 +287,22 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
 
     paths = [write(make_traces(seed=s), tmp_path / f"d{s}") for s in (1, 2)]
     straight = across.across_sets(paths, fast_config())
-    real_fit, fitted = across.fit, []
+    real_fit, fitted = across.fit_kept, []
 
     def fit_until(limit):
-        def fit(train, config):
+        def fit_kept(train, config, kept, log):
             if len(fitted) == limit:
                 raise KeyboardInterrupt
             fitted.append(len(train))
-            return real_fit(train, config)
-        return fit
+            return real_fit(train, config, kept, log)
+        return fit_kept
 
     kept = tmp_path / ".table.kept"
-    monkeypatch.setattr(across, "fit", fit_until(1))
+    monkeypatch.setattr(across, "fit_kept", fit_until(1))
     with pytest.raises(KeyboardInterrupt):  # stopped while training on the second set
         across.across_sets(paths, fast_config(), finished=kept)
     assert len(list(kept.glob("*.json"))) == 1
-    monkeypatch.setattr(across, "fit", fit_until(None))
+    monkeypatch.setattr(across, "fit_kept", fit_until(None))
     logged = []
     resumed = across.across_sets(paths, fast_config(), log=logged.append, finished=kept)
     assert len(fitted) == 2  # the rerun trained on the second set only
@@ -351,3 +351,44 @@ def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, 
     straight = evaluate_mod.evaluate([traces], loco=True, jobs=1, config=TrainConfig.from_file(config))
     assert json.dumps(resumed, sort_keys=True) == json.dumps(
         json.loads(json.dumps(straight.result["loco"], default=lambda v: v.tolist())), sort_keys=True)
+
+
+def test_an_evaluation_interrupted_after_its_own_fit_does_not_fit_again(tmp_path, monkeypatch, capsys):
+    """Without --run, evaluate fits both predictors first; that fit is kept (as a run directory) so
+    the rerun of an evaluation interrupted in its retrainings loads it instead of fitting again."""
+    from dwise_predict.evaluation import pool
+
+    traces = write(make_traces(seed=1), tmp_path / "t")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    args = ["evaluate", str(traces), "--out", str(tmp_path / "eval"), "--config", str(config), "--jobs", "1"]
+    assert main(args) == 0
+    straight = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    real_fit, real_fit_predict, fits, retrainings = pool.fit, pool.fit_predict, [], []
+
+    def counted_fit(train, config, jobs=None):
+        fits.append(len(train))
+        return real_fit(train, config, jobs)
+
+    def interrupted(task, jobs=None):
+        raise KeyboardInterrupt
+
+    def counted_fit_predict(task, jobs=None):
+        retrainings.append(task.name)
+        return real_fit_predict(task, jobs)
+
+    monkeypatch.setattr(pool, "fit", counted_fit)
+    monkeypatch.setattr(pool, "fit_predict", interrupted)
+    assert main(args) == INTERRUPTED  # the main fit done, stopped in the first retraining
+    kept = tmp_path / ".eval.kept"
+    assert fits == [len(make_traces(seed=1).split("train"))] and len(list(kept.glob("*.run"))) == 1
+    fits.clear()
+    capsys.readouterr()
+    monkeypatch.setattr(pool, "fit_predict", counted_fit_predict)
+    assert main(args) == 0
+    assert "predictors fitted before an interruption" in capsys.readouterr().err
+    assert len(fits) == len(retrainings) > 0  # the retrainings only: no second main fit
+    assert not kept.exists()
+    resumed = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    for key in ("metrics", "baselines", "winner", "loco"):  # the reloaded predictors score as the fitted ones
+        assert json.dumps(resumed[key], sort_keys=True) == json.dumps(straight[key], sort_keys=True), key

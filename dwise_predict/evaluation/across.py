@@ -34,7 +34,7 @@ from dwise_predict import metrics as M
 from dwise_predict.errors import InputError, StoreError
 from dwise_predict.evaluation.document import Document, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.inputs import model_label
-from dwise_predict.evaluation.pool import fit, kept_results_dir, result_key, run_tasks
+from dwise_predict.evaluation.pool import fit_kept, kept_results_dir, result_key, run_tasks
 from dwise_predict.files import atomic_dir, claim_output, read_json_object, write_json
 from dwise_predict.traces import load_traces
 
@@ -99,7 +99,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             rows.append({**row, "path": str(path)})
             continue
         log(f"  {path}: training on {len(train)} requests")
-        predictors = fit(train, config)
+        predictors = fit_kept(train, config, finished, log)
         metrics = evaluate_predictors(predictors, ev, config.bootstrap, config.seed)
         scored = ev.subset(Targets.of(ev).events)
         loco_tasks, skipped = loco_mod.plan(train, scored, config, min_requests=min_requests) if loco else ([], [])

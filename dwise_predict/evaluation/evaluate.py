@@ -37,7 +37,7 @@ from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, SHIPPED, bas
 from dwise_predict.evaluation.characterize import characterize, output_vs_work
 from dwise_predict.files import atomic_dir, atomic_write, claim_output, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
-from dwise_predict.evaluation.pool import fit, kept_results_dir, run_tasks
+from dwise_predict.evaluation.pool import fit_kept, kept_results_dir, run_tasks
 from dwise_predict.evaluation.report import survival_examples
 from dwise_predict.runs import load_run
 from dwise_predict.traces import TraceDataset
@@ -120,8 +120,9 @@ def evaluate(
         ``TrainConfig()``.
     log : progress messages (to stderr in the CLI).
     ablate : ablations to run (``inputs``, ``train-size``, ``seeds``, ``layers``, ``pooling``; see :mod:`.ablate`).
-    kept : a folder keeping each finished retraining, so a rerun after an interruption skips it
-        (:func:`.pool.run_tasks`; the CLI keeps them beside ``--out``).
+    kept : a folder keeping the main fit (without ``run``) and each finished retraining, so a rerun
+        after an interruption skips them (:func:`.pool.fit_kept`, :func:`.pool.run_tasks`; the CLI
+        keeps them beside ``--out``).
 
     Raises
     ------
@@ -156,7 +157,7 @@ def evaluate(
     else:
         config = config or TrainConfig()
         log(f"training both predictors on {len(train)} requests")
-        predictors = fit(train, config)
+        predictors = fit_kept(train, config, kept, log)
 
     metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
     # Rank tables use finished requests, as metrics.json does: a request whose collection was cut

@@ -11,6 +11,7 @@ A retraining's predictions depend only on its two datasets, its config and the c
 ``kept`` set each one is kept as it finishes, under a key of those (:func:`result_key`), in a folder
 beside the command's output (:func:`kept_results_dir`): an interrupted ``evaluate`` (LOCO, the
 baselines, ablations; ``--across`` too) rerun with the same inputs skips the retrainings already done.
+The command's own fit of both predictors is kept there too, as a run directory (:func:`fit_kept`).
 The folder goes once the output is written. Stored as safetensors with the candidate's name in its
 metadata: nothing is unpickled.
 
@@ -63,6 +64,34 @@ def fit(train: TraceDataset, config, jobs: int | None = None):
 
     with torch_threads(config.num_threads):
         return fit_predictors(train, config, jobs=jobs)
+
+
+def fit_kept(train: TraceDataset, config, kept: str | os.PathLike | None = None,
+             log: Callable[[str], None] | None = None):
+    """``fit(train, config)``, kept in ``kept`` as a run directory (the format ``train`` writes and
+    ``evaluate --run`` reads, :mod:`dwise_predict.runs`) under a key of ``train``, ``config`` and the
+    code, so a command interrupted after its main fit reloads it on the rerun instead of fitting
+    again. A kept run that cannot be read is fitted again; ``kept`` None keeps nothing."""
+    from dwise_predict.errors import InputError
+    from dwise_predict.files import atomic_dir
+    from dwise_predict.training import load_predictors, write_run
+
+    if kept is None:
+        return fit(train, config)
+    path = Path(kept) / f"{result_key([train], config, fitted='predictors')}.run"
+    if path.is_dir():
+        try:
+            predictors = load_predictors(path)
+        except InputError:
+            pass
+        else:
+            if log:
+                log(f"  predictors fitted before an interruption, kept in {kept}")
+            return predictors
+    predictors = fit(train, config)
+    with atomic_dir(path) as tmp:
+        write_run(tmp, train, predictors, {"n_train": predictors.n_train}, config)
+    return predictors
 
 
 def fit_predict(task: RetrainTask, jobs: int | None = None) -> dict[str, Any]:
