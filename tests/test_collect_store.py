@@ -114,6 +114,20 @@ def test_other_model_or_decoding_config_is_refused_and_batch_size_is_not(tmp_pat
         assert store.finished_ids() == {"r000", "r001"}
 
 
+def test_parameters_are_compared_over_sglangs_defaults(tmp_path):
+    """A recording made before manifests carried the defaults says LowConfidence ``{}``: the same
+    decoding as ``{"threshold": 0.95}`` (SGLang's default), so a restart with today's manifest resumes
+    it, and any other threshold is still refused."""
+    old = _manifest()
+    old["decoding"]["algorithm_config"] = {}
+    with TraceStore(tmp_path, old) as store:
+        store.write_shard(*_rows([0, 1]))
+    with TraceStore(tmp_path, _manifest(threshold=0.95)) as store:
+        assert store.finished_ids() == {"r000", "r001"}
+    with pytest.raises(StoreError, match=r"another config \(algorithm_config \{'threshold': 0.95\} vs \{'threshold': 0.9\}\)"):
+        TraceStore(tmp_path, _manifest(threshold=0.9)).__enter__()
+
+
 def test_disk_full_is_one_line_and_earlier_shards_stay_readable(tmp_path, monkeypatch):
     with TraceStore(tmp_path, _manifest()) as store:
         store.write_shard(*_rows([0, 1]))
