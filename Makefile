@@ -21,8 +21,10 @@ install: $(BIN)/dwise-predict
 quickstart: install
 	$(BIN)/dwise-predict quickstart --out $(OUT)
 
+# One worker per core, at most four (each holds its own torch and tiny models), a test file per
+# worker so module fixtures are built once: on 2 cores the suite takes about half its serial time.
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 clean:
 	rm -rf $(VENV) out
