@@ -248,6 +248,31 @@ def test_sglang_sync_mode_worked_out_by_hand():
     assert fdfo.metrics["mean_latency_rounds"] < r.metrics["mean_latency_rounds"]
 
 
+def test_sglang_admission_stops_at_the_first_request_whose_kv_does_not_fit(monkeypatch):
+    """SGLang admits waiting requests in order through its PrefillAdder and stops at the first it
+    cannot add (``process_dllm_incoming_reqs`` breaks there), in both loops; a later, smaller request
+    does not pass it. B = 4, KV budget 5 blocks, no slack; A and B reserve 4 blocks (P = 3, one output
+    block of 2 rounds), C one (P = 0, one block of 1 round); all at t = 0 in that order."""
+    from dwise_predict.serving import simulator
+
+    w = workload([3, 3, 0], [2, 2, 1], out_blocks=1)
+    w.block_rounds = np.empty(3, dtype=object)
+    w.block_rounds[:] = [np.array([2]), np.array([2]), np.array([1])]
+    cfg = SimConfig(slots=4, kv_budget=5, kv_slack_blocks=0, round_ms=1000.0, slot_ms=0.0)
+    # FDFO: A alone (B does not fit, so C waits behind it): prefill rounds 1-3, decode 4-5; then B
+    # and C: B prefills in rounds 6-8 (the barrier holds C), both decode in round 9, B again in 10
+    fdfo = simulate(w, "sglang-default", cfg, arrivals([0, 0, 0]), record=True)
+    assert fdfo.completion_round.tolist() == [5, 10, 9]
+    assert [ids for ids, _ in fdfo.run_log][:5] == [["A"], ["A"], ["A"], ["A"], ["A"]]
+    # synchronous: the same admissions; B's and C's blocks run together for B's 2 forwards (9-10)
+    sync = simulate(w, "sglang-sync", cfg, arrivals([0, 0, 0]))
+    assert sync.completion_round.tolist() == [5, 10, 10]
+    # were C allowed past B, it would ride along with A and finish in round 4
+    passing = replace(SCHEDULERS["sglang-default"], blocking_admission=False)
+    monkeypatch.setitem(simulator.POLICIES, "sglang-default", passing)
+    assert simulate(w, "sglang-default", cfg, arrivals([0, 0, 0])).completion_round.tolist() == [5, 10, 4]
+
+
 def test_gain_decomposition_multiplies_out():
     from dwise_predict.serving.simulator import gain_decomposition
 

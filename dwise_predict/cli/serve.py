@@ -34,8 +34,8 @@ def serve_command(
 ) -> None:
     """Run SGLang's HTTP server with the DWISE hook installed in every scheduler process.
 
-    Start SGLang with --dllm-fdfo (a scheduler step is then one round) and --max-running-requests
-    at least k*B. Needs sglang==0.5.23 (CUDA) in this environment.
+    Serve in FDFO mode (--dllm-fdfo, SGLang's default: a scheduler step is then one round) with
+    --max-running-requests at least k*B. Needs sglang==0.5.23 (CUDA) in this environment.
 
     Examples:
 

@@ -86,7 +86,7 @@ def fit_kept(train: TraceDataset, config, kept: str | os.PathLike | None = None,
             pass
         else:
             if log:
-                log(f"  predictors fitted before an interruption, kept in {kept}")
+                log(f"  fitted before an interruption: loaded from {kept}")
             return predictors
     predictors = fit(train, config)
     with atomic_dir(path) as tmp:

@@ -21,7 +21,7 @@ COLUMNS = (
     ("cap_blocked_rounds_pct", "cap-blocked %"), ("speedup_vs_default", "speed-up"),
 )
 # which mechanism each scheduler adds over the row before it (kept in step with serving.schedulers)
-ADDS = {"sglang-default": "baseline", "sglang-sync": "SGLang without --dllm-fdfo", "fcfs-mixed": "mixed batching", "mlfq": "work-done levels",
+ADDS = {"sglang-default": "baseline", "sglang-sync": "SGLang with --no-dllm-fdfo", "fcfs-mixed": "mixed batching", "mlfq": "work-done levels",
         "ssjf": "predicted length, admission only", "s3": "length buckets, sized KV",
         "ltr": "predicted order, preemptive", "trail": "probe refinement", "dwise-zero": "ordering by prompt work",
         "dwise-admission": "admission estimates", "dwise-raw": "raw refinement", "dwise-refined": "calibration", "dwise-oracle": "perfect estimates"}

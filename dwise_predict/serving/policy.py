@@ -70,6 +70,9 @@ class DwisePolicy:
     ranking : ``"remaining"`` ranks by ``R = P + r̂`` (DWISE); ``"arrival"`` by arrival (FCFS).
     prefill_first : run only prompt blocks while any resident request has one left (SGLang's
         default phase barrier); DWISE mixes prompt and denoising blocks (``False``).
+    blocking_admission : a waiting request whose reservation does not fit stops admission for the
+        round, as SGLang's ``PrefillAdder`` does (``process_dllm_incoming_reqs`` breaks at the first
+        request it cannot add), instead of letting a later, smaller one pass it (``False``).
 
     Raises
     ------
@@ -84,6 +87,7 @@ class DwisePolicy:
         kv_budget: float | None = None,
         ranking: str = "remaining",
         prefill_first: bool = False,
+        blocking_admission: bool = False,
     ):
         problems = []
         if not isinstance(slots, (int, np.integer)) or slots < 1:
@@ -102,6 +106,7 @@ class DwisePolicy:
         self.kv_budget = math.inf if kv_budget is None else float(kv_budget)
         self.ranking = ranking
         self.prefill_first = bool(prefill_first)
+        self.blocking_admission = bool(blocking_admission)
 
         self.kv_used = 0.0
         self._seq_next = 0
@@ -229,8 +234,10 @@ class DwisePolicy:
 
         Ranks waiting ∪ resident by (key, arrival sequence). A waiting request is admitted when it
         ranks in the top ``B``, fewer than ``k * B`` requests are resident and its reservation fits
-        the free KV budget; then the ``B`` best-ranked resident requests run (with
-        ``prefill_first``: the best-ranked ones that still have prompt blocks, if any do).
+        the free KV budget (one that does not fit is passed over for the next, unless
+        ``blocking_admission``: then admission stops there); then the ``B`` best-ranked resident
+        requests run (with ``prefill_first``: the best-ranked ones that still have prompt blocks, if
+        any do).
         """
         res = self._resident
         keys = self._keys(res)
@@ -249,6 +256,9 @@ class DwisePolicy:
                     admitted.append(slot)
                     self.kv_used += self._kv[slot]
                     n_res += 1
+                elif self.blocking_admission:
+                    kept.extend(head[pos:])
+                    break
                 else:
                     kept.append(entry)
             if admitted:

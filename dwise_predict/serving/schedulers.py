@@ -4,13 +4,14 @@ subclass of it where the ranking key differs (seed 000 Tables 2 and 4 name the b
 ============================  ==========================================================================
 name                          what it is (all serve in rounds of at most ``B`` block rows)
 ============================  ==========================================================================
-``sglang-default``            SGLang 0.5.23's dLLM scheduler, ``--dllm-fdfo``: at most ``B`` requests
-                              (``--max-running-requests``), FCFS; a round is all-prefill while any
-                              of them has a prompt block left (one block per request per forward,
-                              ``B * block_size`` tokens of budget), else all-decode
-``sglang-sync``               the same without ``--dllm-fdfo`` (SGLang's default loop): a decode step
-                              runs the batch's current blocks until every member has finished its
-                              block (as many forwards as the slowest needs), then all move on
+``sglang-default``            SGLang 0.5.23's dLLM scheduler as it runs by default (FDFO,
+                              ``--dllm-fdfo``): at most ``B`` requests (``--max-running-requests``),
+                              admitted FCFS, admission stopping at the first whose KV does not fit;
+                              a round is all-prefill while any of them has a prompt block left (one
+                              block per request per forward), else all-decode
+``sglang-sync``               the same with ``--no-dllm-fdfo`` (SGLang's synchronous loop): a decode
+                              step runs the batch's current blocks until every member has finished
+                              its block (as many forwards as the slowest needs), then all move on
 ``fcfs-mixed``                FCFS over ``k·B`` residents, prompt and denoising blocks share rounds
 ``mlfq``                      FastServe-style skip-join MLFQ: level from work done (prompt blocks on
                               arrival, then denoising rounds; quanta double per level), preemptive
@@ -69,14 +70,16 @@ class SchedulerSpec:
     preemptive: bool = True
     kv: str = "budget"
     bucket_key: bool = False
-    sync: bool = False  # SGLang's default (non-FDFO) loop: a batch runs each block until all members finish it
+    sync: bool = False  # SGLang's synchronous loop (--no-dllm-fdfo): a batch runs each block until all members finish it
+    blocking_admission: bool = False  # SGLang's admission: the first request whose KV does not fit stops it
     gain: str = ""  # the mechanism this row adds over the one before (for the table)
 
 
 SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
-    SchedulerSpec("sglang-default", "arrival", prefill_first=True, preemptive=False, gain="baseline"),
-    SchedulerSpec("sglang-sync", "arrival", prefill_first=True, preemptive=False, sync=True,
-                  gain="SGLang without --dllm-fdfo"),
+    SchedulerSpec("sglang-default", "arrival", prefill_first=True, preemptive=False, blocking_admission=True,
+                  gain="baseline"),
+    SchedulerSpec("sglang-sync", "arrival", prefill_first=True, preemptive=False, sync=True, blocking_admission=True,
+                  gain="SGLang with --no-dllm-fdfo"),
     SchedulerSpec("fcfs-mixed", "arrival", gain="mixed batching"),
     SchedulerSpec("mlfq", "mlfq", gain="work-done levels"),
     SchedulerSpec("ssjf", "fixed", "admission", preemptive=False, gain="predicted length, admission only"),
@@ -109,9 +112,10 @@ class ScheduledPolicy(DwisePolicy):
     """
 
     def __init__(self, slots: int, k: float = 8, kv_budget: float | None = None, ranking: str = "remaining",
-                 prefill_first: bool = False, quantum: float = 8.0):
+                 prefill_first: bool = False, quantum: float = 8.0, blocking_admission: bool = False):
         base = ranking if ranking in ("remaining", "arrival") else "remaining"
-        super().__init__(slots, k, kv_budget, ranking=base, prefill_first=prefill_first)
+        super().__init__(slots, k, kv_budget, ranking=base, prefill_first=prefill_first,
+                         blocking_admission=blocking_admission)
         self.ranking = ranking
         self.quantum = float(quantum)
         self._fixed = np.zeros(len(self._P))
@@ -171,6 +175,7 @@ class ScheduledPolicy(DwisePolicy):
 def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None) -> DwisePolicy:
     """The policy object serving ``spec`` (the plain :class:`DwisePolicy` where it suffices)."""
     k_eff = k if spec.preemptive else 1
+    options = dict(ranking=spec.ranking, prefill_first=spec.prefill_first, blocking_admission=spec.blocking_admission)
     if spec.ranking in ("remaining", "arrival"):
-        return DwisePolicy(slots, k_eff, kv_budget, ranking=spec.ranking, prefill_first=spec.prefill_first)
-    return ScheduledPolicy(slots, k_eff, kv_budget, ranking=spec.ranking, prefill_first=spec.prefill_first)
+        return DwisePolicy(slots, k_eff, kv_budget, **options)
+    return ScheduledPolicy(slots, k_eff, kv_budget, **options)

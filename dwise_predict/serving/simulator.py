@@ -8,7 +8,7 @@ admission and which requests run; the simulator only advances the true state and
 simulated policy is the served one, line for line.
 
 Schedulers (:data:`POLICIES`, defined in :mod:`~dwise_predict.serving.schedulers`): SGLang's
-default (with ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``), FCFS-mixed, MLFQ, SSJF,
+default (FDFO, ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``, ``--no-dllm-fdfo``), FCFS-mixed, MLFQ, SSJF,
 S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission, raw and calibrated refinement,
 oracle), each a configuration of the one policy class.
 
@@ -424,9 +424,11 @@ def _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, f
 
 
 def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arrivals=None) -> SimResult:
-    """SGLang 0.5.23's dLLM loop without ``--dllm-fdfo`` (``sglang-sync``).
+    """SGLang 0.5.23's synchronous dLLM loop, ``--no-dllm-fdfo`` (``sglang-sync``).
 
-    At most ``B`` requests are held, admitted in arrival order as others finish. A step is a
+    At most ``B`` requests are held, admitted in arrival order as others finish and while their KV
+    reservations fit the budget (the first that does not fit waits, and so do those behind it, as
+    in SGLang's ``PrefillAdder``). A step is a
     prefill forward (one prompt block for each held request that has one left; prefill first) or,
     when none has, a decode step: every held request's current output block, run for as many
     forwards as the slowest of them needs (``rounds_per_block``), every forward holding all of them;
@@ -435,7 +437,8 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
     if workload.block_rounds is None:
         raise ConfigError("sglang-sync needs the rounds of every output block: traces with rounds_per_block")
     n = len(workload)
-    kv_reservations(workload, config)  # the same refusal as the other schedulers
+    kv = kv_reservations(workload, config)
+    kv_budget, kv_used = (math.inf if config.kv_budget is None else config.kv_budget), 0.0
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
     cost = config.cost
     blocks = workload.block_rounds
@@ -452,8 +455,9 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
         for pos in range(ptr, end):
             arrive_round[order[pos]], arrive_s[order[pos]] = rounds, times[pos]
         ptr = end
-        while len(held) < config.slots and queued < ptr:
+        while len(held) < config.slots and queued < ptr and kv_used + kv[order[queued]] <= kv_budget:
             held.append(int(order[queued]))
+            kv_used += kv[order[queued]]
             queued += 1
         if not held:
             clock = float(times[ptr])
@@ -481,6 +485,7 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
         done = [i for i in held if nxt[i] >= len(blocks[i])]
         finish_round[done], finish_s[done] = rounds, clock
         n_done += len(done)
+        kv_used -= float(kv[done].sum())
         held = [i for i in held if nxt[i] < len(blocks[i])]
     c.update(rounds=rounds, clock=clock, rhat_zero_pct=float("nan"))
     return _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s, c)
