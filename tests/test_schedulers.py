@@ -273,6 +273,54 @@ def test_sglang_admission_stops_at_the_first_request_whose_kv_does_not_fit(monke
     assert simulate(w, "sglang-default", cfg, arrivals([0, 0, 0])).completion_round.tolist() == [5, 10, 4]
 
 
+@pytest.mark.parametrize("reservations", [(4, 4, 1), (4, 1, 4), (1, 4, 4), (2, 2, 2), (5, 1, 1)])
+def test_admission_stops_where_sglangs_own_incoming_loop_stops(reservations):
+    """SGLang's ``process_dllm_incoming_reqs`` (from the wheel) adds waiting requests through its
+    adder until one is refused; a stand-in for the adder's memory check holds each request's
+    reservation against a 5-block pool. The blocking policy admits the same requests; the
+    passing-over one (DWISE's) would also take a later request that fits."""
+    from types import SimpleNamespace
+
+    import sglang_reference
+
+    from dwise_predict.serving.policy import DwisePolicy
+
+    if not sglang_reference.available():
+        pytest.skip(sglang_reference.SKIP_REASON)
+    sgl, budget = sglang_reference.load_scheduler(), 5.0
+    need = dict(zip("ABC", reservations))
+
+    class PoolAdder:  # PrefillAdder's answer for a request whose KV does not fit the pool: NO_TOKEN
+        def __init__(self):
+            self.used, self.can_run_list, self.preempt_list = 0.0, [], []
+
+        def add_one_req(self, req, has_chunked_req=False, truncation_align_size=None):
+            if self.used + need[req.rid] > budget:
+                return sgl.AddReqResult.NO_TOKEN
+            self.used += need[req.rid]
+            self.can_run_list.append(req)
+            return sgl.AddReqResult.CONTINUE
+
+    scheduler = SimpleNamespace(get_num_allocatable_reqs=lambda running_bs, num_held_rows=0: 4,
+                                enable_priority_preemption=False, tree_cache=None, truncation_align_size=None)
+    reqs = [SimpleNamespace(rid=r, kv=SimpleNamespace(holds_kv=False), init_next_round_input=lambda cache: None)
+            for r in "ABC"]
+    adder = PoolAdder()
+    sgl.SchedulerDllmMixin.process_dllm_incoming_reqs(scheduler, adder, reqs,
+                                                      running_batch=SimpleNamespace(reqs=[], batch_is_full=False))
+    sglang_admitted = [r.rid for r in adder.can_run_list]
+
+    def admitted(blocking):
+        policy = DwisePolicy(4, 1, budget, ranking="arrival", prefill_first=True, blocking_admission=blocking)
+        policy.add_many(list("ABC"), [0, 0, 0], kv_reservations=list(reservations))
+        return policy.ids(policy.schedule().admitted)
+
+    assert admitted(blocking=True) == sglang_admitted
+    fits_later = any(sum(reservations[:i]) + reservations[j] <= budget
+                     for i in range(3) if sum(reservations[:i + 1]) > budget for j in range(i + 1, 3))
+    assert (admitted(blocking=False) != sglang_admitted) == fits_later
+
+
 def test_gain_decomposition_multiplies_out():
     from dwise_predict.serving.simulator import gain_decomposition
 
