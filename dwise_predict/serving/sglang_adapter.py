@@ -55,8 +55,9 @@ algorithm, other parameters or another block size stops it with one line (rounds
 and so does a recording whose manifest names another (``engine.algorithms.served_decoding``).
 
 A scheduler step is one round only in FDFO mode (``--dllm-fdfo``, SGLang 0.5.23's default: one
-forward per step); with ``--no-dllm-fdfo`` SGLang runs every denoising round of a block inside one step, and the policy is advanced by the number of
-forwards the step ran (its ranking then changes per block, not per round). Use FDFO with DWISE.
+forward per step); with ``--no-dllm-fdfo`` SGLang runs every denoising round of a block inside one
+step, and the policy is advanced by the number of forwards the step ran (its ranking then changes
+per block, not per round). Use FDFO with DWISE.
 Install it in the scheduler process with :mod:`dwise_predict.serving.launcher`.
 """
 

@@ -8,9 +8,9 @@ admission and which requests run; the simulator only advances the true state and
 simulated policy is the served one, line for line.
 
 Schedulers (:data:`POLICIES`, defined in :mod:`~dwise_predict.serving.schedulers`): SGLang's
-default (FDFO, ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``, ``--no-dllm-fdfo``), FCFS-mixed, MLFQ, SSJF,
-S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission, raw and calibrated refinement,
-oracle), each a configuration of the one policy class.
+default (FDFO, ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``, ``--no-dllm-fdfo``),
+FCFS-mixed, MLFQ, SSJF, S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission, raw and
+calibrated refinement, oracle), each a configuration of the one policy class.
 
 Round time comes from a :class:`~dwise_predict.serving.round_cost.RoundCost`: a model fitted to a
 measured profile (``--round-profile``), or the flat ``round_ms + slot_ms * blocks`` of the flags.
@@ -428,11 +428,11 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
 
     At most ``B`` requests are held, admitted in arrival order as others finish and while their KV
     reservations fit the budget (the first that does not fit waits, and so do those behind it, as
-    in SGLang's ``PrefillAdder``). A step is a
-    prefill forward (one prompt block for each held request that has one left; prefill first) or,
-    when none has, a decode step: every held request's current output block, run for as many
-    forwards as the slowest of them needs (``rounds_per_block``), every forward holding all of them;
-    then each moves to its next block, and those past their last block leave.
+    in SGLang's ``PrefillAdder``). A step is a prefill forward (one prompt block for each held
+    request that has one left; prefill first) or, when none has, a decode step: every held
+    request's current output block, run for as many forwards as the slowest of them needs
+    (``rounds_per_block``), every forward holding all of them; then each moves to its next block,
+    and those past their last block leave.
     """
     if workload.block_rounds is None:
         raise ConfigError("sglang-sync needs the rounds of every output block: traces with rounds_per_block")
