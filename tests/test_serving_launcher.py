@@ -113,3 +113,32 @@ def test_a_bundle_for_another_decoding_is_refused_before_sglang_loads_the_model(
     else:
         with pytest.raises(BundleError, match=f"built for another decoding \\(decoding.{refused} = "):
             resolved(config, server_args)
+
+
+def test_served_admission_features_equal_the_collected_ones():
+    """SGLang's ``Req`` holds the chat-templated ids; the launcher's admission features count words
+    and newlines over the user's text inside them, as `collect` counts them over the prompt, so a
+    served request meets the admission model with the features it was trained on (decoding the
+    whole input would count the template's markup too: two more words per request here)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from dwise_predict.collectors.workloads import load_workload
+    from dwise_predict.dllm import TINY_MODEL_DIR
+    from dwise_predict.features.prompt import count_newlines, count_words
+    from dwise_predict.serving.launcher import _features
+
+    features, tokenizer = _features(str(TINY_MODEL_DIR)), AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
+    requests = load_workload("tiny-default", seed=0).requests
+    template_words = []
+    for request in requests:  # what collect writes: contract_row(words=count_words(prompt), prompt_tokens=len(ids), ...)
+        ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        req = SimpleNamespace(origin_input_ids=ids)
+        assert features(req) == (count_words(request.prompt), count_newlines(request.prompt), len(ids)), request.request_id
+        template_words.append(count_words(tokenizer.decode(ids)) - count_words(request.prompt))
+    assert len(requests) == 480 and set(template_words) == {2}
+    # a system prompt is not one user message in the template: the whole input is counted, markup included
+    ids = tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "two words"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert features(SimpleNamespace(origin_input_ids=ids))[0] == count_words(tokenizer.decode(ids)) > 2

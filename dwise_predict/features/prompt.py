@@ -46,6 +46,7 @@ class PromptFeaturizer:
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer
         self.template_tokens_ = 0
+        self._wrapper: tuple[list[int], list[int]] | None = None  # the template's ids before and after the text
         # the Rust tokenizer directly where there is one: skips the Python wrapper's overhead
         self._encode = getattr(getattr(tokenizer, "backend_tokenizer", None), "encode", None)
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -53,14 +54,18 @@ class PromptFeaturizer:
                 [{"role": "user", "content": self._PLACEHOLDER}], tokenize=False, add_generation_prompt=True
             )
             prefix, _, suffix = rendered.partition(self._PLACEHOLDER)
-            self.template_tokens_ = self._count(prefix) + self._count(suffix)
+            self._wrapper = (self._ids(prefix), self._ids(suffix))
+            self.template_tokens_ = len(self._wrapper[0]) + len(self._wrapper[1])
+
+    def _ids(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self._encode is not None:
+            return list(self._encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _count(self, text: str) -> int:
-        if not text:
-            return 0
-        if self._encode is not None:
-            return len(self._encode(text, add_special_tokens=False).ids)
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(self._ids(text))
 
     def prompt_tokens(self, text: str) -> int:
         """Tokens of ``text`` after the chat template (words when no tokenizer was given)."""
@@ -71,6 +76,19 @@ class PromptFeaturizer:
     def __call__(self, text: str) -> tuple[float, float, float]:
         """(words, newlines, prompt tokens) of one raw prompt."""
         return float(count_words(text)), float(count_newlines(text)), float(self.prompt_tokens(text))
+
+    def user_text(self, input_ids) -> str | None:
+        """The user's text inside ``input_ids``, a model input as a server holds it (the chat template
+        applied to one user message): the template's own ids stripped from both ends, the rest
+        decoded. ``collect`` counts words and newlines over the user's text, not over the template's
+        markup, so a server must too. None where the ids are not one user message in this template
+        (a system prompt, several turns) or there is no template to strip."""
+        if self._wrapper is None:
+            return None
+        ids, (prefix, suffix) = list(input_ids), self._wrapper
+        if len(ids) < len(prefix) + len(suffix) or ids[:len(prefix)] != prefix or ids[len(ids) - len(suffix):] != suffix:
+            return None
+        return self.tokenizer.decode(ids[len(prefix):len(ids) - len(suffix)])
 
 
 def load_tokenizer(model: dict):

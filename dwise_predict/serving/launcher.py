@@ -224,19 +224,25 @@ def _device(gpu_id: int) -> str:
 
 
 def _features(tokenizer: str | None):
-    """``req -> (words, newlines, prompt_tokens)``: SGLang's ``Req`` holds ids, so decode them once."""
-    from dwise_predict.features.prompt import count_newlines, count_words
+    """``req -> (words, newlines, prompt_tokens)``: SGLang's ``Req`` holds the chat-templated ids, so
+    the words and newlines are counted over the user's text inside them, as ``collect`` counts them
+    (:meth:`PromptFeaturizer.user_text`); over the whole decoded input where the template cannot be
+    stripped (a system prompt or several turns: the template's markup then counts too)."""
+    from dwise_predict.features.prompt import PromptFeaturizer, count_newlines, count_words
 
-    decode = None
+    featurizer = None
     if tokenizer:
         from transformers import AutoTokenizer
 
-        decode = AutoTokenizer.from_pretrained(tokenizer).decode
+        featurizer = PromptFeaturizer(AutoTokenizer.from_pretrained(tokenizer))
 
     def features(req):
         text = getattr(req, "_dwise_text", None)
         if text is None:
-            text = decode(list(req.origin_input_ids)) if decode else ""
+            ids = list(req.origin_input_ids)
+            text = "" if featurizer is None else featurizer.user_text(ids)
+            if text is None:
+                text = featurizer.tokenizer.decode(ids)
             req._dwise_text = text
         return (count_words(text), count_newlines(text), len(req.origin_input_ids))
 
