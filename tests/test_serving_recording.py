@@ -37,24 +37,26 @@ def workload(n_requests, seed, shared=0):
     return out
 
 
-def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", algorithm_config=None, recorded=None):
+def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", algorithm_config=None, recorded=None,
+           runs=None, slots=4):
     """Serve ``requests`` through the fake with SGLang's ``algorithm`` and ``algorithm_config`` (what its
     --dllm-algorithm-config file holds), recording what the launcher reads from those arguments, or the
-    ``recorded`` decoding."""
+    ``recorded`` decoding. ``runs``: the algorithm class that runs the steps (default ``fake.FillAlgorithm``);
+    ``slots``: the hook's B."""
     config = fake.config(BS, 8, fdfo=fdfo, algorithm=algorithm, algorithm_config=algorithm_config)
     decoding = recorded or served_decoding(algorithm, algorithm_config or {}, BS)
     manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
                              decoding["algorithm"], decoding["algorithm_config"], BS, 64)
     recorder = LiveRecorder(out, block_size=BS, features=lambda r: (len(r.origin_input_ids) // 2, 1, len(r.origin_input_ids)),
                             every=7, manifest=manifest)
-    handle = install(None, slots=4, k=2, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu",
+    handle = install(None, slots=slots, k=2, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu",
                      hidden_size=H, recorder=recorder)
     try:
         scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=10**9)
         sp = type("SP", (), {"max_new_tokens": 64})()
         reqs = [fake.Req(rid, ids, sp, config, forwards, hidden, None) for rid, ids, forwards, hidden in requests]
         scheduler.waiting_queue.extend(reqs)
-        fake.serve(scheduler, fake.FillAlgorithm(config), fake.ModelRunner(BS, H, cuda_graph=graph, max_bs=4))
+        fake.serve(scheduler, (runs or fake.FillAlgorithm)(config), fake.ModelRunner(BS, H, cuda_graph=graph, max_bs=4))
     finally:
         handle.uninstall()
         recorder.close()
@@ -227,3 +229,77 @@ def test_recording_equals_collect_on_the_same_requests(tmp_path):
     np.testing.assert_allclose(want.prompt_last[order_a], got.prompt_last[order_b], rtol=1e-4, atol=1e-5)
     for col in EARLY_SIGNALS:  # end_probability too: the hook's stop ids are the served model's
         np.testing.assert_allclose(a[col].to_numpy(float), b[col].to_numpy(float), rtol=1e-4, atol=1e-5, err_msg=col)
+
+
+def test_requests_not_ended_by_the_model_or_its_budget_are_left_out_and_counted(tmp_path, monkeypatch):
+    """`collect` ends a request at the model's own stop ids or at its budget. A live request that the
+    client's stop conditions ended, that the context cut short, or that SGLang retracted and re-encoded
+    would be a round count no input explains: left out, counted by reason. Finish reasons are SGLang's
+    own classes (from the wheel); ``wall_s`` runs from the first forward, not from arrival."""
+    from types import SimpleNamespace
+
+    from dwise_predict.collectors import live
+
+    finish = sglang_reference.load().finish
+    SP = sglang_reference.SamplingParams
+    cases = {  # rid -> sampling params, finish reason, output tokens, finished_len (None: SGLang set none)
+        "eos": (SP(64), finish.FINISH_MATCHED_TOKEN(matched=2), 10, 10),
+        "budget": (SP(16), finish.FINISH_LENGTH(length=16), 16, 16),
+        "client-lists-the-eos": (SP(64, stop_token_ids={2}), finish.FINISH_MATCHED_TOKEN(matched=2), 10, 10),
+        "stop-string": (SP(64, stop_strs=["###"]), finish.FINISH_MATCHED_STR(matched="###"), 12, 12),
+        "client-id": (SP(64, stop_token_ids={9}), finish.FINISH_MATCHED_TOKEN(matched=9), 12, 12),
+        "ignore-eos": (SP(16, ignore_eos=True), finish.FINISH_LENGTH(length=16), 16, 16),
+        "context-end": (SP(64), finish.FINISH_LENGTH(length=24), 24, None),
+        "retracted": (SP(64), finish.FINISH_MATCHED_TOKEN(matched=2), 10, 10),
+    }
+    now = [0.0]
+    monkeypatch.setattr(live, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
+                             "LowConfidence", {}, BS, 64)
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=100, manifest=manifest)
+    for rid, (params, reason, outputs, finished_len) in cases.items():
+        req = SimpleNamespace(rid=rid, origin_input_ids=list(range(10, 22)), output_ids=[], sampling_params=params,
+                              finished_reason=None, finished_len=None, eos_token_ids={2}, tokenizer=None,
+                              finished=lambda: True)
+        recorder.arrived(req, BS)
+        now[0] += 5.0  # queued for 5 s
+        if rid == "retracted":
+            recorder.arrived(req, BS)  # the hook registers a retracted request again
+        recorder.forward(req, True, torch.ones(H), 1)
+        req.output_ids, req.finished_reason, req.finished_len = [7] * outputs, reason, finished_len
+        recorder.forward(req, False, torch.full((H,), 2.0), 3, signals=[0.5, 0.6, 1.0, 0.1])
+        now[0] += 2.0  # ran for 2 s
+        recorder.finished(req)
+    recorder.close()
+    ds = load_traces(tmp_path / "t")
+    assert sorted(ds.requests["request_id"]) == ["budget", "client-lists-the-eos", "eos"]
+    counts = {k: v for k, v in ds.manifest["counts"].items() if k.startswith("left_out_")}
+    assert counts == {"left_out_client_stop": 3, "left_out_context_end": 1, "left_out_retracted": 1}
+    rows = ds.requests.set_index("request_id")
+    assert rows.loc["budget", "finish"] == "budget" and rows.loc["budget", "output_tokens"] == 16
+    assert rows.loc["eos", "finish"] == "eos" and rows.loc["eos", "output_tokens"] == 9  # the EOS not counted
+    assert (ds.requests["wall_s"] == 2.0).all()
+
+
+def test_a_pass_around_the_hooked_run_leaves_no_rows_for_the_next_batch(tmp_path):
+    """Gemma4Renoise runs its context-encoding pass straight through ``model_runner.forward``, not
+    through ``DllmAlgorithm.run``, which the hook wraps to pool rows. Such a pass must find no pooled
+    rows, not those of the batch before it (another request's): every recorded ``prompt_last`` is the
+    request's own, and a request with none of its prompt rows pooled is left out, counted."""
+    class ContextPass(fake.FillAlgorithm):
+        def run(self, model_runner, forward_batch, algo_states=None):
+            if all(r.is_dllm_prefill() for r in forward_batch.reqs):  # as Gemma4Renoise.run's non-dLLM pass
+                out = model_runner.forward(forward_batch, pp_proxy_tensors=None)
+                blocks = forward_batch.input_ids.view(forward_batch.batch_size, BS).tolist()  # prompt blocks, kept
+                return out.logits_output, blocks, [1] * len(blocks), None, out.can_run_graph
+            return super().run(model_runner, forward_batch, algo_states)
+
+    requests = workload(24, seed=3)
+    record(tmp_path / "t", requests, runs=ContextPass, slots=1)  # one request a batch: its prompt blocks run alone
+    ds = load_traces(tmp_path / "t")
+    own = {rid: hidden for rid, _, _, hidden in requests}
+    for i, rid in enumerate(ds.requests["request_id"]):
+        np.testing.assert_allclose(ds.prompt_last[i], own[rid], rtol=1e-6, err_msg=rid)
+    aligned = sum(len(ids) % BS == 0 for _, ids, _, _ in requests)  # no leftover prompt rows of their own
+    assert aligned > 0 and len(ds) == len(requests) - aligned
+    assert ds.manifest["counts"]["left_out_without_prompt_rows"] == aligned

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,40 @@ def live_split(request_id: str) -> str:
     """``eval`` for a stable 20 % of request ids, else ``train``."""
     digest = int(hashlib.sha256(str(request_id).encode()).hexdigest()[:8], 16)
     return "eval" if digest / 0xFFFFFFFF < EVAL_FRACTION else "train"
+
+
+def left_out_because(req, reason: dict, output_tokens: int) -> str | None:
+    """Why a finished request is no trace of the model's own work, or None when it is one.
+
+    ``collect`` ends a request at the model's own stop ids or at its budget, with the whole budget
+    inside the context. A live request may end otherwise, and its rounds would then be a target no
+    input explains: ``client_stop`` — the client's ``ignore_eos``, a stop string or regex
+    (``FINISH_MATCHED_STR``) or a stop id of its own that is none of the model's
+    (``Req._check_token_based_finish``); ``context_end`` — a length finish short of the budget, where
+    the context ran out (``_finish_dllm_request_if_needed``)."""
+    params = req.sampling_params
+    if getattr(params, "ignore_eos", False):
+        return "client_stop"
+    kind = str(reason.get("type")).lower()
+    matched = reason.get("matched")
+    if kind == "stop" and isinstance(matched, str):
+        return "client_stop"
+    if kind == "stop" and matched in (getattr(params, "stop_token_ids", None) or ()) \
+            and matched not in _model_stop_ids(req):
+        return "client_stop"
+    if "length" in kind and output_tokens < int(params.max_new_tokens):
+        return "context_end"
+    return None
+
+
+def _model_stop_ids(req) -> set[int]:
+    """The ids ``req`` stops on whatever its client asked: the model config's EOS ids and its
+    tokenizer's (:func:`dwise_predict.engine.layout.tokenizer_stop_ids`)."""
+    from dwise_predict.engine.layout import tokenizer_stop_ids
+
+    ids = {int(i) for i in (getattr(req, "eos_token_ids", None) or ())}
+    tokenizer = getattr(req, "tokenizer", None)
+    return ids | (tokenizer_stop_ids(tokenizer) if tokenizer is not None else set())
 
 
 def received_tokens(req, reason: dict) -> int:
@@ -86,7 +121,8 @@ class _Open:
         self.features = features
         self.block_size = block_size
         self.prompt_tokens = prompt_tokens
-        self.started = time.perf_counter()
+        self.started = None  # the first forward that ran it, as `collect` clocks a request from its slot
+        self.retracted = False
         self.prefill = 0
         self.blocks: list[int] = []
         self.current = 0
@@ -107,10 +143,12 @@ class LiveRecorder:
         prompt text, when the features decoded it, is kept as ``req._dwise_text``.
     every : finished requests per committed shard.
 
-    A finished request whose prompt rows no forward of this process computed (a block-aligned prompt
-    that SGLang's prefix cache matched whole, its last block no longer kept by the hook) is not
-    written: ``prompt_last`` would be made up. ``without_prompt_rows`` counts them, and the manifest's
-    ``counts`` says how many were left out (``left_out_without_prompt_rows``).
+    Some finished requests are not written, and ``left_out`` counts them by reason (the manifest's
+    ``counts`` says how many, as ``left_out_<reason>``): ``without_prompt_rows``, a request whose
+    prompt rows no forward of this process computed (a block-aligned prompt that SGLang's prefix
+    cache matched whole, its last block no longer kept by the hook: ``prompt_last`` would be made
+    up); ``retracted``, one SGLang retracted and ran again (its output re-encoded as prompt blocks,
+    work `collect` never does); and those :func:`left_out_because` names.
     manifest : the recording's manifest (:func:`live_manifest`); by default built from ``bundle``'s
         model fingerprint (a bundle directory) and ``decoding``.
     decoding : the decoding the server runs (``algorithm``, ``algorithm_config`` with SGLang's
@@ -145,7 +183,7 @@ class LiveRecorder:
         self.last: list = []
         self.next_index = len(self.done)
         self.written = 0
-        self.without_prompt_rows = 0  # finished requests left out: no prompt row of theirs was computed here
+        self.left_out: Counter[str] = Counter()  # finished requests not written, by reason (this process's)
 
     @property
     def decoding(self) -> dict:
@@ -156,7 +194,10 @@ class LiveRecorder:
 
     def arrived(self, req, block_size: int) -> None:
         rid = str(req.rid)
-        if rid in self.done or rid in self.open:
+        if rid in self.open:  # registered again: SGLang retracted it
+            self.open[rid].retracted = True
+            return
+        if rid in self.done:
             return
         features = self.features(req) if self.features is not None else (0, 0, len(req.origin_input_ids))
         self.open[rid] = _Open(self.next_index, features, block_size, len(req.origin_input_ids))
@@ -171,6 +212,8 @@ class LiveRecorder:
         entry = self.open.get(str(req.rid))
         if entry is None:
             return
+        if entry.started is None:
+            entry.started = time.perf_counter()
         if prompt:
             entry.prefill += 1
             if pooled_row is not None:
@@ -197,10 +240,15 @@ class LiveRecorder:
         kind = str(reason.get("type")).lower()
         if "abort" in kind:
             return  # an aborted request did not run to its end: not a trace
+        output_tokens = received_tokens(req, reason)
         if entry.prompt_last is None:
             # a block-aligned prompt cached whole, whose rows no forward here computed: a made-up
-            # prompt_last would be a training row the model never produced, so it is left out (counted)
-            self.without_prompt_rows += 1
+            # prompt_last would be a training row the model never produced
+            why = "without_prompt_rows"
+        else:
+            why = "retracted" if entry.retracted else left_out_because(req, reason, output_tokens)
+        if why is not None:
+            self.left_out[why] += 1
             return
         if entry.current:
             entry.blocks.append(entry.current)
@@ -211,7 +259,7 @@ class LiveRecorder:
             prompt=getattr(req, "_dwise_text", "") or "", prompt_tokens=entry.prompt_tokens, words=int(words),
             newlines=int(newlines), budget=int(req.sampling_params.max_new_tokens), block_size=entry.block_size,
             prompt_blocks=entry.prompt_tokens // entry.block_size, rounds_per_block=entry.blocks,
-            output_tokens=received_tokens(req, reason), finish="budget" if "length" in kind else "eos",
+            output_tokens=output_tokens, finish="budget" if "length" in kind else "eos",
             frac_over_threshold=frac, mean_confidence=conf, mean_entropy=ent, end_probability=end,
             wall_s=time.perf_counter() - entry.started,
         )
@@ -239,9 +287,8 @@ class LiveRecorder:
         try:
             self.flush()
             if self.done:
-                counts = {"requests": len(self.done)}
-                if self.without_prompt_rows:  # this process's count: a resumed recording adds its own
-                    counts["left_out_without_prompt_rows"] = self.without_prompt_rows
+                # this process's counts: a resumed recording gives its own
+                counts = {"requests": len(self.done), **{f"left_out_{why}": n for why, n in sorted(self.left_out.items())}}
                 self.store.consolidate(counts)
         finally:
             self.store.__exit__(None, None, None)

@@ -43,7 +43,7 @@ What the patch does, at the four points of seed 000 §5.1:
   A dLLM request's fill ids end in a mask block, so SGLang's match (``Req._compute_max_prefix_len``,
   floored to a block) can cover a block-aligned prompt whole: with no leftover rows and no kept
   row, the refinement gets the training mean instead (``HookStats.prompt_from_training_mean``) and
-  the recorder leaves the request out of the traces (``LiveRecorder.without_prompt_rows``). Leftover
+  the recorder leaves the request out of the traces (``LiveRecorder.left_out``). Leftover
   rows are pooled, like the block rows, into a second static buffer through per-row weights written
   before each step.
 
@@ -797,7 +797,9 @@ def install(
                 state.stats.finished += 1
                 if state.recorder is not None:
                     state.recorder.finished(r)
-        state.first_rids = None  # the next batch names its own
+        # the next batch names its own rows, and pools its own: a pass that does not go through the
+        # wrapped DllmAlgorithm.run (Gemma4Renoise's context encoding) finds none, not this batch's
+        state.first_rids = state.first_pooled = state.first_signals = state.first_leftover = state.last_pooled = None
 
     original_run = algorithm.run
 
