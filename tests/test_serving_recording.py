@@ -251,6 +251,7 @@ def test_requests_not_ended_by_the_model_or_its_budget_are_left_out_and_counted(
         "ignore-eos": (SP(16, ignore_eos=True), finish.FINISH_LENGTH(length=16), 16, 16),
         "context-end": (SP(64), finish.FINISH_LENGTH(length=24), 24, None),
         "retracted": (SP(64), finish.FINISH_MATCHED_TOKEN(matched=2), 10, 10),
+        "requeued-before-it-ran": (SP(64), finish.FINISH_MATCHED_TOKEN(matched=2), 10, 10),
     }
     now = [0.0]
     monkeypatch.setattr(live, "time", SimpleNamespace(perf_counter=lambda: now[0]))
@@ -263,16 +264,18 @@ def test_requests_not_ended_by_the_model_or_its_budget_are_left_out_and_counted(
                               finished=lambda: True)
         recorder.arrived(req, BS)
         now[0] += 5.0  # queued for 5 s
+        if rid == "requeued-before-it-ran":
+            recorder.arrived(req, BS)  # sent back before any forward: no work lost
+        recorder.forward(req, True, torch.ones(H), 1)
         if rid == "retracted":
             recorder.arrived(req, BS)  # the hook registers a retracted request again
-        recorder.forward(req, True, torch.ones(H), 1)
         req.output_ids, req.finished_reason, req.finished_len = [7] * outputs, reason, finished_len
         recorder.forward(req, False, torch.full((H,), 2.0), 3, signals=[0.5, 0.6, 1.0, 0.1])
         now[0] += 2.0  # ran for 2 s
         recorder.finished(req)
     recorder.close()
     ds = load_traces(tmp_path / "t")
-    assert sorted(ds.requests["request_id"]) == ["budget", "client-lists-the-eos", "eos"]
+    assert sorted(ds.requests["request_id"]) == ["budget", "client-lists-the-eos", "eos", "requeued-before-it-ran"]
     counts = {k: v for k, v in ds.manifest["counts"].items() if k.startswith("left_out_")}
     assert counts == {"left_out_client_stop": 3, "left_out_context_end": 1, "left_out_retracted": 1}
     rows = ds.requests.set_index("request_id")

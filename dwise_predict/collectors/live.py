@@ -194,8 +194,8 @@ class LiveRecorder:
 
     def arrived(self, req, block_size: int) -> None:
         rid = str(req.rid)
-        if rid in self.open:  # registered again: SGLang retracted it
-            self.open[rid].retracted = True
+        if rid in self.open:  # registered again: SGLang retracted it (work lost only if it had run)
+            self.open[rid].retracted = self.open[rid].started is not None
             return
         if rid in self.done:
             return
