@@ -38,11 +38,11 @@ def workload(n_requests, seed, shared=0):
 
 
 def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", algorithm_config=None, recorded=None,
-           runs=None, slots=4):
+           runs=None, slots=4, model=None):
     """Serve ``requests`` through the fake with SGLang's ``algorithm`` and ``algorithm_config`` (what its
     --dllm-algorithm-config file holds), recording what the launcher reads from those arguments, or the
     ``recorded`` decoding. ``runs``: the algorithm class that runs the steps (default ``fake.FillAlgorithm``);
-    ``slots``: the hook's B."""
+    ``slots``: the hook's B; ``model``: the model runner class (default ``fake.ModelRunner``)."""
     config = fake.config(BS, 8, fdfo=fdfo, algorithm=algorithm, algorithm_config=algorithm_config)
     decoding = recorded or served_decoding(algorithm, algorithm_config or {}, BS)
     manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
@@ -56,7 +56,8 @@ def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", alg
         sp = type("SP", (), {"max_new_tokens": 64})()
         reqs = [fake.Req(rid, ids, sp, config, forwards, hidden, None) for rid, ids, forwards, hidden in requests]
         scheduler.waiting_queue.extend(reqs)
-        fake.serve(scheduler, (runs or fake.FillAlgorithm)(config), fake.ModelRunner(BS, H, cuda_graph=graph, max_bs=4))
+        fake.serve(scheduler, (runs or fake.FillAlgorithm)(config),
+                   (model or fake.ModelRunner)(BS, H, cuda_graph=graph, max_bs=4))
     finally:
         handle.uninstall()
         recorder.close()
@@ -306,3 +307,33 @@ def test_a_pass_around_the_hooked_run_leaves_no_rows_for_the_next_batch(tmp_path
     aligned = sum(len(ids) % BS == 0 for _, ids, _, _ in requests)  # no leftover prompt rows of their own
     assert aligned > 0 and len(ds) == len(requests) - aligned
     assert ds.manifest["counts"]["left_out_without_prompt_rows"] == aligned
+
+
+def test_an_algorithm_without_a_threshold_counts_over_the_collectors(tmp_path):
+    """Gemma4Renoise has no ``threshold``; the DiffusionGemma collector counts the first round's
+    positions over 0.9 (``engine.signals.SIGNAL_THRESHOLD``). The hook counts over the same, not over
+    0 (every position): a model whose top-1 probability is 0.7 everywhere gives 0, and 1 where the
+    top-1 is 0.95."""
+    from types import SimpleNamespace
+
+    from dwise_predict.engine.signals import SIGNAL_THRESHOLD
+
+    assert not hasattr(fake.FillAlgorithm(fake.config(BS, 8)), "threshold")
+
+    def runner_with_top1(p):
+        class TwoTokens(fake.ModelRunner):  # logits over two ids: the stop id 0 and a token at probability p
+            def forward(self, forward_batch, *args, **kwargs):
+                out = super().forward(forward_batch, *args, **kwargs)
+                rows = out.logits_output.full_logits.shape[0]
+                logits = torch.zeros(rows, 2)
+                logits[:, 1] = float(np.log(p / (1 - p)))
+                return SimpleNamespace(logits_output=SimpleNamespace(full_logits=logits), can_run_graph=out.can_run_graph)
+        return TwoTokens
+
+    frac = EARLY_SIGNALS.index("frac_over_threshold")
+    for p, share in ((0.7, 0.0), (0.95, 1.0)):
+        assert (p > SIGNAL_THRESHOLD) == bool(share)
+        record(tmp_path / str(p), workload(6, seed=4), model=runner_with_top1(p))
+        ds = load_traces(tmp_path / str(p))
+        np.testing.assert_allclose(ds.early_signals[:, frac], share)
+        np.testing.assert_allclose(ds.early_signals[:, EARLY_SIGNALS.index("mean_confidence")], p, rtol=1e-5)

@@ -17,6 +17,9 @@ import torch
 
 # requests per chunk: the softmax temporaries are (chunk * block, vocab) floats, not the whole batch's
 CHUNK_REQUESTS = 8
+# the fraction signal's threshold under an algorithm that has none of its own (Gemma4Renoise: the
+# DiffusionGemma collector and the serving hook alike), unless its algorithm config gives a "threshold"
+SIGNAL_THRESHOLD = 0.9
 
 
 def early_signals(full_logits: torch.Tensor, input_ids: torch.Tensor, mask_id: int, block_size: int,

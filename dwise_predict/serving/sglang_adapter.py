@@ -345,6 +345,7 @@ class _State:
         self.first_rids: set | None = None  # requests whose first denoising forward the batch runs
         self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
+        self.signal_threshold = None  # for an algorithm without one of its own: set by check_decoding
         self.prompt_last: dict = {}  # rid -> (H,) pooled rows of its latest prompt-block forward (device)
         self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
         self.block_end: dict = {}  # rid -> where the block it runs in the batch being run ends
@@ -417,8 +418,10 @@ class _State:
         units this server does not run, or be recorded under a decoding it did not run
         (:func:`~dwise_predict.engine.algorithms.comparable_decoding` says what a bundle is held to)."""
         from dwise_predict.engine.algorithms import comparable_decoding, served_decoding  # torch: not at import
+        from dwise_predict.engine.signals import SIGNAL_THRESHOLD
 
         served = served_decoding(config.algorithm, config.algorithm_config, config.block_size)
+        self.signal_threshold = float((config.algorithm_config or {}).get("threshold", SIGNAL_THRESHOLD))
         if self.bundle is not None:
             trained = (self.bundle.manifest.get("decoding") or {}).get("algorithm")
             check_compatible(self.bundle.manifest, None, comparable_decoding(trained, served), "given to the hook")
@@ -818,13 +821,14 @@ def install(
                 state.first_leftover = state.leftover_pooled[: forward_batch.batch_size].clone()
                 # the first forward's early signals, before the step fills masks: the refinement
                 # graph's last input (and recorded). From the forward's output, after any graph replay;
-                # an algorithm without a threshold counts every masked position, as the decoder does
+                # an algorithm without a threshold of its own (Gemma4Renoise) counts over the one the
+                # DiffusionGemma collector uses (engine.signals.SIGNAL_THRESHOLD or the config's)
                 logits_out = out.logits_output.full_logits
                 if state.stop_ids is None:
                     state.stop_ids = stop_token_ids(model_runner, state.tokenizer_stop_ids, logits_out.device)
                 state.first_signals = first_round_signals(
                     logits_out, forward_batch, self.mask_id, self.block_size,
-                    float(getattr(self, "threshold", 0.0)), state.stop_ids, state.first_rids)
+                    float(getattr(self, "threshold", state.signal_threshold)), state.stop_ids, state.first_rids)
             state.forwards += 1
             return out
 

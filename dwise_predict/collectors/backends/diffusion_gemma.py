@@ -42,10 +42,10 @@ import numpy as np
 
 from dwise_predict.collectors.backends.base import LOAD_ERRORS
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
+from dwise_predict.engine.signals import SIGNAL_THRESHOLD
 from dwise_predict.errors import ConfigError, ModelError
 
 ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
-SIGNAL_THRESHOLD = 0.9  # the early signal's threshold when --algorithm-config gives none
 GENERATION_PARAMS = (
     "max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold",
 )
