@@ -28,7 +28,7 @@ import pandas as pd
 
 from dwise_predict.collectors.collect import contract_row
 from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
-from dwise_predict.engine import ENGINE
+from dwise_predict.engine import ENGINE, tokenizer_stop_ids
 from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, served_decoding
 from dwise_predict.versions import package_versions
 
@@ -68,8 +68,6 @@ def left_out_because(req, reason: dict, output_tokens: int) -> str | None:
 def _model_stop_ids(req) -> set[int]:
     """The ids ``req`` stops on whatever its client asked: the model config's EOS ids and its
     tokenizer's (:func:`dwise_predict.engine.layout.tokenizer_stop_ids`)."""
-    from dwise_predict.engine.layout import tokenizer_stop_ids
-
     ids = {int(i) for i in (getattr(req, "eos_token_ids", None) or ())}
     tokenizer = getattr(req, "tokenizer", None)
     return ids | (tokenizer_stop_ids(tokenizer) if tokenizer is not None else set())

@@ -74,12 +74,11 @@ def decoding_identity(manifest: dict) -> dict:
     """The decoding fields that change results (everything but the batch size). The parameters of an
     algorithm our engine mirrors are taken over SGLang's defaults, as a server reads them: an older
     recording's LowConfidence ``{}`` and today's ``{"threshold": 0.95}`` are one decoding."""
-    from dwise_predict.engine.algorithms import ALGORITHMS, served_decoding  # torch: not for every reader of a store
+    from dwise_predict.engine.algorithms import served_decoding  # torch: not for every reader of a store
 
     found = identity(manifest.get("decoding"), DECODING_KEYS)
-    algorithm, params = found.get("algorithm"), found.get("algorithm_config")
-    if algorithm in ALGORITHMS and ALGORITHMS[algorithm].rule is not None and isinstance(params, dict):
-        found["algorithm_config"] = served_decoding(algorithm, params, None)["algorithm_config"]
+    if isinstance(found["algorithm_config"], dict):
+        found["algorithm_config"] = served_decoding(found["algorithm"], found["algorithm_config"], None)["algorithm_config"]
     return found
 
 

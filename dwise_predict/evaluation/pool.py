@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dwise_predict.files import atomic_write
+from dwise_predict.errors import InputError
+from dwise_predict.files import atomic_dir, atomic_write
 from dwise_predict.traces import TraceDataset
 from dwise_predict.traces.dataset import REQUEST_COLUMNS
 from dwise_predict.training.config import default_jobs
@@ -72,8 +73,6 @@ def fit_kept(train: TraceDataset, config, kept: str | os.PathLike | None = None,
     ``evaluate --run`` reads, :mod:`dwise_predict.runs`) under a key of ``train``, ``config`` and the
     code, so a command interrupted after its main fit reloads it on the rerun instead of fitting
     again. A kept run that cannot be read is fitted again; ``kept`` None keeps nothing."""
-    from dwise_predict.errors import InputError
-    from dwise_predict.files import atomic_dir
     from dwise_predict.training import load_predictors, write_run
 
     if kept is None:
