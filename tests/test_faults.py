@@ -130,6 +130,8 @@ def test_evaluate_killed_at_renames_leaves_a_whole_report(small, tmp_path):
     for k in _kill_points([*base, "--out", tmp_path / "count"], sample=4):
         out = tmp_path / f"k{k}"
         shutil.copytree(first, out)
+        # returns only once every process holding its pipes is gone: the retraining pool's workers
+        # exit with the killed evaluation instead of waiting for work forever
         assert _harness(k, [*base, "--out", out]).returncode == -signal.SIGKILL, k
         sweep_stale(out)
         for name in (EVALUATION_MARKER, "report.html", "report.md", "predictions.parquet"):

@@ -25,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -194,8 +196,24 @@ def run_tasks(
             finished(task.name, fit_predict(task, cv_jobs))
     else:
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context,
+                                 initializer=_exit_with_parent) as pool:
             futures = {pool.submit(fit_predict, task, 1): task.name for task in todo}
             for future in as_completed(futures):
                 finished(futures[future], future.result())
     return {task.name: results[task.name] for task in tasks}
+
+
+def _exit_with_parent() -> None:
+    """In a pool worker: exit as soon as the evaluating process is gone. A worker holds both ends of
+    the pool's task queue, so one whose parent was killed (SIGKILL, the OOM killer) would otherwise
+    wait for work forever, an orphan holding a core's memory and the terminal's pipes."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
