@@ -13,6 +13,7 @@ import pytest
 from dwise_predict.cli import main
 from dwise_predict.cli.app import INTERRUPTED
 from dwise_predict.evaluation.ablate import ablate, score_rows
+from dwise_predict.evaluation.baselines import WITHOUT_FIRST_ROUND
 from dwise_predict.evaluation.pool import result_key
 from dwise_predict.metrics import rank_scores, stratified_indices
 from dwise_predict.training.select import CANDIDATES
@@ -118,8 +119,16 @@ def test_cli_ablate_writes_tables_and_the_report_names_the_winner(tmp_path, caps
     assert winner["candidate"] == result["metrics"]["refine_candidate"]
     assert winner["within_category"]["best_baseline"] != "refinement predictor (shipped)"
     assert isinstance(winner["within_category"]["inside_interval"], bool)
+    # the shipped recipe less the first-round state is reported beside the winner, never as the baseline to beat
+    rows = {r["name"]: r for r in result["baselines"]}
+    assert rows[WITHOUT_FIRST_ROUND]["kind"] == "ablation"
+    assert WITHOUT_FIRST_ROUND not in (winner["within_category"]["best_baseline"], winner["overall"]["best_baseline"])
+    ablation = winner["ablation"]["within_category"]
+    assert ablation["ablation"] == pytest.approx(rows[WITHOUT_FIRST_ROUND]["within_category_mean"])
+    assert ablation["margin"] == pytest.approx(winner["shipped"]["within_category_mean"] - ablation["ablation"])
     report = (out / "report.md").read_text()
     assert "the shipped refinement predictor (candidate" in report and "paired 95% interval" in report
+    assert "Ablation: without the first-round hidden state" in report
     assert "Ablation: inputs" in report
     assert main(["evaluate", str(traces), "--out", str(out), "--ablate", "layers"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -163,13 +172,15 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
     assert main(["evaluate", str(tmp_path / "a"), "--out", str(tmp_path / "eval_a"), "--config", str(config)]) == 0
     capsys.readouterr()
     single = {r["name"]: r for r in json.loads((tmp_path / "eval_a" / "baselines.json").read_text())}
-    expected = {n for n in single if n != "refinement predictor (shipped)" and not n.startswith("oracle")}
+    expected = {n for n, r in single.items() if r["kind"] == "baseline"}
     assert "survival on prompt hidden state" in expected and "TRAIL-style probe" in expected
-    first = result["rows"][0]["baselines"]
-    assert set(first) == expected
+    first = result["rows"][0]
+    assert set(first["baselines"]) == expected
+    assert set(first["ablations"]) == {n for n, r in single.items() if r["kind"] == "ablation"} == {WITHOUT_FIRST_ROUND}
     for name in expected:
         for measure in ("spearman", "within_category_mean"):
-            assert first[name][measure] == pytest.approx(single[name][measure])
+            assert first["baselines"][name][measure] == pytest.approx(single[name][measure])
+            assert first["ablations"][WITHOUT_FIRST_ROUND][measure] == pytest.approx(single[WITHOUT_FIRST_ROUND][measure])
 
 
 def test_across_sets_the_shipped_predictor_against_every_baseline_paired_by_set():
@@ -184,11 +195,16 @@ def test_across_sets_the_shipped_predictor_against_every_baseline_paired_by_set(
     strong = [(0.91, 0.58), (0.88, 0.50), (0.86, 0.61), (0.85, 0.49)]  # ahead overall, behind within
     weak = [(0.80, 0.40), (0.78, 0.35), (0.79, 0.45), (0.70, 0.30)]
     strong_name, weak_name = "ridge on first-round state", "early signal: all four"
+    without_h1 = [(0.89, 0.61), (0.85, 0.56), (0.87, 0.60), (0.83, 0.52)]  # ahead of every baseline within
     rows = [{"refined": {"spearman": s[0], "within_category_mean": s[1]},
              "baselines": {strong_name: {"spearman": a[0], "within_category_mean": a[1]},
-                           weak_name: {"spearman": b[0], "within_category_mean": b[1]}}}
-            for s, a, b in zip(shipped, strong, weak)]
+                           weak_name: {"spearman": b[0], "within_category_mean": b[1]}},
+             "ablations": {WITHOUT_FIRST_ROUND: {"spearman": c[0], "within_category_mean": c[1]}}}
+            for s, a, b, c in zip(shipped, strong, weak, without_h1)]
     versus = versus_baselines(rows)
+    # the ablation is the shipped recipe minus an input, never the baseline to beat; its margins stand apart
+    ablation = versus["ablations"][WITHOUT_FIRST_ROUND]["within_category_mean"]
+    assert ablation["margin"]["mean"] == pytest.approx(-0.005) and ablation["sets_shipped_level_or_ahead"] == 1
     overall = versus["best"]["spearman"]
     margins = np.array([s[0] - a[0] for s, a in zip(shipped, strong)])  # -0.01, -0.02, +0.02, -0.01
     assert overall["baseline"] == strong_name and overall["margin"] == pytest.approx(margins.mean())
@@ -208,6 +224,9 @@ def test_across_sets_the_shipped_predictor_against_every_baseline_paired_by_set(
                                              "summary": {}, "versus": versus}))
     assert f"trails the best non-oracle baseline, {strong_name} (0.875), by -0.005" in text
     assert "level or ahead in 1 of 4 sets" in text and f"| {weak_name} |" in text
+    assert ("Ablation over the 4 sets: without the first-round hidden state the same recipe reaches mean "
+            "within-category ρ 0.573, so the first-round state adds -0.005") in text
+    assert f"| {WITHOUT_FIRST_ROUND} | 0.573 ± " in text
 
 
 def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_path, capsys):

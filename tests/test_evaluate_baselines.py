@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from dwise_predict.evaluation.baselines import baseline_predictions, baseline_table, remaining_rounds, trail_probe
+from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, WITHOUT_FIRST_ROUND_TASK, baseline_predictions,
+                                                baseline_table, remaining_rounds, table_tasks, trail_probe)
+from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.evaluation.characterize import output_vs_work
 from evaluate_helpers import make_traces
 
@@ -28,7 +30,7 @@ def test_every_row_has_the_three_scores(rows):
     assert list(rows)[0] == "admission LightGBM"
     assert "survival on prompt hidden state" not in rows  # not given: left out, not faked
     for name, row in rows.items():
-        assert set(row) == {"name", "input", "spearman", "kendall", "r2", "within_category_mean"}
+        assert set(row) == {"name", "input", "kind", "spearman", "kendall", "r2", "within_category_mean"}
         assert row["spearman"] is not None, name
 
 
@@ -55,6 +57,41 @@ def test_oracle_rows(rows, split):
     tokens = rows["oracle: actual output tokens"]
     assert tokens["r2"] is None  # tokens are not rounds: R² would compare different units
     assert tokens["spearman"] > 0.9  # synthetic output tokens follow rounds
+
+
+def test_the_prompt_state_baseline_sees_only_what_is_known_before_the_first_round(split):
+    """Seed 000's prompt-hidden-state baseline reads the prompt (last prompt block, prompt tokens,
+    budget); the ablation is the shipped input less the first-round state, round-1 signals kept."""
+    train, eval_ds = split
+    tasks = {t.name: t for t in table_tasks(train, eval_ds, config=None)}
+    for name, signals_kept in ((PROMPT_HIDDEN_TASK, False), (WITHOUT_FIRST_ROUND_TASK, True)):
+        for original, blanked in ((train, tasks[name].train), (eval_ds, tasks[name].eval)):
+            assert not blanked.first_round.any() and blanked.first_round.shape == original.first_round.shape
+            np.testing.assert_array_equal(blanked.prompt_last, original.prompt_last)
+            for column in ("prompt_tokens", "budget", "category", "total_rounds", "split"):
+                assert blanked.requests[column].equals(original.requests[column]), (name, column)
+            for column in EARLY_SIGNALS:
+                assert original.requests[column].nunique() > 1  # the blanking below is not vacuous
+                kept = blanked.requests[column].equals(original.requests[column])
+                assert kept if signals_kept else (blanked.requests[column] == 0.0).all(), (name, column)
+
+
+def test_rows_say_what_they_are(split):
+    train, eval_ds = split
+    n = len(eval_ds)
+    pred = np.arange(n, dtype=float)
+    rows = baseline_table(eval_ds, baseline_predictions(train, eval_ds, np.full(n, 10.0), pred, {
+        PROMPT_HIDDEN_TASK: pred[::-1].copy(), WITHOUT_FIRST_ROUND_TASK: pred + 1.0}))
+    kinds = {r["name"]: r["kind"] for r in rows}
+    assert kinds["survival on prompt hidden state"] == "baseline"
+    assert kinds["refinement predictor (shipped)"] == "shipped"
+    assert kinds["ablation: shipped recipe without the first-round state"] == "ablation"
+    assert {k for n, k in kinds.items() if n.startswith("oracle")} == {"oracle"}
+    by_name = {r["name"]: r for r in rows}  # each retraining's predictions land in its own row
+    assert by_name["ablation: shipped recipe without the first-round state"]["spearman"] == pytest.approx(
+        by_name["refinement predictor (shipped)"]["spearman"])
+    assert by_name["survival on prompt hidden state"]["spearman"] == pytest.approx(
+        -by_name["refinement predictor (shipped)"]["spearman"])
 
 
 def test_trail_probe_predicts_within_the_training_range(split):

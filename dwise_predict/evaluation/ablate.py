@@ -45,9 +45,10 @@ import numpy as np
 
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco
+from dwise_predict.evaluation.baselines import early_signal_predictions, keep_inputs
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.pool import RetrainTask, run_tasks
-from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES
+from dwise_predict.identity import HIDDEN_STATES
 from dwise_predict.metrics import mean_sd, percentile_interval, rank_scores, spearman, stratified_indices
 from dwise_predict.traces import TraceDataset
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
@@ -125,17 +126,6 @@ def _interval(ci) -> str:
 
 
 # --- the ablations ------------------------------------------------------------------------------------
-
-
-def _variant(ds: TraceDataset, states: tuple[str, ...] = HIDDEN_STATES, signals: bool = True) -> TraceDataset:
-    """``ds`` with only the hidden ``states`` kept (of ``identity.HIDDEN_STATES``; the others become
-    zeros: a constant column carries nothing); ``signals`` False makes the early signals constant
-    (the admission model is not scored here)."""
-    requests = ds.requests
-    if not signals:
-        requests = requests.assign(**{name: 0.0 for name in EARLY_SIGNALS})
-    kept = {name: getattr(ds, name) if name in states else np.zeros_like(ds.first_round) for name in HIDDEN_STATES}
-    return TraceDataset(requests, kept["first_round"], kept["prompt_last"], ds.manifest, ds.path)
 
 
 def hidden_settings(kind: str, ds: TraceDataset) -> list[tuple[str, str]]:
@@ -223,8 +213,6 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
     :data:`TRANSFER_CANDIDATE`, add ``held_out`` (category -> ρ within it when held out of training)
     and ``held_out_mean``.
     """
-    from dwise_predict.evaluation.baselines import early_signal_predictions
-
     log = log or (lambda message: None)
     if kind not in KINDS:
         raise InputError(f"unknown ablation {kind!r}: choose from {', '.join(KINDS)}")
@@ -246,7 +234,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
         for candidate in INPUT_CANDIDATES:
             for label, states, signals in settings:
                 plan({"name": f"{candidate}, {label}", "candidate": candidate, "inputs": label, "bundle": True,
-                      "n_train": len(train)}, _variant(train, states, signals), _variant(eval_ds, states, signals),
+                      "n_train": len(train)}, keep_inputs(train, states, signals), keep_inputs(eval_ds, states, signals),
                      dataclasses.replace(config, refine=candidate))
     elif kind == "train-size":
         for fraction in TRAIN_FRACTIONS:

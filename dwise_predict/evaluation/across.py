@@ -3,7 +3,8 @@
 ``evaluate A B C --across`` trains both predictors on each set's training split (the same
 ``TrainConfig``, so the refinement candidate is chosen per set by its own cross-validation), scores
 them on that set's evaluation split, and scores every non-oracle baseline of ``evaluate`` on the
-same requests (:mod:`.baselines`; the prompt-hidden-state recipe is one more retraining per set);
+same requests (:mod:`.baselines`; the prompt-hidden-state recipe and the ablation without the
+first-round state are two more retrainings per set);
 the per-set table shows the two simple ones (ridge on the first-round state; seed 001's four early
 signals together). The sets may come from different models: that is the point of the table. With
 ``--loco`` each set is also evaluated leave-one-category-out (its mean held-out-category refined ρ,
@@ -79,8 +80,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
     ``evaluate --loco``). ``finished``: a folder where each set's row is kept as soon as it is done
     and found again by a rerun with the same traces, options and code (None: nothing kept)."""
     from dwise_predict.evaluation import loco as loco_mod
-    from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, SHIPPED, baseline_predictions, baseline_table,
-                                                    prompt_hidden_task)
+    from dwise_predict.evaluation.baselines import TASK_WORDS, baseline_predictions, baseline_table, table_tasks
     from dwise_predict.training import Targets, evaluate_predictors
 
     log = log or (lambda message: None)
@@ -103,16 +103,17 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
         metrics = evaluate_predictors(predictors, ev, config.bootstrap, config.seed)
         scored = ev.subset(Targets.of(ev).events)
         loco_tasks, skipped = loco_mod.plan(train, scored, config, min_requests=min_requests) if loco else ([], [])
-        log(f"    retraining {len(loco_tasks) + 1} times ({len(loco_tasks)} held-out categories "
-            "+ prompt-hidden-state baseline)")
-        retrained = run_tasks(loco_tasks + [prompt_hidden_task(train, scored, config)], jobs, kept=finished, log=log)
+        tasks = loco_tasks + table_tasks(train, scored, config)
+        log(f"    retraining {len(tasks)} times ({len(loco_tasks)} held-out categories "
+            "+ prompt-hidden-state baseline + the ablation without the first-round state)")
+        retrained = run_tasks(tasks, jobs, kept=finished, log=log)
         shipped = {"admission": predictors.admission_total(scored), "refined": predictors.refined_remaining(scored)}
         predictions = baseline_predictions(train.subset(Targets.of(train).events), scored, shipped["admission"],
-                                           shipped["refined"], retrained[PROMPT_HIDDEN_TASK]["refined"], config.seed,
-                                           predictors.ensemble.candidate)
-        baselines = {r["name"]: {k: r[k] for k in ("spearman", "within_category_mean")}
-                     for r in baseline_table(scored, predictions)
-                     if r["name"] != SHIPPED and not r["name"].startswith("oracle")}
+                                           shipped["refined"], {name: retrained[name]["refined"] for name in TASK_WORDS},
+                                           config.seed, predictors.ensemble.candidate)
+        table = baseline_table(scored, predictions)
+        baselines, ablations = ({r["name"]: {k: r[k] for k in ("spearman", "within_category_mean")}
+                                 for r in table if r["kind"] == kind} for kind in ("baseline", "ablation"))
         rows.append({
             "path": str(path),
             "model": model_label(ds),
@@ -125,6 +126,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             "refined": _pick(metrics["refined"]),
             "median_ratio_calibrated": metrics["calibration"]["median_ratio_calibrated"],
             "baselines": baselines,
+            "ablations": ablations,
         })
         if loco:
             held = {t.name: retrained[t.name] for t in loco_tasks}
@@ -158,33 +160,41 @@ def versus_baselines(rows: Sequence[dict]) -> dict:
     its mean ± sd over the sets, the shipped predictor's margin over it (shipped − baseline, per set) as
     mean ± sd with a 95 % Student-t interval of the mean, and in how many sets the shipped predictor is
     level or ahead. ``"best"``: per measure, the baseline with the highest mean and the shipped
-    predictor's margin over it (``"inside_interval"``: the interval holds 0, no clear difference)."""
-    names = [n for n in rows[0]["baselines"] if all(n in r["baselines"] for r in rows)]
+    predictor's margin over it (``"inside_interval"``: the interval holds 0, no clear difference).
+    ``"ablations"``: the same for the ablation rows (the shipped recipe without the first-round
+    state), which are never the best baseline: their margin is what the left-out input adds."""
     shipped = {measure: [r["refined"][measure] for r in rows] for measure in MEASURES}
-    baselines, best = {}, {}
-    for name in names:
-        baselines[name] = {}
-        for measure in MEASURES:
-            theirs = [r["baselines"][name][measure] for r in rows]
-            margins = [None if a is None or b is None else a - b for a, b in zip(shipped[measure], theirs)]
-            defined = [m for m in margins if m is not None]
-            baselines[name][measure] = {**M.mean_sd(theirs), "margin": M.mean_sd(margins),
-                                        "margin_ci": M.mean_interval(margins),
-                                        "sets_shipped_level_or_ahead": sum(m >= 0 for m in defined),
-                                        "sets": len(defined)}
+
+    def paired(key: str) -> dict:
+        names = [n for n in rows[0].get(key, {}) if all(n in r.get(key, {}) for r in rows)]
+        return {name: {measure: _paired(shipped[measure], [r[key][name][measure] for r in rows])
+                       for measure in MEASURES} for name in names}
+
+    baselines, best = paired("baselines"), {}
     for measure in MEASURES:
-        scored = [n for n in names if baselines[n][measure]["margin"]["mean"] is not None]  # both sides defined
+        scored = [n for n in baselines if baselines[n][measure]["margin"]["mean"] is not None]  # both sides defined
         if not scored:
             best[measure] = None
             continue
         top = max(scored, key=lambda n: baselines[n][measure]["mean"])
         stat = baselines[top][measure]
-        ci = stat["margin_ci"]
-        best[measure] = {"baseline": top, "mean": stat["mean"], "shipped": M.mean_sd(shipped[measure])["mean"],
-                         "margin": stat["margin"]["mean"], "margin_ci": ci,
-                         "inside_interval": ci is None or ci[0] <= 0.0 <= ci[1],
-                         "sets_shipped_level_or_ahead": stat["sets_shipped_level_or_ahead"], "sets": stat["sets"]}
-    return {"baselines": baselines, "best": best}
+        best[measure] = {"baseline": top, "shipped": M.mean_sd(shipped[measure])["mean"], **_verdict(stat)}
+    return {"baselines": baselines, "ablations": paired("ablations"), "best": best}
+
+
+def _paired(shipped: list, theirs: list) -> dict:
+    """One row's values over the sets and the shipped predictor's margins over it, paired by set."""
+    margins = [None if a is None or b is None else a - b for a, b in zip(shipped, theirs)]
+    defined = [m for m in margins if m is not None]
+    return {**M.mean_sd(theirs), "margin": M.mean_sd(margins), "margin_ci": M.mean_interval(margins),
+            "sets_shipped_level_or_ahead": sum(m >= 0 for m in defined), "sets": len(defined)}
+
+
+def _verdict(stat: dict) -> dict:
+    ci = stat["margin_ci"]
+    return {"mean": stat["mean"], "margin": stat["margin"]["mean"], "margin_ci": ci,
+            "inside_interval": ci is None or ci[0] <= 0.0 <= ci[1],
+            "sets_shipped_level_or_ahead": stat["sets_shipped_level_or_ahead"], "sets": stat["sets"]}
 
 
 def _baseline(label: str, metric: str) -> Callable[[dict], float | None]:
@@ -237,14 +247,10 @@ def _versus_section(versus: dict, n_sets: int) -> Section:
         if best is None:
             lines.append(f"By mean {words} over the {n_sets} sets: no baseline is defined.")
             continue
-        verdict = ("inside the interval: not a clear difference over these sets" if best["inside_interval"]
-                   else "outside the interval")
         lines.append(
             f"By mean {words} over the {n_sets} sets, the shipped refinement predictor ({fmt(best['shipped'])}) "
             f"{'leads' if best['margin'] >= 0 else 'trails'} the best non-oracle baseline, {best['baseline']} "
-            f"({fmt(best['mean'])}), by {best['margin']:+.3f} (95% t-interval over the sets "
-            f"{fmt_interval(best['margin_ci'])}; {verdict}); level or ahead in {best['sets_shipped_level_or_ahead']} "
-            f"of {best['sets']} sets.")
+            f"({fmt(best['mean'])}), by {_over_sets(best)}.")
     cols = ["baseline"] + [c for words in MEASURES.values()
                            for c in (f"{words}, mean ± sd", f"shipped − baseline, {words} (95% interval)",
                                      "sets shipped level or ahead")]
@@ -253,15 +259,34 @@ def _versus_section(versus: dict, n_sets: int) -> Section:
         mean = versus["baselines"][name]["within_category_mean"]["mean"]
         return mean is None, -(mean or 0.0)
 
+    ablations = versus.get("ablations", {})
+    for name, stats in ablations.items():
+        parts = [f"{words} {fmt(stats[measure]['mean'])}, so the first-round state adds "
+                 f"{_over_sets(_verdict(stats[measure]))}"
+                 for measure, words in MEASURES.items() if stats[measure]["margin"]["mean"] is not None]
+        if parts:
+            lines.append(f"Ablation over the {n_sets} sets: without the first-round hidden state the same recipe "
+                         f"reaches mean " + "; ".join(parts) + ".")
     rows = []
-    for name in sorted(versus["baselines"], key=within_mean):
+    every = {**versus["baselines"], **ablations}
+    for name in sorted(versus["baselines"], key=within_mean) + list(ablations):
         cells = [name]
         for measure in MEASURES:
-            stat = versus["baselines"][name][measure]
+            stat = every[name][measure]
             margin = stat["margin"]["mean"]
             cells += [fmt_pm(stat), "n/a" if margin is None else f"{margin:+.3f} {fmt_interval(stat['margin_ci'])}".strip(),
                       f"{stat['sets_shipped_level_or_ahead']} / {stat['sets']}"]
         rows.append(cells)
-    table = Table(cols, rows, "The shipped refinement predictor against every non-oracle baseline, paired by trace set")
+    table = Table(cols, rows, "The shipped refinement predictor against every non-oracle baseline (and the ablation "
+                              "without the first-round state), paired by trace set")
     return Section("Shipped against every baseline", "", lines + [table])
+
+
+def _over_sets(verdict: dict) -> str:
+    """A margin over the sets (of :func:`_verdict`) in words: mean, t-interval, verdict and the count of
+    sets level or ahead."""
+    noise = ("inside the interval: not a clear difference over these sets" if verdict["inside_interval"]
+             else "outside the interval")
+    return (f"{verdict['margin']:+.3f} (95% t-interval over the sets {fmt_interval(verdict['margin_ci'])}; {noise}); "
+            f"level or ahead in {verdict['sets_shipped_level_or_ahead']} of {verdict['sets']} sets")
 

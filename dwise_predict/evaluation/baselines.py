@@ -5,10 +5,10 @@ each evaluation request, from what it may see, and is scored by Spearman ρ, Ken
 rounds scale) and mean within-category ρ against the actual remaining rounds:
 
 - **admission LightGBM** — the shipped admission predictor (total estimate minus the first round);
-- **survival on the prompt hidden state** — the full refinement recipe (candidate search included)
-  retrained with the first-round state blanked, so it sees ``prompt_last`` (the pooled last prompt
-  block) and the other inputs (prompt tokens, budget, early signals): does the denoised state add
-  anything over what the model already read?;
+- **survival on the prompt hidden state** (seed 000's "prompt hidden state") — the full refinement
+  recipe (candidate search included) retrained on what is known before the first denoising round:
+  ``prompt_last`` (the pooled last prompt block), prompt tokens and budget, with the first-round state
+  and the round-1 early signals blanked: does denoising add anything over what the model already read?;
 - **early signals** (seed 001) — fraction over threshold, mean confidence, mean entropy and prompt
   length (:data:`EARLY_SIGNALS`: seed 001's four, not the bundle's four of
   :data:`dwise_predict.identity.EARLY_SIGNALS`, which have ``end_probability`` where this set has
@@ -23,6 +23,11 @@ rounds scale) and mean within-category ρ against the actual remaining rounds:
   hidden states, prompt tokens, budget, the bundle's early signals), whichever candidate `train`
   chose (the paper's calibrated survival ensemble, or a ridge head, alone or blended with signal
   heads, in the same graph; see :mod:`dwise_predict.training.select`);
+- **ablation: shipped recipe without the first-round state** — the same recipe retrained with only
+  the first-round hidden state blanked (the last prompt block, prompt tokens, budget and the round-1
+  early signals kept): what the denoised state adds over the first round's scalar signals. Not a
+  baseline (it is the shipped predictor minus one input; ``evaluate --ablate inputs`` has the rest),
+  so it is reported beside the winner, never as the one to beat;
 - **oracles** — the actual remaining rounds (ρ = 1, the ceiling), the actual output tokens (what a
   perfect output-length ranker would use; R² is not comparable there, tokens are not rounds), and
   for synthetic traces the true expected remaining rounds (``oracle_remaining``).
@@ -30,10 +35,11 @@ rounds scale) and mean within-category ρ against the actual remaining rounds:
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
+from dwise_predict import identity
 from dwise_predict.evaluation.pool import RetrainTask
 from dwise_predict.metrics import kendall, r2, spearman, within_category
 from dwise_predict.traces import TraceDataset
@@ -47,7 +53,24 @@ EARLY_SIGNALS = {
 }
 PROBE_BINS = 8
 PROBE_COMPONENTS = 64
-PROMPT_HIDDEN_TASK = "__prompt_hidden_state__"  # a retraining's name; not a category name: categories are plain words
+# retrainings' names; not category names: categories are plain words
+PROMPT_HIDDEN_TASK = "__prompt_hidden_state__"
+WITHOUT_FIRST_ROUND_TASK = "__without_first_round_state__"
+TASK_WORDS = {PROMPT_HIDDEN_TASK: "prompt hidden state", WITHOUT_FIRST_ROUND_TASK: "without the first-round state"}
+SHIPPED = "refinement predictor (shipped)"
+WITHOUT_FIRST_ROUND = "ablation: shipped recipe without the first-round state"
+# what a row is; only "baseline" rows compete with the shipped one for the report's verdict
+ROW_KINDS = ("baseline", "shipped", "ablation", "oracle")
+
+
+class Prediction(NamedTuple):
+    """One row of the table before scoring: predicted remaining rounds of every evaluation request."""
+
+    name: str
+    input: str  # what the row sees, in words
+    pred: np.ndarray  # (n_eval,)
+    comparable: bool  # on the rounds scale (R² defined)
+    kind: str  # of ROW_KINDS
 
 
 def remaining_rounds(ds: TraceDataset) -> np.ndarray:
@@ -55,14 +78,38 @@ def remaining_rounds(ds: TraceDataset) -> np.ndarray:
     return ds.requests["total_rounds"].to_numpy(dtype=float) - 1.0
 
 
-def prompt_hidden_task(train: TraceDataset, eval_ds: TraceDataset, config) -> RetrainTask:
-    """The retraining behind the prompt-hidden-state baseline: the same requests with the first-round
-    state blanked (zeros: a constant carries nothing), so the recipe sees ``prompt_last`` and the
-    short inputs only (its ``"refined"`` prediction is that row)."""
-    def with_prompt_state(ds: TraceDataset) -> TraceDataset:
-        return dataclasses.replace(ds, first_round=np.zeros_like(ds.first_round))
+def keep_inputs(ds: TraceDataset, states: tuple[str, ...] = identity.HIDDEN_STATES,
+                signals: bool = True) -> TraceDataset:
+    """``ds`` with only the hidden ``states`` kept (of ``identity.HIDDEN_STATES``; the others become
+    zeros: a constant carries nothing); ``signals`` False makes the bundle's round-1 early signals
+    constant too (prompt tokens and budget stay: they are known at admission)."""
+    requests = ds.requests
+    if not signals:
+        requests = requests.assign(**{name: 0.0 for name in identity.EARLY_SIGNALS})
+    kept = {name: getattr(ds, name) if name in states else np.zeros_like(ds.first_round)
+            for name in identity.HIDDEN_STATES}
+    return TraceDataset(requests, kept["first_round"], kept["prompt_last"], ds.manifest, ds.path)
 
-    return RetrainTask(PROMPT_HIDDEN_TASK, with_prompt_state(train), with_prompt_state(eval_ds), config)
+
+def prompt_hidden_task(train: TraceDataset, eval_ds: TraceDataset, config) -> RetrainTask:
+    """The retraining behind the prompt-hidden-state baseline: the recipe on what is known before the
+    first denoising round (``prompt_last``, prompt tokens, budget); its ``"refined"`` prediction is
+    that row."""
+    return RetrainTask(PROMPT_HIDDEN_TASK, keep_inputs(train, ("prompt_last",), signals=False),
+                       keep_inputs(eval_ds, ("prompt_last",), signals=False), config)
+
+
+def without_first_round_task(train: TraceDataset, eval_ds: TraceDataset, config) -> RetrainTask:
+    """The retraining behind the ablation row: the recipe with the first-round hidden state alone
+    blanked."""
+    return RetrainTask(WITHOUT_FIRST_ROUND_TASK, keep_inputs(train, ("prompt_last",)),
+                       keep_inputs(eval_ds, ("prompt_last",)), config)
+
+
+def table_tasks(train: TraceDataset, eval_ds: TraceDataset, config) -> list[RetrainTask]:
+    """The two retrainings the table needs (its prompt-state baseline and its ablation), for one pool
+    with whatever else the caller retrains."""
+    return [prompt_hidden_task(train, eval_ds, config), without_first_round_task(train, eval_ds, config)]
 
 
 def score(pred, true, categories, comparable_scale: bool = True) -> dict:
@@ -144,55 +191,59 @@ def baseline_predictions(
     eval_ds: TraceDataset,
     admission_total: np.ndarray,
     refined: np.ndarray,
-    prompt_hidden_refined: np.ndarray | None,
+    retrained: dict[str, np.ndarray] | None = None,
     seed: int = 0,
     candidate: str = "survival",
-) -> list[tuple[str, str, np.ndarray, bool]]:
-    """Every baseline's predictions of remaining rounds on ``eval_ds``: ``(name, input, pred (n_eval,),
-    comparable scale)``.
+) -> list[Prediction]:
+    """Every row's predictions of remaining rounds on ``eval_ds``, in the table's order: admission,
+    prompt-state survival, early signals, probe, ridge, shipped, the ablation, oracles.
 
     Parameters
     ----------
     admission_total : array of shape (n_eval,), the admission predictor's total rounds.
     refined : array of shape (n_eval,), the shipped refinement predictor's calibrated remaining rounds.
-    prompt_hidden_refined : array of shape (n_eval,), the refinement recipe retrained on the prompt
-        hidden state (None leaves that row out).
+    retrained : the ``"refined"`` predictions of the retrainings behind two rows, by task name
+        (:data:`PROMPT_HIDDEN_TASK`, :data:`WITHOUT_FIRST_ROUND_TASK`); a row whose retraining is not
+        given is left out, not faked.
     candidate : the refinement candidate behind ``refined`` (named in its row's input).
     """
+    retrained = retrained or {}
     true = remaining_rounds(eval_ds)
-    rows: list[tuple[str, str, np.ndarray, bool]] = [
-        ("admission LightGBM", "words, newlines, prompt tokens", np.asarray(admission_total, float) - 1.0, True)
-    ]
-    if prompt_hidden_refined is not None:
-        rows.append(("survival on prompt hidden state", "pooled last prompt block + prompt tokens, budget, early signals",
-                     prompt_hidden_refined, True))
+    rows = [Prediction("admission LightGBM", "words, newlines, prompt tokens", np.asarray(admission_total, float) - 1.0,
+                       True, "baseline")]
+    if PROMPT_HIDDEN_TASK in retrained:
+        rows.append(Prediction("survival on prompt hidden state", "pooled last prompt block + prompt tokens, budget",
+                               retrained[PROMPT_HIDDEN_TASK], True, "baseline"))
     for name, pred in early_signal_predictions(train, eval_ds, seed).items():
         what = "the four early signals together" if name == "all four" else EARLY_SIGNALS[name]
-        rows.append((f"early signal: {name}", what, pred, True))
-    rows.append(("TRAIL-style probe", "first-round hidden state (bins)", trail_probe(train, eval_ds, seed=seed), True))
-    rows.append(("ridge on first-round state", "first-round hidden state", ridge_hidden(train, eval_ds), True))
-    rows.append((SHIPPED, f"first-round hidden state, pooled last prompt block, prompt tokens, budget, early signals "
-                 f"(candidate: {candidate})", refined, True))
-    rows.append(("oracle: actual remaining rounds", "the answer", true, True))
-    rows.append(("oracle: actual output tokens", "output length (not rounds)",
-                 eval_ds.requests["output_tokens"].to_numpy(dtype=float), False))
+        rows.append(Prediction(f"early signal: {name}", what, pred, True, "baseline"))
+    rows.append(Prediction("TRAIL-style probe", "first-round hidden state (bins)", trail_probe(train, eval_ds, seed=seed),
+                           True, "baseline"))
+    rows.append(Prediction("ridge on first-round state", "first-round hidden state", ridge_hidden(train, eval_ds), True,
+                           "baseline"))
+    rows.append(Prediction(SHIPPED, f"first-round hidden state, pooled last prompt block, prompt tokens, budget, early "
+                                    f"signals (candidate: {candidate})", refined, True, "shipped"))
+    if WITHOUT_FIRST_ROUND_TASK in retrained:
+        rows.append(Prediction(WITHOUT_FIRST_ROUND, "pooled last prompt block, prompt tokens, budget, early signals",
+                               retrained[WITHOUT_FIRST_ROUND_TASK], True, "ablation"))
+    rows.append(Prediction("oracle: actual remaining rounds", "the answer", true, True, "oracle"))
+    rows.append(Prediction("oracle: actual output tokens", "output length (not rounds)",
+                           eval_ds.requests["output_tokens"].to_numpy(dtype=float), False, "oracle"))
     if "oracle_remaining" in eval_ds.requests.columns:
-        rows.append(("oracle: expected remaining (synthetic)", "true hazard",
-                     eval_ds.requests["oracle_remaining"].to_numpy(dtype=float), True))
+        rows.append(Prediction("oracle: expected remaining (synthetic)", "true hazard",
+                               eval_ds.requests["oracle_remaining"].to_numpy(dtype=float), True, "oracle"))
     return rows
 
 
-def baseline_table(eval_ds: TraceDataset, predictions: list[tuple[str, str, np.ndarray, bool]]) -> list[dict]:
-    """Score every baseline of ``predictions`` (:func:`baseline_predictions` on ``eval_ds``).
+def baseline_table(eval_ds: TraceDataset, predictions: list[Prediction]) -> list[dict]:
+    """Score every row of ``predictions`` (:func:`baseline_predictions` on ``eval_ds``).
 
     Returns
     -------
-    list of rows ``{"name", "input", "spearman", "kendall", "r2", "within_category_mean"}``, in
-    the order: admission, prompt-state survival, early signals, probe, ridge, shipped, oracles.
+    list of rows ``{"name", "input", "kind", "spearman", "kendall", "r2", "within_category_mean"}``,
+    in the order of ``predictions``.
     """
     true = remaining_rounds(eval_ds)
     cats = eval_ds.requests["category"].astype(str).to_numpy()
-    return [{"name": n, "input": i, **score(p, true, cats, comparable)} for n, i, p, comparable in predictions]
-
-
-SHIPPED = "refinement predictor (shipped)"
+    return [{"name": p.name, "input": p.input, "kind": p.kind, **score(p.pred, true, cats, p.comparable)}
+            for p in predictions]

@@ -32,8 +32,8 @@ import pandas as pd
 
 from dwise_predict.errors import InputError
 from dwise_predict.evaluation import loco as loco_mod
-from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, SHIPPED, baseline_predictions, baseline_table,
-                                                prompt_hidden_task, remaining_rounds)
+from dwise_predict.evaluation.baselines import (SHIPPED, TASK_WORDS, baseline_predictions, baseline_table,
+                                                remaining_rounds, table_tasks)
 from dwise_predict.evaluation.characterize import characterize, output_vs_work
 from dwise_predict.files import atomic_dir, atomic_write, claim_output, write_json
 from dwise_predict.evaluation.inputs import concat, load_many, model_label
@@ -169,17 +169,18 @@ def evaluate(
         "refined_raw": np.asarray(predictors.refined_raw(scored), dtype=float),
     }
 
-    # Every retraining goes to one pool: LOCO categories and the prompt-hidden-state baseline.
+    # Every retraining goes to one pool: LOCO categories, the prompt-hidden-state baseline and the
+    # ablation without the first-round state.
     loco_tasks, skipped = [], []
     if loco or hold_out is not None:
         loco_tasks, skipped = loco_mod.plan(train, scored, config, None if loco else [hold_out], min_requests)
         if not loco and skipped:
             raise InputError(f"cannot hold out {hold_out!r}: {skipped[0]['reason']}")
-    prompt_task = prompt_hidden_task(train, scored, config)
-    tasks = loco_tasks + [prompt_task]
-    log(f"retraining {len(tasks)} times ({len(loco_tasks)} held-out categories + prompt-hidden-state baseline)")
-    retrained = run_tasks(tasks, jobs, on_done=lambda name: log(
-        f"  done: {'prompt hidden state' if name == PROMPT_HIDDEN_TASK else 'without ' + name}"), kept=kept, log=log)
+    tasks = loco_tasks + table_tasks(train, scored, config)
+    log(f"retraining {len(tasks)} times ({len(loco_tasks)} held-out categories + prompt-hidden-state baseline "
+        "+ the ablation without the first-round state)")
+    retrained = run_tasks(tasks, jobs, on_done=lambda name: log(f"  done: {TASK_WORDS.get(name, 'without ' + name)}"),
+                          kept=kept, log=log)
 
     loco_result = None
     if loco_tasks or skipped:
@@ -191,7 +192,7 @@ def evaluate(
     finished_train = train.subset(Targets.of(train).events)
     candidate = predictors.ensemble.candidate
     predictions = baseline_predictions(finished_train, scored, preds["admission"], preds["refined"],
-                                       retrained[PROMPT_HIDDEN_TASK]["refined"], config.seed, candidate)
+                                       {name: retrained[name]["refined"] for name in TASK_WORDS}, config.seed, candidate)
     baselines = baseline_table(scored, predictions)
     winner = _winner(predictions, scored, candidate, config)
 
@@ -252,37 +253,46 @@ def _n_boot(config) -> int:
 
 
 def _winner(predictions, scored: TraceDataset, candidate: str, config) -> dict:
-    """Which predictor won: the shipped refinement predictor against the best non-oracle baseline (by
+    """Which predictor won: the shipped refinement predictor against the best baseline (by
     within-category ρ, and separately by ρ overall), with paired bootstrap intervals of the differences
-    (requests resampled within category). ``inside_interval`` is True where the interval contains 0."""
+    (requests resampled within category). ``inside_interval`` is True where the interval contains 0.
+    ``ablation`` (where the table has that row): the same margins over the shipped recipe without the
+    first-round state, i.e. what that state adds."""
     from dwise_predict.evaluation.ablate import score_rows
 
     true = remaining_rounds(scored)
     cats = scored.requests["category"].astype(str).to_numpy()
-    preds = {name: np.asarray(p, float) for name, _, p, _ in predictions if not name.startswith("oracle")}
+    kinds = {p.name: p.kind for p in predictions if p.kind != "oracle"}
+    preds = {p.name: np.asarray(p.pred, float) for p in predictions if p.name in kinds}
     rows = [{"name": name, "bundle": name == SHIPPED} for name in preds]
     table = score_rows(rows, preds, true, cats, SHIPPED, _n_boot(config), config.seed)
     shipped = next(r for r in table["rows"] if r["name"] == SHIPPED)
-    others = [r for r in table["rows"] if r["name"] != SHIPPED]
+    baselines = [r for r in table["rows"] if kinds[r["name"]] == "baseline"]
+    ablation = next((r for r in table["rows"] if kinds[r["name"]] == "ablation"), None)
     out = {"candidate": candidate, "shipped": {k: shipped[k] for k in ("spearman", "spearman_ci", "within_category_mean",
                                                                          "within_category_ci")}}
     for key, label in (("within_category_mean", "within_category"), ("spearman", "overall")):
-        defined = [r for r in others if r[key] is not None]
+        defined = [r for r in baselines if r[key] is not None]
         if not defined or shipped[key] is None:
             out[label] = None
             continue
         best = max(defined, key=lambda r: r[key])
-        d = best["delta_vs_reference"]  # best - shipped, paired
-        ci_key = "within_category_ci" if key == "within_category_mean" else "spearman_ci"
-        ci = d[ci_key]
-        margin = shipped[key] - best[key]
-        inside = ci is None or ci[0] <= 0.0 <= ci[1]
-        out[label] = {
-            "best_baseline": best["name"], "baseline": best[key], "shipped": shipped[key], "margin": margin,
-            "margin_ci": None if ci is None else [-ci[1], -ci[0]], "inside_interval": bool(inside),
-            "shipped_wins": margin >= 0,
-        }
+        out[label] = {"best_baseline": best["name"], "baseline": best[key], **_margin(shipped, best, key)}
+    if ablation is not None:
+        out["ablation"] = {"name": ablation["name"], **{
+            label: None if shipped[key] is None or ablation[key] is None
+            else {"ablation": ablation[key], **_margin(shipped, ablation, key)}
+            for key, label in (("within_category_mean", "within_category"), ("spearman", "overall"))}}
     return out
+
+
+def _margin(shipped: dict, other: dict, key: str) -> dict:
+    """The shipped row's margin over ``other`` on ``key`` (scored by ``score_rows`` against the shipped
+    row), with its paired 95 % interval and whether that interval contains 0."""
+    ci = other["delta_vs_reference"]["within_category_ci" if key == "within_category_mean" else "spearman_ci"]
+    margin = shipped[key] - other[key]
+    return {"shipped": shipped[key], "margin": margin, "margin_ci": None if ci is None else [-ci[1], -ci[0]],
+            "inside_interval": bool(ci is None or ci[0] <= 0.0 <= ci[1]), "shipped_wins": margin >= 0}
 
 
 def write_evaluation(evaluation: Evaluation, out: str | os.PathLike) -> dict[str, Path]:

@@ -251,11 +251,12 @@ def summary(result: dict) -> list[str]:
             text += (f" Over all requests with {h['category']} held out: admission ρ {_arrow(h['admission'])}, "
                      f"refined ρ {_arrow(h['refined'])}.")
         lines.append(text)
-    contenders = [r for r in result["baselines"] if not r["name"].startswith("oracle") and r["spearman"] is not None]
+    contenders = [r for r in result["baselines"] if r["kind"] in ("baseline", "shipped") and r["spearman"] is not None]
     if contenders:
         best = max(contenders, key=lambda r: r["spearman"])
         early = next((r for r in result["baselines"] if r["name"] == "early signal: all four"), None)
-        text = f"Best non-oracle row of the baseline table: {best['name']} (ρ = {fmt(best['spearman'])})."
+        text = (f"Best predictor of the baseline table (oracles and the ablation aside): {best['name']} "
+                f"(ρ = {fmt(best['spearman'])}).")
         if early:
             text += (f" Seed 001's four early signals together: ρ = {fmt(early['spearman'])}, "
                      f"R² = {fmt(early['r2'])}.")
@@ -272,25 +273,41 @@ def summary(result: dict) -> list[str]:
     return lines
 
 
+# the two measures the shipped predictor is judged on (key in evaluation.json "winner" -> words)
+WINNER_MEASURES = (("within_category", "mean within-category ρ"), ("overall", "ρ over all requests"))
+
+
 def winner_lines(winner: dict | None) -> list[str]:
     """Which predictor won and by how much: the shipped refinement predictor against the best
-    non-oracle baseline, within category and overall, with the paired bootstrap interval's verdict."""
+    non-oracle baseline, within category and overall, with the paired bootstrap interval's verdict;
+    then what the first-round state adds (the ablation without it), where that was measured."""
     if not winner:
         return []
     lines = []
-    for label, words in (("within_category", "mean within-category ρ"), ("overall", "ρ over all requests")):
+    for label, words in WINNER_MEASURES:
         w = winner.get(label)
         if not w:
             continue
-        ci = w["margin_ci"]
-        interval = "n/a" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
         verb = "beats" if w["shipped_wins"] else "trails"
-        noise = ("inside the bootstrap interval: not a clear difference on these requests" if w["inside_interval"]
-                 else "outside the bootstrap interval")
         lines.append(f"By {words}, the shipped refinement predictor (candidate {winner['candidate']}, "
                      f"{fmt(w['shipped'])}) {verb} the best non-oracle baseline, {w['best_baseline']} "
-                     f"({fmt(w['baseline'])}), by {w['margin']:+.3f} (paired 95% interval {interval}; {noise}).")
+                     f"({fmt(w['baseline'])}), by {_margin_words(w)}.")
+    ablation = winner.get("ablation")
+    if ablation:
+        parts = [f"{words} {fmt(ablation[label]['ablation'])}, so the first-round state adds "
+                 f"{_margin_words(ablation[label])}" for label, words in WINNER_MEASURES if ablation[label]]
+        if parts:
+            lines.append("Ablation: without the first-round hidden state (the last prompt block, prompt tokens, budget "
+                         "and early signals kept) the same recipe reaches " + "; ".join(parts) + ".")
     return lines
+
+
+def _margin_words(w: dict) -> str:
+    ci = w["margin_ci"]
+    interval = "n/a" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+    noise = ("inside the bootstrap interval: not a clear difference on these requests" if w["inside_interval"]
+             else "outside the bootstrap interval")
+    return f"{w['margin']:+.3f} (paired 95% interval {interval}; {noise})"
 
 
 def evaluation_document(result: dict, arrays: dict) -> Document:
