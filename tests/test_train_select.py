@@ -276,6 +276,18 @@ def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, 
     assert M.spearman(onnx_out, expected) > 0.999
     manifest = json.loads((bundle / "bundle.json").read_text())
     assert manifest["inputs"]["refine"]["candidate"] == candidate
+    # A budget past the largest one trained on (these traces have one: 256) reads as that one. A server
+    # sends whatever max_new_tokens it has (SGLang's OpenAI API: the context left when the client sets
+    # none); unclamped, it met weights that no gradient reached while the budget column was constant.
+    assert set(budget.tolist()) == {manifest["inputs"]["refine"]["budget_norm"]}
+    feeds = {"first_round": ev.first_round, "prompt_last": ev.prompt_last, "prompt_tokens": tokens,
+             "early_signals": signals}
+    beyond = session.run(None, {**feeds, "budget": np.full_like(budget, 32768.0)})[0]
+    np.testing.assert_array_equal(beyond, onnx_out)
+    with torch.no_grad():
+        ts_beyond = scripted(*map(lambda a: torch.from_numpy(np.array(a)),
+                                  (ev.first_round, ev.prompt_last, tokens, np.full_like(budget, 32768.0), signals)))
+    np.testing.assert_array_equal(ts_beyond.numpy(), ts_out)
     assert manifest["metrics"]["refine_candidate"] == candidate
     card = (bundle / "README.md").read_text()
     assert f"candidate: {candidate}" in card

@@ -99,7 +99,14 @@ def refine_input(hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torc
     head extrapolates its score past what float32 survival can resolve and gives every such request
     the same estimate, the horizon K. On the log scale they sit a few deviations out and keep their
     order. ``log(1 + n)`` rather than ``log1p``: the ONNX exporters map it to plain ops everywhere.
+
+    A budget above ``budget_norm`` reads as ``budget_norm``. Traces are often collected at one budget,
+    which leaves that column constant in training, so the weights reading it got no gradient; a
+    server sends whatever ``max_new_tokens`` it has (SGLang fills in the context left when an OpenAI
+    client sets none), and those weights would move every estimate. Up to the largest budget trained
+    on, nothing changes.
     """
+    budget = torch.clamp(budget, max=budget_norm)
     return torch.cat(
         [hidden, (torch.log(prompt_tokens + 1.0) / math.log(prompt_norm + 1.0)).unsqueeze(1),
          (torch.log(budget + 1.0) / math.log(budget_norm + 1.0)).unsqueeze(1), early_signals],
