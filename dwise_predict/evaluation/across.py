@@ -191,6 +191,7 @@ def _paired(shipped: list, theirs: list) -> dict:
 
 
 def _verdict(stat: dict) -> dict:
+    """A row's margin over the sets (of :func:`_paired`) as a verdict: does its interval hold 0?"""
     ci = stat["margin_ci"]
     return {"mean": stat["mean"], "margin": stat["margin"]["mean"], "margin_ci": ci,
             "inside_interval": ci is None or ci[0] <= 0.0 <= ci[1],
@@ -260,13 +261,13 @@ def _versus_section(versus: dict, n_sets: int) -> Section:
         return mean is None, -(mean or 0.0)
 
     ablations = versus.get("ablations", {})
-    for name, stats in ablations.items():
+    for stats in ablations.values():
         parts = [f"{words} {fmt(stats[measure]['mean'])}, so the first-round state adds "
                  f"{_over_sets(_verdict(stats[measure]))}"
                  for measure, words in MEASURES.items() if stats[measure]["margin"]["mean"] is not None]
         if parts:
             lines.append(f"Ablation over the {n_sets} sets: without the first-round hidden state the same recipe "
-                         f"reaches mean " + "; ".join(parts) + ".")
+                         "reaches mean " + "; ".join(parts) + ".")
     rows = []
     every = {**versus["baselines"], **ablations}
     for name in sorted(versus["baselines"], key=within_mean) + list(ablations):
