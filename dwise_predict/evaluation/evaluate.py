@@ -252,6 +252,10 @@ def _n_boot(config) -> int:
     return int(config.bootstrap) if config.bootstrap >= 100 else 200
 
 
+# the measures the shipped predictor is judged on: key of a scored row -> key in the result's "winner"
+_WINNER_KEYS = (("within_category_mean", "within_category"), ("spearman", "overall"))
+
+
 def _winner(predictions, scored: TraceDataset, candidate: str, config) -> dict:
     """Which predictor won: the shipped refinement predictor against the best baseline (by
     within-category ρ, and separately by ρ overall), with paired bootstrap intervals of the differences
@@ -271,7 +275,7 @@ def _winner(predictions, scored: TraceDataset, candidate: str, config) -> dict:
     ablation = next((r for r in table["rows"] if kinds[r["name"]] == "ablation"), None)
     out = {"candidate": candidate, "shipped": {k: shipped[k] for k in ("spearman", "spearman_ci", "within_category_mean",
                                                                          "within_category_ci")}}
-    for key, label in (("within_category_mean", "within_category"), ("spearman", "overall")):
+    for key, label in _WINNER_KEYS:
         defined = [r for r in baselines if r[key] is not None]
         if not defined or shipped[key] is None:
             out[label] = None
@@ -282,7 +286,7 @@ def _winner(predictions, scored: TraceDataset, candidate: str, config) -> dict:
         out["ablation"] = {"name": ablation["name"], **{
             label: None if shipped[key] is None or ablation[key] is None
             else {"ablation": ablation[key], **_margin(shipped, ablation, key)}
-            for key, label in (("within_category_mean", "within_category"), ("spearman", "overall"))}}
+            for key, label in _WINNER_KEYS}}
     return out
 
 

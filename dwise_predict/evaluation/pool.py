@@ -209,8 +209,6 @@ def _exit_with_parent() -> None:
     the pool's task queue, so one whose parent was killed (SIGKILL, the OOM killer) would otherwise
     wait for work forever, an orphan holding a core's memory and the terminal's pipes."""
     parent = multiprocessing.parent_process()
-    if parent is None:
-        return
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
