@@ -11,6 +11,10 @@
   lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it, removed on release
   (:func:`output_lock`), a directory written in place (a trace store, a zoo) by a ``.lock`` inside.
 - :func:`write_errors`: a full or read-only disk as one line.
+- :func:`read_json` / :func:`read_json_object` / :func:`parse_json`: the one reader of JSON that a user
+  hands us (a manifest, a run's files, a config, a profile), with size and depth limits, so damaged or
+  hostile JSON is one typed error, never a ``RecursionError`` or a memory blow-up.
+- :func:`output_path`: an ``--out`` that is a symbolic link names the directory it points to.
 - :func:`sha256_file`.
 
 Temporary files and directories are named ``.NAME.tmp-PID``; those of processes that no longer run
@@ -32,7 +36,9 @@ import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
+from typing import Any
 
 from dwise_predict.errors import InputError, StoreError
 
@@ -42,6 +48,12 @@ WRITE_FAILURES = {
     errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk is full", errno.EFBIG: "the disk is full",
     errno.EACCES: "it is not writable", errno.EPERM: "it is not writable", errno.EROFS: "it is not writable",
 }
+# JSON we are handed: nothing we write comes near these (a manifest or config is a few KiB and a
+# handful of levels deep; the largest report, evaluation.json, a few MiB), so more is damage or an
+# attack. Refused before parsing, so that it cannot exhaust memory, or the stack (Python's json
+# recurses per level: a file of 100,000 '[' raises RecursionError).
+JSON_MAX_BYTES = 64 << 20
+JSON_MAX_DEPTH = 64
 
 
 @contextmanager
@@ -69,7 +81,7 @@ def atomic_write(target: str | os.PathLike, write: Callable[[Path], None], durab
     durable : also fsync the file and its directory, so the rename survives a power loss (the
         collection store commits shards this way; reports and models don't need to).
     """
-    target = Path(target)
+    target = output_path(target)
     sweep_stale(target)
     tmp = _tmp_path(target)
     try:
@@ -113,19 +125,64 @@ def write_json(target: str | os.PathLike, value) -> Path:
     return atomic_write_text(target, text)
 
 
-def read_json_object(path: str | os.PathLike, error: type[Exception], name: str | None = None,
-                     fix: str = "") -> dict:
-    """The JSON object in ``path``; ``error`` (a typed error class) when the file is not valid JSON or
-    holds something else. ``name`` is how the message calls the file (default: its path), ``fix``
-    what it adds after a colon (what the user can do)."""
-    name = name or str(path)
+def parse_json(text: str | bytes, error: type[Exception], name: str, fix: str = "",
+               max_bytes: int | None = JSON_MAX_BYTES) -> Any:
+    """The value of the JSON ``text``; ``error`` (a typed error class) when it is not valid JSON, is
+    larger than ``max_bytes`` (None: no limit, for a user's data set) or nests deeper than
+    :data:`JSON_MAX_DEPTH`. ``name`` is how the message calls the text, ``fix`` what it adds after a
+    colon (what the user can do)."""
     suffix = f": {fix}" if fix else ""
+    if max_bytes is not None and len(text) > max_bytes:
+        raise error(_too_large(name, max_bytes, suffix))
+    too_deep = f"{name} nests deeper than {JSON_MAX_DEPTH} levels, which no JSON of ours does{suffix}"
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise error(f"{name} is not valid JSON ({err}){suffix}") from None
+    except RecursionError:
+        raise error(too_deep) from None
+    if _json_depth(value) > JSON_MAX_DEPTH:
+        raise error(too_deep)
+    return value
+
+
+def _too_large(name: str, max_bytes: int, suffix: str) -> str:
+    return f"{name} is larger than {max_bytes:,} bytes, far more than this JSON ever holds{suffix}"
+
+
+def _json_depth(value: Any) -> int:
+    """How many levels of objects and arrays ``value`` nests (0 for a scalar), counted without
+    recursion and given up just past :data:`JSON_MAX_DEPTH`."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > JSON_MAX_DEPTH:
+                break
+            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def read_json(path: str | os.PathLike, error: type[Exception], name: str | None = None, fix: str = "",
+              max_bytes: int | None = JSON_MAX_BYTES) -> Any:
+    """The JSON value in the file ``path`` (see :func:`parse_json`); its size is checked before it is
+    read. An ``OSError`` (a missing file) is left to the caller."""
+    name = name or str(path)
+    if max_bytes is not None and os.stat(path).st_size > max_bytes:
+        raise error(_too_large(name, max_bytes, f": {fix}" if fix else ""))
+    return parse_json(Path(path).read_bytes(), error, name, fix, max_bytes)
+
+
+def read_json_object(path: str | os.PathLike, error: type[Exception], name: str | None = None,
+                     fix: str = "") -> dict:
+    """The JSON object in ``path``; ``error`` (a typed error class) when the file is not valid JSON,
+    too large or too deep (:func:`read_json`), or holds something else. ``name`` is how the message
+    calls the file (default: its path), ``fix`` what it adds after a colon (what the user can do)."""
+    name = name or str(path)
+    value = read_json(path, error, name, fix)
     if not isinstance(value, dict):
-        raise error(f"{name} must hold a JSON object{suffix}")
+        raise error(f"{name} must hold a JSON object" + (f": {fix}" if fix else ""))
     return value
 
 
@@ -144,7 +201,8 @@ def atomic_dir(out: str | os.PathLike, merge: bool = False) -> Iterator[Path]:
 
     An interrupted or failed block leaves no directory that looks complete (the temporary one is
     removed, and leftovers of dead processes are removed on the next call). An existing ``out`` is
-    replaced only once the new one is complete, and put back if the final rename fails. With
+    replaced only once the new one is complete, and put back if the final rename fails; an ``out``
+    that is a symbolic link is the directory it points to (:func:`output_path`). With
     ``merge`` the finished files are moved into ``out`` one by one instead (each rename atomic),
     keeping what else ``out`` holds (a model directory next to its training checkpoint).
 
@@ -154,7 +212,7 @@ def atomic_dir(out: str | os.PathLike, merge: bool = False) -> Iterator[Path]:
         The directory beside ``out`` cannot be written, or the disk fills or turns read-only while
         the block writes (:func:`write_errors`).
     """
-    out = Path(out)
+    out = output_path(out)
     tmp = _fresh_tmp_dir(out)
     try:
         with write_errors(out, "nothing was replaced; free space or fix permissions and rerun the same command"):
@@ -262,15 +320,19 @@ def output_lock(out: str | os.PathLike) -> FileLock:
 
 @contextmanager
 def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]], what: str, marker: str,
-                 replace: bool = False, flag: str | None = None) -> Iterator[Path]:
+                 replace: bool = False, flag: str | None = None, contents: Iterable[str] | None = None) -> Iterator[Path]:
     """Check ``out`` may be written and hold its lock (:func:`output_lock`) for the block.
 
     Refused: an ``out`` that aliases an input (:func:`refuse_aliasing`), a file, a dangling link,
     and a non-empty directory unless ``replace`` and it is recognisably ``what`` (it holds
-    ``marker``): a trace dataset or a foreign folder is never replaced. ``flag`` names the option
+    ``marker``): a trace dataset or a foreign folder is never replaced. ``contents``: glob patterns
+    of every name ``what`` holds; given, a directory holding anything else is refused too, marker or
+    not (a command that adds its files beside earlier ones, like ``simulate``, must not write into a
+    folder of the user's that happens to hold one of its files). ``flag`` names the option
     that sets ``replace`` (None: the command always replaces its own kind of output); ``what`` is
-    how messages call that kind (``"a run directory"``). An overwrite
-    interrupted by a crash is restored first (:func:`sweep_stale`).
+    how messages call that kind (``"a run directory"``). An ``out`` that is a symbolic link stands
+    for the directory it points to (:func:`output_path`); the block gets that directory. An
+    overwrite interrupted by a crash is restored first (:func:`sweep_stale`).
     """
     out = Path(out)
     if os.path.islink(out) and not out.exists():
@@ -279,23 +341,46 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
     refuse_aliasing(out, inputs)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} is a file: give a directory")
+    named, out = out, output_path(out)
     with hold_output_lock(out):
         sweep_stale(out)
         if out.is_dir() and any(out.iterdir()):
             if not (out / marker).is_file():
-                raise StoreError(f"{out} holds files but is not {what} (no {marker}): it is never replaced; "
+                raise StoreError(f"{named} holds files but is not {what} (no {marker}): it is never replaced; "
                                  "choose a new or empty --out")
+            foreign = [] if contents is None else _foreign_entries(out, tuple(contents))
+            if foreign:
+                shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+                raise StoreError(f"{named} holds {shown}, which {what} never holds: a folder with files of yours is "
+                                 "never replaced or written into; move them out or choose a new or empty --out")
             if not replace:
-                raise StoreError(f"{out} already exists: choose another --out"
+                raise StoreError(f"{named} already exists: choose another --out"
                                  + (f" or pass {flag} to replace it" if flag else ""))
         yield out
+
+
+def _foreign_entries(out: Path, contents: tuple[str, ...]) -> list[str]:
+    """The names in ``out`` that match none of the patterns ``contents`` (our temporary files aside)."""
+    return sorted(p.name for p in out.iterdir()
+                  if TMP_MARK not in p.name and not any(fnmatch(p.name, pattern) for pattern in contents))
+
+
+def output_path(out: str | os.PathLike) -> Path:
+    """Where the output named ``out`` lives: a symbolic link is followed to what it points to.
+
+    A command replaces the directory (or file) behind the link, and the link stays. Renamed over
+    instead, the link itself would become the new output and the old one would stay behind under its
+    own name; and two names of one output would take two locks, letting two writers in at once.
+    """
+    out = Path(out)
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
 
 
 @contextmanager
 def hold_output_lock(out: str | os.PathLike) -> Iterator[Path]:
     """Hold ``out``'s :func:`output_lock` for the block, making its parent first; a parent that cannot
     be made or written is one :class:`StoreError` line."""
-    out = Path(out)
+    out = output_path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         lock = output_lock(out).__enter__()

@@ -112,7 +112,7 @@ def run_quickstart(
     if stages.redo("run"):
         train_run(ds, paths["run"], train_config, overwrite=True)
         stages.finished("run")
-    metrics = json.loads((paths["run"] / "metrics.json").read_text())
+    metrics = read_json_object(paths["run"] / "metrics.json", ConfigError, fix=f"delete {paths['run']} to redo it")
 
     log(f"{next(step)}: held-out categories, baselines, report → {paths['report']}")
     if stages.redo("report"):
@@ -122,7 +122,8 @@ def run_quickstart(
                                   kept=kept_results_dir(paths["report"]))
             write_evaluation(evaluation, paths["report"])
         stages.finished("report")
-    evaluation = json.loads((paths["report"] / "evaluation.json").read_text())
+    evaluation = read_json_object(paths["report"] / "evaluation.json", ConfigError,
+                                  fix=f"delete {paths['report']} to redo it")
 
     log(f"{next(step)}: ONNX + TorchScript bundle → {paths['bundle']}")
     if stages.redo("bundle"):

@@ -45,6 +45,9 @@ REQUIRED_FILES = (
     "calibration.json",
 )
 RUN_MARKER = "refine.json"  # a directory holding it is a run: `train --overwrite` may replace it
+# what a run holds, by kind (the files above, and JSON records a newer version may add): a folder
+# holding anything else is yours, never replaced with the run
+RUN_CONTENTS = ("*.json", "admission.txt", "*.safetensors", "*.png")
 REFINE_SPEC_KEYS = ("hidden_size", "early_signals", "in_features", "num_rounds", "width", "members", "prompt_norm",
                     "budget_norm")
 

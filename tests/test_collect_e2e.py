@@ -180,7 +180,7 @@ def test_malformed_jsonl_names_file_and_line(tiny_dir, tmp_path, capsys):
     spec.write_text(f'name = "mine"\n[[sources]]\ntype = "jsonl"\npath = "{data}"\ncategory = "chat"\ncount = 2\n')
     assert main(["collect", "--model", str(tiny_dir), "--workload", str(spec), "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
-    assert f"{data}:2" in err and "malformed JSON" in err and err.count("\n") == 1
+    assert f"{data}:2 is not valid JSON" in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()  # nothing is created before the workload is known to be good
 
 

@@ -444,7 +444,7 @@ def test_bad_spec_one_clear_line(tmp_path, body, message):
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"prompt": "ok"}\n\n{"prompt": "broken\n')
     spec = write_spec(tmp_path, '[[sources]]\ntype = "jsonl"\npath = "d.jsonl"\ncategory = "x"\n')
-    with pytest.raises(InputError, match=r"d\.jsonl:3: malformed JSON line"):
+    with pytest.raises(InputError, match=r"d\.jsonl:3 is not valid JSON"):
         load_workload(spec)
 
 

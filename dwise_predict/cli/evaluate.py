@@ -181,7 +181,9 @@ def characterize_command(
     from dwise_predict.files import claim_output
 
     inputs = [("TRACES", path) for path in traces]
-    with claim_output(out, inputs, "a characterization", "characterization.json", replace=True) if out else nullcontext():
+    claim = (claim_output(out, inputs, "a characterization", "characterization.json", replace=True,
+                          contents=("characterization.*", "plots")) if out else nullcontext())
+    with claim:
         datasets = load_many(traces)
         result = characterize(datasets)
         if out is not None:

@@ -14,7 +14,6 @@ run. A crash loses at most the shard in flight.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +31,7 @@ from dwise_predict.engine import ENGINE
 from dwise_predict.engine.algorithms import default_algorithm, make_rule
 from dwise_predict.errors import ConfigError, InputError, ModelError, StoreError
 from dwise_predict.features.prompt import count_newlines, count_words
-from dwise_predict.files import refuse_aliasing
+from dwise_predict.files import read_json_object, refuse_aliasing
 from dwise_predict.traces.dataset import MANIFEST_FILE
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY, HiddenExtra
 from dwise_predict.versions import package_versions
@@ -191,8 +190,8 @@ def _refuse_unplanned(out, unplanned: set[str]) -> None:
     if not unplanned:
         return
     try:
-        started = json.loads((Path(out) / MANIFEST_FILE).read_text()).get("workload", {}).get("limit")
-    except (OSError, ValueError, AttributeError):
+        started = read_json_object(Path(out) / MANIFEST_FILE, StoreError).get("workload", {}).get("limit")
+    except (OSError, StoreError, AttributeError):
         started = None
     raise StoreError(f"{out} already holds {len(unplanned)} finished requests that this run's workload leaves out "
                      f"(it was started with --limit {started}): rerun with that --limit or a larger one, or choose "

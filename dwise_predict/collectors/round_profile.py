@@ -10,7 +10,6 @@ the profile JSON of :mod:`dwise_predict.serving.round_cost`.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -23,7 +22,7 @@ import torch
 
 from dwise_predict.collectors.backends.base import StepBatch
 from dwise_predict.errors import InputError
-from dwise_predict.files import hold_output_lock, refuse_aliasing
+from dwise_predict.files import hold_output_lock, read_json, refuse_aliasing
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -101,8 +100,8 @@ def is_round_profile(path: str | os.PathLike) -> bool:
     """Whether the file at ``path`` holds a round profile: a JSON object with ``samples`` or with the
     three coefficients (the two forms :mod:`dwise_predict.serving.round_cost` reads)."""
     try:
-        profile = json.loads(Path(path).read_bytes())
-    except (ValueError, UnicodeDecodeError):
+        profile = read_json(path, InputError)
+    except (OSError, InputError):
         return False
     return isinstance(profile, dict) and (
         isinstance(profile.get("samples"), list) or {"base_ms", "prefill_block_ms", "decode_block_ms"} <= profile.keys())

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from dwise_predict.errors import InputError
+from dwise_predict.files import parse_json, read_json
 
 # Role names seen in public chat datasets, mapped to the chat-template roles.
 DEFAULT_ROLES = {
@@ -185,10 +186,8 @@ class RowMapping:
 
     def _turns(self, value: Any, where: str) -> list[tuple[str, str]]:
         if isinstance(value, str):  # CSV cells hold turns as a JSON string
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{where}: column {self.turns!r} is not a JSON list of turns ({err.msg})") from None
+            value = parse_json(value, InputError, f"{where}: column {self.turns!r}", "give a JSON list of turns",
+                               max_bytes=None)
         if value is None:
             return []
         if not isinstance(value, list):
@@ -282,21 +281,12 @@ def read_rows(path: Path, fmt: str, delimiter: str = ",") -> Iterator[tuple[dict
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise InputError(
-                        f"{path}:{lineno}: malformed JSON line ({err.msg} at column {err.colno}); "
-                        "fix or delete that line"
-                    ) from None
+                row = parse_json(line, InputError, f"{path}:{lineno}", "fix or delete that line", max_bytes=None)
                 if not isinstance(row, dict):
                     raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
                 yield row, f"{path}:{lineno}"
     elif fmt == "json":
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:
-            raise InputError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
+        rows = read_json(path, InputError, max_bytes=None)
         if not isinstance(rows, list):
             raise InputError(f"{path}: expected a JSON list of objects, got {type(rows).__name__}")
         for i, row in enumerate(rows):

@@ -164,6 +164,8 @@ def _parse_toml(text: str, path: Path) -> Any:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise InputError(f"{path}: not valid TOML ({err})") from None
+    except RecursionError:  # both parsers descend into nested arrays and tables recursively
+        raise InputError(f"{path}: nests too deeply to be a workload spec") from None
 
 
 def _parse_yaml(text: str, path: Path) -> Any:
@@ -175,6 +177,8 @@ def _parse_yaml(text: str, path: Path) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise InputError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    except RecursionError:
+        raise InputError(f"{path}: nests too deeply to be a workload spec") from None
 
 
 @dataclass(frozen=True)

@@ -449,6 +449,8 @@ def read_algorithm_file(path: str, option: str = "--dllm-algorithm-config") -> d
         mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
         at = f" (line {mark.line + 1}: {problem})" if mark is not None and problem else ""
         raise ConfigError(f"{option} {path} is not valid YAML{at}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{option} {path} nests too deeply to be an algorithm config") from None
     if params is None:  # SGLang's `yaml.safe_load(f) or {}`
         params = {}
     if not isinstance(params, dict):

@@ -44,6 +44,8 @@ from dwise_predict.traces import TraceDataset
 from dwise_predict.versions import package_versions
 
 EVALUATION_MARKER = "evaluation.json"  # a directory holding it is an evaluation: the next one replaces it
+# every name an evaluation holds: a folder holding anything else is yours, never replaced with it
+EVALUATION_CONTENTS = ("*.json", "predictions.parquet", "report.html", "report.md", "plots")
 
 SURVIVAL_EXAMPLES = 4
 
@@ -245,7 +247,7 @@ def claim_evaluation_out(out: str | os.PathLike, traces: Sequence[str | os.PathL
     :func:`dwise_predict.files.claim_output`): an earlier evaluation there is replaced, the traces,
     the run or a foreign folder never are."""
     inputs = [*(("TRACES", path) for path in traces), ("--run", run)]
-    return claim_output(out, inputs, "an evaluation", EVALUATION_MARKER, replace=True)
+    return claim_output(out, inputs, "an evaluation", EVALUATION_MARKER, replace=True, contents=EVALUATION_CONTENTS)
 
 
 def _n_boot(config) -> int:

@@ -15,7 +15,7 @@ import pandas as pd
 from dwise_predict.evaluation import plots
 from dwise_predict.evaluation.characterize import DEPENDS_ON_CATEGORY
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval
-from dwise_predict.files import write_errors, write_json
+from dwise_predict.files import atomic_dir, write_json
 
 
 def _arrow(pair: dict, intervals: dict | None = None) -> str:
@@ -113,17 +113,18 @@ def characterization_document(result: dict, requests: pd.DataFrame) -> Document:
 
 
 def write_characterization(result: dict, datasets, out: str | os.PathLike) -> Path:
-    """``characterization.json``, ``.html``, ``.md`` and plots of ``result`` in ``out`` (created);
-    ``datasets`` are the trace datasets it measured. Returns the HTML path."""
+    """``characterization.json``, ``.html``, ``.md`` and plots of ``result`` as the directory ``out``;
+    ``datasets`` are the trace datasets it measured. The directory appears whole (a kill leaves the
+    earlier one, or none, never a folder a rerun would take for someone else's), replacing an earlier
+    characterization. Returns the HTML path."""
     from dwise_predict.evaluation.document import write_document
 
     out = Path(out)
     requests = pd.concat([d.requests for d in datasets], ignore_index=True)
-    with write_errors(out, "free space or fix permissions and rerun the same command"):
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "characterization.json", result)
-        html_path, _ = write_document(characterization_document(result, requests), out, stem="characterization")
-    return html_path
+    with atomic_dir(out) as tmp:
+        write_json(tmp / "characterization.json", result)
+        write_document(characterization_document(result, requests), tmp, stem="characterization")
+    return out / "characterization.html"
 
 
 def histogram_figure(requests: pd.DataFrame, name: str = "round_histograms") -> Figure:

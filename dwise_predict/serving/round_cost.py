@@ -25,13 +25,13 @@ profile's ``block_size``). A profile may instead give the coefficients directly:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from dwise_predict.errors import ConfigError, InputError
+from dwise_predict.files import read_json
 
 PROFILE_SCHEMA = 1
 
@@ -140,8 +140,6 @@ def load_round_cost(path: Path) -> RoundCost:
     path = Path(path)
     if not path.is_file():
         raise InputError(f"round profile {path} does not exist: measure one with `dwise-predict profile-rounds`")
-    try:
-        profile = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise InputError(f"round profile {path} is not JSON ({err})") from None
+    profile = read_json(path, InputError, name=f"round profile {path}",
+                        fix="measure one with `dwise-predict profile-rounds`")
     return round_cost_from_profile(profile, str(path))

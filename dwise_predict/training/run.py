@@ -20,8 +20,8 @@ from typing import Callable
 
 from dwise_predict.admission.model import AdmissionModel
 from dwise_predict.errors import ConfigError, InputError, TraceError
-from dwise_predict.files import atomic_dir, claim_output
-from dwise_predict.runs import RUN_MARKER, RunFiles, load_run
+from dwise_predict.files import atomic_dir, claim_output, read_json_object
+from dwise_predict.runs import RUN_CONTENTS, RUN_MARKER, RunFiles, load_run
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import TraceDataset, load_traces
@@ -47,7 +47,8 @@ def train_run(
     config = config or TrainConfig()
     config.check()
     source = traces.path if isinstance(traces, TraceDataset) else traces
-    with claim_output(out, [("TRACES", source)], "a run directory", RUN_MARKER, replace=overwrite, flag="--overwrite"):
+    with claim_output(out, [("TRACES", source)], "a run directory", RUN_MARKER, replace=overwrite, flag="--overwrite",
+                      contents=RUN_CONTENTS):
         ds = traces if isinstance(traces, TraceDataset) else load_traces(traces)
         train, eval_ds = ds.split("train"), ds.split("eval")
         if len(eval_ds) == 0:
@@ -171,6 +172,6 @@ def load_predictors(run: str | os.PathLike | RunFiles) -> Predictors:
 def _read_selection(path: Path) -> dict:
     """candidates.json when the run has one (runs written before candidates existed do not)."""
     try:
-        return json.loads((path / "candidates.json").read_text())
-    except (OSError, ValueError):
+        return read_json_object(path / "candidates.json", InputError)
+    except (OSError, InputError):
         return {}
