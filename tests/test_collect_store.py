@@ -36,7 +36,7 @@ def _rows(indices):
         "category": ["math" if i % 2 else "code" for i in indices],
         "source": "src", "prompt": [f"prompt {i}" for i in indices],
         "prompt_tokens": [10 + i for i in indices], "words": 2, "newlines": 0, "budget": 16, "block_size": 4,
-        "prompt_blocks": 3, "total_rounds": [4 + i % 5 for i in indices],
+        "prompt_blocks": [(10 + i) // 4 for i in indices], "total_rounds": [4 + i % 5 for i in indices],
         "rounds_per_block": [[2, 2 + i % 5] for i in indices], "output_tokens": [8 for _ in indices],
         "finish": "eos", "frac_over_threshold": 0.5, "mean_confidence": 0.7, "mean_entropy": 1.0, "end_probability": 0.2, "wall_s": 0.1,
         "workload_index": list(indices),

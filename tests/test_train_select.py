@@ -186,7 +186,7 @@ def test_well_trained_reference_can_win():
     hazard = 1.0 / (1.0 + np.exp(1.0 + 1.2 * z**2))  # geometric law with log-mean 1 + 1.2 z², as the generator's
     remaining = np.minimum(np.random.default_rng(0).geometric(hazard) - 1, 255)
     # the CV reads only total_rounds (through Targets), the category and the prompt of the requests
-    ds.requests = ds.requests.assign(total_rounds=remaining + 1)
+    ds.requests = ds.requests.assign(total_rounds=remaining + 1, rounds_per_block=[[int(r) + 1] for r in remaining])
     t = Targets.of(ds)
     # ~240 requests fit per fold: small batches so that 30 epochs are enough steps
     make = lambda: SurvivalEnsemble(width=32, seeds=(0,), max_epochs=30, patience=30, lr=1e-2,  # noqa: E731
@@ -439,8 +439,9 @@ def test_blend_weight_stays_at_the_default_when_the_weights_differ_by_noise():
     best does not clear one standard error over the default, which is kept."""
     ds = make_synthetic_traces(320, 16, seed=9)
     rng = np.random.default_rng(9)
-    ds = type(ds)(ds.requests.assign(total_rounds=rng.integers(2, 60, len(ds))), ds.first_round, ds.prompt_last,
-                  ds.manifest)
+    total = rng.integers(2, 60, len(ds))
+    ds = type(ds)(ds.requests.assign(total_rounds=total, rounds_per_block=[[int(t)] for t in total]), ds.first_round,
+                  ds.prompt_last, ds.manifest)
     tr = ds.split("train")
     t = Targets.of(tr)
     weight, scores, _ = choose_blend_weight(inputs(tr), t.remaining, t.events, tr.requests["category"].to_numpy(),
@@ -490,7 +491,8 @@ def test_blend_weight_with_no_defined_score_keeps_the_default_and_records_json()
     import json
 
     ds = make_synthetic_traces(120, 16, seed=2, categories={"chat": (2.8, 60, 1.0)})
-    ds = type(ds)(ds.requests.assign(total_rounds=9), ds.first_round, ds.prompt_last, ds.manifest)
+    ds = type(ds)(ds.requests.assign(total_rounds=9, rounds_per_block=[[9]] * len(ds)), ds.first_round, ds.prompt_last,
+                  ds.manifest)
     tr = ds.split("train")
     t = Targets.of(tr)
     weight, scores, _ = choose_blend_weight(inputs(tr), t.remaining, t.events, tr.requests["category"].to_numpy(),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,15 +170,18 @@ def validate(ds: TraceDataset) -> None:
         if arr.ndim < 2 or arr.shape[0] != n:
             raise TraceError(f"hidden state '{name}'{where} has shape {tuple(arr.shape)} but the table has {n} rows: "
                              "the two files come from different collections; collect them again")
+    for col, blank, what in (("request_id", True, "a non-empty string"), ("category", True, "a non-empty string"),
+                             ("prompt", False, "the prompt's text")):
+        if (i := _first_not_text(ds.requests[col], blank)) is not None:
+            found = ds.requests[col].iloc[i]
+            found = found.item() if isinstance(found, np.generic) else found
+            raise TraceError(f"{col}{where} must hold {what}, found {found!r}: fix those rows")
     if ds.requests["request_id"].duplicated().any():
         dup = ds.requests.loc[ds.requests["request_id"].duplicated(), "request_id"].iloc[0]
         raise TraceError(f"request_id '{dup}' appears twice{where}: request ids must be unique")
     bad_split = set(ds.requests["split"].unique()) - {"train", "eval"}
     if bad_split:
-        raise TraceError(f"split{where} must be 'train' or 'eval', found {sorted(bad_split)}")
-    bad_category = [v for v in ds.requests["category"].unique() if not isinstance(v, str) or not v]
-    if bad_category:
-        raise TraceError(f"category{where} must be a non-empty string, found {bad_category[0]!r}: fix those rows")
+        raise TraceError(f"split{where} must be 'train' or 'eval', found {sorted(map(repr, bad_split))}")
     values = {}
     for col in NUMERIC_COLUMNS:
         values[col] = pd.to_numeric(ds.requests[col], errors="coerce").to_numpy(dtype=float)
@@ -194,9 +198,130 @@ def validate(ds: TraceDataset) -> None:
         raise TraceError(f"total_rounds{where} of request {ds.requests['request_id'].iloc[i]!r} is "
                          f"{values['total_rounds'][i]:g}, more than a budget of {values['budget'][i]:g} tokens can "
                          "take: the traces are corrupt; drop or fix those rows")
+    _check_columns_agree(ds.requests, values, where)
     for name, arr in [(name, getattr(ds, name)) for name in HIDDEN_TENSORS] + list(ds.extra_hidden.items()):
         if not np.isfinite(arr).all():
             raise TraceError(f"hidden state '{name}'{where} holds NaN or inf: drop those requests")
+
+
+# early signals are a fraction, probabilities and an entropy (nats): outside these, a column was edited
+SIGNAL_RANGES = {"frac_over_threshold": (0.0, 1.0), "mean_confidence": (0.0, 1.0), "mean_entropy": (0.0, np.inf),
+                 "end_probability": (0.0, 1.0), "wall_s": (0.0, np.inf)}
+
+
+def _check_columns_agree(requests: pd.DataFrame, values: dict[str, np.ndarray], where: str) -> None:
+    """The columns of one request must describe one decoding: each value alone can be plausible and the
+    row still impossible (a prompt of 40 tokens in 10**15 prompt blocks replays as a request that never
+    ends). Checked here, where every reader passes, so no stage sizes anything by a corrupt count."""
+    ids = requests["request_id"]
+
+    def refuse(bad: np.ndarray, what: Callable[[int], str]) -> None:
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise TraceError(f"request {ids.iloc[i]!r}{where}: {what(i)}: the traces are corrupt; drop or fix "
+                             "those rows, or collect them again")
+
+    finish = requests["finish"].to_numpy(dtype=object)
+    refuse(~np.isin(finish, ["eos", "budget"]), lambda i: f"finish is {finish[i]!r}, not 'eos' or 'budget'")
+    tokens, block, budget = values["prompt_tokens"], values["block_size"], values["budget"]
+    # the engine lays out floor(n / block) prompt blocks; DiffusionGemma's own encoder pass counts ceil
+    blocks = values["prompt_blocks"]
+    refuse((blocks < np.floor(tokens / block)) | (blocks > np.ceil(tokens / block)),
+           lambda i: f"prompt_blocks is {blocks[i]:g}, but {tokens[i]:g} prompt tokens fill {tokens[i] // block[i]:g} "
+                     f"blocks of {block[i]:g}")
+    refuse(values["output_tokens"] > budget,
+           lambda i: f"output_tokens {values['output_tokens'][i]:g} exceed its budget of {budget[i]:g} tokens")
+    for col, (low, high) in SIGNAL_RANGES.items():
+        refuse((values[col] < low) | (values[col] > high), lambda i, col=col, low=low, high=high: (
+            f"{col} is {values[col][i]:g}, outside [{low:g}, {high:g}]"))
+    lengths, sums, bad = _per_block_counts(requests["rounds_per_block"])
+    refuse(bad, lambda i: f"rounds_per_block is {requests['rounds_per_block'].iloc[i]!r}, not a list of whole "
+                          "numbers >= 1")
+    # a request ends at the block reaching its budget: at most the first block and budget / block more
+    most = 1 + np.ceil(budget / block)
+    refuse(lengths > most, lambda i: f"rounds_per_block lists {lengths[i]:g} blocks, more than a budget of "
+                                     f"{budget[i]:g} tokens in blocks of {block[i]:g} reaches ({most[i]:g})")
+    # a request cut short (the optional `censored` column, training.fit) is known only to have run at least
+    # its recorded rounds
+    finished = ~requests["censored"].fillna(False).to_numpy(dtype=bool) if "censored" in requests else True
+    refuse(finished & (sums != values["total_rounds"]),
+           lambda i: f"total_rounds is {values['total_rounds'][i]:g} but rounds_per_block sums to {sums[i]:g}")
+
+
+def _first_not_text(column: pd.Series, blank: bool = False) -> int | None:
+    """The position of the first value of ``column`` that is not a string (with ``blank``, or is only
+    whitespace), or None. Vectorised first: validation runs on every subset a stage takes."""
+    missing = column.isna().to_numpy()  # pandas' string dtype holds NaN for a missing value, and infers "string"
+    if missing.any():
+        return int(np.argmax(missing))
+    if pd.api.types.infer_dtype(column, skipna=False) == "string":
+        empty = (column.str.strip() == "").to_numpy() if blank else np.zeros(len(column), dtype=bool)
+        return int(np.argmax(empty)) if empty.any() else None
+    return next(i for i, v in enumerate(column) if not isinstance(v, str))
+
+
+def _per_block_counts(column: pd.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of ``rounds_per_block``: its number of blocks, its sum of rounds and whether it is not a
+    non-empty list of whole numbers >= 1 (arrays of shape (n,)). Read through Arrow's list arrays, in C:
+    validation runs on every subset a stage takes."""
+    import pyarrow as pa
+
+    n = len(column)
+    try:
+        lists = pa.array(column, from_pandas=True)
+        numeric = pa.types.is_list(lists.type) and (pa.types.is_integer(lists.type.value_type)
+                                                    or pa.types.is_floating(lists.type.value_type))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        numeric = False
+    if not numeric:  # strings, nested lists, mixed rows: find them one by one
+        bad = np.array([not _whole_numbers(v) for v in column], dtype=bool)
+        lengths = np.array([len(v) if not b else 0 for v, b in zip(column, bad)], dtype=float)
+        return lengths, np.array([float(np.sum(v)) if not b else 0.0 for v, b in zip(column, bad)]), bad
+    missing = lists.is_null().to_numpy(zero_copy_only=False)
+    lengths = lists.value_lengths().fill_null(0).to_numpy().astype(float)
+    flat = lists.flatten().to_numpy(zero_copy_only=False).astype(float)
+    rows = np.repeat(np.arange(n), lengths.astype(int))
+    sums = np.bincount(rows, weights=np.nan_to_num(flat), minlength=n)
+    odd = ~np.isfinite(flat) | (flat < 1) | (flat != np.floor(flat))
+    bad = missing | (lengths == 0) | (np.bincount(rows, weights=odd, minlength=n) > 0)
+    return lengths, sums, bad
+
+
+def _whole_numbers(value) -> bool:
+    """Whether one row's ``rounds_per_block`` is a non-empty list of whole numbers >= 1."""
+    if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
+        return False
+    try:
+        counts = np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        return False
+    return counts.ndim == 1 and bool(np.all(np.isfinite(counts) & (counts >= 1) & (counts == np.floor(counts))))
+
+
+# the oldest trace schema read: schema 1 counted rounds in other units (ceil prompt blocks, r forwards
+# per block), schema 2 lacks the fourth early signal; neither can stand for today's traces
+OLDEST_SCHEMA_VERSION = 3
+
+
+def check_manifest(manifest: dict, path: str | os.PathLike) -> None:
+    """Raise :class:`TraceError` when a trace manifest's schema version is not one this code reads
+    (a whole number from :data:`OLDEST_SCHEMA_VERSION` to :data:`SCHEMA_VERSION`; JSON's ``true`` is
+    not one), or its model, decoding or workload block is not a JSON object."""
+    version = manifest.get("schema_version")
+    if type(version) is not int:  # bool is a subclass of int: `true` would read as schema 1
+        raise TraceError(f"{path} has trace schema version {version!r}, not a whole number: its {MANIFEST_FILE} "
+                         "is damaged; collect the traces again")
+    if version > SCHEMA_VERSION:
+        raise TraceError(f"{path} has trace schema version {version}; this dwise-predict reads up to "
+                         f"{SCHEMA_VERSION}: upgrade dwise-predict")
+    if version < OLDEST_SCHEMA_VERSION:
+        raise TraceError(f"{path} has trace schema version {version}; this dwise-predict reads {OLDEST_SCHEMA_VERSION} "
+                         f"to {SCHEMA_VERSION} (older traces count rounds in other units, or lack end_probability): "
+                         "collect them again with this version")
+    for key in ("model", "decoding", "workload"):
+        if not isinstance(manifest.get(key, {}), dict):
+            raise TraceError(f"{path}'s {MANIFEST_FILE} has a {key} that is not a JSON object: the trace dataset is "
+                             "damaged; collect it again")
 
 
 def load_traces(path: str | os.PathLike) -> TraceDataset:
@@ -218,12 +343,7 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
             )
             raise TraceError(f"{path} has no {name}: {hint}")
     manifest = read_json_object(path / MANIFEST_FILE, TraceError, fix="the trace dataset is damaged; collect it again")
-    version = manifest.get("schema_version")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise TraceError(
-            f"{path} has trace schema version {version!r}; this dwise-predict reads up to "
-            f"{SCHEMA_VERSION}: upgrade dwise-predict"
-        )
+    check_manifest(manifest, path)
     try:
         requests = pd.read_parquet(path / REQUESTS_FILE)
         tensors = load_file(str(path / HIDDEN_FILE))
@@ -236,6 +356,12 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
         raise TraceError(f"{path / HIDDEN_FILE} lacks tensors {', '.join(missing)}")
     if len(requests) == 0:
         raise TraceError(f"{path} holds no requests: collect some with `dwise-predict collect --out {path}`")
+    width = tensors["first_round"].shape[1] if tensors["first_round"].ndim == 2 else None
+    for where, block in (("hidden_size", manifest), ("model.hidden_size", manifest.get("model", {}))):
+        declared = block.get("hidden_size")
+        if declared is not None and width is not None and declared != width:
+            raise TraceError(f"{path / MANIFEST_FILE} says {where} {declared!r}, but {HIDDEN_FILE} holds rows of "
+                             f"{width}: the files come from different collections; collect it again")
     return TraceDataset(
         requests,
         tensors["first_round"].astype(np.float32, copy=False),
