@@ -12,7 +12,10 @@ Layout of an output directory ``OUT``::
 Commit protocol: a shard's safetensors file lands first (temp + fsync + rename), then its Parquet file
 (the same way). A shard counts only when its Parquet file exists and both files agree on the request
 ids, so a kill at any moment leaves either a whole shard or an orphan safetensors file that is ignored
-and overwritten by the next shard. Shards are never rewritten: a finished request is never lost, and
+and overwritten by the next shard. The safetensors metadata records checksums of both files' content
+(:data:`CHECKSUM_KEYS`), checked wherever shards are read (resume, consolidation, merge): a shard
+damaged on disk is refused by name, never merged (shards written before checksums were recorded
+are read unchecked). Shards are never rewritten: a finished request is never lost, and
 :meth:`TraceStore.missing` makes a rerun decode only what no shard holds, so none is duplicated.
 
 Identity: a directory belongs to one model (weights sha256 + config hash), one decoding config
@@ -31,6 +34,7 @@ a dataset whose requests were decoded by more than one version of the code says 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -43,7 +47,7 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import FileLock, atomic_write_bytes, read_json_object, refuse_aliasing, write_errors
+from dwise_predict.files import FileLock, atomic_write_bytes, parse_json, read_json_object, refuse_aliasing, write_errors
 from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
 from dwise_predict.traces.dataset import (
@@ -63,6 +67,9 @@ ORDER_COLUMN = "workload_index"  # position of the request in its workload: cons
 MIXED_SOURCES = "mixed_sources"  # manifest key: source fingerprint -> requests, when more than one decoded them
 UNRECORDED = "unrecorded"  # a shard written before shards recorded their code
 SEVERAL = "several"  # rows of a consolidated input that was itself mixed: which code decoded each is not kept
+# safetensors metadata of a shard: sha256 of its Parquet file's bytes, and of its own tensors' names,
+# shapes and values (its own bytes cannot hold their own hash)
+CHECKSUM_KEYS = ("requests_sha256", "tensors_sha256")
 
 
 def model_identity(manifest: dict) -> dict:
@@ -131,32 +138,50 @@ class Shard:
 
 
 def read_shards(out: Path) -> list[Shard]:
-    """Every committed shard under ``out/shards``, in write order (orphans from a crash are skipped)."""
+    """Every committed shard under ``out/shards``, in write order (orphans from a crash are skipped).
+
+    Raises :class:`StoreError` naming a shard that cannot be read, whose two files disagree, or whose
+    content differs from the checksums recorded when it was written (a bit flipped on disk).
+    """
     from safetensors import safe_open
 
     shards = []
     for table in sorted((out / SHARDS_DIR).glob("shard-*.parquet")):
         tensors = table.with_suffix(".safetensors")
+        redo = f"delete {table.name} and {tensors.name} and rerun to decode those requests again"
         try:
-            requests = pd.read_parquet(table)
+            table_bytes = table.read_bytes()
+            requests = pd.read_parquet(io.BytesIO(table_bytes))
             with safe_open(str(tensors), framework="numpy") as f:
-                metadata = f.metadata()
-                ids = json.loads(metadata["request_ids"])
-                first_round = f.get_tensor("first_round")
-                prompt_last = f.get_tensor("prompt_last")
-                extra = {name: f.get_tensor(name) for name in f.keys() if name not in ("first_round", "prompt_last")}
+                metadata = f.metadata() or {}
+                ids = parse_json(metadata["request_ids"], StoreError, f"the request ids of {tensors}")
+                hidden = {name: f.get_tensor(name) for name in f.keys()}
+            first_round, prompt_last = hidden.pop("first_round"), hidden.pop("prompt_last")
         except Exception as err:  # pyarrow / safetensors / json raise many types for a damaged file
-            raise StoreError(
-                f"shard {table} cannot be read ({err}): delete {table.name} and {tensors.name} and rerun to "
-                "decode those requests again"
-            ) from None
+            raise StoreError(f"shard {table} cannot be read ({err}): {redo}") from None
         if ids != requests["request_id"].tolist() or len(first_round) != len(requests):
             raise StoreError(
                 f"shard {table} and {tensors.name} disagree on their requests: delete both and rerun to decode "
                 "those requests again"
             )
-        shards.append(Shard(requests, first_round, prompt_last, table, extra, metadata.get("source", UNRECORDED)))
+        recorded = [metadata.get(key) for key in CHECKSUM_KEYS]
+        found = [hashlib.sha256(table_bytes).hexdigest(),
+                 _tensors_digest({"first_round": first_round, "prompt_last": prompt_last, **hidden})]
+        if any(r is not None and r != f for r, f in zip(recorded, found)):
+            raise StoreError(f"shard {table} is damaged: its content differs from the checksum recorded when it was "
+                             f"written: {redo}")
+        shards.append(Shard(requests, first_round, prompt_last, table, hidden, metadata.get("source", UNRECORDED)))
     return shards
+
+
+def _tensors_digest(tensors: dict[str, np.ndarray]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of ``tensors``, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        values = np.ascontiguousarray(tensors[name])
+        digest.update(f"{name}|{values.dtype.str}|{values.shape}|".encode())
+        digest.update(values.tobytes())
+    return digest.hexdigest()
 
 
 def request_sources(shards: list[Shard]) -> list[str]:
@@ -190,14 +215,25 @@ def concat_shards(shards: list[Shard], manifest: dict, sort_keys: list[str] | No
     return TraceDataset(requests, first_round, prompt_last, manifest, extra_hidden=extra)
 
 
+def _row_shapes(shard: Shard) -> dict[str, tuple]:
+    """The shape of one request's rows in each hidden tensor of ``shard``."""
+    return {"first_round": shard.first_round.shape[1:], "prompt_last": shard.prompt_last.shape[1:],
+            **{name: values.shape[1:] for name, values in sorted(shard.extra.items())}}
+
+
 def _stack(shards: list[Shard], sort_keys: list[str]) -> tuple[pd.DataFrame, np.ndarray, np.ndarray, dict]:
     if not shards:
         raise StoreError("no finished requests to consolidate: run `dwise-predict collect` first")
     names = sorted(shards[0].extra)
+    shapes = _row_shapes(shards[0])
     for s in shards:
         if sorted(s.extra) != names:  # the manifest checks make this a damaged or hand-made shard
             raise StoreError(f"shard {s.path} holds other first-round tensors ({', '.join(sorted(s.extra)) or 'none'}) "
                              f"than {shards[0].path} ({', '.join(names) or 'none'}): delete the odd shard and rerun")
+        if _row_shapes(s) != shapes:  # two hidden sizes: two models behind one manifest
+            odd = next(name for name in shapes if _row_shapes(s)[name] != shapes[name])
+            raise StoreError(f"{s.path} holds {odd} rows of shape {_row_shapes(s)[odd]}, {shards[0].path} of "
+                             f"{shapes[odd]}: they come from different models; combine only collections of one model")
     requests = pd.concat([s.requests for s in shards], ignore_index=True)
     first_round = np.concatenate([s.first_round for s in shards])
     prompt_last = np.concatenate([s.prompt_last for s in shards])
@@ -334,16 +370,16 @@ class TraceStore:
             shards.mkdir(exist_ok=True)
         taken = [int(p.stem.split("-")[1]) for p in shards.glob("shard-*.parquet")]
         stem = shards / f"shard-{max(taken, default=-1) + 1:06d}"
-        blob = save(
-            {
-                "first_round": np.ascontiguousarray(first_round, dtype=np.float32),
-                "prompt_last": np.ascontiguousarray(prompt_last, dtype=np.float32),
-                **{name: np.ascontiguousarray(v, dtype=np.float32) for name, v in extra.items()},
-            },
-            metadata={"request_ids": json.dumps(requests["request_id"].tolist()), "source": source_fingerprint()},
-        )
         table = io.BytesIO()
         requests.reset_index(drop=True).to_parquet(table, index=False)
+        hidden = {
+            "first_round": np.ascontiguousarray(first_round, dtype=np.float32),
+            "prompt_last": np.ascontiguousarray(prompt_last, dtype=np.float32),
+            **{name: np.ascontiguousarray(v, dtype=np.float32) for name, v in extra.items()},
+        }
+        blob = save(hidden, metadata={
+            "request_ids": json.dumps(requests["request_id"].tolist()), "source": source_fingerprint(),
+            **dict(zip(CHECKSUM_KEYS, (hashlib.sha256(table.getvalue()).hexdigest(), _tensors_digest(hidden))))})
         with _store_errors(self.out):
             # safetensors first: the Parquet file's arrival is what commits the shard.
             atomic_write_bytes(stem.with_suffix(".safetensors"), blob, durable=True)
