@@ -122,14 +122,21 @@ class BlockBackend(Protocol):
         """One batched forward: every row processes one chunk against its slot's cache."""
 
 
+# what a loaded config says about the loading, not the model: where it was read from
+# (``_name_or_path``: the same weights under another path, relative or copied, are the same model), the
+# library version, the dtype it was loaded in (a decoding setting, compared apart)
+LOAD_KEYS = ("_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype")
+
+
 def directory_fingerprint(model_dir: Path | None, name: str, config: dict, hidden_size: int,
                           vocab_size: int) -> dict:
     """The model fingerprint of contract 1 for a model loaded from ``model_dir``.
 
     ``weights_sha256`` hashes the sha256 of every ``*.safetensors`` file in name order (one file: its
-    own sha256); ``config_hash`` is the sha256 of the config as canonical JSON. Without a directory
-    (an in-memory model) ``weights_sha256`` is None.
+    own sha256); ``config_hash`` is the sha256 of the config as canonical JSON, without
+    :data:`LOAD_KEYS`. Without a directory (an in-memory model) ``weights_sha256`` is None.
     """
+    config = {key: value for key, value in config.items() if key not in LOAD_KEYS}
     weights_sha256 = None
     if model_dir is not None:
         files = sorted(Path(model_dir).glob("*.safetensors"))

@@ -29,7 +29,6 @@ Verified versus untested (see also ``docs/backends.md``):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ import torch
 from dwise_predict.collectors.backends.base import DTYPES, LOAD_ERRORS, StepBatch, StepOutput, directory_fingerprint
 from dwise_predict.engine.layout import routing_block_size_problem, tokenizer_stop_ids
 from dwise_predict.errors import ModelError
+from dwise_predict.files import read_json_object
 
 # Block sizes of known architectures (SGLang's DllmConfig); a config's own block_size wins.
 # The block size and mask id SGLang 0.5.23 serves each dLLM architecture with, whatever its config.json
@@ -81,9 +81,8 @@ class BlockLoopBackend:
         self._hidden = args[0]
 
     def fingerprint(self) -> dict:
-        config = self.model.config.to_dict()
-        config.pop("transformers_version", None)
-        return directory_fingerprint(self.path, self.name, config, self.hidden_size, self.vocab_size)
+        return directory_fingerprint(self.path, self.name, self.model.config.to_dict(), self.hidden_size,
+                                     self.vocab_size)
 
     def allocate(self, n_slots: int) -> None:
         self._tokens = [[] for _ in range(n_slots)]
@@ -205,10 +204,7 @@ def stop_token_ids(path: Path, config: dict, tokenizer) -> tuple[int, ...]:
     generation = path / "generation_config.json"
     declared = [config.get("eos_token_id"), sorted(tokenizer_stop_ids(tokenizer))]
     if generation.is_file():
-        try:
-            declared.append(json.loads(generation.read_text()).get("eos_token_id"))
-        except (OSError, ValueError, AttributeError) as err:
-            raise ModelError(f"{generation} is not a readable JSON object ({err}): fix or remove it") from None
+        declared.append(read_json_object(generation, ModelError, fix="fix or remove it").get("eos_token_id"))
     ids = set()
     for value in declared:
         ids.update(value if isinstance(value, list) else [] if value is None else [value])

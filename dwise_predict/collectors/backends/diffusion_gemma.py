@@ -97,9 +97,8 @@ class DiffusionGemmaBackend:
         """Contract 1's model fingerprint of the loaded directory."""
         from dwise_predict.collectors.backends.base import directory_fingerprint
 
-        config = self.model.config.to_dict()
-        config.pop("transformers_version", None)
-        return directory_fingerprint(self.path, self.path.name, config, self.hidden_size, self.vocab_size)
+        return directory_fingerprint(self.path, self.path.name, self.model.config.to_dict(), self.hidden_size,
+                                     self.vocab_size)
 
     def decoding_params(self) -> dict:
         """The model's own generation settings that shape its round counts (recorded in the manifest)."""

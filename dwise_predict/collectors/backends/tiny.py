@@ -36,10 +36,8 @@ class TinyBackend:
         return self.model.device
 
     def fingerprint(self) -> dict:
-        config = self.model.config.to_dict()
-        for key in ("transformers_version", "dtype"):  # the library version and load dtype are not the model
-            config.pop(key, None)
-        return directory_fingerprint(self.path, self.name, config, self.hidden_size, self.vocab_size)
+        return directory_fingerprint(self.path, self.name, self.model.config.to_dict(), self.hidden_size,
+                                     self.vocab_size)
 
     def allocate(self, n_slots: int) -> None:
         # room for a two-block chunk written past the longest allowed context
