@@ -23,7 +23,7 @@ from dwise_predict.errors import InputError
 from dwise_predict.metrics import spearman
 from dwise_predict.admission.features import prompt_features
 from dwise_predict.features.prompt import PromptFeaturizer
-from dwise_predict.files import atomic_write_text, write_csv
+from dwise_predict.files import atomic_write_text, claim_output, write_csv, write_errors
 
 CANDIDATES = (
     "Ridge",
@@ -116,14 +116,29 @@ def compare_regressors(
         return _compare(train, folds, seed, featurizer, repeats, progress)
 
 
+# the MLP's early stopping holds out a tenth of its training rows, rounded up, and needs two of them
+MIN_FOLD_TRAIN = 11
+
+
+def check_folds(n_train: int, folds: int) -> None:
+    """Raise :class:`InputError` unless ``n_train`` requests fill ``folds`` folds: each held-out fold
+    needs two requests (a rank correlation), each training fold :data:`MIN_FOLD_TRAIN`."""
+    if folds < 2:
+        raise InputError(f"--folds must be >= 2, got {folds}")
+    if n_train < folds * 2:
+        raise InputError(f"{n_train} training requests cannot fill {folds} folds (need at least {folds * 2}): "
+                         "use fewer folds")
+    smallest = n_train - -(-n_train // folds)
+    if smallest < MIN_FOLD_TRAIN:
+        raise InputError(f"{n_train} training requests leave {smallest} to fit on in a fold, fewer than the "
+                         f"{MIN_FOLD_TRAIN} the MLP's early stopping needs: collect more requests"
+                         + (" or use fewer folds" if folds > 2 else ""))
+
+
 def _compare(train, folds, seed, featurizer, repeats, progress) -> list[dict]:
     from sklearn.model_selection import KFold
 
-    n = len(train)
-    if folds < 2:
-        raise InputError(f"--folds must be >= 2, got {folds}")
-    if n < folds * 2:
-        raise InputError(f"{n} training requests cannot fill {folds} folds (need at least {folds * 2}): use fewer folds")
+    check_folds(len(train), folds)
     x = prompt_features(train.requests).astype(np.float64)
     y = np.log1p(train.requests["total_rounds"].to_numpy(dtype=np.float64))
     prompts = train.requests["prompt"].astype(str).tolist()
@@ -195,9 +210,21 @@ def to_markdown(rows: list[dict], folds: int, tokenizer_note: str) -> str:
     return "\n".join(lines) + f"\n\nTokenisation: {tokenizer_note}. Times: median of single requests, one thread.\n"
 
 
+OUTPUT_FILES = ("regressors.csv", "regressors.md")  # all a comparison's --out holds
+
+
+def claim_comparison_out(out: str | os.PathLike, traces: str | os.PathLike):
+    """Check ``out`` can take a comparison and lock it for the ``with`` block
+    (:func:`dwise_predict.files.claim_output`): an earlier comparison there is replaced, a folder
+    holding anything else (yours, or another command's) never is."""
+    return claim_output(out, [("TRACES", traces)], "a regressor comparison", OUTPUT_FILES[0], replace=True,
+                        contents=OUTPUT_FILES)
+
+
 def write_comparison(rows: list[dict], out: str | os.PathLike, folds: int, tokenizer_note: str) -> list[Path]:
     """``regressors.csv`` and ``regressors.md`` in ``out`` (created); returns their paths."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return [write_csv(out / "regressors.csv", rows),
-            atomic_write_text(out / "regressors.md", to_markdown(rows, folds, tokenizer_note))]
+    with write_errors(out, "free space or fix permissions and rerun the same command"):
+        out.mkdir(parents=True, exist_ok=True)
+        return [write_csv(out / OUTPUT_FILES[0], rows),
+                atomic_write_text(out / OUTPUT_FILES[1], to_markdown(rows, folds, tokenizer_note))]

@@ -13,6 +13,11 @@ from dwise_predict.cli.options import JsonOption, SeedOption, console, log
 from dwise_predict.errors import ConfigError
 
 OUTPUT_JSON = "batch_timeout.json"  # always written: a folder holding it is a study the next run may replace
+OUTPUT_FILES = ("batch_timeout.csv", OUTPUT_JSON, "batch_timeout.png")  # all a study's --out holds
+# Monte Carlo sizes checked before anything is allocated (10**11 requests asked 745 GiB; a batch of
+# 10**12 never filled and the run never ended)
+MAX_REQUESTS = 10_000_000
+MAX_BATCH_SIZE = 4096
 
 
 def batch_timeout_command(
@@ -59,17 +64,19 @@ def batch_timeout_command(
         problems.append("--service-times and --traces conflict: give one source of service times")
     if (traces is None) != (round_profile is None):
         problems.append("--traces and --round-profile go together")
-    if batch_size is not None and batch_size < 1:
-        problems.append(f"--batch-size must be positive, got {batch_size}")
+    if batch_size is not None and not 1 <= batch_size <= MAX_BATCH_SIZE:
+        problems.append(f"--batch-size must lie in 1..{MAX_BATCH_SIZE:,}, got {batch_size:,}")
     if timeout is not None and not timeout >= 0:
         problems.append(f"--timeout must be >= 0 seconds, got {timeout}")
-    if requests < 100:
-        problems.append(f"--requests must be at least 100, got {requests}")
+    if not 100 <= requests <= MAX_REQUESTS:
+        problems.append(f"--requests must lie in 100..{MAX_REQUESTS:,}, got {requests:,}")
     if problems:
         raise ConfigError("; ".join(problems))
 
     inputs = [("--service-times", service_times), ("--traces", traces), ("--round-profile", round_profile)]
-    with claim_output(out, inputs, "a batch-timeout study", OUTPUT_JSON, replace=True) if out else nullcontext():
+    claim = (claim_output(out, inputs, "a batch-timeout study", OUTPUT_JSON, replace=True, contents=OUTPUT_FILES)
+             if out else nullcontext())
+    with claim:
         if service_times is not None:
             service = bt.load_service_times(service_times, batch_size)
         elif traces is not None:

@@ -16,6 +16,9 @@ from dwise_predict.cli.options import JsonOption, table
 from dwise_predict.evaluation.document import fmt
 
 ZooOption = Annotated[Path, typer.Option("--zoo", envvar="DWISE_ZOO", help="Zoo directory (or $DWISE_ZOO).")]
+# probe rows are drawn in memory at 4 bytes x (2 x hidden size + 6) each: 4,096 at a hidden size of
+# 8,192 is 270 MB, and `verify` needs a few dozen (two billion asked for 304 GB)
+MAX_PROBES = 4096
 
 
 def export_command(
@@ -27,7 +30,7 @@ def export_command(
         typer.Option(help="ISO time to record as 'created' (default: now); fix it for byte-identical bundles."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle at --out.")] = False,
-    probes: Annotated[int, typer.Option(min=8, help="Probe rows stored for `verify`.")] = 64,
+    probes: Annotated[int, typer.Option(min=8, max=MAX_PROBES, help="Probe rows stored for `verify`.")] = 64,
     as_json: JsonOption = False,
 ) -> None:
     """Export a training run as a predictor bundle (contract 2): ONNX, TorchScript, torch.export,

@@ -10,10 +10,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import JsonOption
+from dwise_predict.cli.options import SEED_RANGE, JsonOption
 from dwise_predict.collectors.records import DecodingConfig
 from dwise_predict.engine.algorithms import read_algorithm_file
 from dwise_predict.errors import ConfigError
+from dwise_predict.files import parse_json
 
 _DEFAULT = DecodingConfig()
 
@@ -32,7 +33,7 @@ def collect_command(
     model: Annotated[str, typer.Option(help="`tiny` (built-in dLLM) or a local model directory.")] = "tiny",
     workload: Annotated[str, typer.Option(help="Preset (tiny-default, dwise-paper) or a workload spec file.")] = "tiny-default",
     limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests (a quick try).")] = None,
-    seed: Annotated[int, typer.Option(help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
+    seed: Annotated[int, typer.Option(**SEED_RANGE, help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = _DEFAULT.batch_size,
     algorithm: Annotated[Optional[str], typer.Option(help="SGLang dLLM algorithm: LowConfidence, JointThreshold or JointThresholdInDel (default: what SGLang serves the model with).")] = None,
     algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object (e.g. \'{"threshold": 0.9}\') or a file read as SGLang reads --dllm-algorithm-config (YAML or JSON; its block_size sets the block size; vectorized_decoding and capture_input_preparation change no decision and are dropped; a key the algorithm does not read is refused, where SGLang ignores it).')] = None,
@@ -104,10 +105,7 @@ def _algorithm_config(value: str | None) -> dict:
             raise ConfigError(f"--algorithm-config {value!r} is neither a JSON object nor a file: pass e.g. "
                               "'{\"threshold\": 0.9}' or the server's --dllm-algorithm-config file")
         return read_algorithm_file(value, "--algorithm-config")
-    try:
-        params = json.loads(value)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--algorithm-config is not valid JSON ({err.msg} at column {err.colno})") from None
+    params = parse_json(value, ConfigError, "--algorithm-config")
     if not isinstance(params, dict):
         raise ConfigError(f"--algorithm-config must be a JSON object, got {type(params).__name__}")
     return params
@@ -158,7 +156,7 @@ workload_app = typer.Typer(
 @workload_app.command("show")
 def workload_show_command(
     spec: Annotated[str, typer.Argument(help="Preset (tiny-default, dwise-paper) or a .toml/.yaml spec file.")] = "tiny-default",
-    seed: Annotated[int, typer.Option(help="Workload sampling / split seed.")] = 0,
+    seed: Annotated[int, typer.Option(**SEED_RANGE, help="Workload sampling / split seed.")] = 0,
     limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests.")] = None,
     head: Annotated[int, typer.Option(help="Also list the first N requests (id, split, prompt start).")] = 0,
     allow_missing: Annotated[bool, typer.Option(help="Show the sources that are here instead of failing on missing ones.")] = False,

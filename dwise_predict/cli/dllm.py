@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from dwise_predict.cli.options import JsonOption
+from dwise_predict.cli.options import SEED_RANGE, JsonOption
 
 dllm_app = typer.Typer(
     name="dllm",
@@ -25,7 +25,7 @@ dllm_app = typer.Typer(
 @dllm_app.command("train-tiny")
 def train_tiny_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Model directory to write (config, weights, tokenizer).")],
-    seed: Annotated[int | None, typer.Option("--seed", help="Seed of initialisation, data and masking (default: the recipe's, 0).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", **SEED_RANGE, help="Seed of initialisation, data and masking (default: the recipe's, 0).")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimiser steps (default: the shipped recipe's).")] = None,
     minutes: Annotated[
         float | None,

@@ -11,8 +11,11 @@ from typing import Annotated
 
 import typer
 
+from dwise_predict.training.config import MAX_SEED
+
+SEED_RANGE = {"min": 0, "max": MAX_SEED}  # what every --seed takes (a seed option with its own help spreads it in)
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
-SeedOption = Annotated[int, typer.Option("--seed", help="Seed of every random choice.")]
+SeedOption = Annotated[int, typer.Option("--seed", **SEED_RANGE, help="Seed of every random choice.")]
 TracesArgument = Annotated[Path, typer.Argument(help="Trace directory from `dwise-predict collect`.")]
 ManyTracesArgument = Annotated[list[Path], typer.Argument(help="Trace directories (of one model); their requests are pooled.")]
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import JsonOption
+from dwise_predict.cli.options import SEED_RANGE, JsonOption
 from dwise_predict.errors import ConfigError
 from dwise_predict.evaluation.document import fmt, fmt_interval
 from dwise_predict.quickstart import QuickstartConfig
@@ -18,7 +18,7 @@ _DEFAULT = QuickstartConfig()
 def quickstart_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for traces/, run/, report/, bundle/, simulate/.")] = Path("out/quickstart"),
     limit: Annotated[Optional[int], typer.Option(help="Collect only the first N requests of tiny-default (a quicker, noisier try).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for collection, training and arrivals.")] = _DEFAULT.seed,
+    seed: Annotated[int, typer.Option(**SEED_RANGE, help="Seed for collection, training and arrivals.")] = _DEFAULT.seed,
     max_epochs: Annotated[Optional[int], typer.Option(help="Cap each survival member's epochs (default: training default).")] = None,
     loco: Annotated[bool, typer.Option(help="Evaluate leave-one-category-out (retrains once per category).")] = _DEFAULT.loco,
     jobs: Annotated[Optional[int], typer.Option(help="Worker processes for the LOCO retrainings (default: cores).")] = None,

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import json
+import math
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import JsonOption, console, log
+from dwise_predict.cli.options import SEED_RANGE, JsonOption, console, log
 from dwise_predict.errors import ConfigError
 from dwise_predict.serving.simulator import SimConfig
 
 _DEFAULT = SimConfig()
 OUTPUT_JSONS = ("simulate.json", "sweep.json", "k_sweep.json")  # what a replay, a load sweep, a k sweep always write
+# every name a simulate output holds (the three stems' files, the report): a folder holding anything
+# else is the user's, never written into
+OUTPUT_CONTENTS = (*(f"{Path(name).stem}{part}.{ext}" for name in OUTPUT_JSONS for part, ext in
+                     (("", "csv"), ("", "json"), ("", "png"), ("_categories", "csv"), ("_categories", "png"))),
+                   "report.html", "report.md", "plots")
+# Bounds checked before anything is allocated: the replay holds arrays of --requests entries per
+# scheduler and replays every arrival pattern --arrival-seeds times (10**11 requests asked 745 GiB).
+MAX_REQUESTS = 1_000_000
+MAX_ARRIVAL_SEEDS = 1_000
 
 
 class Arrival(str, Enum):
@@ -48,7 +58,7 @@ def simulate_command(
     requests: Annotated[int, typer.Option(help="Requests to replay, drawn with replacement from the split with --seed (0: the split as it is).")] = 4096,
     arrival_seeds: Annotated[int, typer.Option(help="Replay each arrival pattern under this many seeds; metrics get 95% bootstrap intervals.")] = 1,
     split: Annotated[Split, typer.Option(help="Which requests to replay.")] = Split.eval,
-    seed: Annotated[int, typer.Option(help="Arrival order and Poisson times.")] = _DEFAULT.seed,
+    seed: Annotated[int, typer.Option(**SEED_RANGE, help="Arrival order and Poisson times.")] = _DEFAULT.seed,
     backend: Annotated[str, typer.Option(help="Bundle backend for the predictions: onnx or torch.")] = "onnx",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write simulate.csv/.json/.png (or sweep.*) here.")] = None,
     json_out: JsonOption = False,
@@ -96,12 +106,14 @@ def simulate_command(
             k_list = [float(x) for x in ks.split(",") if x.strip()]
         except ValueError:
             k_list = []
-        if not k_list or min(k_list) < 1:
-            problems.append(f"--ks must be a comma list of numbers >= 1, got {ks!r}")
-    if requests < 0:
-        problems.append(f"--requests must be >= 0 (0: the split as it is), got {requests}")
-    if arrival_seeds < 1:
-        problems.append(f"--arrival-seeds must be >= 1, got {arrival_seeds}")
+        if not k_list or not all(1 <= x < math.inf for x in k_list):
+            problems.append(f"--ks must be a comma list of finite numbers >= 1, got {ks!r}")
+    if not math.isfinite(k):
+        problems.append(f"--k must be a finite number (at most k x B requests hold KV), got {k}")
+    if requests < 0 or requests > MAX_REQUESTS:
+        problems.append(f"--requests must lie in 0..{MAX_REQUESTS:,} (0: the split as it is), got {requests:,}")
+    if arrival_seeds < 1 or arrival_seeds > MAX_ARRIVAL_SEEDS:
+        problems.append(f"--arrival-seeds must lie in 1..{MAX_ARRIVAL_SEEDS:,}, got {arrival_seeds:,}")
     if round_profile is not None and not round_profile.is_file():
         problems.append(f"--round-profile {round_profile} does not exist (measure one with `dwise-predict profile-rounds`)")
     if backend not in ("onnx", "torch"):
@@ -122,7 +134,8 @@ def simulate_command(
         config = replace(config, round_cost=load_round_cost(round_profile))
     stem = "k_sweep" if ks else "sweep" if rates else "simulate"
     inputs = [("TRACES", traces), ("--bundle", bundle), ("--round-profile", round_profile)]
-    claim = claim_output(out, inputs, "a simulation", _marker(out, stem), replace=True) if out else nullcontext()
+    claim = (claim_output(out, inputs, "a simulation", _marker(out, stem), replace=True, contents=OUTPUT_CONTENTS)
+             if out else nullcontext())
     with claim:
         ds = load_traces(traces)
         loaded = None

@@ -185,9 +185,10 @@ def compare_regressors_command(
         dwise-predict compare-regressors traces/ --out compare/ --folds 5 --json
     """
 
-    from dwise_predict.admission.compare import compare_regressors, write_comparison
+    from contextlib import nullcontext
+
+    from dwise_predict.admission.compare import check_folds, claim_comparison_out, compare_regressors, write_comparison
     from dwise_predict.features.prompt import PromptFeaturizer, load_tokenizer
-    from dwise_predict.files import refuse_aliasing
     from dwise_predict.traces import load_traces
 
     problems = []
@@ -199,24 +200,24 @@ def compare_regressors_command(
         problems.append(f"--out {out} is a file: give a directory")
     if problems:
         raise ConfigError("; ".join(problems))
-    if out is not None:
-        refuse_aliasing(out, [("TRACES", traces)])
 
-    ds = load_traces(traces)
-    train = ds.split("train")
-    model = ds.model_fingerprint
-    tokenizer = load_tokenizer(model)
-    note = (
-        f"tokenizer of {model.get('name', 'the traces model')} with its chat template"
-        if tokenizer is not None
-        else f"whitespace words (no local tokenizer for model {model.get('name', '?')!r})"
-    )
-    log(f"comparing 7 regressors on {len(train)} training requests, {folds}-fold CV; tokenisation: {note}")
-    rows = compare_regressors(train, folds, seed, PromptFeaturizer(tokenizer), repeats, progress=lambda n: log(f"  {n}"))
-
-    if out is not None:
-        csv_path, md_path = write_comparison(rows, out, folds, note)
-        log(f"wrote {csv_path} and {md_path}")
+    with claim_comparison_out(out, traces) if out is not None else nullcontext():
+        ds = load_traces(traces)
+        train = ds.split("train")
+        check_folds(len(train), folds)  # before the first line on stderr: a refusal is the only line
+        model = ds.model_fingerprint
+        tokenizer = load_tokenizer(model)
+        note = (
+            f"tokenizer of {model.get('name', 'the traces model')} with its chat template"
+            if tokenizer is not None
+            else f"whitespace words (no local tokenizer for model {model.get('name', '?')!r})"
+        )
+        log(f"comparing 7 regressors on {len(train)} training requests, {folds}-fold CV; tokenisation: {note}")
+        rows = compare_regressors(train, folds, seed, PromptFeaturizer(tokenizer), repeats,
+                                  progress=lambda n: log(f"  {n}"))
+        if out is not None:
+            csv_path, md_path = write_comparison(rows, out, folds, note)
+            log(f"wrote {csv_path} and {md_path}")
     if json_out:
         typer.echo(json.dumps({"tokenisation": note, "folds": folds, "rows": rows}, indent=2))
         return

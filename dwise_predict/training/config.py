@@ -11,6 +11,15 @@ from dwise_predict.errors import ConfigError
 from dwise_predict.files import read_json_object
 
 _RECORD_KEYS = {"seeds", "versions", "traces"}  # what config.json records besides the options
+# The largest seed any command takes: scikit-learn and numpy's legacy generator refuse seeds past
+# 2**32 - 1 and torch's past 2**64 - 1, and seeds derived from it (ensemble members, ablation draws,
+# arrival replays) add small offsets; 2**31 - 1 leaves them room.
+MAX_SEED = 2**31 - 1
+# Sizes past which a run cannot be meant, refused before anything is allocated: a width of 10**9 asked
+# for 152 GB, 10**5 members never finished, 10**5 OpenMP threads crashed the process (a segfault, not
+# an error). Each is far above any useful value (the paper: width 256, 3 members, 100 trees).
+LIMITS = {"width": 16_384, "members": 32, "num_threads": 256, "admission_trees": 100_000,
+          "admission_leaves": 131_072, "batch_size": 1 << 20, "bootstrap": 100_000, "cv_folds": 100}
 # the refinement candidates (training.select.CANDIDATES) and "auto": pick one by cross-validation
 REFINE_CHOICES = ("auto", "survival", "ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals")
 
@@ -98,6 +107,10 @@ class TrainConfig:
             problems.append(f"cv_folds must be >= 2 (got {self.cv_folds})")
         if self.bootstrap < 0:
             problems.append(f"bootstrap must be >= 0 (got {self.bootstrap})")
+        if not 0 <= self.seed <= MAX_SEED:
+            problems.append(f"seed must lie in [0, {MAX_SEED}] (got {self.seed})")
+        problems += [f"{name} must be at most {most:,} (got {getattr(self, name):,})"
+                     for name, most in LIMITS.items() if getattr(self, name) > most]
         if problems:
             raise ConfigError("; ".join(problems))
 
