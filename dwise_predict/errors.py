@@ -32,3 +32,7 @@ class BundleError(DwiseError):
 
 class StoreError(DwiseError):
     """The output directory is locked by another writer, unwritable, or holds other traces."""
+
+
+class WorkerError(DwiseError):
+    """A worker process died under a command (killed, or out of memory); rerunning resumes."""

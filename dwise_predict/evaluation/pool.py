@@ -30,6 +30,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dwise_predict.errors import InputError
+from dwise_predict.errors import InputError, WorkerError
 from dwise_predict.files import atomic_dir, atomic_write
 from dwise_predict.traces import TraceDataset
 from dwise_predict.traces.dataset import REQUEST_COLUMNS
@@ -199,8 +200,14 @@ def run_tasks(
         with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context,
                                  initializer=_exit_with_parent) as pool:
             futures = {pool.submit(fit_predict, task, 1): task.name for task in todo}
-            for future in as_completed(futures):
-                finished(futures[future], future.result())
+            try:
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
+            except BrokenProcessPool:  # the OOM killer, or a user's kill, took a worker: every pending task fails
+                kept_note = f"; the {len(results)} finished are kept" if kept is not None and results else ""
+                raise WorkerError(f"a retraining worker process died (killed, or out of memory) after {len(results)} "
+                                  f"of {len(tasks)} retrainings: rerun the same command, with fewer --jobs if memory "
+                                  f"is short{kept_note}") from None
     return {task.name: results[task.name] for task in tasks}
 
 
