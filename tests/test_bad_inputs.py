@@ -232,6 +232,106 @@ def wider_config(config):
     return {**config, "hidden_size": config["hidden_size"] * 2}
 
 
+# --- setups of the second adversarial pass (issue 43) ---------------------------------------------
+
+DEEP_JSON = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"  # Python's json recurses per level
+
+
+def folder_of_yours(*ours: str):
+    """A folder of the user's that holds one of a command's own file names beside their own file."""
+    def setup(w, tmp):
+        mine = tmp / "mine"
+        mine.mkdir()
+        for name in ours:
+            (mine / name).write_text("{}")
+        (mine / "notes.txt").write_text("mine")
+        return {"mine": mine}
+    return setup
+
+
+def link_to(key: str):
+    def setup(w, tmp):
+        (tmp / "link").symlink_to(w[key], target_is_directory=True)
+        return {"link": tmp / "link"}
+    return setup
+
+
+def _collection(path: Path, ds, manifest: dict | None = None) -> Path:
+    """A collection directory with two committed shards of ``ds`` (not consolidated)."""
+    from dwise_predict.collectors.store import TraceStore
+
+    half = len(ds) // 2
+    with TraceStore(path, manifest or ds.manifest) as store:
+        for rows in (slice(0, half), slice(half, len(ds))):
+            store.write_shard(ds.requests.iloc[rows].assign(workload_index=range(rows.start, rows.stop)),
+                              ds.first_round[rows], ds.prompt_last[rows])
+    return path
+
+
+def flipped_shard(suffix: str):
+    """A collection whose first shard's ``suffix`` file has one bit flipped in the middle, after commit."""
+    def setup(w, tmp):
+        from dwise_predict.traces import load_traces
+
+        bad = _collection(tmp / "bad", load_traces(w["traces"]))
+        path = bad / "shards" / f"shard-000000{suffix}"
+        data = bytearray(path.read_bytes())
+        data[len(data) * 3 // 4] ^= 0x10  # safetensors: inside the tensor data; Parquet: inside a data page
+        path.write_bytes(bytes(data))
+        return {"bad": bad}
+    return setup
+
+
+def two_hidden_sizes(together: bool):
+    """Collections of one manifest whose shards hold rows of hidden size 16 and 24: in two directories
+    (``traces merge A B``) or ``together`` in one (its consolidation)."""
+    def setup(w, tmp):
+        from dwise_predict.traces import load_traces
+        from dwise_predict.traces.synthetic import make_synthetic_traces
+
+        ds = load_traces(w["traces"])
+        other = make_synthetic_traces(40, 24, seed=7)
+        other.requests["request_id"] = other.requests["request_id"] + "-wide"
+        if together:
+            from dwise_predict.collectors.store import TraceStore
+
+            with TraceStore(tmp / "a", ds.manifest) as store:
+                store.write_shard(ds.requests.assign(workload_index=range(len(ds))), ds.first_round, ds.prompt_last)
+                store.write_shard(other.requests.assign(workload_index=range(len(ds), len(ds) + 40)),
+                                  other.first_round, other.prompt_last)
+            return {"a": tmp / "a", "b": tmp / "a"}
+        return {"a": _collection(tmp / "a", ds), "b": _collection(tmp / "b", other, ds.manifest)}
+    return setup
+
+
+def small_traces(n: int):
+    def setup(w, tmp):
+        return {"small": write(make_traces(n_requests=n), tmp / "small")}
+    return setup
+
+
+def jsonl_workload(line: str):
+    def setup(w, tmp):
+        (tmp / "d.jsonl").write_text('{"prompt": "fine"}\n' + line + "\n")
+        (tmp / "spec.toml").write_text('[[sources]]\ntype = "jsonl"\npath = "d.jsonl"\ncategory = "chat"\n')
+        return {"spec": tmp / "spec.toml"}
+    return setup
+
+
+def manifest_with(edit: Callable[[dict], None]):
+    def change(manifest):
+        edit(manifest)
+        return manifest
+    return json_in_copy("traces", "manifest.json", change)
+
+
+def many_blocks(table):
+    table["rounds_per_block"] = table["rounds_per_block"].astype(object)
+    table.at[0, "rounds_per_block"] = [1] * 1000
+    table.at[0, "total_rounds"] = 1000
+    return table
+
+
 # --- the table ---------------------------------------------------------------------------------
 
 @dataclass
@@ -398,6 +498,141 @@ CASES = [
                                          "--prompt-cache", "-1", "--dry-run"], ("--prompt-cache must be 0 or more",)),
 ]
 
+# Issue 43, the second adversarial pass; each row is a family ("a43-<family>-..."), counted in the
+# report. A row whose command used to succeed asserts what it now refuses; the shared checks below
+# assert one line, inputs unchanged and nothing written outside --out.
+RUN_FAST = ["--members", "1", "--width", "8", "--max-epochs", "2"]
+CASES += [
+    # data loss and pollution: an --out holding files of yours is never written into or replaced
+    Case("a43-output-simulate-into-folder-of-yours", ["simulate", "{traces}", "--requests", "8", "--policies", "fcfs-mixed",
+                                                      "--out", "{mine}"], ("notes.txt", "never replaced or written into"),
+         folder_of_yours("simulate.json")),
+    Case("a43-output-sweep-into-folder-of-yours", ["simulate", "{traces}", "--requests", "8", "--policies", "fcfs-mixed",
+                                                   "--rates", "1x", "--out", "{mine}"], ("notes.txt",),
+         folder_of_yours("simulate.json", "sweep.json")),
+    Case("a43-output-evaluate-into-folder-of-yours", ["evaluate", "{traces}", "--run", "{run}", "--out", "{mine}"],
+         ("notes.txt", "never replaced"), folder_of_yours("evaluation.json")),
+    Case("a43-output-characterize-into-folder-of-yours", ["characterize", "{traces}", "--out", "{mine}"],
+         ("notes.txt",), folder_of_yours("characterization.json")),
+    Case("a43-output-train-overwrite-folder-of-yours", ["train", "{traces}", "--out", "{mine}", "--overwrite"],
+         ("notes.txt",), folder_of_yours("refine.json", "config.json")),
+    Case("a43-output-across-into-folder-of-yours", ["evaluate", "{traces}", "--across", "--out", "{mine}"],
+         ("notes.txt",), folder_of_yours("across.json")),
+    Case("a43-output-batch-timeout-into-folder-of-yours", ["batch-timeout", "--out", "{mine}"], ("notes.txt",),
+         folder_of_yours("batch_timeout.json")),
+    Case("a43-output-compare-into-folder-of-yours", ["compare-regressors", "{traces}", "--folds", "2", "--repeats", "1",
+                                                     "--out", "{foreign}"], ("not a regressor comparison",)),
+    Case("a43-output-train-overwrite-link-to-foreign", ["train", "{traces}", "--out", "{link}", "--overwrite"],
+         ("not a run directory", "never replaced"), link_to("foreign")),
+    Case("a43-output-export-force-link-to-traces", ["export", "{run}", "--out", "{link}", "--force"],
+         ("not a bundle", "never replaced"), link_to("traces")),
+    Case("a43-output-simulate-link-to-traces", ["simulate", "{traces}", "--out", "{link}"], ("is the input traces",),
+         link_to("traces")),
+    # silent wrong successes: traces that cannot describe one decoding
+    Case("a43-schema-1", ["train", "{bad}", "--out", "{tmp}/r"], ("schema version 1", "collect them again"),
+         manifest_with(lambda m: m.update(schema_version=1))),
+    Case("a43-schema-true", ["train", "{bad}", "--out", "{tmp}/r"], ("schema version true", "not a whole number"),
+         manifest_with(lambda m: m.update(schema_version=True))),
+    Case("a43-schema-string", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("schema version '3'",),
+         manifest_with(lambda m: m.update(schema_version="3"))),
+    Case("a43-manifest-model-not-object", ["simulate", "{bad}", "--bundle", "{bundle}"], ("model that is not a json object",),
+         manifest_with(lambda m: m.update(model=[1]))),
+    Case("a43-manifest-hidden-size-disagrees", ["train", "{bad}", "--out", "{tmp}/r"], ("model.hidden_size 99", "rows of 16"),
+         manifest_with(lambda m: m["model"].update(hidden_size=99))),
+    Case("a43-columns-prompt-blocks-absurd", ["simulate", "{bad}", "--requests", "8", "--policies", "fcfs-mixed"],
+         ("prompt_blocks is 1e+15", "corrupt"), traces_with(set_column("prompt_blocks", 10**15))),
+    Case("a43-columns-total-not-sum", ["train", "{bad}", "--out", "{tmp}/r"], ("rounds_per_block sums to",),
+         traces_with(lambda t: t.assign(total_rounds=t["total_rounds"] + 1))),
+    Case("a43-columns-too-many-blocks", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("lists 1000 blocks",),
+         traces_with(many_blocks)),
+    Case("a43-columns-rounds-per-block-text", ["train", "{bad}", "--out", "{tmp}/r"], ("not a list of whole numbers",),
+         traces_with(lambda t: t.assign(rounds_per_block=t["rounds_per_block"].map(lambda v: ",".join(map(str, v)))))),
+    Case("a43-columns-output-over-budget", ["characterize", "{bad}"], ("exceed its budget",),
+         traces_with(lambda t: t.assign(output_tokens=t["budget"] + 1))),
+    Case("a43-columns-finish-unknown", ["characterize", "{bad}"], ("finish is 'maybe'",), traces_with(lambda t: t.assign(finish="maybe"))),
+    Case("a43-columns-confidence-above-one", ["train", "{bad}", "--out", "{tmp}/r"], ("mean_confidence is 3", "outside [0, 1]"),
+         traces_with(lambda t: t.assign(mean_confidence=3.0))),
+    Case("a43-columns-negative-wall", ["characterize", "{bad}"], ("wall_s is -1",), traces_with(lambda t: t.assign(wall_s=-1.0))),
+    Case("a43-columns-request-id-missing", ["train", "{bad}", "--out", "{tmp}/r"], ("request_id", "non-empty string"),
+         traces_with(set_column("request_id", None))),
+    Case("a43-columns-request-id-int", ["train", "{bad}", "--out", "{tmp}/r"], ("request_id", "found 0"),
+         traces_with(lambda t: t.assign(request_id=range(len(t))))),
+    Case("a43-columns-prompt-missing", ["compare-regressors", "{bad}", "--folds", "2", "--repeats", "1"],
+         ("prompt", "the prompt's text"), traces_with(lambda t: t.assign(prompt=None))),
+    Case("a43-columns-category-blank", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("category", "found ' '"),
+         traces_with(lambda t: t.assign(category=" "))),
+    # silent wrong successes and tracebacks: shards damaged on disk, or of two hidden sizes
+    Case("a43-shards-bit-flip-tensors", ["traces", "merge", "{bad}", "--out", "{tmp}/m"],
+         ("shard-000000.parquet is damaged", "delete shard-000000.parquet and shard-000000.safetensors"),
+         flipped_shard(".safetensors")),
+    Case("a43-shards-bit-flip-table", ["traces", "merge", "{bad}", "--out", "{tmp}/m"],
+         ("shard-000000.parquet", "delete shard-000000.parquet and shard-000000.safetensors"), flipped_shard(".parquet")),
+    Case("a43-shards-bit-flip-resume", ["collect", "--limit", "2", "--out", "{bad}"], ("is damaged",),
+         flipped_shard(".safetensors")),
+    Case("a43-shards-two-hidden-sizes-merge", ["traces", "merge", "{a}", "{b}", "--out", "{tmp}/m"],
+         ("rows of shape (24,)", "different models"), two_hidden_sizes(together=False)),
+    Case("a43-shards-two-hidden-sizes-consolidate", ["traces", "merge", "{a}", "--out", "{tmp}/m"],
+         ("rows of shape (24,)", "different models"), two_hidden_sizes(together=True)),
+    # tracebacks: JSON, YAML and TOML nested past any stack
+    Case("a43-nesting-trace-manifest", ["train", "{bad}", "--out", "{tmp}/r"], ("nests deeper than 64 levels",),
+         file_in_copy("traces", "manifest.json", DEEP_JSON)),
+    Case("a43-nesting-show-manifest", ["traces", "show", "{bad}"], ("nests deeper",), file_in_copy("traces", "manifest.json", DEEP_JSON)),
+    Case("a43-nesting-merge-manifest", ["traces", "merge", "{bad}", "--out", "{tmp}/m"], ("nests deeper",),
+         file_in_copy("traces", "manifest.json", DEEP_JSON)),
+    Case("a43-nesting-run-config", ["evaluate", "{traces}", "--run", "{bad}", "--out", "{tmp}/e"], ("nests deeper",),
+         file_in_copy("run", "config.json", DEEP_JSON)),
+    Case("a43-nesting-run-calibration", ["export", "{bad}", "--out", "{tmp}/b"], ("nests deeper",),
+         file_in_copy("run", "calibration.json", DEEP_JSON)),
+    Case("a43-nesting-train-config", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"], ("nests deeper",),
+         text_file("c.json", DEEP_JSON)),
+    Case("a43-nesting-round-profile", ["simulate", "{traces}", "--round-profile", "{file}"], ("round profile", "nests deeper"),
+         text_file("p.json", DEEP_JSON)),
+    Case("a43-nesting-service-times", ["batch-timeout", "--service-times", "{file}"], ("nests deeper",),
+         text_file("s.json", DEEP_JSON)),
+    Case("a43-nesting-algorithm-config-json", ["collect", "--algorithm-config", "{deep}", "--out", "{tmp}/o"],
+         ("--algorithm-config nests deeper",), lambda w, tmp: {"deep": DEEP_JSON}),
+    Case("a43-nesting-algorithm-config-yaml", ["collect", "--algorithm-config", "{alg}", "--out", "{tmp}/o"],
+         ("nests too deeply",), algorithm_file("threshold: " + "[" * 5000 + "]" * 5000 + "\n")),
+    Case("a43-nesting-workload-toml", ["workload", "show", "{spec}"], ("nests too deeply",),
+         spec("x = " + "[" * 100_000 + "]" * 100_000 + "\n")),
+    Case("a43-nesting-workload-yaml", ["workload", "show", "{file}"], ("nests too deeply",),
+         text_file("w.yaml", "sources: " + "[" * 5000 + "]" * 5000 + "\n")),
+    Case("a43-nesting-workload-jsonl-line", ["workload", "show", "{spec}"], ("d.jsonl:2", "nests deeper"),
+         jsonl_workload(DEEP_JSON)),
+    Case("a43-nesting-collection-manifest", ["traces", "show", "{bad}"], ("nests deeper",),
+         incomplete_collection_with_manifest(DEEP_JSON)),
+    # tracebacks: numbers no library takes, sizes no machine holds
+    Case("a43-numbers-train-seed-negative", ["train", "{traces}", "--out", "{tmp}/r", "--seed", "-1"], ("'--seed'", HELP), code=2),
+    Case("a43-numbers-train-seed-2-64", ["train", "{traces}", "--out", "{tmp}/r", "--seed", str(2**64)], ("'--seed'", HELP), code=2),
+    Case("a43-numbers-config-seed-negative", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"],
+         ("seed must lie in [0, 2147483647]",), text_file("c.json", '{"seed": -1}')),
+    Case("a43-numbers-collect-seed-negative", ["collect", "--seed", "-1", "--out", "{tmp}/o"], ("'--seed'",), code=2),
+    Case("a43-numbers-simulate-seed-huge", ["simulate", "{traces}", "--seed", str(2**64)], ("'--seed'",), code=2),
+    Case("a43-numbers-train-width-huge", ["train", "{traces}", "--out", "{tmp}/r", "--width", "1000000000"],
+         ("width must be at most 16,384",)),
+    Case("a43-numbers-train-members-huge", ["train", "{traces}", "--out", "{tmp}/r", "--members", "100000"],
+         ("members must be at most 32",)),
+    Case("a43-numbers-train-threads-huge", ["train", "{traces}", "--out", "{tmp}/r", "--threads", "100000"],
+         ("num_threads must be at most 256",)),
+    Case("a43-numbers-simulate-k-inf", ["simulate", "{traces}", "--k", "inf"], ("--k must be a finite number",)),
+    Case("a43-numbers-simulate-ks-inf", ["simulate", "{traces}", "--ks", "1,inf"], ("--ks must be a comma list of finite",)),
+    Case("a43-numbers-simulate-ks-nan", ["simulate", "{traces}", "--ks", "1,nan", "--requests", "8"], ("--ks",)),
+    Case("a43-numbers-simulate-requests-huge", ["simulate", "{traces}", "--requests", "100000000000"],
+         ("--requests must lie in 0..1,000,000",)),
+    Case("a43-numbers-simulate-arrival-seeds-huge", ["simulate", "{traces}", "--arrival-seeds", "100000000"],
+         ("--arrival-seeds must lie in 1..1,000",)),
+    Case("a43-numbers-export-probes-huge", ["export", "{run}", "--out", "{tmp}/b", "--probes", "2000000000"],
+         ("'--probes'", "4096", HELP), code=2),
+    Case("a43-numbers-batch-timeout-requests-huge", ["batch-timeout", "--requests", "100000000000"],
+         ("--requests must lie in 100..10,000,000",)),
+    Case("a43-numbers-batch-timeout-batch-huge", ["batch-timeout", "--batch-size", "1000000000000"],
+         ("--batch-size must lie in 1..4,096",)),
+    # multi-line errors: a progress line before a refusal
+    Case("a43-lines-compare-folds-1000", ["compare-regressors", "{traces}", "--folds", "1000"], ("cannot fill 1000 folds",)),
+    Case("a43-lines-compare-tiny-traces", ["compare-regressors", "{small}", "--folds", "2"],
+         ("to fit on in a fold", "collect more requests"), small_traces(24)),
+]
+
 
 def _snapshot(*roots: Path) -> dict[str, str]:
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -413,6 +648,8 @@ def test_bad_input_is_one_line_and_changes_nothing(case, world, tmp_path, capsys
     values = {**world, "tmp": tmp_path}
     if case.setup is not None:
         values.update(case.setup(world, tmp_path))
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value.format(**values))
     argv = [arg.format(**values) for arg in case.argv]
     before = _snapshot(world["root"], tmp_path)
 
@@ -428,6 +665,26 @@ def test_bad_input_is_one_line_and_changes_nothing(case, world, tmp_path, capsys
     assert {k: after.get(k) for k in before} == before, "an input changed"
     assert all(Path(p).name.endswith(".lock") for p in set(after) - set(before)), set(after) - set(before)
     assert not Path(_Planted.marker).exists(), "a pickle payload ran"
+
+
+def test_the_json_reader_refuses_what_no_file_of_ours_holds(tmp_path):
+    """files.read_json: one typed error for JSON too deep for the stack, deeper than any of ours, or
+    larger than any of ours (checked before the file is read); what we write reads back."""
+    from dwise_predict.errors import InputError
+    from dwise_predict.files import JSON_MAX_DEPTH, parse_json, read_json, read_json_object
+
+    nested = lambda depth: "[" * depth + "]" * depth  # noqa: E731
+    assert parse_json(nested(JSON_MAX_DEPTH), InputError, "x") is not None
+    for text in (nested(JSON_MAX_DEPTH + 1), nested(100_000)):  # the second used to raise RecursionError
+        with pytest.raises(InputError, match=f"x nests deeper than {JSON_MAX_DEPTH} levels"):
+            parse_json(text, InputError, "x")
+    (tmp_path / "big.json").write_text('{"a": "' + "b" * 2000 + '"}')
+    with pytest.raises(InputError, match="big.json is larger than 1,000 bytes.*: fix it"):
+        read_json(tmp_path / "big.json", InputError, fix="fix it", max_bytes=1000)
+    assert read_json(tmp_path / "big.json", InputError, max_bytes=None) == {"a": "b" * 2000}
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(InputError, match="must hold a JSON object"):
+        read_json_object(tmp_path / "list.json", InputError)
 
 
 def test_the_table_covers_every_command():

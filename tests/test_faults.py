@@ -21,6 +21,7 @@ import pytest
 
 from collect_helpers import make_tiny_dir
 from dwise_predict.cli import main
+from dwise_predict.evaluation.pool import kept_results_dir
 from dwise_predict.files import TMP_MARK, atomic_dir, atomic_write_text, claim_output, output_lock, sweep_stale
 from evaluate_helpers import FAST_CONFIG, fast_config, make_traces, write
 
@@ -41,10 +42,10 @@ def small(tmp_path_factory) -> dict:
     return {"traces": traces, "run": run}
 
 
-def _harness(kill_at: int, argv: list[str]) -> subprocess.CompletedProcess:
+def _harness(kill_at: int, argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(HARNESS), str(kill_at), *map(str, argv)], capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, timeout=300, cwd=cwd)
 
 
 def _count_renames(argv: list[str]) -> int:
@@ -184,6 +185,118 @@ def test_extending_a_finished_collect_reads_as_incomplete_until_it_finishes(tmp_
         assert main([str(a) for a in ["collect", *flags, "--limit", "12", "--out", out]]) == 0
         assert load_traces(out).requests["request_id"].tolist() == expected, k
         capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_characterize_killed_at_each_rename_reruns_to_a_whole_report(small, tmp_path):
+    """A characterization wrote its files into --out one by one: killed before its JSON, it left a
+    folder the rerun refused as someone else's. Now it appears whole, like an evaluation."""
+    argv = ["characterize", small["traces"]]
+    points = _kill_points([*argv, "--out", tmp_path / "count"])
+    reference = json.loads((tmp_path / "count" / "characterization.json").read_text())
+    for k in (points[0], points[-1]):  # before its first file (the folder a rerun refused); its own rename
+        out = tmp_path / f"k{k}"
+        assert _harness(k, [*argv, "--out", out]).returncode == -signal.SIGKILL, k
+        assert not out.exists() or (out / "characterization.html").is_file(), k  # none, or whole
+        assert main([str(a) for a in [*argv, "--out", out]]) == 0, k
+        assert json.loads((out / "characterization.json").read_text()) == reference
+        assert _debris(out) == []
+
+
+@pytest.mark.slow
+def test_across_killed_and_rerun_finishes_the_whole_table(tmp_path, capsys):
+    """``evaluate --across`` keeps each finished set's row; a rerun after a kill anywhere reports the
+    table of every set, equal to the uninterrupted one, never a part of it."""
+    sets = [write(make_traces(n_requests=80, seed=seed), tmp_path / f"set{seed}") for seed in (1, 2)]
+    config = tmp_path / "fast.json"
+    config.write_text(json.dumps({**FAST_CONFIG, "refine": "ridge"}))  # no candidate search: the table is the point
+    argv = ["evaluate", *sets, "--across", "--config", config, "--jobs", "1"]
+    points = _kill_points([*argv, "--out", tmp_path / "reference"])
+    reference = json.loads((tmp_path / "reference" / "across.json").read_text())
+    for k in (points[len(points) // 2], points[-1]):  # the first set's row kept; the table's own rename
+        out = tmp_path / f"k{k}"
+        assert _harness(k, [*argv, "--out", out]).returncode == -signal.SIGKILL, k
+        assert not (out / "across.json").exists()
+        assert main([str(a) for a in [*argv, "--out", out]]) == 0, k
+        assert json.loads((out / "across.json").read_text()) == reference, k
+        assert not kept_results_dir(out).exists() and _debris(out) == []
+    assert "evaluated before the interruption" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_model_directory_named_another_way_is_the_same_model(tmp_path, capsys):
+    """A collection resumed with its --model spelled another way (relative, absolute, through a link),
+    or characterized with one collected from a copy, is one model: the model's config hash used to
+    hold the directory it was loaded from (transformers' ``_name_or_path``), so the rerun of a killed
+    collect refused its own finished requests as another model's, and characterize refused the pair."""
+    make_tiny_dir(tmp_path / "model")
+    (tmp_path / "link").symlink_to(tmp_path / "model", target_is_directory=True)
+    flags = ["--batch-size", "4", "--requests-per-shard", "4"]
+    first = [*flags, "--budget", "24", "--limit", "8"]
+    killed = _harness(5, ["collect", "--model", "model", *first, "--out", "c1"], cwd=tmp_path)  # after a shard
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert any((tmp_path / "c1" / "shards").glob("shard-*.parquet"))
+    assert main(["collect", "--model", str(tmp_path / "model"), *first, "--out", str(tmp_path / "c1")]) == 0
+    assert main(["collect", "--model", str(tmp_path / "link"), *flags, "--budget", "32", "--limit", "4",
+                 "--out", str(tmp_path / "c2")]) == 0
+    capsys.readouterr()
+    assert main(["characterize", str(tmp_path / "c1"), str(tmp_path / "c2"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["overall"]["rounds"]["n"] == 12
+
+
+def test_a_retraining_worker_killed_is_one_line_not_a_broken_pool(small):
+    """The OOM killer (here: SIGKILL) takes a worker of the retraining pool: every pending task fails with
+    concurrent.futures' BrokenProcessPool, which used to surface as a traceback."""
+    import multiprocessing
+    import threading
+    import time
+
+    from dwise_predict.errors import WorkerError
+    from dwise_predict.evaluation.pool import RetrainTask, run_tasks
+    from dwise_predict.traces import load_traces
+
+    ds = load_traces(small["traces"])
+    tasks = [RetrainTask(f"t{i}", ds.split("train"), ds.split("eval"), fast_config()) for i in range(3)]
+
+    def kill_a_worker() -> None:
+        while not multiprocessing.active_children():
+            time.sleep(0.05)
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_a_worker, daemon=True).start()
+    with pytest.raises(WorkerError, match=r"worker process died .* of 3 retrainings: rerun the same command") as err:
+        run_tasks(tasks, jobs=2)
+    assert "\n" not in str(err.value)
+
+
+# --- outputs named through a symbolic link ---------------------------------------------------------
+
+def test_train_overwrite_through_a_link_replaces_the_run_it_names(small, tmp_path):
+    """The rename used to land on the link itself: the link became a new run and the old one stayed,
+    stale, under its own name."""
+    real = tmp_path / "runs" / "2026-01"
+    shutil.copytree(small["run"], real)
+    (tmp_path / "latest").symlink_to(real, target_is_directory=True)
+    assert main(["train", str(small["traces"]), "--out", str(tmp_path / "latest"), "--overwrite", *FAST_FLAGS,
+                 "--seed", "5"]) == 0
+    assert (tmp_path / "latest").is_symlink() and os.readlink(tmp_path / "latest") == str(real)
+    assert json.loads((real / "config.json").read_text())["seed"] == 5
+    assert sorted(p.name for p in real.parent.iterdir()) == ["2026-01"]  # no sibling left behind
+
+
+def test_export_force_through_a_link_takes_the_lock_of_the_bundle_it_names(small, tmp_path, capsys):
+    """Two exports to one bundle, one named through a link: each took the lock beside its own name,
+    and both wrote at once."""
+    from dwise_predict.exports.bundle import export_bundle
+
+    real = export_bundle(small["run"], tmp_path / "bundle", name="tiny", created="2026-01-01T00:00:00+00:00")
+    before = _files(real)
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    with output_lock(real):  # `export --force --out bundle` is running
+        assert main(["export", str(small["run"]), "--out", str(tmp_path / "link"), "--force"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"being written by another dwise-predict process (pid {os.getpid()})" in err
+    assert _files(real) == before
 
 
 # --- concurrent writers, stale temporary files ---------------------------------------------------
@@ -367,6 +480,22 @@ def test_full_disk_at_consolidation_is_one_line(small, small_disk, capsys):
     assert "\n" not in err and "the disk is full" in err and "rerun the same command" in err, err
     assert not (small_disk / "merged" / "requests.parquet").exists()  # nothing that reads as complete
     assert _files(small["traces"]) == before
+
+
+def test_full_disk_under_the_commands_that_write_in_place_is_one_line(small, small_disk, capsys):
+    """characterize (now whole, by rename), simulate and compare-regressors (files beside earlier ones)."""
+    inputs = _files(small["traces"])
+    for argv in (["characterize", small["traces"], "--out", small_disk / "char"],
+                 ["simulate", small["traces"], "--requests", "64", "--policies", "fcfs-mixed", "--out", small_disk / "sim"]):
+        stat = os.statvfs(small_disk)
+        (small_disk / "filler").write_bytes(b"x" * (stat.f_bavail * stat.f_frsize - 8192))  # 8 KiB left
+        assert main([str(a) for a in argv]) == 1, argv
+        err = capsys.readouterr().err.strip().splitlines()  # progress lines (simulate's "replaying"), then one error
+        assert [line for line in err if line.startswith("error:")] == err[-1:], err
+        assert "the disk is full" in err[-1] and "rerun the same command" in err[-1], err
+        (small_disk / "filler").unlink()
+    assert not (small_disk / "char").exists()  # whole or nothing
+    assert _files(small["traces"]) == inputs
 
 
 def test_read_only_disk_is_one_line(small, small_disk, capsys):
