@@ -125,7 +125,8 @@ def test_censored_requests_change_the_fit_not_the_contract():
     total = ds.requests["total_rounds"].to_numpy()
     # collection cut short: a censored request is seen for a uniform share of its rounds
     seen = np.where(censored, 1 + (rng.uniform(size=len(ds)) * (total - 1)).astype(int), total)
-    ds.requests = ds.requests.assign(total_rounds=seen, censored=censored)
+    blocks = [[int(s)] if c else list(b) for s, c, b in zip(seen, censored, ds.requests["rounds_per_block"])]
+    ds.requests = ds.requests.assign(total_rounds=seen, rounds_per_block=blocks, censored=censored)
     train, ev = ds.split("train"), ds.split("eval")
     np.testing.assert_array_equal(Targets.of(train).events, ~train.requests["censored"].to_numpy())
     # small batches and a larger step: FAST's few steps leave the hazards near their initial value

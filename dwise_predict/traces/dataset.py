@@ -181,7 +181,8 @@ def validate(ds: TraceDataset) -> None:
         raise TraceError(f"request_id '{dup}' appears twice{where}: request ids must be unique")
     bad_split = set(ds.requests["split"].unique()) - {"train", "eval"}
     if bad_split:
-        raise TraceError(f"split{where} must be 'train' or 'eval', found {sorted(map(repr, bad_split))}")
+        shown = ", ".join(sorted(repr(v.item() if isinstance(v, np.generic) else v) for v in bad_split))
+        raise TraceError(f"split{where} must be 'train' or 'eval', found {shown}: fix those rows")
     values = {}
     for col in NUMERIC_COLUMNS:
         values[col] = pd.to_numeric(ds.requests[col], errors="coerce").to_numpy(dtype=float)
@@ -241,10 +242,7 @@ def _check_columns_agree(requests: pd.DataFrame, values: dict[str, np.ndarray], 
     most = 1 + np.ceil(budget / block)
     refuse(lengths > most, lambda i: f"rounds_per_block lists {lengths[i]:g} blocks, more than a budget of "
                                      f"{budget[i]:g} tokens in blocks of {block[i]:g} reaches ({most[i]:g})")
-    # a request cut short (the optional `censored` column, training.fit) is known only to have run at least
-    # its recorded rounds
-    finished = ~requests["censored"].fillna(False).to_numpy(dtype=bool) if "censored" in requests else True
-    refuse(finished & (sums != values["total_rounds"]),
+    refuse(sums != values["total_rounds"],
            lambda i: f"total_rounds is {values['total_rounds'][i]:g} but rounds_per_block sums to {sums[i]:g}")
 
 
