@@ -344,6 +344,8 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
     named, out = out, output_path(out)
     with hold_output_lock(out):
         sweep_stale(out)
+        if out.is_dir():
+            _sweep_inside(out)
         if out.is_dir() and any(out.iterdir()):
             if not (out / marker).is_file():
                 raise StoreError(f"{named} holds files but is not {what} (no {marker}): it is never replaced; "
@@ -357,6 +359,15 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
                 raise StoreError(f"{named} already exists: choose another --out"
                                  + (f" or pass {flag} to replace it" if flag else ""))
         yield out
+
+
+def _sweep_inside(out: Path) -> None:
+    """The temporary files that dead processes left inside ``out`` (a command writing its files into
+    ``out`` one by one, killed mid-write), swept as those beside it are: left there, they made the
+    rerun take its own output for a folder of someone else's."""
+    for entry in list(out.iterdir()):
+        if entry.name.startswith(".") and TMP_MARK in entry.name:
+            sweep_stale(out / entry.name[1:].split(TMP_MARK)[0])
 
 
 def _foreign_entries(out: Path, contents: tuple[str, ...]) -> list[str]:

@@ -204,6 +204,23 @@ def test_characterize_killed_at_each_rename_reruns_to_a_whole_report(small, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("command", [["simulate", "{traces}", "--requests", "16", "--policies", "fcfs-mixed"],
+                                     ["batch-timeout", "--requests", "200"],
+                                     ["compare-regressors", "{traces}", "--folds", "2", "--repeats", "1"]],
+                         ids=lambda argv: argv[0])
+def test_in_place_writers_killed_mid_write_rerun(command, small, tmp_path):
+    """Commands that write their files into --out one by one: killed at the first renames, they left a
+    dead process's temporary file (or a CSV without its JSON) that the rerun took for a folder of
+    someone else's and refused."""
+    argv = [str(a).format(traces=small["traces"]) for a in command]
+    for k in (1, 2):
+        out = tmp_path / f"k{k}"
+        assert _harness(k, [*argv, "--out", out]).returncode == -signal.SIGKILL, k
+        assert main([*argv, "--out", str(out)]) == 0, k
+        assert not [p.name for p in out.iterdir() if TMP_MARK in p.name], k
+
+
+@pytest.mark.slow
 def test_across_killed_and_rerun_finishes_the_whole_table(tmp_path, capsys):
     """``evaluate --across`` keeps each finished set's row; a rerun after a kill anywhere reports the
     table of every set, equal to the uninterrupted one, never a part of it."""

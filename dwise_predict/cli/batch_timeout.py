@@ -100,8 +100,9 @@ def batch_timeout_command(
 
             with write_errors(out, "free space or fix permissions and rerun the same command"):
                 out.mkdir(exist_ok=True)
-                write_csv(out / "batch_timeout.csv", rows)
+                # the JSON first: it marks the folder as a study, so a rerun after a kill replaces it
                 atomic_write_bytes(out / OUTPUT_JSON, json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
+                write_csv(out / "batch_timeout.csv", rows)
                 atomic_write_bytes(out / "batch_timeout.png", batch_timeout_plot(rows, f"{service.source}"))
             log(f"wrote {out / 'batch_timeout.csv'}, .json, .png")
     if json_out:

@@ -65,9 +65,10 @@ def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails:
         gains = gain_decomposition(rows)
     with write_errors(out, "free space or fix permissions and rerun the same command"):
         out.mkdir(parents=True, exist_ok=True)
-        write_csv(paths[0], rows)
+        # the JSON first: it marks the folder as a simulate output, so a rerun after a kill replaces it
         atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or [],
                                                  "gains": gains}, indent=2, default=str).encode())
+        write_csv(paths[0], rows)
         atomic_write_bytes(paths[2], _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem)))
         if tails:
             paths += [out / f"{stem}_categories.csv", out / f"{stem}_categories.png"]
