@@ -330,6 +330,12 @@ class DwisePolicy:
         self._release(done)
         return done
 
+    def refine(self, slots, remaining) -> None:
+        """Replace ``r̂`` of resident requests by fresh estimates of their remaining denoising rounds
+        (clamped at zero): a refinement after a later round (``simulate --refine-every``, seed 000
+        Table 6). Call it after :meth:`complete_round`, which keeps decrementing ``r̂`` in between."""
+        self._rhat[np.asarray(slots, dtype=np.int64)] = np.maximum(np.asarray(remaining, dtype=np.float64), 0.0)
+
     def complete(self, request_id, refined: float | None = None, finished: bool = False, prompt: bool | None = None) -> None:
         """Per-request form of :meth:`complete_round` for a server walking its batch.
 
