@@ -139,6 +139,27 @@ def compile_members(path: Path, owner: str, methods: tuple[str, ...], classes: t
     return {name: namespace[name] for name in (*classes, f"{owner}Methods")}
 
 
+def compile_functions(path: Path, names: tuple[str, ...], namespace: dict | None = None) -> dict:
+    """Module-level functions of an SGLang module that cannot be imported on a CPU, compiled from its
+    syntax tree as written (tracebacks keep SGLang's file and line numbers), with ``namespace`` as
+    their globals: the names they call, given by the caller (stand-ins, or other functions compiled
+    the same way). Returns name -> function."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    missing = set(names) - {node.name for node in found}
+    if missing:
+        raise RuntimeError(f"SGLang's {path.name} no longer defines {sorted(missing)}")
+    for node in found:
+        node.decorator_list = []
+    import __future__
+
+    scope = dict(namespace or {})
+    module = ast.fix_missing_locations(ast.Module(body=found, type_ignores=[]))
+    # annotations stay strings: the types they name are the module's imports, not needed to run
+    exec(compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), scope)
+    return {name: scope[name] for name in names}
+
+
 def _finish_rule(path: Path) -> types.SimpleNamespace:
     """``Req``'s finish rule (``ReqFinishMixin``: the :data:`FINISH_METHODS`) and the finish reasons,
     from SGLang's ``schedule_batch.py`` (fifty imports, CUDA kernels among them: see
