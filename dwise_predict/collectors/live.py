@@ -215,14 +215,14 @@ class LiveRecorder:
         if prompt:
             entry.prefill += 1
             if pooled_row is not None:
-                entry.prompt_last = pooled_row.float().cpu().numpy()
+                entry.prompt_last = np.asarray(pooled_row, dtype=np.float32)
             return
         if entry.first_round is None and pooled_row is not None:
-            entry.first_round = pooled_row.float().cpu().numpy()  # the first denoising round's pooled rows
+            entry.first_round = np.asarray(pooled_row, dtype=np.float32)  # the first denoising round's pooled rows
             if signals is not None:
                 entry.signals = tuple(float(x) for x in signals)
             if entry.prompt_last is None and leftover_row is not None:
-                entry.prompt_last = leftover_row.float().cpu().numpy()
+                entry.prompt_last = np.asarray(leftover_row, dtype=np.float32)
         entry.current += rounds
         if len(req.output_ids) > entry.outputs or req.finished():  # the step committed the block
             entry.blocks.append(entry.current)
