@@ -665,11 +665,12 @@ def test_prompt_rows_keep_the_most_recently_used_and_key_every_token_before_the_
     from dwise_predict.serving.sglang_adapter import _PromptRows, block_key
 
     rows = _PromptRows(2)
-    for key, value in (("a", 1), ("b", 2)):
-        rows.put(key, value)
-    assert rows.get("a") == 1  # a is now the most recent: b leaves first
-    rows.put("c", 3)
-    assert list(rows.rows) == ["a", "c"] and rows.get("b") is None
+    rows.allocate(1, "cpu")
+    for key, value in (("a", 1.0), ("b", 2.0)):
+        rows.rows[rows.reserve(key)] = value
+    assert float(rows.get("a")) == 1.0  # a is now the most recent: b leaves first
+    rows.rows[rows.reserve("c")] = 3.0
+    assert list(rows.slots) == ["a", "c"] and rows.get("b") is None and float(rows.get("c")) == 3.0
 
     class Req:
         def __init__(self, ids):

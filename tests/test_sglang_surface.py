@@ -87,6 +87,7 @@ def test_fake_instances_have_the_snapshot_attributes(touch):
         "FakeDllmMixin": scheduler,  # the fake's SchedulerDllmMixin
         "Scheduler": scheduler,
         "Req": req,
+        "ReqDllmMixin": req,  # SGLang's own mixin, through the fake's Req
         "ScheduleBatch": sglang_fake.ScheduleBatch([req], sglang_fake.ForwardMode.DLLM_EXTEND),
         "PrefillAdder": scheduler._create_prefill_adder(scheduler.running_batch),  # SGLang's, from the wheel
         "GroupCoordinator": scheduler.dp_tp_group,

@@ -270,7 +270,15 @@ class DwisePolicy:
         res = self._resident
         keys = self._keys(res)
         admitted: list[int] = []
-        if self._waiting and len(res) < self.max_resident:
+        rank = None
+        if self._waiting and len(res) < self.max_resident and len(res) >= self.slots:
+            # the common case of a busy server: the best waiting request ranks below the B-th resident,
+            # so none is admitted (the waiting list is sorted: its head is its best)
+            rank = np.lexsort((self._seq[res], keys))
+            kth = rank[self.slots - 1]
+            if self._waiting[0] < (float(keys[kth]), int(self._seq[res[kth]]), math.inf):
+                rank = None
+        if rank is None and self._waiting and len(res) < self.max_resident:
             head = self._waiting[: self.slots]
             thr = self._threshold(keys, self._seq[res], head)
             kept = []
@@ -299,8 +307,9 @@ class DwisePolicy:
         if self.prefill_first:
             prefill = self._P[res] > 0
             if prefill.any():
-                pool, pool_keys = res[prefill], keys[prefill]
-        rank = np.lexsort((self._seq[pool], pool_keys))
+                pool, pool_keys, rank = res[prefill], keys[prefill], None
+        if rank is None:
+            rank = np.lexsort((self._seq[pool], pool_keys))
         run = pool[rank[: self.slots]]
         standby = pool[rank[self.slots:]]
 
@@ -386,11 +395,16 @@ class DwisePolicy:
         """
         slots = np.asarray(slots, dtype=np.int64)
         prompt = np.asarray(prompt, dtype=bool)
-        rounds = np.broadcast_to(np.asarray(rounds, dtype=np.int64), slots.shape)
         pr = slots[prompt]
-        self._P[pr] = np.maximum(self._P[pr] - rounds[prompt], 0)
         dn_pos = np.flatnonzero(~prompt)
-        dn, steps = slots[dn_pos], rounds[dn_pos]
+        dn = slots[dn_pos]
+        if np.ndim(rounds):  # one count per request (a synchronous server's block-long steps)
+            rounds = np.asarray(rounds, dtype=np.int64)
+            self._P[pr] = np.maximum(self._P[pr] - rounds[prompt], 0)
+            steps = rounds[dn_pos]
+        else:
+            self._P[pr] = np.maximum(self._P[pr] - rounds, 0)
+            steps = int(rounds)
         first = self._rounds[dn] == 0
         self._rounds[dn] += steps
         rhat = np.maximum(self._rhat[dn] - steps, 0.0)

@@ -40,8 +40,8 @@ What the patch does, at the four points of seed 000 §5.1:
   ``prompt_last`` input is the same buffer's row for the request's last prompt block, kept on the
   device. A request that runs no prompt block of its own after a prefix-cache hit on every full
   block gets the row of the earlier request's forward that computed that same last block over the
-  same tokens, as a prompt block or as the last forward of an output block (:class:`_PromptRows`,
-  bounded); a prompt shorter than a block, or a hit whose block no longer is there, gets the mean of
+  same tokens, as a prompt block or as a finished request's last output block (:class:`_PromptRows`,
+  bounded); a prompt shorter than a block, or a hit whose block is not kept, gets the mean of
   its leftover prompt rows in its first denoising forward, as the decoder records for short prompts.
   A dLLM request's fill ids end in a mask block, so SGLang's match (``Req._compute_max_prefix_len``,
   floored to a block) can cover a block-aligned prompt whole: with no leftover rows and no kept
@@ -79,6 +79,7 @@ import ast
 import hashlib
 import importlib
 import math
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +135,7 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.dllm.config", "DllmConfig.max_running_requests", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.requires_separate_context_encoding", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.first_done_first_out_mode", "attribute"),
-    Touch("sglang.srt.dllm.mixin.req", "ReqDllmMixin.is_dllm_prefill", "call", ("self",)),
+    Touch("sglang.srt.dllm.mixin.req", "ReqDllmMixin.dllm_phase", "attribute"),
     Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.STAGING_PREFILL", "attribute"),
     Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.INCOMING_PREFILL", "attribute"),
     Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.STAGING_DECODE", "attribute"),
@@ -153,6 +154,7 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.managers.io_struct", "AbortReq.finished_reason", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.output_ids", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.prefix_len", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.extend_end", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "ScheduleBatch.reqs", "attribute"),
     Touch("sglang.srt.managers.schedule_policy", "PrefillAdder.can_run_list", "attribute"),
     # budgets: picks the adder leaves out are backfilled while it still takes requests
@@ -304,10 +306,14 @@ class HookStats:
 
 
 class _PromptRows:
-    """Pooled rows of the blocks recent requests completed — each prompt block's forward, and each
-    full output block's last forward (the one over its final tokens, which SGLang caches) — keyed by
-    every token up to the block's end: the ``prompt_last`` of a later request whose every full prompt
-    block a prefix-cache hit served (a repeated prompt, or the next turn of a chat).
+    """Pooled rows of the blocks recent requests completed — each prompt block's forward, and a
+    finished request's last full block's last forward (the one over its final tokens, which SGLang
+    caches) — keyed by every token up to the block's end: the ``prompt_last`` of a later request whose
+    every full prompt block a prefix-cache hit served (a shared system prompt, a repeated prompt, the
+    next turn of a chat: the previous prompt, its answer and fewer new tokens than a block after its
+    last full block). Intermediate output blocks are not kept: only a prompt that branches off inside
+    an earlier answer would end on one, and keying every block cost the scheduler a hash and a copy per
+    row and step.
 
     A block's rows depend on its own tokens and those before it only (block-causal attention), so the
     row an earlier request computed for a block ending where the later request's last full block ends,
@@ -317,42 +323,51 @@ class _PromptRows:
     request's phase (checked against the wheel in ``test_serving_sglang_adapter.py``); algorithms that
     encode the context separately prefill as EXTEND, and for those no rows are keyed. Least recently
     used rows leave first once ``capacity`` are held (``capacity`` rows of H floats on the model's
-    device; 0 keeps none).
+    device, allocated at install; 0 keeps none).
     """
 
     def __init__(self, capacity: int):
         self.capacity = max(0, int(capacity))
-        self.rows: OrderedDict = OrderedDict()
+        self.slots: OrderedDict = OrderedDict()  # key -> row of ``rows``, least recently used first
+        self.rows = None  # (capacity, H) on the model's device (``allocate``)
+        self.free = list(range(self.capacity))
 
-    def put(self, key: bytes, row) -> None:
-        if not self.capacity:
-            return
-        self.rows[key] = row
-        self.rows.move_to_end(key)
-        while len(self.rows) > self.capacity:
-            self.rows.popitem(last=False)
+    def allocate(self, width: int, device) -> None:
+        import torch
+
+        self.rows = torch.zeros((self.capacity, width), device=device)
+
+    def reserve(self, key: bytes) -> int:
+        """The row that holds ``key``'s pooled row from now on (the least recently used one's, once
+        every row is taken); the caller writes it."""
+        slot = self.slots.pop(key, None)
+        if slot is None:
+            slot = self.free.pop() if self.free else self.slots.popitem(last=False)[1]
+        self.slots[key] = slot
+        return slot
 
     def get(self, key: bytes):
-        row = self.rows.get(key)
-        if row is not None:
-            self.rows.move_to_end(key)
-        return row
+        slot = self.slots.get(key)
+        if slot is None:
+            return None
+        self.slots.move_to_end(key)
+        return self.rows[slot]
 
 
 def block_key(req, blocks: int, block_size: int) -> bytes:
     """Digest of ``req``'s first ``blocks`` full blocks of tokens (prompt, then any output a
     retraction put back into its prompt), chained block by block and kept on the request, so a
     request's keys cost one pass over its tokens however many blocks ask."""
-    keys = vars(req).setdefault("_dwise_block_keys", [])
-    if len(keys) < blocks:
-        start, stop, n = len(keys) * block_size, blocks * block_size, len(req.origin_input_ids)
-        # only the blocks not hashed yet: the prompt's, then any outputs a retraction put back
-        tokens = list(req.origin_input_ids[start:stop]) + list(req.output_ids[max(0, start - n):max(0, stop - n)])
-        ids = np.asarray(tokens, dtype=np.int64)
-        for k in range(blocks - len(keys)):
-            previous = keys[-1] if keys else b""
-            keys.append(hashlib.blake2b(previous + ids[k * block_size:(k + 1) * block_size].tobytes(),
-                                        digest_size=16).digest())
+    keys = req.__dict__.get("_dwise_block_keys")
+    if keys is None:
+        keys = req._dwise_block_keys = []
+    n = len(req.origin_input_ids)
+    while len(keys) < blocks:  # only the blocks not hashed yet: the prompt's, then any outputs a retraction put back
+        start = len(keys) * block_size
+        stop = start + block_size
+        tokens = req.origin_input_ids[start:stop] if stop <= n else \
+            list(req.origin_input_ids[start:n]) + list(req.output_ids[max(0, start - n):stop - n])
+        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + array("q", tokens).tobytes(), digest_size=16).digest())
     return keys[blocks - 1]
 
 
@@ -389,8 +404,8 @@ class _RankShare:
 class _ToDevice:
     """Host float32 vectors onto the model's device in one copy that does not block the host: a
     copy from pageable memory may synchronise the stream, so on CUDA it goes through a pinned buffer.
-    One call per step (in the step's first forward): the buffer is written again only after the
-    step's own synchronisation (SGLang's, when it commits the step's tokens) has passed."""
+    One call per step and buffer: it is written again only after the step's own synchronisation
+    (SGLang's, when it commits the step's tokens) has passed."""
 
     def __init__(self, device, capacity: int):
         import torch
@@ -426,23 +441,28 @@ class _State:
         self.max_batch = int(max_batch or 0)
         self.stats = HookStats()
         self.reqs: dict = {}  # rid -> Req, for requests the policy holds
+        self.req_at = np.empty(0, dtype=object)  # policy slot -> its Req (each also carries its _dwise_slot)
         self.plan = None  # this round's RoundPlan
-        self.run_rids: list = []  # this round's picks, best rank first
+        self.picks: list = []  # this round's picks (Reqs), best rank first
         self.foreign: list = []  # requests SGLang's own path put in the dLLM queue this round (finished while waiting)
-        self.batch_prompt: dict = {}  # rid -> the request ran a prompt block in the batch being run
+        self.batch = None  # the batch being run (SGLang's list of Reqs), and per row of it:
+        self.batch_slots = self.batch_prompt = self.batch_ours = None  # policy slot (-1: not ours), prompt block, ours
         self.first: dict = {}  # rid -> (prompt tokens, budget, leftover prompt tokens to pool) of first denoising forwards
-        self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
+        self.pooled2 = None  # (max_batch, 2, H) static, allocated at install, written inside the forward:
+        self.pooled = None  # [:, 0], each row's mean over its block rows,
+        self.leftover_pooled = None  # [:, 1], the weighted sum of its leftover prompt rows
+        self.weights = None  # (max_batch, 2, block) static: 1/block (the mean), and the leftover weights
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
         self.signal_threshold = None  # for an algorithm without one of its own: set by check_decoding
         self.prompt_last: dict = {}  # rid -> (H,) pooled rows of its latest prompt-block forward (device)
         self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
         self.prompt_mean = None  # the bundle's training mean of prompt_last on the device (install)
-        self.block_end: dict = {}  # rid -> where the block it runs in the batch being run ends
-        self.leftover_weights = None  # (max_batch, block) static: 1/n on a row's n leftover prompt positions
-        self.leftover_pooled = None  # (max_batch, H) static: those rows' weighted sum, written inside the forward
+        self.leftover_weights = None  # weights[:, 1]: 1/n on a row's n leftover prompt positions, zeros elsewhere
         self.first_leftover = None  # (B, H) its snapshot after a step's first forward
+        self.weights_set = False  # leftover_weights holds a nonzero row
         self.last_pooled = None  # (B, H) the pooled buffer after a step's last forward
         self.to_device = None  # _ToDevice, for the step's per-row inputs (install)
+        self.to_device_kept = None  # _ToDevice, for the rows kept in prompt_rows (install)
         self.rows: list = []  # batch rows of the step's first denoising forwards (run)
         self.row_rids: list = []  # their request ids
         self.rows_dev = self.tokens_dev = self.budget_dev = None  # the same on the device (run)
@@ -450,7 +470,7 @@ class _State:
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.tokenizer_stop_ids: set[int] = set()  # the scheduler tokenizer's stop ids (bind)
         self.forwards = 0  # forwards in the current step
-        self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
+        self.row_forwards = None  # int64 per batch row: forwards until its block reported done (this step; 0: not done)
         self.checked = False  # the first refinement checked that the buffer was written
 
     def bind(self, scheduler) -> None:
@@ -512,9 +532,13 @@ class _State:
         if duplicates:
             scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in duplicates]
 
-    def forget(self, rid) -> None:
-        self.policy.remove(rid)
-        del self.reqs[rid]
+    def forget(self, rid, policy_too: bool = True) -> None:
+        """The request leaves the hook (and the policy, unless it already freed its slot)."""
+        req = self.reqs.pop(rid)
+        if policy_too:
+            self.policy.remove(rid)
+        self.req_at[req._dwise_slot] = None
+        req._dwise_slot = -1
         self.prompt_last.pop(rid, None)
 
     def check_decoding(self, config) -> None:
@@ -570,9 +594,13 @@ class _State:
                 estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32))
             if self.share is not None:
                 estimates = self.share(estimates, len(reqs))
-        self.policy.add_many([r.rid for r in reqs], P, np.maximum(np.asarray(estimates, dtype=np.float64), 0.0), kv)
-        for r in reqs:
+        slots = self.policy.add_many([r.rid for r in reqs], P, np.maximum(np.asarray(estimates, dtype=np.float64), 0.0), kv)
+        if len(self.req_at) <= slots.max():
+            self.req_at = np.concatenate([self.req_at, np.empty(max(len(self.req_at), slots.max() + 1), dtype=object)])
+        for r, slot in zip(reqs, slots.tolist()):
             self.reqs[r.rid] = r
+            self.req_at[slot] = r
+            r._dwise_slot = slot
         if self.recorder is not None:
             for r in reqs:
                 self.recorder.arrived(r, bs)
@@ -721,10 +749,15 @@ def install(
         if not width:
             raise ConfigError("recording without a bundle needs hidden_size= (the model's hidden size)")
         rows = max(int(max_batch or 0), int(slots))
-        state.pooled = torch.full((rows, int(width)), math.nan, device=device)
-        state.leftover_weights = torch.zeros((rows, int(block_size)), device=device)
-        state.leftover_pooled = torch.zeros((rows, int(width)), device=device)
+        state.pooled2 = torch.full((rows, 2, int(width)), math.nan, device=device)
+        state.pooled, state.leftover_pooled = state.pooled2[:, 0], state.pooled2[:, 1]
+        state.weights = torch.zeros((rows, 2, int(block_size)), device=device)
+        state.weights[:, 0] = 1.0 / int(block_size)
+        state.leftover_weights = state.weights[:, 1]
         state.to_device = _ToDevice(device, 4 * rows)
+        state.to_device_kept = _ToDevice(device, 2 * rows)  # its own buffer: the next step's copy may be in flight
+        if state.prompt_rows.capacity:
+            state.prompt_rows.allocate(int(width), device)
         if bundle is not None:
             state.prompt_mean = torch.as_tensor(bundle.prompt_last_mean, dtype=torch.float32, device=device)
 
@@ -737,6 +770,9 @@ def install(
     algorithm = resolve("sglang.srt.dllm.algorithm.base").DllmAlgorithm
     logits = resolve("sglang.srt.layers.logits_processor").LogitsProcessor
     phase = req_mod.DllmReqPhase
+    # ReqDllmMixin.is_dllm_prefill by identity of the phase (its members are singletons): the method
+    # compares string enums, about 0.3 µs per request and step
+    staging_prefill, incoming_prefill = phase.STAGING_PREFILL, phase.INCOMING_PREFILL
     originals = []
 
     def patch(owner, name, fn):
@@ -766,38 +802,43 @@ def install(
         plan = state.plan = policy.schedule()
         state.stats.rounds += 1
         if len(plan.admitted):
-            admitted = set(policy.ids(plan.admitted))
+            admitted = {id(r) for r in state.req_at[plan.admitted].tolist()}
             moving, staying = [], []
             for r in self.waiting_queue:
-                (moving if r.rid in admitted else staying).append(r)
+                (moving if id(r) in admitted else staying).append(r)
             self.waiting_queue = staying
             self.dllm_manager.add_waiting_reqs(moving)
             state.stats.admitted += len(moving)
-        state.run_rids = policy.ids(plan.run)
+        state.picks = state.req_at[plan.run].tolist()
 
     original_batches = mixin._process_dllm_batches
 
     def stage(self, adder, running_batch, candidates) -> None:
         """Offer ``candidates`` (in rank order) to SGLang's own batch former, prompt blocks first."""
-        prefill = [r for r in candidates if r.is_dllm_prefill()]
-        decode = [r for r in candidates if not r.is_dllm_prefill()]
+        prefill, decode = [], []
+        for r in candidates:
+            at = r.dllm_phase  # is_prefill, inline: once per request and step
+            (prefill if at is staging_prefill or at is incoming_prefill else decode).append(r)
         self._process_batch_by_phase(adder, prefill, phase.STAGING_PREFILL, phase.INCOMING_PREFILL, running_batch)
         self._process_batch_by_phase(adder, decode, phase.STAGING_DECODE, phase.INCOMING_DECODE, running_batch)
 
     def process_dllm_batches(self, adder, running_batch):
-        policy, reqs, plan = state.policy, state.reqs, state.plan
+        policy, plan = state.policy, state.plan
         separate = self.dllm_config.requires_separate_context_encoding
+        candidates = state.foreign + state.picks if state.foreign else state.picks
         if separate:
             # phases cannot share a forward here: keep SGLang's batch former, in DWISE order
-            rank = {rid: i for i, rid in enumerate(state.run_rids)}
-            self.dllm_manager.waiting_queue.sort(key=lambda r: rank.get(r.rid, len(rank)))
+            rank = {id(r): i for i, r in enumerate(state.picks)}
+            self.dllm_manager.waiting_queue.sort(key=lambda r: rank.get(id(r), len(rank)))
             mode = original_batches(self, adder, running_batch)
         else:
             # requests SGLang placed there without the policy (finished while waiting) run first, as they would
-            stage(self, adder, running_batch, state.foreign + [reqs[rid] for rid in state.run_rids])
+            stage(self, adder, running_batch, candidates)
             mode = fb_mod.ForwardMode.DLLM_EXTEND
-        taken = {r.rid for r in adder.can_run_list}
-        cut = sum(rid not in taken for rid in state.run_rids)
+        cut = 0
+        if separate or len(adder.can_run_list) != len(candidates):  # SGLang stages only what it is offered
+            taken = {id(r) for r in adder.can_run_list}
+            cut = sum(id(r) not in taken for r in state.picks)
         if cut:
             # SGLang's adder left picks out (KV memory, --max-prefill-tokens, request limits): while it
             # still takes requests, the next-ranked residents run in their slots; the policy learns
@@ -805,31 +846,37 @@ def install(
             state.stats.budget_overrides += cut
             if not separate and adder.budget_state() == continue_:
                 before = len(adder.can_run_list)
-                stage(self, adder, running_batch, [reqs[rid] for rid in policy.ids(plan.standby[:cut])])
+                stage(self, adder, running_batch, state.req_at[plan.standby[:cut]].tolist())
                 state.stats.backfilled += len(adder.can_run_list) - before
-            policy.ran(plan, policy.slots_of([r.rid for r in adder.can_run_list if r.rid in reqs]))
+            ran = np.fromiter((getattr(r, "_dwise_slot", -1) for r in adder.can_run_list), dtype=np.int64)
+            policy.ran(plan, ran[ran >= 0])
         plan_batch(self, adder.can_run_list)
         return mode
 
     def plan_batch(self, staged) -> None:
         """What the batch's requests run, known only now (SGLang matched their prefixes while staging
-        them): their phase, ``P`` after a prefix hit or a retraction, the end of the block each runs,
-        and the inputs of the rows whose first denoising forward this is."""
-        policy, bs = state.policy, state.block_size
-        ours = [r for r in staged if r.rid in state.reqs]
-        rids = [r.rid for r in ours]
-        slots = policy.slots_of(rids)
-        prompt = np.fromiter((r.is_dllm_prefill() for r in ours), dtype=bool, count=len(ours))
-        P, rounds = policy.prompt_blocks(slots), policy.denoising_rounds(slots)
-        state.batch_prompt = dict(zip(rids, prompt.tolist()))
-        if not self.dllm_config.requires_separate_context_encoding:
-            # SGLang's prefix ends on a block boundary (it asserts so) and the forward runs the block
-            # after it, a prompt block or an output block (`ReqDllmMixin.determine_dllm_phase`)
-            state.block_end = {r.rid: r.prefix_len + bs for r in ours}
-        for i in np.flatnonzero(prompt | (P > 0)).tolist():
-            r = ours[i]
-            # what is left to encode: the prompt (and, after a retraction, the output) past the prefix
+        them): their phase, ``P`` after a prefix hit or a retraction, and the inputs of the rows whose
+        first denoising forward this is. Kept per batch row for the step's result."""
+        policy, bs, n = state.policy, state.block_size, len(staged)
+        slots = np.fromiter([getattr(r, "_dwise_slot", -1) for r in staged], dtype=np.int64, count=n)
+        prompt = np.fromiter([at is staging_prefill or at is incoming_prefill for at in (r.dllm_phase for r in staged)],
+                             dtype=bool, count=n)
+        ours = slots >= 0  # the rest: SGLang's own (finished while waiting)
+        state.batch, state.batch_slots, state.batch_prompt, state.batch_ours = staged, slots, prompt, ours
+        if ours.all():
+            P, rounds = policy.prompt_blocks(slots), policy.denoising_rounds(slots)
+        else:
+            P, rounds = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            P[ours], rounds[ours] = policy.prompt_blocks(slots[ours]), policy.denoising_rounds(slots[ours])
+        # P follows what SGLang has left to encode (the prompt, and after a retraction the output) past
+        # its prefix: a request whose prefix grew by the block it ran last keeps the P the policy lowered
+        for i in np.flatnonzero(ours & (prompt | (P > 0))).tolist():
+            r = staged[i]
+            if prompt[i] and getattr(r, "_dwise_prefix", -1) == r.prefix_len:
+                r._dwise_prefix = r.prefix_len + bs
+                continue
             left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), bs, r.prefix_len) if prompt[i] else 0
+            r._dwise_prefix = r.prefix_len + bs
             if left != P[i]:
                 if left < P[i] and rounds[i] == 0:
                     state.stats.prefix_blocks += int(P[i] - left)
@@ -838,8 +885,8 @@ def install(
         # vocabulary for every row of every step (their early signals) would cost more than the refinement
         state.first = {}
         if state.pooled is not None:
-            for i in np.flatnonzero(~prompt & (rounds == 0)).tolist():
-                r = ours[i]
+            for i in np.flatnonzero(ours & ~prompt & (rounds == 0)).tolist():
+                r = staged[i]
                 own = r.rid in state.prompt_last  # else its leftover prompt rows are pooled too
                 state.first[r.rid] = (len(r.origin_input_ids), r.sampling_params.max_new_tokens,
                                       0 if own else len(r.origin_input_ids) % bs)
@@ -850,75 +897,84 @@ def install(
         original_result(self, batch, result)
         if state.policy is None:
             return
-        reqs = state.reqs
-        ours = [(row, r) for row, r in enumerate(batch.reqs) if r.rid in reqs]
-        if ours:
-            advance(ours)
+        if batch.reqs is not state.batch:  # not the batch the hook formed (SGLang's own former ran it)
+            plan_batch(self, batch.reqs)
+        if state.batch_ours.any():
+            advance(self)
         # the next batch names its own rows, and pools its own: a pass that does not go through the
         # wrapped DllmAlgorithm.run (Gemma4Renoise's context encoding) finds none, not this batch's
-        state.first, state.rows, state.row_rids = {}, [], []
+        state.batch, state.first, state.rows, state.row_rids = None, {}, [], []
         state.first_pooled = state.first_signals = state.first_leftover = state.last_pooled = None
 
-    def advance(ours) -> None:
+    def advance(self) -> None:
         """After SGLang committed the step: refine the first denoising rounds (one graph run), copy what
         the host needs to the host (one transfer), then advance the policy (vectorised) and keep the
         rows later requests or the recorder need."""
-        policy, recorder = state.policy, state.recorder
-        rids = [r.rid for _, r in ours]
-        slots = policy.slots_of(rids)
-        prompt = np.fromiter((state.batch_prompt.get(r.rid, r.is_dllm_prefill()) for _, r in ours), dtype=bool,
-                             count=len(ours))
+        policy, recorder, batch = state.policy, state.recorder, state.batch
+        ours, prompt = state.batch_ours, state.batch_prompt
         steps = max(state.forwards, 1)
-        position = {rid: i for i, rid in enumerate(rids)}
-        first = [position[rid] for rid in state.row_rids if rid in position]
-        host = to_host(ours, first) if first and state.first_pooled is not None else None
-        refined = np.full(len(ours), math.nan)
+        rows = np.flatnonzero(ours)
+        first = state.rows  # the forward's rows are the batch's, in its order
+        host = to_host(first) if first and state.first_pooled is not None else None
+        refined = None
         if host is not None and host["refined"] is not None:
+            refined = np.full(len(batch), math.nan)
             refined[first] = host["refined"]
-        finished = np.fromiter((r.finished() for _, r in ours), dtype=bool, count=len(ours))
-        policy.complete_slots(slots, prompt, finished, refined, np.where(prompt, 1, steps))
+        finished = np.fromiter((r.finished() for r in batch), dtype=bool, count=len(batch))
+        rounds = 1 if steps == 1 else np.where(prompt, 1, steps)
+        if len(rows) == len(batch):  # the common case: no request of SGLang's own in the batch
+            policy.complete_slots(state.batch_slots, prompt, finished, refined, rounds)
+        else:
+            policy.complete_slots(state.batch_slots[rows], prompt[rows], finished[rows],
+                                  None if refined is None else refined[rows], rounds if steps == 1 else rounds[rows])
 
         pooled, last = state.first_pooled, state.last_pooled
         if pooled is not None:
-            for i in np.flatnonzero(prompt).tolist():  # the refinement's prompt_last, a device row
-                row, r = ours[i]
-                state.prompt_last[r.rid] = pooled[row]
-        if last is not None and state.prompt_rows.capacity:
-            # a committed, full block: a later prompt can hold it (a next turn of a chat). A copy: a
-            # view would keep the whole step's snapshot alive
-            end_of = state.block_end
-            for row, r in ours:
-                end = end_of.get(r.rid)
-                if end is not None and len(r.origin_input_ids) + len(r.output_ids) >= end:
-                    state.prompt_rows.put(block_key(r, end // state.block_size, state.block_size), last[row].clone())
+            for i in np.flatnonzero(ours & prompt).tolist():  # the refinement's prompt_last, a device row
+                state.prompt_last[batch[i].rid] = pooled[i]
+        done = state.row_forwards
+        if last is not None and done is not None and state.prompt_rows.capacity \
+                and not self.dllm_config.requires_separate_context_encoding:
+            # a block reported done this step is committed; a full one can be held by a later prompt:
+            # a prompt block (a shared system prompt, a repeated prompt) or a finished request's last
+            # block (the next turn of a chat). Copied into the kept rows in one device op
+            kept, into = [], []
+            for i in np.flatnonzero(ours & (done > 0) & (prompt | finished)).tolist():
+                r = batch[i]
+                end = r.extend_end  # SGLang's prefix ends on a block boundary and the forward ran the block after it
+                if prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
+                    kept.append(i)
+                    into.append(state.prompt_rows.reserve(block_key(r, end // state.block_size, state.block_size)))
+            if kept:
+                index = state.to_device_kept(np.asarray(kept + into, dtype=np.float32)).long()
+                state.prompt_rows.rows.index_copy_(0, index[len(kept):], last.index_select(0, index[:len(kept)]))
         if recorder is not None:
-            at = {i: j for j, i in enumerate(first)} if host is not None else {}
-            for i, (row, r) in enumerate(ours):
-                j = at.get(i)
-                own = state.row_forwards[row] if state.row_forwards else 0
+            at = dict(zip(first, range(len(first)))) if host is not None else {}
+            for i in rows.tolist():
+                r, j = batch[i], at.get(i)
+                own = int(done[i]) if done is not None else 0
                 if j is None:
                     recorder.forward(r, bool(prompt[i]), None, own or (1 if prompt[i] else steps))
                 else:
                     recorder.forward(r, False, host["pooled"][j], own or steps, host["signals"][j],
                                      host["prompt"][j] if host["has_prompt"][j] else None)
-        for i in np.flatnonzero(finished).tolist():
-            r = ours[i][1]
-            del state.reqs[r.rid]
-            state.prompt_last.pop(r.rid, None)
+        for i in np.flatnonzero(ours & finished).tolist():
+            r = batch[i]
+            state.forget(r.rid, policy_too=False)  # the policy freed it in complete_slots
             state.stats.finished += 1
             if recorder is not None:
                 recorder.finished(r)
 
-    def to_host(ours, first) -> dict:
+    def to_host(first) -> dict:
         """The step's one device-to-host copy: the refined estimates of the first denoising rounds (the
         bundle's graph run once over all of them), their early signals and, when recording, their
         pooled rows and ``prompt_last`` rows; on the first refinement, whether the forward wrote the
-        pooling buffer."""
+        pooling buffer. ``first``: their batch rows, in the order the forward's rows were staged."""
         import torch
 
-        pooled = state.first_pooled.index_select(0, state.rows_dev)  # rows in state.row_rids' order, as first
+        pooled = state.first_pooled.index_select(0, state.rows_dev)
         n, width = len(first), pooled.shape[1]
-        prompt_rows, has_prompt = prompt_last_rows([ours[i] for i in first])
+        prompt_rows, has_prompt = prompt_last_rows(first)
         signals = state.first_signals if state.first_signals is not None \
             else torch.full((n, len(EARLY_SIGNALS)), math.nan, device=pooled.device)
         pieces = []
@@ -953,20 +1009,21 @@ def install(
             state.stats.refined += n
         return out
 
-    def prompt_last_rows(first_reqs) -> tuple[list, list]:
+    def prompt_last_rows(first) -> tuple[list, list]:
         """The refinement's ``prompt_last`` row of each first-round request (device rows): its own last
         prompt block's; without one, an earlier forward's row for the same last full block, else the
         mean of its leftover prompt rows in this forward, else None (a block-aligned prompt cached
         whole: SGLang ran none of its rows here; the refinement takes the training mean)."""
         rows, from_cache, leftover, missing = [], 0, 0, 0
-        for row, r in first_reqs:
+        for i in first:
+            r = state.batch[i]
             own = state.prompt_last.pop(r.rid, None)
             if own is None:
                 blocks, rest = divmod(len(r.origin_input_ids), state.block_size)
                 own = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
                 from_cache += own is not None
                 if own is None and rest:
-                    own, leftover = state.first_leftover[row], leftover + 1
+                    own, leftover = state.first_leftover[i], leftover + 1
                 missing += own is None
             rows.append(own)
         if state.bundle is not None:
@@ -979,7 +1036,7 @@ def install(
 
     def run(self, model_runner, forward_batch, algo_states=None):
         state.first_pooled, state.first_signals, state.first_leftover, state.forwards = None, None, None, 0
-        state.last_pooled = None
+        state.last_pooled = state.row_forwards = None
         size = forward_batch.batch_size
         state.stats.idle += size == 0  # DP attention's IDLE batch: no rows, and no logits when eager
         if state.pooled is not None:
@@ -990,8 +1047,8 @@ def install(
         def counted_forward(*args, **kwargs):
             out = forward(*args, **kwargs)
             if state.forwards == 0 and state.pooled is not None:
-                state.first_pooled = state.pooled[:size].clone()  # device copy, no sync
-                state.first_leftover = state.leftover_pooled[:size].clone()
+                first = state.pooled2[:size].clone()  # device copy, no sync
+                state.first_pooled, state.first_leftover = first[:, 0], first[:, 1]
                 # the first forward's early signals, before the step fills masks: the refinement
                 # graph's last input (and recorded). From the forward's output, after any graph replay;
                 # an algorithm without a threshold of its own (Gemma4Renoise) counts over the one the
@@ -1007,15 +1064,13 @@ def install(
             return out
 
         step = self.step
-        state.row_forwards = None
 
         def counted_step(batch, full_logits, states):
             done = step(batch, full_logits, states)
             if state.row_forwards is None:
-                state.row_forwards = [0] * len(done)
-            for i, d in enumerate(done):  # a row's own forwards: those until its block first reported done
-                if d and not state.row_forwards[i]:
-                    state.row_forwards[i] = state.forwards
+                state.row_forwards = np.zeros(len(done), dtype=np.int64)
+            # a row's own forwards: those until its block first reported done
+            state.row_forwards[np.fromiter(done, dtype=bool, count=len(done)) & (state.row_forwards == 0)] = state.forwards
             return done
 
         own = vars(model_runner).get("forward")
@@ -1047,13 +1102,17 @@ def install(
         prompt tokens, budget and the leftover prompt positions to pool (``1/n`` weights on the ``n``
         leftover positions of a request without a prompt block of its own, written into the static
         buffer the captured graphs read; zeros elsewhere)."""
-        rids = (getattr(forward_batch, "rids", None) or ())[: forward_batch.batch_size]
         first = state.first
+        if state.weights_set:
+            state.leftover_weights.zero_()
+            state.weights_set = False
+        state.rows, state.row_rids, state.rows_dev = [], [], None
+        if not first:
+            return
+        rids = (getattr(forward_batch, "rids", None) or ())[: forward_batch.batch_size]
         state.rows = [i for i, rid in enumerate(rids) if rid in first]
         state.row_rids = [rids[i] for i in state.rows]
-        state.leftover_weights.zero_()
         if not state.rows:
-            state.rows_dev = None
             return
         n = len(state.rows)
         inputs = np.asarray([first[rid] for rid in state.row_rids], dtype=np.float32)  # (n, 3)
@@ -1066,6 +1125,7 @@ def install(
             positions = torch.arange(state.block_size, device=leftover.device)
             weights = (positions[None, :] < leftover[:, None]).float() / leftover.clamp_min(1.0)[:, None]
             state.leftover_weights.index_copy_(0, state.rows_dev, weights.to(state.leftover_weights.dtype))
+            state.weights_set = True
 
     original_logits = logits._get_dllm_logits
 
@@ -1076,12 +1136,10 @@ def install(
             if rows > buffer.shape[0]:
                 raise ConfigError(f"a forward of {rows} requests exceeds the pooling buffer's {buffer.shape[0]} rows: "
                                   "install the hook with max_batch at least SGLang's largest CUDA-graph batch")
-            # mean of each request's block rows, and the weighted sum of its leftover prompt rows, written
-            # in place: the addresses a CUDA graph captured
-            blocks = hidden_states.view(rows, state.block_size, hidden_states.shape[-1])
-            buffer[:rows].copy_(blocks.mean(dim=1))
-            weights = state.leftover_weights[:rows].to(blocks.dtype).unsqueeze(-1)  # (rows, block, 1)
-            state.leftover_pooled[:rows].copy_((weights * blocks).sum(dim=1))
+            # mean of each request's block rows, and the weighted sum of its leftover prompt rows, in one
+            # batched product written in place: the addresses a CUDA graph captured
+            blocks = hidden_states.view(rows, state.block_size, hidden_states.shape[-1])  # (rows, block, H)
+            state.pooled2[:rows].copy_(state.weights[:rows].to(blocks.dtype).bmm(blocks))  # (rows, 2, H)
         return original_logits(self, hidden_states, lm_head, logits_metadata)
 
     patch(mixin, "_fetch_waiting_reqs", fetch_waiting_reqs)
