@@ -74,7 +74,7 @@ class HookConfig:
     record: str | None = None
     record_every: int = 64
     prompt_cache: int = 4096
-    aging: float = 0.01
+    aging: float = 0.1
     resolver: str | None = None
 
     def problems(self) -> list[str]:
