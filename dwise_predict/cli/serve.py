@@ -31,6 +31,7 @@ def serve_command(
     record_every: Annotated[int, typer.Option(help="Most finished requests per committed trace shard.")] = _DEFAULT.record_every,
     record_flush_s: Annotated[float, typer.Option("--record-flush-s", help="Seconds after which a finished request is committed whatever the traffic: the most a scheduler process killed outright loses.")] = _DEFAULT.record_flush_s,
     prompt_cache: Annotated[int, typer.Option(help="Block rows kept (H floats each, on the GPU) for requests a prefix-cache hit leaves without a prompt block of their own; 0: none.")] = _DEFAULT.prompt_cache,
+    aging: Annotated[float, typer.Option(help="Starvation guard: rounds of remaining work one round in the server is worth, so a long request cannot wait forever behind a stream of shorter ones (0: off; default chosen in docs/serving.md).")] = _DEFAULT.aging,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, resolve SGLang's arguments as the server will (needs sglang), print the hook config it would run as JSON, start nothing.")] = False,
 ) -> None:
     """Run SGLang's HTTP server with the DWISE hook installed in every scheduler process.
@@ -54,7 +55,7 @@ def serve_command(
         bundle=None if bundle is None else str(bundle), slots=slots, k=k, kv_budget_tokens=kv_budget_tokens,
         kv_fraction=kv_fraction, slack_blocks=slack_blocks, block_size=block_size, max_batch=max_batch,
         hidden_size=hidden_size, tokenizer=tokenizer, record=None if record is None else str(record),
-        record_every=record_every, record_flush_s=record_flush_s, prompt_cache=prompt_cache,
+        record_every=record_every, record_flush_s=record_flush_s, prompt_cache=prompt_cache, aging=aging,
     )
     problems = config.problems()
     if problems:

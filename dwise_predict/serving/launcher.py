@@ -71,6 +71,8 @@ class HookConfig:
         most a scheduler process killed outright loses: ``docs/serving.md``).
     prompt_cache : block rows the hook keeps for requests that a prefix-cache hit leaves without a
         prompt block of their own (``sglang_adapter.install``; 0: none).
+    aging : the policy's starvation guard (``DwisePolicy(aging=)``: rounds of remaining work one round
+        in the server is worth; 0: off). The default's choice: docs/serving.md, "Starvation guard".
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
         imports SGLang.
     """
@@ -89,6 +91,7 @@ class HookConfig:
     record_every: int = 64
     record_flush_s: float = 5.0
     prompt_cache: int = 4096
+    aging: float = 0.1
     resolver: str | None = None
 
     def problems(self) -> list[str]:
@@ -107,6 +110,8 @@ class HookConfig:
             out.append(f"--record-flush-s must be positive, got {self.record_flush_s}")
         if self.prompt_cache < 0:
             out.append(f"--prompt-cache must be 0 or more, got {self.prompt_cache}")
+        if not 0 <= self.aging < float("inf"):
+            out.append(f"--aging must be a finite number >= 0 (0: no starvation guard), got {self.aging}")
         return out
 
 
@@ -272,7 +277,7 @@ def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 
                      kv_fraction=config.kv_fraction, slack_blocks=config.slack_blocks, features=features,
                      device=device if (bundle is not None or recorder is not None) else None, resolve=resolve,
                      block_size=config.block_size, max_batch=config.max_batch, hidden_size=config.hidden_size,
-                     recorder=recorder, prompt_cache=config.prompt_cache)
+                     recorder=recorder, prompt_cache=config.prompt_cache, aging=config.aging)
     return ACTIVE
 
 

@@ -57,6 +57,7 @@ class SimConfig:
         over ``round_ms`` / ``slot_ms``.
     arrival : ``burst``, ``burst-poisson`` or ``poisson``; ``rate`` in req/s for the Poisson part.
     seed : arrival order and times.
+    aging : the DWISE schedulers' starvation guard (``DwisePolicy(aging=)``; 0: Algorithm 1 as published).
     """
 
     slots: int = 128
@@ -69,6 +70,7 @@ class SimConfig:
     rate: float | None = None
     seed: int = 0
     round_cost: RoundCost | None = None
+    aging: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +88,8 @@ class SimConfig:
             problems.append(f"--arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if self.arrival != "burst" and not (self.rate is not None and self.rate > 0):
             problems.append(f"{self.arrival} arrivals need a positive --rate (req/s), got {self.rate}")
+        if not (self.aging >= 0 and math.isfinite(self.aging)):
+            problems.append(f"--aging must be a finite number >= 0 (0: off), got {self.aging}")
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -317,7 +321,7 @@ def simulate(
     if spec.bucket_key:
         estimate = bucket(estimate)
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
-    pol = make_policy(spec, config.slots, config.k, config.kv_budget)
+    pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging)
     steady_limit = getattr(pol, "steady_limit", None)
     cost = config.cost
 
