@@ -54,11 +54,21 @@ def test_aging_is_checked_where_it_is_given():
     assert HookConfig().aging > 0  # serve guards by default
 
 
-def test_serve_and_simulate_take_aging(tmp_path, capsys):
+def test_serve_and_simulate_take_aging(tmp_path, capsys, monkeypatch):
+    import sglang_reference
+
+    if not sglang_reference.available():
+        pytest.skip(sglang_reference.SKIP_REASON)
+    from fakes import sglang_launch
+
+    sglang_launch.install_entrypoints(monkeypatch.setitem)  # --dry-run resolves SGLang's arguments
+    from dwise_predict.dllm import TINY_MODEL_DIR
+
     record = ["serve", "--record", str(tmp_path / "t"), "--block-size", "8", "--hidden-size", "16", "--dry-run"]
-    assert main([*record, "--aging", "0.5"]) == 0
+    server = ["--", "--model-path", str(TINY_MODEL_DIR), "--dllm-fdfo"]
+    assert main([*record, "--aging", "0.5", *server]) == 0
     assert json.loads(capsys.readouterr().out)["hook"]["aging"] == 0.5
-    assert main([*record, "--aging", "-1"]) == 1
+    assert main([*record, "--aging", "-1", *server]) == 1
     err = capsys.readouterr().err
     assert "--aging must be a finite number >= 0" in err and err.count("\n") == 1
     assert main(["simulate", "--help"]) == 0 and "--aging" in capsys.readouterr().out
