@@ -97,7 +97,7 @@ def test_unlisted_file_fails_verify(bundle, tmp_path):
     extra = bundle / "payload.pkl"
     extra.write_bytes(b"x")
     try:
-        with pytest.raises(BundleError, match=r"does not list \('payload\.pkl'\)"):
+        with pytest.raises(BundleError, match=r"does not list \(payload\.pkl\)"):
             verify_bundle(bundle)
     finally:
         extra.unlink()

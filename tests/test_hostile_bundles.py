@@ -53,13 +53,16 @@ def edit_manifest(bundle: Path, edit) -> None:
     reseal(bundle)
 
 
-def rewrite_zip(path: Path, edit=lambda name, data: data, add: dict | None = None) -> None:
-    """Rewrite a zip archive member by member: ``edit(name, data)`` returns new bytes; ``add`` more."""
+def rewrite_zip(path: Path, edit=lambda name, data: data, add: dict | None = None, deflate=lambda name: False) -> None:
+    """Rewrite a zip archive member by member: ``edit(name, data)`` returns new bytes; ``add`` more;
+    members for which ``deflate(name)`` holds are compressed."""
     with zipfile.ZipFile(path) as source:
         members = [(info, source.read(info.filename)) for info in source.infolist()]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as target:
         for info, data in members:
+            if deflate(info.filename):
+                info.compress_type = zipfile.ZIP_DEFLATED
             target.writestr(info, edit(info.filename, data))
         for name, data in (add or {}).items():
             target.writestr(name, data)
@@ -146,6 +149,13 @@ def pt2_file_operator(b, marker):
     _edit_program(b, edit)
 
 
+def pt2_pytree_import(b, marker):
+    """An input spec whose defaultdict names a module: torch.export.load imports it (runs its top level)."""
+    context = json.dumps({"default_factory_module": "os", "default_factory_name": "system", "dict_context": []})
+    spec = json.dumps([1, {"type": "collections.defaultdict", "context": context, "children_spec": []}])
+    _edit_program(b, lambda p: p["graph_module"]["module_call_graph"][0]["signature"].update(in_spec=spec))
+
+
 def pt2_extra_member(b, marker):
     rewrite_zip(b / "refine.pt2", add={"archive/data/aotinductor/model.so": b"\x7fELF"})
 
@@ -172,6 +182,11 @@ def pt_code_custom_op(b, marker):
                                          "ops.debugprims.load_tensor(\"x\", [1], [1], dtype=6, device=\"cpu\")").encode()
         return data
     rewrite_zip(b / "refine.pt", edit)
+
+
+def pt_tensor_data_deflated(b, marker):
+    """Tensor data compressed: torch inflates whatever size the header claims (ours are stored)."""
+    rewrite_zip(b / "refine.pt", deflate=lambda name: name.endswith("/data/0"))
 
 
 def onnx_external_data(b, marker):
@@ -251,16 +266,19 @@ def consistent_hidden_size(manifest):
 
 
 def swapped_onnx(b, marker):
-    """Issue 43: refine.onnx of another hidden size (16) in this bundle (32)."""
-    import torch
+    """Issue 43: refine.onnx of another hidden size (16) in this bundle (32): same inputs and output
+    by name, remaining_rounds = the row sums of first_round (a few nodes, built in milliseconds)."""
+    import onnx
+    from onnx import TensorProto, helper
 
-    from dwise_predict.exports.refine_export import FusedRefineGraph, export_onnx
-    from dwise_predict.survival.network import HazardMLP, RefineGraph
-
-    width = 2 * 16 + 6
-    members = [HazardMLP(width, 8, 16, 0.0).eval()]
-    graph = RefineGraph(members, torch.zeros(width), torch.ones(width), 100.0, 256.0, torch.arange(3.0), torch.arange(3.0))
-    export_onnx(FusedRefineGraph(graph).eval(), 16, b / "refine.onnx")
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, dims) for name, dims in (
+        ("first_round", ["B", 16]), ("prompt_last", ["B", 16]), ("prompt_tokens", ["B"]), ("budget", ["B"]),
+        ("early_signals", ["B", 4]))]
+    output = helper.make_tensor_value_info("remaining_rounds", TensorProto.FLOAT, ["B"])
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [1])
+    node = helper.make_node("ReduceSum", ["first_round", "axes"], ["remaining_rounds"], keepdims=0)
+    graph = helper.make_graph([node], "other", inputs, [output], [axes])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(b / "refine.onnx"))
 
 
 def calibration(knots):
@@ -306,10 +324,13 @@ CASES = {
     "pt2-guard-code": (pt2_guard_code, r"refine\.pt2.*guard holds '__import__'"),
     "pt2-sympy-expression": (pt2_sympy_expression, r"refine\.pt2.*symbolic size holds '__import__'"),
     "pt2-file-operator": (pt2_file_operator, r"refine\.pt2.*calls 'torch\.ops\.aten\.from_file\.default'"),
+    "pt2-pytree-import": (pt2_pytree_import, r"refine\.pt2.*pytree spec holds the node 'collections\.defaultdict'"),
     "pt2-extra-member": (pt2_extra_member, r"refine\.pt2.*member 'archive/data/aotinductor/model\.so'"),
     "pt-data-pkl-global": (pt_data_pkl_global, r"refine\.pt \(archive/data\.pkl\).*would import 'os system'"),
     "pt-code-torch-save": (pt_code_writes_a_file, r"refine\.pt .*refers to 'torch\.save'"),
     "pt-code-custom-op": (pt_code_custom_op, r"refine\.pt .*refers to 'ops\.debugprims\.load_tensor'"),
+    "pt-tensor-data-deflated": (pt_tensor_data_deflated, r"refine\.pt: archive member 'archive/data/0' is encrypted "
+                                                        r"or compressed"),
     "onnx-external-data": (onnx_external_data, r"refine\.onnx.*outside the file .*'\.\./outside\.bin'"),
     "planted-pkl": (planted("weights.pkl", system), r"'weights\.pkl'"),
     "planted-joblib": (planted("model.joblib", opener), r"'model\.joblib'"),
@@ -381,8 +402,12 @@ def traces(tmp_path_factory):
     return write_traces(served_bundle()[1], tmp_path_factory.mktemp("traces") / "tr")
 
 
-def _zoo_of(bundle: Path, zoo: Path) -> Path:
-    """A zoo whose index correctly lists a tar of ``bundle`` as it is (links stay links, pipes pipes)."""
+def _zoo_of(bundle: Path) -> Path:
+    """A zoo beside ``bundle`` (built once) whose index correctly lists a tar of the bundle as it is
+    (links stay links, pipes pipes)."""
+    zoo = bundle.parent / "zoo"
+    if zoo.exists():
+        return zoo
     tar_path = zoo / "bundles" / "evil" / "evil-1.tar"
     tar_path.parent.mkdir(parents=True)
     with tarfile.open(tar_path, "w") as tar:
@@ -412,11 +437,9 @@ def test_every_reader_refuses_every_hostile_bundle(cases, traces, case, command,
     else:
         argv = {"verify": ["verify", str(bundle)],
                 "publish": ["publish", str(bundle), "--zoo", str(tmp_path / "zoo")],
-                "zoo-pull": ["zoo", "pull", "evil", "--zoo", str(tmp_path / "zoo"), "--out", str(tmp_path / "out")],
+                "zoo-pull": ["zoo", "pull", "evil", "--zoo", str(_zoo_of(bundle)), "--out", str(tmp_path / "out")],
                 "simulate": ["simulate", str(traces), "--bundle", str(bundle), "--requests", "64"],
                 "serve-dry-run": ["serve", "--bundle", str(bundle), "--dry-run"]}[command]
-        if command == "zoo-pull":
-            _zoo_of(bundle, tmp_path / "zoo")
         assert main(argv) == 1
         captured = capsys.readouterr()
         message = captured.err.strip()
@@ -426,7 +449,7 @@ def test_every_reader_refuses_every_hostile_bundle(cases, traces, case, command,
     if command == "publish":
         assert not (tmp_path / "zoo" / "index.json").exists()
     if command == "zoo-pull":
-        assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["zoo"]
+        assert list(tmp_path.iterdir()) == []  # nothing extracted, not even a temporary directory
 
 
 def test_the_payloads_run_when_loaded_naively(cases, tmp_path):
@@ -488,3 +511,21 @@ def test_export_refuses_an_empty_name(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == "error: --name '' must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
     assert not (tmp_path / "b").exists()
+
+
+def test_an_archive_member_that_inflates_past_the_limit_is_refused(cases, tmp_path, monkeypatch, capsys):
+    """A zip bomb in refine.pt: a code member deflated to a few kB that inflates past the limit on
+    what is read of an archive (64 MB; 1 MB here, to keep the test small) is refused, not inflated."""
+    from dwise_predict.exports import screen
+
+    monkeypatch.setattr(screen, "MAX_READ", 1 << 20)
+    bundle = shutil.copytree(served_bundle()[0], tmp_path / "bomb")
+    rewrite_zip(bundle / "refine.pt", lambda name, data: b"#" * (2 << 20) if name.endswith("survival/network.py") else data,
+                deflate=lambda name: name.endswith("survival/network.py"))
+    reseal(bundle)
+    with zipfile.ZipFile(bundle / "refine.pt") as archive:
+        bomb = next(i for i in archive.infolist() if i.filename.endswith("survival/network.py"))
+    assert bomb.compress_size < 16 << 10 and bomb.file_size == 2 << 20
+    assert main(["verify", str(bundle)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert re.search(r"refine\.pt: archive member '.*network\.py' inflates past 1,048,576 bytes", err), err

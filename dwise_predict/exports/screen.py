@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import keyword
 import math
 import os
 import pickletools
@@ -61,7 +60,8 @@ MAX_ROUNDS = 1 << 20
 MAX_KNOTS = 1 << 20
 MAX_PROBES = 100_000
 MAX_MEMBERS = 4096  # members of one zip archive (ours: ~20)
-MAX_READ = 64 << 20  # a pickle, code or JSON member read from an archive (ours: < 100 kB)
+MAX_READ = 64 << 20  # a pickle, code or JSON member of an archive, or a text artifact (ours: < 1 MB)
+TEXT_ARTIFACTS = ("calibration.json", "admission.txt")
 
 # --- pickles ------------------------------------------------------------------------------------
 
@@ -127,6 +127,9 @@ def check_pickle(data: bytes, where: str, allowed: re.Pattern) -> None:
 
 # --- zip archives (TorchScript, torch.export) ------------------------------------------------------
 
+_TENSOR_DATA = re.compile(r"/data/\d+$|/constants/\d+$|/weight_\d+$|/tensor_\d+$")
+
+
 def _archive(data: bytes, where: str, members: re.Pattern) -> zipfile.ZipFile:
     """``data`` as a zip whose every member name fullmatches ``members`` (group ``root``: one
     directory shared by all), unencrypted, stored or deflated, each named once."""
@@ -146,7 +149,10 @@ def _archive(data: bytes, where: str, members: re.Pattern) -> zipfile.ZipFile:
         if info.filename in names:
             raise BundleError(f"{where} holds the archive member {printable(info.filename)} twice: refusing to load it; "
                               f"{FIX}")
-        if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        # tensor data is stored as is (torch maps it): only then is its size bounded by the archive's
+        compression = (zipfile.ZIP_STORED,) if _TENSOR_DATA.search(info.filename) else (zipfile.ZIP_STORED,
+                                                                                         zipfile.ZIP_DEFLATED)
+        if info.flag_bits & 0x1 or info.compress_type not in compression:
             raise BundleError(f"{where}: archive member {printable(info.filename)} is encrypted or compressed in a way "
                               f"our exporter never uses: {FIX}")
         names.add(info.filename)
@@ -182,10 +188,13 @@ TENSOR_OPS = frozenset("""
     sym_size sym_stride t tanh to transpose unsqueeze view where zeros_like
     _assert_scalar _assert_tensor_metadata _to_copy _unsafe_view
 """.split())
-# bare names TorchScript's printer emits: builtins, type names, and Python's keywords
-_SCRIPT_BUILTINS = frozenset({"annotate", "bool", "int", "float", "len", "range", "isinstance", "min", "max",
-                              "abs", "List", "Optional", "Tuple", "Dict", "Tensor", "Module", "str", "Any",
-                              "NoneType", "__torch__", "torch"} | set(keyword.kwlist))
+# bare names TorchScript's printer emits: builtins, type names and the keywords of its statements
+# (not import, from, global, lambda, with, try: none is TorchScript, and an import would be a way out)
+_SCRIPT_BUILTINS = frozenset({
+    "annotate", "bool", "int", "float", "len", "range", "isinstance", "min", "max", "abs", "List", "Optional",
+    "Tuple", "Dict", "Tensor", "Module", "str", "Any", "NoneType", "__torch__", "torch",
+    "def", "class", "if", "elif", "else", "for", "while", "in", "is", "not", "and", "or", "return", "pass",
+    "break", "continue", "assert", "None", "True", "False"})
 
 TORCHSCRIPT_MEMBERS = re.compile(
     r"(?P<root>[A-Za-z0-9_]+)/(?:data\.pkl|constants\.pkl|version|byteorder|\.data/version|\.data/serialization_id"
@@ -267,7 +276,7 @@ def _bound_names(tokens: list[tokenize.TokenInfo]) -> set[str]:
             if t.type == tokenize.NAME and not after_dot:
                 before = line[j - 1].string if j else ""
                 after = line[j + 1].string if j + 1 < len(line) else ""
-                if before in ("def", "class", "for", "as") or after in (":", "="):
+                if before in ("def", "class", "for") or after in (":", "="):
                     bound.add(t.string)
             if t.type == tokenize.OP:
                 depth += t.string in ("(", "[", "{")
@@ -371,6 +380,33 @@ def _check_program_json(value, where: str, key: str = "") -> None:
             _check_grammar(value, where, "symbolic size", _SYMPY_NAMES, _EXPR_OPS, r"'[a-z]+\d*'")
         elif key == "guards_code":
             _check_grammar(value, where, "guard", _GUARD_NAMES, _GUARD_OPS, r"'[A-Za-z_]\w*'")
+        elif key in ("in_spec", "out_spec"):
+            _check_treespec(value, where)
+
+
+# pytree node types a program's input and output specs may name: torch.export.load resolves a
+# defaultdict's factory and an enum in a spec's context by importing the module they name
+_TREESPEC_TYPES = (None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict")
+
+
+def _check_treespec(text: str, where: str) -> None:
+    """A serialised pytree spec (``[protocol, node]``) of tuples, lists and dicts whose contexts are
+    null or lists of keys: nothing in it names a module or a class."""
+    spec = loads_json(text, BundleError, f"{where} (a pytree spec)", FIX)
+    nodes = [spec[1]] if isinstance(spec, list) and len(spec) == 2 else [None]
+    while nodes:
+        node = nodes.pop()
+        if not isinstance(node, dict) or node.get("type") not in _TREESPEC_TYPES:
+            kind = node.get("type") if isinstance(node, dict) else node
+            raise BundleError(f"{where}: a pytree spec holds the node {printable(kind)}, which our exports never "
+                              f"write (torch would import what it names): refusing to load it; {FIX}")
+        context = node.get("context")
+        keys = loads_json(context, BundleError, f"{where} (a pytree context)", FIX) if isinstance(context, str) else context
+        if keys is not None and not (isinstance(keys, list) and all(isinstance(k, (str, int)) for k in keys)):
+            raise BundleError(f"{where}: a pytree spec's context is {printable(context, 60)}, not a list of keys "
+                              f"(torch would import what it names): refusing to load it; {FIX}")
+        children = node.get("children_spec") or []
+        nodes.extend(children if isinstance(children, list) else [None])
 
 
 def _check_grammar(text: str, where: str, what: str, names: frozenset, ops: frozenset, string: str,
@@ -659,6 +695,8 @@ def read_checked(bundle: str | Path, manifest: dict, name: str) -> bytes:
         raise BundleError(f"{Path(bundle) / BUNDLE_FILE} lists no '{name}': the bundle is incomplete; {FIX}")
     if path.is_symlink() or not path.is_file():
         raise BundleError(f"{path} is missing or not a regular file: {FIX}")
+    if name in TEXT_ARTIFACTS and entry["bytes"] > MAX_READ:  # refused before it is read into memory
+        raise BundleError(f"{path} holds {entry['bytes']:,} bytes, more than the {MAX_READ:,} such a file may: {FIX}")
     if path.stat().st_size != entry["bytes"]:
         raise BundleError(f"{path} does not match its sha256 in {BUNDLE_FILE}: the file was modified or corrupted")
     data = path.read_bytes()
@@ -678,7 +716,8 @@ def open_bundle(bundle: str | Path) -> dict:
 
 
 def screen_bundle(bundle: str | Path, manifest: dict) -> None:
-    """Screen the content of every listed file (:func:`screen_bytes`), for readers that take the
-    whole bundle (``verify``, ``zoo pull``, ``publish``)."""
+    """Screen the content of every listed file (:func:`screen_bytes`); the model card, which no
+    reader parses, only by its hash (:func:`open_bundle`)."""
     for name in sorted(manifest["files"]):
-        read_checked(bundle, manifest, name)
+        if name != "README.md":
+            read_checked(bundle, manifest, name)
