@@ -341,3 +341,31 @@ def test_a_publish_waits_for_the_one_holding_the_zoo(bundle, tmp_path):
     entry = publish(bundle, zoo, verify=False)
     assert holder.wait(timeout=60) == 0
     assert entry["version"] == "1" and time.monotonic() - start > 1.0
+
+
+def test_links_planted_in_a_shared_zoo_are_refused(bundle, tmp_path, capsys):
+    """A zoo on a shared mount may hold links someone else placed: a `.lock` link would make publish
+    truncate the file it points at, a `bundles/NAME` link would make it write elsewhere, and a tar
+    link to /dev/zero would make pull hash forever."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    (zoo / ".lock").symlink_to(victim)
+    assert main(["publish", str(bundle), "--zoo", str(zoo)]) == 1
+    assert "is a symbolic link" in capsys.readouterr().err and victim.read_text() == "keep me"
+    (zoo / ".lock").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (zoo / "bundles").mkdir()
+    (zoo / "bundles" / "tiny").symlink_to(elsewhere)
+    with pytest.raises(StoreError, match="bundles/tiny is a symbolic link"):
+        publish(bundle, zoo, verify=False)
+    assert list(elsewhere.iterdir()) == []
+    (zoo / "bundles" / "tiny").unlink()
+    entry = publish(bundle, zoo, verify=False)
+    (zoo / entry["file"]).unlink()
+    (zoo / entry["file"]).symlink_to("/dev/zero")
+    assert main(["zoo", "pull", "tiny", "--zoo", str(zoo), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "tiny-1.tar is a symbolic link" in err and not (tmp_path / "out").exists()

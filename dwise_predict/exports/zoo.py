@@ -95,6 +95,9 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
 @contextmanager
 def _zoo_lock(zoo: Path, wait_s: float):
     """Hold the zoo's lock, waiting up to ``wait_s`` while another publish holds it."""
+    if (zoo / LOCK_FILE).is_symlink():  # opening it would create or truncate the file it points at
+        raise StoreError(f"{zoo / LOCK_FILE} is a symbolic link: a zoo's lock is a plain file; remove the link "
+                         "(and check who placed it)")
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -125,6 +128,7 @@ def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | 
             )
         relative = Path(_tar_path(name, version))
         target = zoo / relative
+        _refuse_links(zoo, target)
         target.parent.mkdir(parents=True, exist_ok=True)
         # an unindexed tar at the target is debris of an interrupted publish: replacing it is safe
         atomic_write(target, lambda tmp: _write_tar(bundle, manifest, tmp))
@@ -226,8 +230,20 @@ def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
         return _pull(zoo, entry, out)
 
 
+def _refuse_links(zoo: Path, path: Path) -> None:
+    """Refuse a link on the way from ``zoo`` to ``path`` (a shared zoo may hold one someone planted):
+    through it a publish would write, or a pull read, outside the zoo (or hang on /dev/zero)."""
+    parts = path.relative_to(zoo).parts
+    for depth in range(1, len(parts) + 1):
+        step = zoo.joinpath(*parts[:depth])
+        if step.is_symlink():
+            raise StoreError(f"{step} is a symbolic link: a zoo holds only plain directories and files; remove "
+                             "the link (and check who placed it)")
+
+
 def _pull(zoo: Path, entry: dict, out: Path) -> Path:
     tar_path = zoo / entry["file"]
+    _refuse_links(zoo, tar_path)
     if not tar_path.is_file():
         raise StoreError(
             f"{tar_path} is missing from the zoo: the index lists it; re-publish {entry['name']}@{entry['version']}"
