@@ -529,3 +529,63 @@ def test_an_archive_member_that_inflates_past_the_limit_is_refused(cases, tmp_pa
     assert main(["verify", str(bundle)]) == 1
     err = capsys.readouterr().err.strip()
     assert re.search(r"refine\.pt: archive member '.*network\.py' inflates past 1,048,576 bytes", err), err
+
+
+# --- the screen's readers, case by case -------------------------------------------------------------
+
+def test_stack_global_names_are_read_without_running_the_pickle():
+    """Protocol 4 names globals through STACK_GLOBAL: pickletools gives the names when they were pushed
+    as literals; a name computed at load time (here: the result of a call) is refused outright."""
+    import pickle
+
+    from dwise_predict.exports.screen import TENSOR_GLOBALS, check_pickle, pickle_globals
+
+    assert pickle_globals(pickle.dumps(os.system, protocol=4), "x") == ["posix system"]
+    with pytest.raises(BundleError, match="would import 'posix system'"):
+        check_pickle(pickle.dumps(os.system, protocol=4), "x", TENSOR_GLOBALS)
+    computed = b"\x80\x04cbuiltins\nstr\n)R\x8c\x06system\x93."  # str() then 'system': STACK_GLOBAL('', 'system')
+    with pytest.raises(BundleError, match="names a computed global"):
+        pickle_globals(computed, "x")
+    with pytest.raises(BundleError, match="malformed pickle"):
+        pickle_globals(b"\x80\x04\x8c", "x")
+
+
+def chain_model(leaves: int) -> str:
+    """A LightGBM text model of one tree whose nodes form a chain: as deep as it has leaves, less one."""
+    left = [i + 1 if i < leaves - 2 else -leaves for i in range(leaves - 1)]
+
+    def ones(n: int) -> str:
+        return " ".join(["1"] * n)
+
+    tree = ["Tree=0", f"num_leaves={leaves}", "num_cat=0", "split_feature=" + " ".join(["0"] * (leaves - 1)),
+            "split_gain=" + ones(leaves - 1), "threshold=" + " ".join(f"{i}.5" for i in range(leaves - 1)),
+            "decision_type=" + " ".join(["2"] * (leaves - 1)), "left_child=" + " ".join(map(str, left)),
+            "right_child=" + " ".join(str(-1 - i) for i in range(leaves - 1)),
+            "leaf_value=" + " ".join(f"{0.01 * i}" for i in range(leaves)), "leaf_weight=" + ones(leaves),
+            "leaf_count=" + ones(leaves), "internal_value=" + " ".join(["0"] * (leaves - 1)),
+            "internal_weight=" + ones(leaves - 1), "internal_count=" + ones(leaves - 1), "is_linear=0", "shrinkage=1"]
+    header = ["tree", "version=v4", "num_class=1", "num_tree_per_iteration=1", "label_index=0", "max_feature_idx=2",
+              "objective=regression", "feature_names=Column_0 Column_1 Column_2", "feature_infos=[0:99] [0:1] [0:1]"]
+    return "\n".join(header + [""] + tree + ["", "end of trees", "", "pandas_categorical:null", ""])
+
+
+def test_a_tree_too_deep_for_the_compiler_is_refused_before_lightgbm_reads_it(tmp_path):
+    """A chain of 120 leaves is a model LightGBM accepts, but the compiled single-request path nests
+    one `if` per level and Python stops at 100: IndentationError, a traceback. The check refuses it
+    first (depth 64 at most), in one line, for a run directory as for a bundle; 60 leaves load."""
+    import lightgbm
+    import numpy as np
+
+    from dwise_predict.admission.model import AdmissionModel, compile_trees, flatten_trees
+    from dwise_predict.errors import InputError
+
+    deep = chain_model(120)
+    with pytest.raises(IndentationError):
+        compile_trees(flatten_trees(lightgbm.Booster(model_str=deep).dump_model()))
+    (tmp_path / "admission.txt").write_text(deep)
+    with pytest.raises(InputError, match=r"admission\.txt: tree 0 is deeper than 64 levels: refusing to read it"):
+        AdmissionModel.load(tmp_path)
+    (tmp_path / "admission.txt").write_text(chain_model(60))
+    model = AdmissionModel.load(tmp_path)
+    x = np.array([[30.0, 0.0, 0.0], [58.9, 1.0, 2.0]])
+    assert [model.predict_one(*row) for row in x] == model.predict(x).tolist()
