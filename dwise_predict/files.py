@@ -12,6 +12,7 @@
   (:func:`output_lock`), a directory written in place (a trace store, a zoo) by a ``.lock`` inside.
 - :func:`write_errors`: a full or read-only disk as one line.
 - :func:`sha256_file`.
+- :func:`loads_json`: JSON from someone else (a bundle, a zoo index), bounded in size and depth.
 
 Temporary files and directories are named ``.NAME.tmp-PID``; those of processes that no longer run
 are removed by the next write of the same target, and an overwrite interrupted between its two
@@ -29,6 +30,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -375,3 +377,47 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+# Limits of JSON read from others (bundles, zoo indexes): Python's decoder recurses once per level
+# and raises RecursionError (not a decoding error) around a thousand; no file we write nests past ten.
+JSON_MAX_DEPTH = 64
+JSON_MAX_BYTES = 64 << 20
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """How deeply ``text``'s arrays and objects nest (brackets inside strings do not count)."""
+    brackets = _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text))
+    depth = deepest = 0
+    for bracket in brackets:
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def loads_json(data: bytes | str, error: type[Exception], name: str, fix: str = "",
+               max_bytes: int = JSON_MAX_BYTES, max_depth: int = JSON_MAX_DEPTH):
+    """Strict JSON from someone else, bounded: ``error`` (a typed error class) when ``data`` is larger
+    than ``max_bytes``, nests deeper than ``max_depth``, is not UTF-8 or not JSON, or holds NaN or
+    Infinity (not JSON; our writers refuse them). ``name`` is how the message calls the data, ``fix``
+    what it adds after a colon. A number of more than 4,300 digits is refused too (Python's limit
+    on int parsing raises ValueError, not a decoding error)."""
+    suffix = f": {fix}" if fix else ""
+    if len(data) > max_bytes:
+        raise error(f"{name} holds {len(data):,} bytes of JSON, more than the {max_bytes:,} this reads{suffix}")
+    try:
+        text = data.decode() if isinstance(data, bytes) else data
+    except UnicodeDecodeError as err:
+        raise error(f"{name} is not UTF-8 text ({err.reason} at byte {err.start}){suffix}") from None
+    if json_depth(text) > max_depth:
+        raise error(f"{name} nests arrays or objects more than {max_depth} deep, which no JSON we write does{suffix}")
+
+    def refuse_constant(constant: str):
+        raise ValueError(f"{constant} is not a JSON number")
+
+    try:
+        return json.loads(text, parse_constant=refuse_constant)
+    except ValueError as err:  # JSONDecodeError, NaN/Infinity, an int of too many digits
+        raise error(f"{name} is not valid JSON ({str(err).splitlines()[0]}){suffix}") from None

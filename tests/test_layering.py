@@ -35,8 +35,9 @@ ALLOWED: dict[str, set[str]] = {
     "survival": BASE | {"identity"},
     "training": BASE | {"admission", "survival", "features", "traces", "metrics", "runs"},
     "evaluation": BASE | {"training", "admission", "survival", "features", "traces", "metrics", "runs", "identity"},
-    # exports read the run directory through `runs`, never through `training`
-    "exports": BASE | {"runs", "survival", "features", "identity"},
+    # exports read the run directory through `runs`, never through `training`; admission only for
+    # the check of a LightGBM text model (admission.model_text) before LightGBM parses a bundle's
+    "exports": BASE | {"runs", "survival", "features", "identity", "admission"},
     # numpy + onnxruntime at serving time: features and identity are standard library; survival
     # only for the optional torch backend; exports only for the bundle manifest
     # collectors: recording mode (traces from a live server) is a collector; the launcher imports

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dwise_predict.admission.model_text import check_model_text
 from dwise_predict.errors import InputError
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.files import atomic_write_text
@@ -129,7 +130,9 @@ class AdmissionModel:
         keys = ("n_estimators", "num_leaves", "learning_rate", "min_child_samples", "seed", "num_threads")
         init = {k: params[k] for k in keys if k in params}
         model = cls(**init)
-        model.booster_ = lgb.Booster(model_str=(directory / MODEL_FILE).read_text())
+        # checked first: LightGBM's parser and the tree compiler trust the text (model_text)
+        text = check_model_text((directory / MODEL_FILE).read_bytes(), str(directory / MODEL_FILE), InputError)
+        model.booster_ = lgb.Booster(model_str=text)
         model._compile()
         return model
 

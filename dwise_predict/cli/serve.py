@@ -60,6 +60,10 @@ def serve_command(
     problems = config.problems()
     if problems:
         raise ConfigError("; ".join(problems))
+    if bundle is not None:  # a hostile or broken bundle is refused here, before SGLang starts
+        from dwise_predict.exports.screen import open_bundle, screen_bundle
+
+        screen_bundle(bundle, open_bundle(bundle))
     if dry_run:
         typer.echo(json.dumps(plan(config, list(sglang_args or [])), indent=2))
         return

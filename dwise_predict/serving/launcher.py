@@ -38,13 +38,13 @@ Besides what ``sglang_adapter.SURFACE`` lists, the launcher calls SGLang's ``loa
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import signal
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dwise_predict.errors import ConfigError
+from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.files import loads_json
 
 RUN_SCHEDULER_PROCESS = "sglang.srt.managers.scheduler:run_scheduler_process"
 ACTIVE = None  # the Installed handle of this process (set in a scheduler child)
@@ -140,7 +140,8 @@ def resolved(config: HookConfig, server_args=None) -> HookConfig:
         raise ConfigError("; ".join(problems))
     block_size, hidden, tokenizer = config.block_size, config.hidden_size, config.tokenizer
     if config.bundle is not None:
-        manifest = json.loads((Path(config.bundle) / "bundle.json").read_text())
+        path = Path(config.bundle) / "bundle.json"  # bounded: deeply nested JSON is one line, not a RecursionError
+        manifest = loads_json(path.read_bytes(), BundleError, str(path), "re-export the bundle")
         block_size = block_size or (manifest.get("decoding") or {}).get("block_size")
         hidden = hidden or (manifest.get("model") or {}).get("hidden_size")
         if server_args is not None:
