@@ -28,3 +28,16 @@ def synthetic_traces():
     from dwise_predict.traces.synthetic import make_synthetic_traces
 
     return make_synthetic_traces(n_requests=480, hidden_size=32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def loco_evaluation(tmp_path_factory):
+    """``evaluate --loco`` in this process (fast config) of ``evaluate_helpers.make_traces()``, written to a
+    folder: ``(traces directory, Evaluation)``. Read, never changed, by test_evaluate_loco (its known
+    answers) and test_evaluate_ablate (the reference a resumed evaluation and an across-set table must
+    reproduce), so the ~7 retrainings run once per test process."""
+    from dwise_predict.evaluation.evaluate import evaluate
+    from evaluate_helpers import fast_config, make_traces, write
+
+    traces = write(make_traces(), tmp_path_factory.mktemp("loco") / "traces")
+    return traces, evaluate([traces], loco=True, jobs=1, config=fast_config())
