@@ -23,6 +23,25 @@ def pytest_sessionstart(session):
         raise pytest.UsageError(f"DWISE_REQUIRE_SGLANG=1 but {sglang_reference.SKIP_REASON}")
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: ignored where xdist is not loaded
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (``make test``) the work units are those of ``tests/work_units.py``."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    import work_units
+
+    return work_units.scheduler(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker: the longest work units first (``tests/work_units.py``); xdist hands units
+    out in this order under ``--no-loadscope-reorder``. A run without xdist keeps the file order."""
+    if hasattr(config, "workerinput"):
+        import work_units
+
+        items.sort(key=lambda item: work_units.rank(item.nodeid))  # stable: a unit keeps its order
+
+
 @pytest.fixture(scope="session")
 def synthetic_traces():
     from dwise_predict.traces.synthetic import make_synthetic_traces
