@@ -63,3 +63,25 @@ def test_sdist_and_wheel_install_in_a_new_environment_and_run(tmp_path):
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
     assert Path(where[0]).is_relative_to(env.resolve()) and int(where[1]) > 0
     assert sdist.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_editable_install_warns_of_nothing_of_ours(tmp_path):
+    """`make install`'s `pip install -e .`: setuptools warns on every editable install of a project
+    whose package root it has to guess (it then installs an import finder); pyproject.toml names it."""
+    env = tmp_path / "env"
+    venv.create(env, with_pip=False)
+    python = env / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "borrowed-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+                                "--no-index", "--no-build-isolation", "-e", str(ROOT)], capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    # this machine's pip configuration names find-links folders that may be absent: pip's, not ours
+    said = [line for line in (installed.stdout + installed.stderr).splitlines()
+            if not (line.startswith("WARNING: Location") and line.endswith("is neither a file nor a directory."))]
+    assert not [line for line in said if "warning" in line.lower() or "deprecat" in line.lower()], said
+    where = subprocess.run([str(python), "-c", "import dwise_predict; print(dwise_predict.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(where) == ROOT / "dwise_predict" / "__init__.py"
