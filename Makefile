@@ -21,10 +21,11 @@ install: $(BIN)/dwise-predict
 quickstart: install
 	$(BIN)/dwise-predict quickstart --out $(OUT)
 
-# One worker per core, at most four (each holds its own torch and tiny models), a test file per
-# worker so module fixtures are built once: on 2 cores the suite takes about half its serial time.
+# One worker per core, at most four (each holds its own torch and tiny models). Work units are test
+# files, so module fixtures are built once, except where tests/work_units.py cuts or joins them; the
+# longest start first (collection order, hence --no-loadscope-reorder) so no worker idles at the end.
 test: install
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) out

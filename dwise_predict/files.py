@@ -11,9 +11,10 @@
   lock scheme: a directory written whole is locked by ``.NAME.lock`` beside it, removed on release
   (:func:`output_lock`), a directory written in place (a trace store, a zoo) by a ``.lock`` inside.
 - :func:`write_errors`: a full or read-only disk as one line.
-- :func:`read_json` / :func:`read_json_object` / :func:`parse_json`: the one reader of JSON that a user
-  hands us (a manifest, a run's files, a config, a profile), with size and depth limits, so damaged or
-  hostile JSON is one typed error, never a ``RecursionError`` or a memory blow-up.
+- :func:`loads_json` / :func:`read_json` / :func:`read_json_object`: the one reader of JSON from outside
+  this process (a manifest, a run's files, a config, a profile, a bundle, a zoo index), strict and
+  with size and depth limits, so damaged or hostile JSON is one typed error, never a
+  ``RecursionError`` or a memory blow-up.
 - :func:`output_path`: an ``--out`` that is a symbolic link names the directory it points to.
 - :func:`sha256_file`.
 
@@ -33,6 +34,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -54,6 +56,10 @@ WRITE_FAILURES = {
 # recurses per level: a file of 100,000 '[' raises RecursionError).
 JSON_MAX_BYTES = 64 << 20
 JSON_MAX_DEPTH = 64
+# a string, or an unterminated one to the end: matched once each, so the scan stays linear (a closing
+# quote required, '"' + '\\"' * n was tried from every quote to the end: quadratic, hours at 64 MB)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+_NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
 @contextmanager
@@ -125,64 +131,74 @@ def write_json(target: str | os.PathLike, value) -> Path:
     return atomic_write_text(target, text)
 
 
-def parse_json(text: str | bytes, error: type[Exception], name: str, fix: str = "",
-               max_bytes: int | None = JSON_MAX_BYTES) -> Any:
-    """The value of the JSON ``text``; ``error`` (a typed error class) when it is not valid JSON, is
-    larger than ``max_bytes`` (None: no limit, for a user's data set) or nests deeper than
-    :data:`JSON_MAX_DEPTH`. ``name`` is how the message calls the text, ``fix`` what it adds after a
-    colon (what the user can do)."""
+def loads_json(data: bytes | str, error: type[Exception], name: str, fix: str = "",
+               max_bytes: int | None = JSON_MAX_BYTES, max_depth: int = JSON_MAX_DEPTH, allow_nan: bool = False) -> Any:
+    """The value of the JSON ``data``, read strictly and bounded; ``error`` (a typed error class) when
+    ``data`` is larger than ``max_bytes`` (None: no limit, for a user's data set), nests deeper than
+    ``max_depth``, is not UTF-8 or not JSON, or holds NaN or Infinity (not JSON; ``allow_nan`` reads
+    them, for the few files of ours written with them, e.g. a diverged loss). A number of more than
+    4,300 digits is refused too (Python's limit on int parsing raises ValueError, not a decoding
+    error). ``name`` is how the message calls the data, ``fix`` what it adds after a colon (what the
+    user can do)."""
     suffix = f": {fix}" if fix else ""
-    if max_bytes is not None and len(text) > max_bytes:
-        raise error(_too_large(name, max_bytes, suffix))
-    too_deep = f"{name} nests deeper than {JSON_MAX_DEPTH} levels, which no JSON of ours does{suffix}"
+    if max_bytes is not None and len(data) > max_bytes:
+        raise error(_too_large(name, len(data), max_bytes, suffix))
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise error(f"{name} is not valid JSON ({err}){suffix}") from None
-    except RecursionError:
-        raise error(too_deep) from None
-    if _json_depth(value) > JSON_MAX_DEPTH:
+        text = data.decode() if isinstance(data, bytes) else data
+    except UnicodeDecodeError as err:
+        raise error(f"{name} is not UTF-8 text ({err.reason} at byte {err.start}){suffix}") from None
+    # counted before parsing, so a deep value is never built (nor the stack exhausted)
+    too_deep = f"{name} nests arrays or objects more than {max_depth} deep, which no JSON we write does{suffix}"
+    if _json_depth(text, max_depth) > max_depth:
         raise error(too_deep)
-    return value
+
+    def refuse_constant(constant: str):
+        raise ValueError(f"{constant} is not a JSON number")
+
+    try:
+        return json.loads(text, parse_constant=None if allow_nan else refuse_constant)
+    except ValueError as err:  # JSONDecodeError, NaN/Infinity, an int of too many digits
+        raise error(f"{name} is not valid JSON ({str(err).splitlines()[0]}){suffix}") from None
+    except RecursionError:  # brackets the count above missed in text that is not JSON anyway
+        raise error(too_deep) from None
 
 
-def _too_large(name: str, max_bytes: int, suffix: str) -> str:
-    return f"{name} is larger than {max_bytes:,} bytes, far more than this JSON ever holds{suffix}"
+def _too_large(name: str, size: int, max_bytes: int, suffix: str) -> str:
+    return f"{name} holds {size:,} bytes of JSON, more than the {max_bytes:,} this reads{suffix}"
 
 
-def _json_depth(value: Any) -> int:
-    """How many levels of objects and arrays ``value`` nests (0 for a scalar), counted without
-    recursion and given up just past :data:`JSON_MAX_DEPTH`."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth > JSON_MAX_DEPTH:
+def _json_depth(text: str, limit: int) -> int:
+    """How deeply ``text``'s arrays and objects nest (brackets inside strings do not count), counted
+    up to just past ``limit``."""
+    depth = deepest = 0
+    for bracket in _NOT_A_BRACKET.sub("", _JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > limit:
                 break
-            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return deepest
 
 
 def read_json(path: str | os.PathLike, error: type[Exception], name: str | None = None, fix: str = "",
-              max_bytes: int | None = JSON_MAX_BYTES) -> Any:
-    """The JSON value in the file ``path`` (see :func:`parse_json`); its size is checked before it is
+              max_bytes: int | None = JSON_MAX_BYTES, allow_nan: bool = False) -> Any:
+    """The JSON value in the file ``path`` (see :func:`loads_json`); its size is checked before it is
     read. An ``OSError`` (a missing file) is left to the caller."""
     name = name or str(path)
-    if max_bytes is not None and os.stat(path).st_size > max_bytes:
-        raise error(_too_large(name, max_bytes, f": {fix}" if fix else ""))
-    return parse_json(Path(path).read_bytes(), error, name, fix, max_bytes)
+    if max_bytes is not None and (size := os.stat(path).st_size) > max_bytes:
+        raise error(_too_large(name, size, max_bytes, f": {fix}" if fix else ""))
+    return loads_json(Path(path).read_bytes(), error, name, fix, max_bytes, allow_nan=allow_nan)
 
 
 def read_json_object(path: str | os.PathLike, error: type[Exception], name: str | None = None,
-                     fix: str = "") -> dict:
+                     fix: str = "", max_bytes: int | None = JSON_MAX_BYTES, allow_nan: bool = False) -> dict:
     """The JSON object in ``path``; ``error`` (a typed error class) when the file is not valid JSON,
     too large or too deep (:func:`read_json`), or holds something else. ``name`` is how the message
     calls the file (default: its path), ``fix`` what it adds after a colon (what the user can do)."""
     name = name or str(path)
-    value = read_json(path, error, name, fix)
+    value = read_json(path, error, name, fix, max_bytes, allow_nan)
     if not isinstance(value, dict):
-        raise error(f"{name} must hold a JSON object" + (f": {fix}" if fix else ""))
+        raise error(f"{name} does not hold a JSON object" + (f": {fix}" if fix else ""))
     return value
 
 

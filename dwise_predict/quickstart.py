@@ -108,7 +108,7 @@ def run_quickstart(
 
     epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}
     train_config = TrainConfig(seed=config.seed, **epochs)
-    log(f"{next(step)}: admission LightGBM + refinement predictor (candidate chosen by CV) → {paths['run']}")
+    log(f"{next(step)}: admission LightGBM + refinement predictor (candidate chosen out of fold on the ranking of all requests) → {paths['run']}")
     if stages.redo("run"):
         train_run(ds, paths["run"], train_config, overwrite=True)
         stages.finished("run")

@@ -17,7 +17,7 @@ training and exports, because exports must not import the training stack::
       refine.json         {"hidden_size" (per state), "hidden_states", "early_signals", "in_features", "num_rounds",
                            "width", "short_features", "short_width", "dropout", "members", "seeds", "prompt_norm",
                            "budget_norm", "length_scale", "target", "candidate"}
-      calibration.json    {"x": [...], "y": [...], "fitted_on": "train", "statistic"}
+      calibration.json    {"x": [...], "y": [...], "fitted_on": "train" or "train, out of fold", "statistic"}
       candidates.json     the refinement candidate search (training.select): CV scores, chosen candidate
       curves.json         per member: seed, train_loss, val_loss per epoch, best_epoch
       curves.png          training curves

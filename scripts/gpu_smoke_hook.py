@@ -6,19 +6,25 @@ Usage (one command, a few minutes on one GPU):
     PYTHONPATH=.:tests python scripts/gpu_smoke_hook.py
 
 It drives the test fake (``tests/fakes/sglang_fake.py``: SGLang's own ``ReqDllmMixin``,
-``SchedulerDllmMixin``, ``DllmManager`` and ``DllmAlgorithm.run`` from the wheel) with a model
-runner that runs a small random transformer on the GPU, either eagerly or through a
-``torch.cuda.CUDAGraph`` captured at start-up *after* the hook was installed (as SGLang's graph
-runner does), and checks:
+``SchedulerDllmMixin``, ``DllmManager``, ``PrefillAdder`` and ``DllmAlgorithm.run`` from the wheel)
+with a model runner that runs a small random transformer on the GPU, either eagerly or through
+``torch.cuda.CUDAGraph`` s captured at start-up *after* the hook was installed, one per batch size of
+:data:`GRAPH_SIZES`, a batch replaying the smallest that holds it with its rows padded (as SGLang's
+decode graph runner does) and a batch above the largest running eagerly; and checks:
 
 1. graphs on and off record the same pooled first-round vectors, and both equal the mean of the
    model's final hidden rows over the first output block computed independently;
-2. a graph captured *before* the hook is installed makes the first refinement fail loudly;
-3. a request aborted mid-run leaves the policy (and everything else still finishes);
-4. prompts sharing a prefix get P = prefill_rounds(n, block, cached prefix).
+2. the same for batches of 3, 17 and 130 requests, which replay the graphs of 4, 24 and 136 with
+   padding rows, and of 137, one above the largest graph, which runs eagerly;
+3. the hook synchronises the GPU at most once per step, and only in steps with a first denoising
+   round (``torch.cuda.set_sync_debug_mode``: every synchronising call from the hook's own code);
+4. a graph captured *before* the hook is installed makes the first refinement fail loudly;
+5. a request aborted mid-run leaves the policy (and everything else still finishes);
+6. prompts sharing a prefix get P = prefill_rounds(n, block, cached prefix).
 
-Prints one line per check and exits 1 if any fails. ``--cpu`` runs the checks that need no GPU
-(eager pooling, abort, prefix) on the CPU, to test the script itself.
+Prints one line per check and exits 1 if any fails; a few minutes on one GPU (well under 10).
+``--cpu`` runs the checks that need no GPU (eager pooling, padded batch sizes eagerly, abort,
+prefix) on the CPU, to test the script itself (``tests/test_gpu_smoke_script.py`` runs its pieces).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +55,11 @@ from dwise_predict.errors import ConfigError  # noqa: E402
 from dwise_predict.serving.sglang_adapter import UNWRITTEN, install  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
 
-BS, H, V, MAX_BS = 32, 256, 1024, 8
+BS, H, V = 32, 256, 1024
+# the decode CUDA-graph batch sizes captured at start-up (a few of SGLang's: 1, 2, 4, 8, 12, 16, 24, ... 256)
+GRAPH_SIZES = (4, 8, 24, 136)
+PADDED_BATCHES = (3, 17, 130, GRAPH_SIZES[-1] + 1)  # replay 4, 24, 136 with padding; one above the largest: eager
+MAX_BATCH = GRAPH_SIZES[-1] + 1  # the hook's buffer holds the largest graph and the largest eager batch
 DEVICE = "cuda"
 
 
@@ -67,34 +78,48 @@ class TinyModel(nn.Module):
         return self.layers(self.embed(ids % V)).reshape(-1, H)  # (B*bs, H)
 
 
-class GpuRunner(fake.ModelRunner):
-    """The fake's model runner with a real model; ``cuda_graph`` captures model + logits path once."""
+def padded_size(batch: int, sizes) -> int | None:
+    """The captured graph a forward of ``batch`` requests replays: the smallest size that holds it
+    (SGLang pads the batch's rows up to it), or None above the largest (the forward runs eagerly)."""
+    return next((size for size in sorted(sizes) if size >= batch), None)
 
-    def __init__(self, model, cuda_graph):
+
+class GpuRunner(fake.ModelRunner):
+    """The fake's model runner with a real model; ``cuda_graph`` captures model + logits path once per
+    size of ``sizes`` (largest first, sharing one memory pool, as SGLang's graph runner does)."""
+
+    def __init__(self, model, cuda_graph, sizes=GRAPH_SIZES):
         self.model = model
-        super().__init__(BS, H, cuda_graph=False, max_bs=MAX_BS)
-        self.cuda_graph = cuda_graph
+        super().__init__(BS, H, cuda_graph=False, max_bs=max(sizes))
+        self.cuda_graph, self.graphs = cuda_graph, {}
         if cuda_graph:
-            self.static_ids = torch.zeros(MAX_BS, BS, dtype=torch.long, device=DEVICE)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.no_grad():  # warm-up, as SGLang's graph runner does
-                for _ in range(2):
-                    self.logits_processor._get_dllm_logits(self.model(self.static_ids), None, None)
-            torch.cuda.current_stream().wait_stream(side)
-            self.cuda_graph_obj = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.cuda_graph_obj), torch.no_grad():
-                self.static_out = self.logits_processor._get_dllm_logits(self.model(self.static_ids), None, None)
+            pool = torch.cuda.graph_pool_handle()
+            for size in sorted(sizes, reverse=True):
+                static_ids = torch.zeros(size, BS, dtype=torch.long, device=DEVICE)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side), torch.no_grad():  # warm-up, as SGLang's graph runner does
+                    for _ in range(2):
+                        self.logits_processor._get_dllm_logits(self.model(static_ids), None, None)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+                    out = self.logits_processor._get_dllm_logits(self.model(static_ids), None, None)
+                self.graphs[size] = (graph, static_ids, out)
+        self.replayed: list = []  # the graph size each forward replayed (None: eager)
 
     @torch.no_grad()
     def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None, **kwargs):
         self.calls += 1
         ids = forward_batch.input_ids.view(forward_batch.batch_size, BS).to(DEVICE)
-        if self.cuda_graph and forward_batch.batch_size <= MAX_BS:
-            self.static_ids.zero_()
-            self.static_ids[: ids.shape[0]].copy_(ids)
-            self.cuda_graph_obj.replay()  # no Python hook runs here
-            full = self.static_out.full_logits[: ids.shape[0] * BS]
+        size = padded_size(forward_batch.batch_size, self.graphs) if self.cuda_graph else None
+        self.replayed.append(size)
+        if size is not None:
+            graph, static_ids, out = self.graphs[size]
+            static_ids.zero_()  # the padding rows: a replay computes (and pools) them too
+            static_ids[: ids.shape[0]].copy_(ids)
+            graph.replay()  # no Python hook runs here
+            full = out.full_logits[: ids.shape[0] * BS]
             return fake.SimpleNamespace(logits_output=fake.SimpleNamespace(full_logits=full), can_run_graph=True)
         out = self.logits_processor._get_dllm_logits(self.model(ids), None, None)
         return fake.SimpleNamespace(logits_output=out, can_run_graph=False)
@@ -111,23 +136,87 @@ def requests(n, shared=0, seed=0):
     return out
 
 
-def serve(model, reqs, graph, out, before_step=None, capture_first=False, slots=4):
+def serve(model, reqs, graph, out, before_step=None, capture_first=False, slots=4, sizes=GRAPH_SIZES):
+    """Serve ``reqs`` through the fake with the hook recording into ``out``; returns (handle, scheduler,
+    runner, steps): per step, the synchronising CUDA calls made from the hook's own code and its
+    device-to-host copies (``HookStats.host_transfers``)."""
     config = fake.config(BS, 2 * slots)
     manifest = live_manifest({"name": "tiny-random", "hidden_size": H}, "LowConfidence", {}, BS, 256)
     recorder = LiveRecorder(out, block_size=BS, every=16, manifest=manifest)
-    runner = GpuRunner(model, graph) if capture_first else None
-    handle = install(None, slots=slots, k=2, resolve=fake.resolve, block_size=BS, max_batch=MAX_BS, device=DEVICE,
+    runner = GpuRunner(model, graph, sizes) if capture_first else None
+    handle = install(None, slots=slots, k=2, resolve=fake.resolve, block_size=BS, max_batch=MAX_BATCH, device=DEVICE,
                      hidden_size=H, recorder=recorder)
+    syncs = []
     try:
-        runner = runner or GpuRunner(model, graph)  # captured after install, as at SGLang start-up
+        runner = runner or GpuRunner(model, graph, sizes)  # captured after install, as at SGLang start-up
         scheduler = fake.Scheduler(config, batch_capacity=slots, max_total_num_tokens=10**9)
         sp = fake.SimpleNamespace(max_new_tokens=256)
         scheduler.waiting_queue.extend(fake.Req(rid, ids, sp, config, f, None, None) for rid, ids, f in reqs)
-        fake.serve(scheduler, fake.FillAlgorithm(config), runner, before_step=before_step)
-        return handle, scheduler
+        algorithm = fake.FillAlgorithm(config)
+        step = 0
+        while scheduler.waiting_queue or not scheduler.dllm_manager.is_empty():
+            if before_step is not None:
+                before_step(step, scheduler)
+            copies = handle.stats.host_transfers
+            with hook_syncs() as caught:
+                scheduler.step(algorithm, runner)
+            syncs.append((len(caught), handle.stats.host_transfers - copies))
+            step += 1
+        return handle, scheduler, runner, syncs
     finally:
         handle.uninstall()
         recorder.close()
+
+
+class hook_syncs:
+    """The synchronising CUDA calls (``torch.cuda.set_sync_debug_mode``) made from the hook's code
+    while in the block: a list of warnings (empty on the CPU, where nothing synchronises)."""
+
+    def __enter__(self):
+        self.caught = warnings.catch_warnings(record=True)
+        found = self.caught.__enter__()
+        warnings.simplefilter("always")
+        if DEVICE != "cpu":
+            torch.cuda.set_sync_debug_mode("warn")
+        self.found = found
+        self.hook = []
+        return self.hook
+
+    def __exit__(self, *exc):
+        if DEVICE != "cpu":
+            torch.cuda.set_sync_debug_mode(0)
+        self.hook += [w for w in self.found if w.filename.endswith("sglang_adapter.py")]
+        self.caught.__exit__(*exc)
+        return False
+
+
+def short_requests(n: int, seed: int) -> list:
+    """``n`` prompts shorter than a block: every one runs its first denoising forward in the first step."""
+    rng = np.random.default_rng(seed)
+    return [(f"b{i:03d}", [100 + 1000 * i + t for t in range(int(rng.integers(3, BS - 1)))], [2]) for i in range(n)]
+
+
+def check_padded_batches(model, check, tmp: Path, graphs: bool, batches=PADDED_BATCHES) -> None:
+    """Batches landing on padded graph sizes, and one above the largest graph, pool the same rows as
+    eager forwards, and those are the model's own first-round block means."""
+    for batch in batches:
+        reqs = short_requests(batch, seed=batch)
+        _, _, eager_runner, _ = serve(model, reqs, False, tmp / f"pad{batch}-eager", slots=batch)
+        eager = load_traces(tmp / f"pad{batch}-eager")
+        got = eager
+        if graphs:
+            _, _, runner, _ = serve(model, reqs, True, tmp / f"pad{batch}-graph", slots=batch)
+            got = load_traces(tmp / f"pad{batch}-graph")
+            same = eager.requests["request_id"].tolist() == got.requests["request_id"].tolist()
+            diff = float(np.abs(eager.first_round - got.first_round).max()) if same else float("inf")
+            check(f"batch {batch} (graph {padded_size(batch, GRAPH_SIZES)}): graphs on/off pool the same rows",
+                  same and diff < 1e-4 and runner.replayed[0] == padded_size(batch, GRAPH_SIZES),
+                  f"(replayed {runner.replayed[0]}, max |diff| {diff:.2e})")
+        want = np.stack([expected_first_round(model, dict((r, i) for r, i, _ in reqs)[rid])
+                         for rid in got.requests["request_id"]])
+        diff = float(np.abs(got.first_round - want).max())
+        check(f"batch {batch}: pooled rows equal the model's block means", len(got) == batch and diff < 1e-3,
+              f"({len(got)} rows, max |diff| {diff:.2e})")
 
 
 def expected_first_round(model, ids):
@@ -163,8 +252,12 @@ def main(argv: list[str]) -> int:
     serve(model, reqs, False, tmp / "eager")
     eager = graph = load_traces(tmp / "eager")
     if graphs:
-        serve(model, reqs, True, tmp / "graph")
+        _, _, _, steps = serve(model, reqs, True, tmp / "graph")
         graph = load_traces(tmp / "graph")
+        extra = [found - copies for found, copies in steps]  # 1 once: the model's stop ids, on the first forward
+        check("the hook synchronises once at most per step, only with a first denoising round",
+              max(copies for _, copies in steps) <= 1 and max(extra) <= 1 and sum(e > 0 for e in extra) <= 1,
+              f"(syncs per step {[found for found, _ in steps]})")
         same_rows = eager.requests["request_id"].tolist() == graph.requests["request_id"].tolist()
         diff = float(np.abs(eager.first_round - graph.first_round).max()) if same_rows else float("inf")
         check("graphs on/off record the same pooled vectors", same_rows and diff < 1e-4, f"(max |diff| {diff:.2e})")
@@ -172,6 +265,8 @@ def main(argv: list[str]) -> int:
                      for rid in graph.requests["request_id"]])
     diff = float(np.abs(graph.first_round - want).max())
     check("pooled vectors equal the model's first-round block mean", diff < 1e-3, f"(max |diff| {diff:.2e})")
+
+    check_padded_batches(model, check, tmp, graphs)
 
     if graphs:
         try:
@@ -181,7 +276,7 @@ def main(argv: list[str]) -> int:
             check("a graph captured before install fails loudly", str(err) == UNWRITTEN)
 
     victim = reqs[3][0]
-    handle, scheduler = serve(model, reqs, graphs, tmp / "abort",
+    handle, scheduler, _, _ = serve(model, reqs, graphs, tmp / "abort",
                               before_step=lambda step, s: step == 4 and s.abort_request(fake.AbortReq(rid=victim)))
     check("a request aborted mid-run leaves the policy",
           victim in scheduler.aborted and victim not in handle.state.policy._slot_of and handle.stats.vanished == 1

@@ -23,8 +23,40 @@ def pytest_sessionstart(session):
         raise pytest.UsageError(f"DWISE_REQUIRE_SGLANG=1 but {sglang_reference.SKIP_REASON}")
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: ignored where xdist is not loaded
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (``make test``) the work units are those of ``tests/work_units.py``."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    import work_units
+
+    return work_units.scheduler(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker: the longest work units first (``tests/work_units.py``); xdist hands units
+    out in this order under ``--no-loadscope-reorder``. A run without xdist keeps the file order."""
+    if hasattr(config, "workerinput"):
+        import work_units
+
+        items.sort(key=lambda item: work_units.rank(item.nodeid))  # stable: a unit keeps its order
+
+
 @pytest.fixture(scope="session")
 def synthetic_traces():
     from dwise_predict.traces.synthetic import make_synthetic_traces
 
     return make_synthetic_traces(n_requests=480, hidden_size=32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def loco_evaluation(tmp_path_factory):
+    """``evaluate --loco`` in this process (fast config) of ``evaluate_helpers.make_traces()``, written to a
+    folder: ``(traces directory, Evaluation)``. Read, never changed, by test_evaluate_loco (its known
+    answers) and test_evaluate_ablate (the reference a resumed evaluation and an across-set table must
+    reproduce), so the ~7 retrainings run once per test process."""
+    from dwise_predict.evaluation.evaluate import evaluate
+    from evaluate_helpers import fast_config, make_traces, write
+
+    traces = write(make_traces(), tmp_path_factory.mktemp("loco") / "traces")
+    return traces, evaluate([traces], loco=True, jobs=1, config=fast_config())

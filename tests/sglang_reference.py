@@ -81,16 +81,6 @@ class _Placeholder:
     """A name that is imported for type hints only."""
 
 
-class ForwardMode(enum.IntEnum):
-    """Stand-in for ``forward_batch_info.ForwardMode``: the members the dLLM scheduler mixin uses."""
-
-    EXTEND = 1
-    DLLM_EXTEND = 2
-
-    def is_dllm_extend(self) -> bool:
-        return self == ForwardMode.DLLM_EXTEND
-
-
 class AddReqResult(enum.Enum):
     """``schedule_policy.AddReqResult`` (the same three members)."""
 
@@ -118,10 +108,17 @@ FINISH_REASONS = ("BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_MATCHED_ST
                   "FINISH_LENGTH", "FINISH_ABORT")
 
 
-def compile_members(path: Path, owner: str, methods: tuple[str, ...], classes: tuple[str, ...] = ()) -> dict:
+def compile_members(path: Path, owner: str, methods: tuple[str, ...], classes: tuple[str, ...] = (),
+                    namespace: dict | None = None) -> dict:
     """Methods of class ``owner`` and whole module-level ``classes`` of an SGLang module that cannot
     be imported on a CPU, compiled from its syntax tree as written (tracebacks keep SGLang's file and
-    line numbers); the methods become the class ``{owner}Methods``. Returns name -> object."""
+    line numbers); the methods become the class ``{owner}Methods``. Returns name -> object.
+
+    ``namespace``: the module-level names the compiled code reads at run time, for a module whose
+    imports need CUDA (stand-ins, named by the caller). Annotations are not evaluated (SGLang's
+    modules say ``from __future__ import annotations``)."""
+    import __future__
+
     tree = ast.parse(path.read_text(), str(path))
     defined = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     found = [node for node in defined[owner].body if isinstance(node, ast.FunctionDef) and node.name in methods] \
@@ -129,14 +126,36 @@ def compile_members(path: Path, owner: str, methods: tuple[str, ...], classes: t
     missing = set(methods) - {m.name for m in found} | set(classes) - set(defined)
     if missing:
         raise RuntimeError(f"SGLang's {path.name} no longer defines {sorted(missing)}")
-    holder = ast.ClassDef(name=f"{owner}Methods", bases=[], keywords=[], body=found, decorator_list=[], type_params=[])
+    holder = ast.ClassDef(name=f"{owner}Methods", bases=[], keywords=[], body=found or [ast.Pass()], decorator_list=[],
+                          type_params=[])
     module = ast.fix_missing_locations(ast.Module(body=[defined[n] for n in classes] + [holder], type_ignores=[]))
     import re
     from typing import List, Optional, Set, Union
 
-    namespace = {"re": re, "List": List, "Optional": Optional, "Set": Set, "Union": Union}
-    exec(compile(module, str(path), "exec"), namespace)
-    return {name: namespace[name] for name in (*classes, f"{owner}Methods")}
+    names = {"re": re, "List": List, "Optional": Optional, "Set": Set, "Union": Union, **(namespace or {})}
+    exec(compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), names)
+    return {name: names[name] for name in (*classes, f"{owner}Methods")}
+
+
+def compile_functions(path: Path, names: tuple[str, ...], namespace: dict | None = None) -> dict:
+    """Module-level functions of an SGLang module that cannot be imported on a CPU, compiled from its
+    syntax tree as written (tracebacks keep SGLang's file and line numbers), with ``namespace`` as
+    their globals: the names they call, given by the caller (stand-ins, or other functions compiled
+    the same way). Returns name -> function."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    missing = set(names) - {node.name for node in found}
+    if missing:
+        raise RuntimeError(f"SGLang's {path.name} no longer defines {sorted(missing)}")
+    for node in found:
+        node.decorator_list = []
+    import __future__
+
+    scope = dict(namespace or {})
+    module = ast.fix_missing_locations(ast.Module(body=found, type_ignores=[]))
+    # annotations stay strings: the types they name are the module's imports, not needed to run
+    exec(compile(module, str(path), "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True), scope)
+    return {name: scope[name] for name in names}
 
 
 def _finish_rule(path: Path) -> types.SimpleNamespace:
@@ -160,6 +179,14 @@ def _unused(*args, **kwargs):
     raise NotImplementedError("a GPU-side SGLang function the CPU fake must not reach")
 
 
+def _forward_mode() -> type:
+    """``forward_batch_info.ForwardMode`` (every member: ``DLLM_EXTEND``, ``EXTEND``, ``IDLE`` … and
+    its ``is_*`` tests), compiled from the wheel: the module itself needs CUDA."""
+    path = source_root() / "sglang" / "srt" / "model_executor" / "forward_batch_info.py"
+    return compile_members(path, "ForwardMode", (), ("ForwardMode",),
+                           {"IntEnum": enum.IntEnum, "auto": enum.auto})["ForwardMode"]
+
+
 def load() -> types.SimpleNamespace:
     """Import SGLang's dLLM modules from the unpacked wheel; skip the test when it is not there."""
     if not available():
@@ -171,7 +198,8 @@ def load() -> types.SimpleNamespace:
         for package in ("layers", "model_executor", "arg_groups", "configs"):
             _module(f"sglang.srt.{package}", src / "srt" / package)
         _module("sglang.srt.layers.logits_processor", LogitsProcessorOutput=LogitsProcessorOutput)
-        _module("sglang.srt.model_executor.forward_batch_info", ForwardBatch=ForwardBatch, ForwardMode=ForwardMode)
+        _module("sglang.srt.model_executor.forward_batch_info", ForwardBatch=ForwardBatch,
+                ForwardMode=_forward_mode())
         _module("sglang.srt.model_executor.model_runner", ModelRunner=ModelRunner)
         _module("sglang.srt.server_args", ServerArgs=_Placeholder)
         _module("sglang.srt.utils", is_npu=lambda: False)
@@ -187,6 +215,7 @@ def load() -> types.SimpleNamespace:
         ModelConfigStops=compile_members(source_root() / "sglang" / "srt" / "configs" / "model_config.py",
                                          "ModelConfig", ("_get_hf_eos_token_id",))["ModelConfigMethods"],
         algorithms=algorithm.algo_name_to_cls,
+        ForwardMode=sys.modules["sglang.srt.model_executor.forward_batch_info"].ForwardMode,
         DllmConfig=importlib.import_module("sglang.srt.dllm.config").DllmConfig,
         req=importlib.import_module("sglang.srt.dllm.mixin.req"),
         ForwardBatch=ForwardBatch,
@@ -227,9 +256,71 @@ def load_scheduler() -> types.SimpleNamespace:
     scheduler = importlib.import_module("sglang.srt.dllm.mixin.scheduler")
     return types.SimpleNamespace(
         **vars(sgl), SchedulerDllmMixin=scheduler.SchedulerDllmMixin, DllmManager=scheduler.DllmManager,
-        ForwardMode=ForwardMode, AddReqResult=AddReqResult, scheduler_module=scheduler,
+        AddReqResult=AddReqResult, scheduler_module=scheduler,
         base=importlib.import_module("sglang.srt.dllm.algorithm.base"),
     )
+
+
+def load_adder() -> types.SimpleNamespace:
+    """SGLang's ``PrefillAdder`` (``managers/schedule_policy.py``: its ``__init__`` and every method the
+    dLLM path runs — ``add_one_req``, ``add_dllm_staging_req``, the token budgets ``rem_input_tokens``
+    (``--max-prefill-tokens``), ``rem_chunk_tokens`` and ``rem_dllm_tokens``, ``budget_state``) over
+    SGLang's ``PrefillBudget`` (``mem_cache/prefill_budget.py``: KV memory, what is free plus what the
+    radix cache could evict, less what this step reserved), compiled from the wheel. Stand-ins answer
+    for a plain token pool on CUDA: no mamba, SWA, HiCache, KV sharding, AMD tile budget or prefill
+    delayer, and the encoder-replay feature off (those branches are never taken)."""
+    sgl = load_scheduler()
+    root = source_root() / "sglang" / "srt"
+    budget = compile_members(root / "mem_cache" / "prefill_budget.py", "PrefillBudget", (), ("PrefillBudget",),
+                             {"is_swa_req_ring": _unused})["PrefillBudget"]
+    from contextlib import contextmanager, nullcontext
+
+    class _NotThisPool:  # allocator and cache classes the adder tells apart with isinstance
+        pass
+
+    namespace = {
+        "AddReqResult": AddReqResult, "contextmanager": contextmanager, "nullcontext": nullcontext,
+        "dataclass": dataclass, "CLIP_MAX_NEW_TOKENS": 4096, "_IS_HIP": False, "PREFILL_TILE_BUDGET": 0,
+        "mamba_prefill_chunk_grid": lambda: 1, "_use_exact_chunk_fill": lambda: False,
+        "page_interleave_shard_size": lambda allocator: 1,
+        "get_exec": lambda: types.SimpleNamespace(features=types.SimpleNamespace(enable_encoder_swa_bounded_replay=False)),
+        "get_schedule": lambda: types.SimpleNamespace(schedule_policy="fcfs"),
+        **{name: _NotThisPool for name in ("SWATokenToKVPoolAllocator", "DeepSeekV4HiSparseTokenToKVPoolAllocator",
+                                           "UnifiedMambaTokenToKVPoolAllocator", "UnifiedMambaSWATokenToKVPoolAllocator",
+                                           "UnifiedRadixCache")},
+    }
+    methods = ("__init__", "_init_dllm_meta", "rem_total_tokens", "cur_rem_tokens", "_swa_new_tokens",
+               "_check_prefill_budget", "_mamba_gap_budget_for_req", "_request_slot_reserve_for_req", "ceil_paged_tokens",
+               "budget_state", "_update_prefill_budget", "_replay_len", "_get_dllm_remain_tokens", "_get_dllm_extend_len",
+               "add_dllm_staging_req", "_lock_node", "_defer_staged_for_capacity_if_idle", "add_one_req",
+               "_select_prefill_admission", "_commit_prefill_admission", "_check_prefill_tile_budget")
+    members = compile_members(root / "managers" / "schedule_policy.py", "PrefillAdder", methods, ("_PrefillAdmission",),
+                              namespace)
+    return types.SimpleNamespace(PrefillAdderMethods=members["PrefillAdderMethods"], PrefillBudget=budget,
+                                 CLIP_MAX_NEW_TOKENS=namespace["CLIP_MAX_NEW_TOKENS"])
+
+
+def load_pause() -> types.SimpleNamespace:
+    """SGLang's ``Scheduler.pause_generation`` / ``continue_generation`` (``managers/scheduler.py``)
+    and ``Req.reset_for_retract`` (``managers/schedule_batch.py``), compiled from the wheel: what a
+    ``pause_generation(mode="retract")`` does to a dLLM server's queues. ``retract_all`` is SGLang's
+    loop over ``release_req``, whose KV release (``release_kv_cache``, ``evict_from_tree_cache``) is
+    the pool's ``release(req)``; no disaggregation, overlap or HiSparse."""
+    import time
+
+    root = source_root() / "sglang" / "srt" / "managers"
+    disaggregation = enum.Enum("DisaggregationMode", {"NULL": "null", "PREFILL": "prefill", "DECODE": "decode"})
+
+    def retract_all(*, reqs, token_to_kv_pool_allocator, **pools):
+        for req in reqs:  # release_req: the KV first, then the request's own reset
+            token_to_kv_pool_allocator.release(req)
+            req.reset_for_retract()
+
+    members = compile_members(root / "scheduler.py", "Scheduler", ("pause_generation", "continue_generation"), (),
+                              {"time": time, "DisaggregationMode": disaggregation, "retract_all": retract_all})
+    reset = compile_members(root / "schedule_batch.py", "Req", ("reset_for_retract",))["ReqMethods"]
+    return types.SimpleNamespace(SchedulerPause=members["SchedulerMethods"], ReqRetract=reset,
+                                 DisaggregationMode=disaggregation)
 
 
 def load_server_config() -> types.SimpleNamespace:

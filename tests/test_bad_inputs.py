@@ -574,32 +574,32 @@ CASES += [
     Case("a43-shards-two-hidden-sizes-consolidate", ["traces", "merge", "{a}", "--out", "{tmp}/m"],
          ("rows of shape (24,)", "different models"), two_hidden_sizes(together=True)),
     # tracebacks: JSON, YAML and TOML nested past any stack
-    Case("a43-nesting-trace-manifest", ["train", "{bad}", "--out", "{tmp}/r"], ("nests deeper than 64 levels",),
+    Case("a43-nesting-trace-manifest", ["train", "{bad}", "--out", "{tmp}/r"], ("nests arrays or objects more than 64 deep",),
          file_in_copy("traces", "manifest.json", DEEP_JSON)),
-    Case("a43-nesting-show-manifest", ["traces", "show", "{bad}"], ("nests deeper",), file_in_copy("traces", "manifest.json", DEEP_JSON)),
-    Case("a43-nesting-merge-manifest", ["traces", "merge", "{bad}", "--out", "{tmp}/m"], ("nests deeper",),
+    Case("a43-nesting-show-manifest", ["traces", "show", "{bad}"], ("more than 64 deep",), file_in_copy("traces", "manifest.json", DEEP_JSON)),
+    Case("a43-nesting-merge-manifest", ["traces", "merge", "{bad}", "--out", "{tmp}/m"], ("more than 64 deep",),
          file_in_copy("traces", "manifest.json", DEEP_JSON)),
-    Case("a43-nesting-run-config", ["evaluate", "{traces}", "--run", "{bad}", "--out", "{tmp}/e"], ("nests deeper",),
+    Case("a43-nesting-run-config", ["evaluate", "{traces}", "--run", "{bad}", "--out", "{tmp}/e"], ("more than 64 deep",),
          file_in_copy("run", "config.json", DEEP_JSON)),
-    Case("a43-nesting-run-calibration", ["export", "{bad}", "--out", "{tmp}/b"], ("nests deeper",),
+    Case("a43-nesting-run-calibration", ["export", "{bad}", "--out", "{tmp}/b"], ("more than 64 deep",),
          file_in_copy("run", "calibration.json", DEEP_JSON)),
-    Case("a43-nesting-train-config", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"], ("nests deeper",),
+    Case("a43-nesting-train-config", ["train", "{traces}", "--out", "{tmp}/r", "--config", "{file}"], ("more than 64 deep",),
          text_file("c.json", DEEP_JSON)),
-    Case("a43-nesting-round-profile", ["simulate", "{traces}", "--round-profile", "{file}"], ("round profile", "nests deeper"),
+    Case("a43-nesting-round-profile", ["simulate", "{traces}", "--round-profile", "{file}"], ("round profile", "more than 64 deep"),
          text_file("p.json", DEEP_JSON)),
-    Case("a43-nesting-service-times", ["batch-timeout", "--service-times", "{file}"], ("nests deeper",),
+    Case("a43-nesting-service-times", ["batch-timeout", "--service-times", "{file}"], ("more than 64 deep",),
          text_file("s.json", DEEP_JSON)),
     Case("a43-nesting-algorithm-config-json", ["collect", "--algorithm-config", "{deep}", "--out", "{tmp}/o"],
-         ("--algorithm-config nests deeper",), lambda w, tmp: {"deep": DEEP_JSON}),
+         ("--algorithm-config nests arrays or objects more than 64 deep",), lambda w, tmp: {"deep": DEEP_JSON}),
     Case("a43-nesting-algorithm-config-yaml", ["collect", "--algorithm-config", "{alg}", "--out", "{tmp}/o"],
          ("nests too deeply",), algorithm_file("threshold: " + "[" * 5000 + "]" * 5000 + "\n")),
     Case("a43-nesting-workload-toml", ["workload", "show", "{spec}"], ("nests too deeply",),
          spec("x = " + "[" * 100_000 + "]" * 100_000 + "\n")),
     Case("a43-nesting-workload-yaml", ["workload", "show", "{file}"], ("nests too deeply",),
          text_file("w.yaml", "sources: " + "[" * 5000 + "]" * 5000 + "\n")),
-    Case("a43-nesting-workload-jsonl-line", ["workload", "show", "{spec}"], ("d.jsonl:2", "nests deeper"),
+    Case("a43-nesting-workload-jsonl-line", ["workload", "show", "{spec}"], ("d.jsonl:2", "more than 64 deep"),
          jsonl_workload(DEEP_JSON)),
-    Case("a43-nesting-collection-manifest", ["traces", "show", "{bad}"], ("nests deeper",),
+    Case("a43-nesting-collection-manifest", ["traces", "show", "{bad}"], ("more than 64 deep",),
          incomplete_collection_with_manifest(DEEP_JSON)),
     # tracebacks: numbers no library takes, sizes no machine holds
     Case("a43-numbers-train-seed-negative", ["train", "{traces}", "--out", "{tmp}/r", "--seed", "-1"], ("'--seed'", HELP), code=2),
@@ -681,22 +681,36 @@ def test_bad_input_is_one_line_and_changes_nothing(case, world, tmp_path, capsys
 
 
 def test_the_json_reader_refuses_what_no_file_of_ours_holds(tmp_path):
-    """files.read_json: one typed error for JSON too deep for the stack, deeper than any of ours, or
-    larger than any of ours (checked before the file is read); what we write reads back."""
+    """files.loads_json / read_json: one typed error for JSON too deep for the stack, deeper than any
+    of ours, larger than any of ours (checked before the file is read), or holding NaN (unless asked);
+    the depth count stays linear on quotes that never close; what we write reads back."""
+    import time
+
     from dwise_predict.errors import InputError
-    from dwise_predict.files import JSON_MAX_DEPTH, parse_json, read_json, read_json_object
+    from dwise_predict.files import JSON_MAX_DEPTH, loads_json, read_json, read_json_object
 
     nested = lambda depth: "[" * depth + "]" * depth  # noqa: E731
-    assert parse_json(nested(JSON_MAX_DEPTH), InputError, "x") is not None
+    deepest = loads_json(nested(JSON_MAX_DEPTH), InputError, "x")
+    for _ in range(JSON_MAX_DEPTH - 1):
+        deepest = deepest[0]
+    assert deepest == []
+    assert loads_json('["[[[", {"a": "]]]"}]', InputError, "x") == ["[[[", {"a": "]]]"}]  # brackets in strings
     for text in (nested(JSON_MAX_DEPTH + 1), nested(100_000)):  # the second used to raise RecursionError
-        with pytest.raises(InputError, match=f"x nests deeper than {JSON_MAX_DEPTH} levels"):
-            parse_json(text, InputError, "x")
+        with pytest.raises(InputError, match=f"x nests arrays or objects more than {JSON_MAX_DEPTH} deep"):
+            loads_json(text, InputError, "x")
+    with pytest.raises(InputError, match=r"x is not valid JSON \(NaN is not a JSON number\)"):
+        loads_json('{"loss": NaN}', InputError, "x")
+    assert loads_json('{"loss": NaN}', InputError, "x", allow_nan=True)["loss"] != 0  # NaN != anything
+    started = time.perf_counter()  # a closing quote required, this took ~30 s at 40,000 (quadratic)
+    with pytest.raises(InputError, match="not valid JSON"):
+        loads_json('"' + '\\"' * 200_000, InputError, "x")
+    assert time.perf_counter() - started < 2
     (tmp_path / "big.json").write_text('{"a": "' + "b" * 2000 + '"}')
-    with pytest.raises(InputError, match="big.json is larger than 1,000 bytes.*: fix it"):
+    with pytest.raises(InputError, match="big.json holds 2,009 bytes of JSON, more than the 1,000 this reads: fix it"):
         read_json(tmp_path / "big.json", InputError, fix="fix it", max_bytes=1000)
     assert read_json(tmp_path / "big.json", InputError, max_bytes=None) == {"a": "b" * 2000}
     (tmp_path / "list.json").write_text("[1]")
-    with pytest.raises(InputError, match="must hold a JSON object"):
+    with pytest.raises(InputError, match="does not hold a JSON object"):
         read_json_object(tmp_path / "list.json", InputError)
 
 

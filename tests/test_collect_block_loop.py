@@ -62,6 +62,21 @@ def test_collect_through_the_block_loop(model_dir, tmp_path):
     assert (ds.requests["total_rounds"] == ds.requests["rounds_per_block"].map(sum)).all()
 
 
+def test_the_block_loop_keeps_per_round_states(model_dir, tmp_path):
+    from dwise_predict.traces.round_states import round_states
+
+    out = tmp_path / "traces"
+    assert main(["collect", "--model", str(model_dir), "--limit", "4", "--budget", "8", "--batch-size", "2",
+                 "--rounds-hidden", "3", "--out", str(out)]) == 0
+    ds = load_traces(out)
+    rounds = round_states(ds)
+    assert rounds.states.shape == (4, 3, 32) and ds.manifest["rounds_hidden"] == 3
+    assert rounds.recorded.tolist() == np.minimum(ds.requests["total_rounds"], 3).tolist()
+    np.testing.assert_array_equal(rounds.states[:, 0], ds.first_round)
+    np.testing.assert_array_equal(rounds.signals[:, 0], ds.early_signals)
+    assert (np.abs(rounds.states[:, 1]).sum(1) > 0).tolist() == (rounds.recorded >= 2).tolist()
+
+
 def test_every_declared_end_of_sequence_id_stops_a_request_as_in_sglang(model_dir, tmp_path):
     """SGLang stops a request on any id that config.json or generation_config.json names as
     ``eos_token_id`` (``ModelConfig._get_hf_eos_token_id``, compiled from the wheel) or that the

@@ -79,3 +79,11 @@ def test_diffusion_gemma_refuses_layers(model_dir, tmp_path, capsys):
     assert main(["collect", "--model", str(model_dir), *FLAGS, "--layers", "0,-1", "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--layers" in err and "drop --layers" in err
+
+
+def test_diffusion_gemma_refuses_rounds_hidden(model_dir, tmp_path, capsys):
+    # its own generate loop is watched at the first round only
+    out = tmp_path / "o"
+    assert main(["collect", "--model", str(model_dir), *FLAGS, "--rounds-hidden", "4", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "drop --rounds-hidden" in err and not out.exists()

@@ -43,40 +43,12 @@ def test_paired_bootstrap_known_answers():
     assert overall.shape == within.shape == (1,)
 
 
-@pytest.fixture(scope="module")
-def split():
+def test_train_size_and_seeds_ablations():
     ds = make_traces()
-    return ds.split("train"), ds.split("eval")
-
-
-def test_inputs_ablation_finds_the_signal_in_the_first_round_state(split):
-    train, ev = split
-    result = ablate("inputs", train, ev, fast_config(), n_boot=200)
-    rows = {r["name"]: r for r in result["rows"]}
-    assert result["reference"] == "survival, h1 + last prompt block + prompt tokens + budget + early signals"
-    # the synthetic traces' work lives in the first-round state (the last prompt block holds the
-    # category only); their early signals are noise
-    within = {label: rows[f"ridge-within+signals, {label}"]["within_category_mean"] for label in (
-        "h1 + last prompt block + prompt tokens + budget + early signals", "h1 + prompt tokens + budget + early signals",
-        "last prompt block + prompt tokens + budget + early signals", "prompt tokens + budget + early signals",
-        "h1 + last prompt block + prompt tokens + budget")}
-    both, h1_only, prompt_only, neither, no_signals = within.values()
-    assert both > 0.5 and h1_only > 0.5 and no_signals > 0.5
-    assert both > neither + 0.3 and both > prompt_only + 0.3
-    assert rows["early signals (all four), LightGBM"]["bundle"] is False  # a tree ensemble: not a contract-2 graph
-    for r in result["rows"]:
-        assert r["n_train"] == len(train)
-        if r["within_category_mean"] is not None:
-            lo, hi = r["within_category_ci"]
-            assert lo - 1e-9 <= r["within_category_mean"] <= hi + 1e-9
-    verdict = result["verdict"]
-    assert verdict["best"] in rows and rows[verdict["best"]]["bundle"]
-    assert ("noise" in verdict["text"]) if verdict["best"] != result["reference"] else ("reference" in verdict["text"])
-
-
-def test_train_size_and_seeds_ablations(split):
-    train, ev = split
-    sizes = ablate("train-size", train, ev, fast_config(), n_boot=100)
+    train, ev = ds.split("train"), ds.split("eval")
+    # in this process: that a pool of workers gives the same numbers as one process is
+    # test_evaluate_loco::test_parallel_retraining_gives_the_same_numbers (the same run_tasks)
+    sizes = ablate("train-size", train, ev, fast_config(), n_boot=100, jobs=1)
     rows = {r["name"]: r for r in sizes["rows"]}
     shipped = [rows[f"ridge-within+signals, {f} of train"] for f in ("25%", "50%", "100%")]
     assert shipped[0]["n_train"] < shipped[1]["n_train"] < shipped[2]["n_train"] == len(train)
@@ -88,12 +60,7 @@ def test_train_size_and_seeds_ablations(split):
         assert r["held_out_mean"] == pytest.approx(np.mean(list(r["held_out"].values())))
     assert shipped[2]["held_out_mean"] > 0.5
     assert all("held_out" not in r for r in sizes["rows"] if r["candidate"] == "survival")
-    # the retrainings run in a pool of one worker per core; in this process alone they agree exactly
-    serial = ablate("train-size", train, ev, fast_config(), n_boot=100, jobs=1)
-    for pooled, alone in zip(sizes["rows"], serial["rows"]):
-        assert (pooled["name"], pooled["spearman"], pooled["within_category_mean"], pooled.get("held_out")) == (
-            alone["name"], alone["spearman"], alone["within_category_mean"], alone.get("held_out"))
-    seeds = ablate("seeds", train, ev, fast_config(), n_boot=100)
+    seeds = ablate("seeds", train, ev, fast_config(), n_boot=100, jobs=1)
     summary = seeds["summary"]
     assert set(summary) == {"survival", "ridge", "auto"}
     assert summary["ridge"]["within_category_mean"]["sd"] == pytest.approx(0.0)  # ridge has no seed
@@ -102,8 +69,9 @@ def test_train_size_and_seeds_ablations(split):
     assert "seeds" in seeds["verdict"]["text"]
 
 
-def test_cli_ablate_writes_tables_and_the_report_names_the_winner(tmp_path, capsys):
-    traces = write(make_traces(), tmp_path / "t")
+def test_cli_ablate_inputs_finds_the_first_round_signal_and_names_the_winner(tmp_path, capsys):
+    ds = make_traces()
+    traces = write(ds, tmp_path / "t")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 100}))
     out = tmp_path / "eval"
@@ -112,6 +80,26 @@ def test_cli_ablate_writes_tables_and_the_report_names_the_winner(tmp_path, caps
     capsys.readouterr()
     table = json.loads((out / "ablation_inputs.json").read_text())
     assert table["kind"] == "inputs" and len(table["rows"]) == 11  # 5 input sets x 2 candidates + seed 001's
+    rows = {r["name"]: r for r in table["rows"]}
+    assert table["reference"] == "survival, h1 + last prompt block + prompt tokens + budget + early signals"
+    # the synthetic traces' work lives in the first-round state (the last prompt block holds the
+    # category only); their early signals are noise
+    within = {label: rows[f"ridge-within+signals, {label}"]["within_category_mean"] for label in (
+        "h1 + last prompt block + prompt tokens + budget + early signals", "h1 + prompt tokens + budget + early signals",
+        "last prompt block + prompt tokens + budget + early signals", "prompt tokens + budget + early signals",
+        "h1 + last prompt block + prompt tokens + budget")}
+    both, h1_only, prompt_only, neither, no_signals = within.values()
+    assert both > 0.5 and h1_only > 0.5 and no_signals > 0.5
+    assert both > neither + 0.3 and both > prompt_only + 0.3
+    assert rows["early signals (all four), LightGBM"]["bundle"] is False  # a tree ensemble: not a contract-2 graph
+    for r in table["rows"]:
+        assert r["n_train"] == len(ds.split("train"))
+        if r["within_category_mean"] is not None:
+            lo, hi = r["within_category_ci"]
+            assert lo - 1e-9 <= r["within_category_mean"] <= hi + 1e-9
+    verdict = table["verdict"]
+    assert verdict["best"] in rows and rows[verdict["best"]]["bundle"]
+    assert ("noise" in verdict["text"]) if verdict["best"] != table["reference"] else ("reference" in verdict["text"])
     assert (out / "ablations.md").is_file() and (out / "ablations.html").is_file()
     assert (out / "plots" / "ablation_inputs.png").stat().st_size > 1000
     result = json.loads((out / "evaluation.json").read_text())
@@ -143,7 +131,7 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
     config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
     out = tmp_path / "table"
     args = ["evaluate", str(write(a, tmp_path / "a")), str(write(b, tmp_path / "b")), "--across", "--out", str(out),
-            "--config", str(config)]
+            "--config", str(config), "--jobs", "1"]
     assert main(args + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["model"] for r in result["rows"]][1].startswith("other-model")
@@ -169,7 +157,8 @@ def test_cli_across_gives_one_row_per_trace_set_even_for_different_models(tmp_pa
     assert main(args + ["--hold-out", "a"]) == 1
     assert "drop --hold-out" in capsys.readouterr().err
     # every non-oracle baseline of `evaluate`, with the values `evaluate` gives that set on its own
-    assert main(["evaluate", str(tmp_path / "a"), "--out", str(tmp_path / "eval_a"), "--config", str(config)]) == 0
+    assert main(["evaluate", str(tmp_path / "a"), "--out", str(tmp_path / "eval_a"), "--config", str(config),
+                 "--jobs", "1"]) == 0
     capsys.readouterr()
     single = {r["name"]: r for r in json.loads((tmp_path / "eval_a" / "baselines.json").read_text())}
     expected = {n for n, r in single.items() if r["kind"] == "baseline"}
@@ -229,13 +218,9 @@ def test_across_sets_the_shipped_predictor_against_every_baseline_paired_by_set(
     assert f"| {WITHOUT_FIRST_ROUND} | 0.573 ± " in text
 
 
-def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_path, capsys):
+def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_path, capsys, loco_evaluation):
     """Two draws of the synthetic workload: each row holds the mean of its per-category held-out ρ
     (the same numbers `evaluate --loco` gives that set), the last row their mean ± sd."""
-    from dwise_predict.evaluation import loco
-    from dwise_predict.evaluation.pool import run_tasks
-    from dwise_predict.training import Targets, fit_predictors
-
     sets = [make_traces(seed=s) for s in (1, 2)]
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
@@ -251,15 +236,11 @@ def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_p
         assert len(held["categories"]) >= 3 and held["mean"] == pytest.approx(np.mean(defined))
         assert held["mean"] > 0.3  # the synthetic difficulty lives in h1 the same way in every category
         means.append(held["mean"])
-    ds = sets[0]
-    train, ev = ds.split("train"), ds.split("eval")
-    ev = ev.subset(Targets.of(ev).events)  # finished requests, as every rank table
-    tasks, skipped = loco.plan(train, ev, fast_config())
-    held = run_tasks(tasks, jobs=1)
-    predictors = fit_predictors(train, fast_config())
-    table = loco.table(ev, {"admission": predictors.admission_total(ev), "refined": predictors.refined_remaining(ev)},
-                       held, skipped)
-    assert result["rows"][0]["held_out"]["mean"] == pytest.approx(table["mean"]["refined"]["held_out"])
+    # the first set is make_traces() itself, whose `evaluate --loco` (same config) the conftest holds
+    alone = loco_evaluation[1].result["loco"]
+    assert result["rows"][0]["held_out"]["mean"] == pytest.approx(alone["mean"]["refined"]["held_out"])
+    assert result["rows"][0]["held_out"]["categories"] == pytest.approx(
+        {r["category"]: r["refined"]["held_out"] for r in alone["rows"]})
     stat = result["summary"]["held-out-cat ρ"]
     assert stat["mean"] == pytest.approx(np.mean(means)) and stat["sd"] == pytest.approx(np.std(means, ddof=1))
     assert "held-out-cat ρ" in (out / "across.md").read_text()
@@ -279,7 +260,7 @@ def _snapshot(folder) -> dict:
 
 
 def test_cli_across_writes_only_a_table_of_its_own(tmp_path, capsys):
-    traces = write(make_traces(seed=1), tmp_path / "a")
+    traces = write(make_traces(n_requests=160, seed=1), tmp_path / "a")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
     mine = tmp_path / "mine"
@@ -292,9 +273,9 @@ def test_cli_across_writes_only_a_table_of_its_own(tmp_path, capsys):
         assert len(err) == 1 and says in err[0], err
         assert _snapshot(traces) == before["a"] and _snapshot(mine) == before["mine"]  # nothing written
     table = tmp_path / "table"
-    assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config)]) == 0
+    assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config), "--jobs", "1"]) == 0
     (table / "stray.txt").write_text("from an earlier table")
-    assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config)]) == 0
+    assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config), "--jobs", "1"]) == 0
     capsys.readouterr()
     names = {p.name for p in table.iterdir()}
     assert {"across.html", "across.json", "across.md"} <= names and "stray.txt" not in names  # replaced whole
@@ -304,8 +285,8 @@ def test_cli_across_writes_only_a_table_of_its_own(tmp_path, capsys):
 def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeypatch):
     from dwise_predict.evaluation import across
 
-    paths = [write(make_traces(seed=s), tmp_path / f"d{s}") for s in (1, 2)]
-    straight = across.across_sets(paths, fast_config())
+    paths = [write(make_traces(n_requests=160, seed=s), tmp_path / f"d{s}") for s in (1, 2)]
+    straight = across.across_sets(paths, fast_config(), jobs=1)
     real_fit, fitted = across.fit_kept, []
 
     def fit_until(limit):
@@ -319,11 +300,11 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
     kept = tmp_path / ".table.kept"
     monkeypatch.setattr(across, "fit_kept", fit_until(1))
     with pytest.raises(KeyboardInterrupt):  # stopped while training on the second set
-        across.across_sets(paths, fast_config(), finished=kept)
+        across.across_sets(paths, fast_config(), jobs=1, finished=kept)
     assert len(list(kept.glob("*.json"))) == 1
     monkeypatch.setattr(across, "fit_kept", fit_until(None))
     logged = []
-    resumed = across.across_sets(paths, fast_config(), log=logged.append, finished=kept)
+    resumed = across.across_sets(paths, fast_config(), log=logged.append, jobs=1, finished=kept)
     assert len(fitted) == 2  # the rerun trained on the second set only
     assert any(str(paths[0]) in line and "evaluated before the interruption" in line for line in logged)
     as_json = lambda result: json.dumps(result, sort_keys=True, default=lambda v: v.tolist())  # noqa: E731
@@ -339,11 +320,11 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
     assert key != result_key([dataclasses.replace(ds, requests=censored)], fast_config(), loco=False, min_requests=10)
 
 
-def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, monkeypatch, capsys):
-    from dwise_predict.evaluation import evaluate as evaluate_mod, pool
+def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, monkeypatch, capsys, loco_evaluation):
+    from dwise_predict.evaluation import pool
     from dwise_predict.training import TrainConfig
 
-    traces = write(make_traces(seed=1), tmp_path / "t")
+    traces = write(make_traces(seed=1), tmp_path / "t")  # the traces of the conftest's loco_evaluation
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
     real, ran = pool.fit_predict, []
@@ -367,9 +348,10 @@ def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, 
     assert "2 of" in capsys.readouterr().err and len(ran) == len(set(ran))  # none of the first two again
     assert not kept.exists()  # gone with the evaluation written
     resumed = json.loads((tmp_path / "eval" / "loco.json").read_text())
-    straight = evaluate_mod.evaluate([traces], loco=True, jobs=1, config=TrainConfig.from_file(config))
+    assert TrainConfig.from_file(config).to_dict() == fast_config().to_dict()  # what loco_evaluation ran with
+    straight = loco_evaluation[1].result["loco"]
     assert json.dumps(resumed, sort_keys=True) == json.dumps(
-        json.loads(json.dumps(straight.result["loco"], default=lambda v: v.tolist())), sort_keys=True)
+        json.loads(json.dumps(straight, default=lambda v: v.tolist())), sort_keys=True)
 
 
 def test_an_evaluation_interrupted_after_its_own_fit_does_not_fit_again(tmp_path, monkeypatch, capsys):
@@ -377,7 +359,8 @@ def test_an_evaluation_interrupted_after_its_own_fit_does_not_fit_again(tmp_path
     the rerun of an evaluation interrupted in its retrainings loads it instead of fitting again."""
     from dwise_predict.evaluation import pool
 
-    traces = write(make_traces(seed=1), tmp_path / "t")
+    ds = make_traces(n_requests=160, seed=1)
+    traces = write(ds, tmp_path / "t")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
     args = ["evaluate", str(traces), "--out", str(tmp_path / "eval"), "--config", str(config), "--jobs", "1"]
@@ -400,7 +383,7 @@ def test_an_evaluation_interrupted_after_its_own_fit_does_not_fit_again(tmp_path
     monkeypatch.setattr(pool, "fit_predict", interrupted)
     assert main(args) == INTERRUPTED  # the main fit done, stopped in the first retraining
     kept = tmp_path / ".eval.kept"
-    assert fits == [len(make_traces(seed=1).split("train"))] and len(list(kept.glob("*.run"))) == 1
+    assert fits == [len(ds.split("train"))] and len(list(kept.glob("*.run"))) == 1
     fits.clear()
     capsys.readouterr()
     monkeypatch.setattr(pool, "fit_predict", counted_fit_predict)

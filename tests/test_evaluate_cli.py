@@ -73,7 +73,7 @@ def test_run_directory_gives_the_run_metrics(setup, tmp_path, capsys):
     run = tmp_path / "run"
     run_metrics = train_run(traces, run, fast_config())
     out = tmp_path / "eval"
-    assert main(["evaluate", str(traces), "--run", str(run), "--out", str(out), "--json"]) == 0
+    assert main(["evaluate", str(traces), "--run", str(run), "--out", str(out), "--jobs", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["run"] == str(run)
     assert result["metrics"]["refined"]["spearman"] == pytest.approx(run_metrics["refined"]["spearman"])

@@ -10,13 +10,14 @@ from evaluate_helpers import fast_config, make_traces, write
 
 
 @pytest.fixture(scope="module")
-def traces_dir(tmp_path_factory):
-    return write(make_traces(), tmp_path_factory.mktemp("loco") / "traces")
+def traces_dir(loco_evaluation):
+    return loco_evaluation[0]
 
 
 @pytest.fixture(scope="module")
-def evaluation(traces_dir):
-    return evaluate([traces_dir], loco=True, jobs=1, config=fast_config())
+def evaluation(loco_evaluation):
+    """``evaluate --loco`` of ``make_traces()`` (conftest: shared with test_evaluate_ablate)."""
+    return loco_evaluation[1]
 
 
 def test_refined_transfers_to_held_out_categories_and_admission_does_not(evaluation):

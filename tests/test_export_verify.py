@@ -91,14 +91,24 @@ def test_flipping_any_byte_is_refused_by_verify_and_load(bundle, name, where, ca
         path.write_bytes(original)
 
 
-def test_unlisted_file_fails_verify(bundle):
+def test_unlisted_file_fails_verify(bundle, tmp_path):
+    """A planted name is refused outright, before any file is read (tests/test_hostile_bundles.py);
+    a bundle artifact that the manifest does not list fails its row."""
     extra = bundle / "payload.pkl"
     extra.write_bytes(b"x")
     try:
-        failed = verify_bundle(bundle).failures()
-        assert [r["artifact"] for r in failed][:1] == ["payload.pkl"]
+        with pytest.raises(BundleError, match=r"does not list \(payload\.pkl\)"):
+            verify_bundle(bundle)
     finally:
         extra.unlink()
+    unlisted = tmp_path / "unlisted"
+    shutil.copytree(bundle, unlisted)
+    manifest = read_bundle_manifest(unlisted)
+    for key in ("files", "artifacts"):
+        del manifest[key]["refine.pt2"]
+    write_bundle_manifest(unlisted, manifest)
+    failed = verify_bundle(unlisted).failures()
+    assert [(r["artifact"], r["check"]) for r in failed][:1] == [("refine.pt2", "listed in bundle.json")]
 
 
 def test_newer_schema_version_is_refused_in_one_line(bundle, tmp_path, capsys):

@@ -35,13 +35,16 @@ ALLOWED: dict[str, set[str]] = {
     "survival": BASE | {"identity"},
     "training": BASE | {"admission", "survival", "features", "traces", "metrics", "runs"},
     "evaluation": BASE | {"training", "admission", "survival", "features", "traces", "metrics", "runs", "identity"},
-    # exports read the run directory through `runs`, never through `training`
-    "exports": BASE | {"runs", "survival", "features", "identity"},
+    # exports read the run directory through `runs`, never through `training`; admission only for
+    # the check of a LightGBM text model (admission.model_text) before LightGBM parses a bundle's
+    "exports": BASE | {"runs", "survival", "features", "identity", "admission"},
     # numpy + onnxruntime at serving time: features and identity are standard library; survival
     # only for the optional torch backend; exports only for the bundle manifest
     # collectors: recording mode (traces from a live server) is a collector; the launcher imports
     # collectors.live lazily, only in a scheduler process started with --record
-    "serving": BASE | {"exports", "survival", "features", "identity", "engine", "collectors"},
+    # traces, metrics: the offline simulator's --refine-every replay reads contract 1's per-round states and
+    # reports ρ of the r̂ it holds (both imported inside its functions, never on the hook's import path)
+    "serving": BASE | {"exports", "survival", "features", "identity", "engine", "collectors", "traces", "metrics"},
     "quickstart": BASE | {"collectors", "traces", "training", "evaluation", "exports", "serving"},
 }
 ALLOWED["cli"] = {ROOT, *ALLOWED} - {"cli"}  # the top: parses, calls any stage, prints

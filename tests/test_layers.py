@@ -150,7 +150,7 @@ def test_ablation_ranks_the_informative_layer_and_pooling_first():
 
     ds = _with_layers(make_traces(n_requests=320))
     train, eval_ds = ds.split("train"), ds.split("eval")
-    layers = ablate("layers", train, eval_ds, fast_config(), n_boot=50)
+    layers = ablate("layers", train, eval_ds, fast_config(), n_boot=50, jobs=1)
     by_name = {r["name"]: r for r in layers["rows"]}
     assert list(by_name) == ["first_round (default)", "layer 0, mean", "layer 1, mean", "layer 2, mean"]
     assert by_name["layer 1, mean"]["within_category_mean"] > 0.5
@@ -161,11 +161,11 @@ def test_ablation_ranks_the_informative_layer_and_pooling_first():
     assert by_name["layer 1, mean"]["spearman"] == by_name["first_round (default)"]["spearman"]  # same input
     assert layers["verdict"]["best"] in ("first_round (default)", "layer 1, mean")
     # `evaluate --min-requests` reaches the held-out columns: above every category's count, none is held out
-    strict = ablate("layers", train, eval_ds, fast_config(), n_boot=10, min_requests=len(eval_ds) + 1)
+    strict = ablate("layers", train, eval_ds, fast_config(), n_boot=10, min_requests=len(eval_ds) + 1, jobs=1)
     assert all(r["held_out"] == {} and r["held_out_mean"] is None for r in strict["rows"])
     assert set(by_name["layer 1, mean"]["held_out"]) == set(eval_ds.requests["category"].astype(str))
 
-    pooling = ablate("pooling", train, eval_ds, fast_config(), n_boot=50)
+    pooling = ablate("pooling", train, eval_ds, fast_config(), n_boot=50, jobs=1)
     rows = {r["name"]: r for r in pooling["rows"]}
     assert list(rows) == ["first_round (default)", "layer 2, mean", "layer 2, last"]
     assert rows["layer 2, last"]["within_category_mean"] > rows["layer 2, mean"]["within_category_mean"] + 0.3

@@ -1,10 +1,14 @@
-"""The README's first command at reduced size: every artifact exists, the bundle verifies, a rerun resumes."""
+"""The README's first command at reduced size: every artifact exists, the bundle verifies, a rerun resumes.
+
+The command runs in this process through the CLI's ``main`` (what the console script calls): a fresh
+interpreter would only add its start-up, which test_cli covers (``python -m dwise_predict.cli``).
+"""
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from dwise_predict.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -12,11 +16,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def quickstart(tmp_path_factory):
     out = tmp_path_factory.mktemp("qs")
-    cmd = [sys.executable, "-m", "dwise_predict.cli", "quickstart", "--out", str(out), "--limit", "96",
-           "--max-epochs", "15", "--jobs", "1", "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out, json.loads(done.stdout), cmd
+    args = ["quickstart", "--out", str(out), "--limit", "96", "--max-epochs", "15", "--jobs", "1", "--json"]
+    assert main(args) == 0
+    return out, json.loads((out / "summary.json").read_text()), args
 
 
 def test_every_stage_left_its_artifacts(quickstart):
@@ -32,37 +34,33 @@ def test_every_stage_left_its_artifacts(quickstart):
     rows = json.loads((out / "simulate" / "simulate.json").read_text())["rows"]
     assert {r["policy"] for r in rows} >= {"sglang-default", "dwise-refined", "dwise-oracle"}
     assert summary["n_train"] + summary["n_eval"] == 96
+    # the bundle passed `verify_bundle` (what `dwise-predict verify` runs: hashes, then both graphs
+    # against the run in a fresh process); a failure stops the quickstart with exit code 1
     assert summary["verified"] is True
     # the refined predictor sees the first round: on the tiny dLLM it must rank requests
     assert summary["refined_rho"] > 0.3
 
 
-def test_verify_command_passes_on_the_bundle(quickstart):
-    out, _, _ = quickstart
-    done = subprocess.run([sys.executable, "-m", "dwise_predict.cli", "verify", str(out / "bundle")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_rerun_resumes_and_reports_the_same(quickstart):
-    out, summary, cmd = quickstart
+def test_rerun_resumes_and_reports_the_same(quickstart, capsys):
+    out, summary, args = quickstart
     before = (out / "run" / "metrics.json").stat().st_mtime_ns
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout)["refined_rho"] == summary["refined_rho"]
+    capsys.readouterr()
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["refined_rho"] == summary["refined_rho"]
     assert (out / "run" / "metrics.json").stat().st_mtime_ns == before  # training was not redone
 
 
-def test_rerun_with_other_options_redoes_the_stages_they_change(quickstart):
+def test_rerun_with_other_options_redoes_the_stages_they_change(quickstart, capsys):
     """Last in this module: it replaces the fixture's run. The first run trained 15 epochs with LOCO;
     asking for 14 without LOCO must retrain and re-evaluate, not resume the old run and report."""
-    out, _, cmd = quickstart
-    cmd = [arg for arg in cmd if arg != "15"]
-    cmd[cmd.index("--max-epochs") + 1:cmd.index("--max-epochs") + 1] = ["14"]
-    done = subprocess.run([*cmd, "--no-loco"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"{out / 'run'} was made with max_epochs=15 (now 14): redoing it and every later stage" in done.stderr
+    out, _, args = quickstart
+    args = [arg for arg in args if arg != "15"]
+    args[args.index("--max-epochs") + 1:args.index("--max-epochs") + 1] = ["14"]
+    capsys.readouterr()
+    assert main([*args, "--no-loco"]) == 0
+    done = capsys.readouterr()
+    assert f"{out / 'run'} was made with max_epochs=15 (now 14): redoing it and every later stage" in done.err
     assert json.loads((out / "run" / "config.json").read_text())["max_epochs"] == 14
-    assert json.loads(done.stdout)["held_out"] is None  # the report was redone without LOCO
+    assert json.loads(done.out)["held_out"] is None  # the report was redone without LOCO
     stamps = json.loads((out / "stages.json").read_text())
     assert stamps["run"]["max_epochs"] == stamps["report"]["max_epochs"] == 14 and stamps["report"]["loco"] is False

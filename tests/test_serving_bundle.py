@@ -149,7 +149,8 @@ b = load_bundle({str(bundle_and_traces[0])!r}, backend="onnx")
 est = b.admission(["two words", "a\\nthree line\\nprompt"], tokenizer=lambda text: text.split())
 assert est.shape == (2,), est.shape
 heavy = [m for m in ("pandas", "torch", "lightgbm", "sklearn", "xgboost", "transformers",
-                     "dwise_predict.training", "dwise_predict.evaluation", "dwise_predict.admission")
+                     "dwise_predict.training", "dwise_predict.evaluation", "dwise_predict.admission.model",
+                     "dwise_predict.admission.compare")
          if m in sys.modules]
 print(",".join(heavy))
 """

@@ -67,20 +67,140 @@ def test_the_pooling_buffer_holds_every_batch_the_server_can_run(tmp_path, max_r
         assert largest_forward(raw) == 0 and resolved(config, raw).max_batch == 64
 
 
-def test_serve_command_passes_sglang_arguments_through_and_checks_its_own(tmp_path, capsys):
+@pytest.fixture
+def sglang_entrypoints(monkeypatch):
+    """SGLang's launch side where the launcher imports it: the wheel's plugin loader and resolved view,
+    stand-ins for what needs a GPU (``fakes/sglang_launch.py``: an H200's resolution)."""
+    if not sglang_reference.available():
+        pytest.skip(sglang_reference.SKIP_REASON)
+    from fakes import sglang_launch
+
+    sglang_launch.install_entrypoints(monkeypatch.setitem)
+    for name in ("LAUNCHED", "KILLED", "SHUT_DOWN"):
+        monkeypatch.setattr(sglang_launch, name, [])
+    return sglang_launch
+
+
+def test_serve_dry_run_prints_what_the_server_will_use(tmp_path, capsys, sglang_entrypoints, monkeypatch):
+    """``--dry-run`` resolves SGLang's arguments as the server will: the pooling buffer holds the decode
+    graphs SGLang captures on this GPU (256 on an H200 at tp 1, beyond ``--slots``; all of
+    ``--max-running-requests`` when that is larger) and admission reads the model's tokenizer, not
+    ``max_batch = slots`` and no tokenizer. Without SGLang it says it needs it, in one line."""
     import json
+    import sys
 
     from dwise_predict.cli.app import main
+    from dwise_predict.dllm import TINY_MODEL_DIR
 
-    code = main(["serve", "--record", str(tmp_path / "t"), "--block-size", "32", "--hidden-size", "2048",
-                 "--slots", "64", "--k", "4", "--prompt-cache", "256", "--dry-run", "--", "--model-path", "m",
-                 "--dllm-fdfo"])
+    flags = ["serve", "--record", str(tmp_path / "t"), "--block-size", "32", "--hidden-size", "2048", "--slots", "64",
+             "--k", "4", "--prompt-cache", "256", "--dry-run", "--", "--model-path", str(TINY_MODEL_DIR), "--dllm-fdfo"]
+    assert main(flags) == 0
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and out["sglang_args"] == ["--model-path", "m", "--dllm-fdfo"]
-    assert out["hook"]["block_size"] == 32 and out["hook"]["max_batch"] == 64 and out["hook"]["k"] == 4
-    assert out["hook"]["prompt_cache"] == 256
+    assert out["sglang_args"] == ["--model-path", str(TINY_MODEL_DIR), "--dllm-fdfo"]
+    assert out["hook"]["max_batch"] == 256 and out["hook"]["tokenizer"] == str(TINY_MODEL_DIR)
+    assert out["hook"]["block_size"] == 32 and out["hook"]["k"] == 4 and out["hook"]["prompt_cache"] == 256
+    assert main(flags + ["--max-running-requests", "1024"]) == 0
+    assert json.loads(capsys.readouterr().out)["hook"]["max_batch"] == 1024
+    assert not sglang_entrypoints.LAUNCHED  # nothing started
     assert main(["serve", "--", "--model-path", "m"]) == 1
     assert capsys.readouterr().err.strip().startswith("error: nothing to do")
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", None)  # no SGLang here
+    assert main(flags) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--dry-run" in err and "needs sglang==0.5.23 installed" in err and len(err.splitlines()) == 1
+
+
+def test_the_offline_engine_gets_its_hook_config_from_the_servers_resolved_arguments(tmp_path, sglang_entrypoints):
+    """``launcher.engine()`` builds SGLang's server arguments as ``Engine.__init__`` does and resolves
+    them before configuring the hook: a buffer of ``slots`` rows (64) would stop the server while SGLang
+    captures its decode graphs up to 256 on an H200, and admission without a tokenizer counts over ""."""
+    from dwise_predict.dllm import TINY_MODEL_DIR
+    from dwise_predict.serving.launcher import engine
+
+    config = HookConfig(record=str(tmp_path / "t"), block_size=32, hidden_size=2048, slots=64, k=4)
+    llm = engine(config, model_path=str(TINY_MODEL_DIR), dllm_algorithm="LowConfidence")
+    (server_args, entry), = sglang_entrypoints.LAUNCHED
+    assert isinstance(entry, SchedulerEntry) and server_args is llm.server_args
+    assert entry.config.max_batch == 256 and entry.config.tokenizer == str(TINY_MODEL_DIR)
+    assert server_args.log_level == "error"  # Engine's own default, when it builds the arguments
+    llm.shutdown()  # no recording process in this tree to stop; then SGLang's own shutdown
+    assert sglang_entrypoints.SHUT_DOWN == [llm]
+
+
+def test_serve_kills_the_process_tree_on_exit_as_sglangs_launcher_does(tmp_path, sglang_entrypoints, monkeypatch):
+    """SGLang's launcher (``sglang/launch_server.py``, ``sglang serve``) runs the server inside ``try``
+    and kills what is left of its process tree in ``finally``, the launcher itself spared; ``serve``
+    does the same, after a launch that returns and after one that fails."""
+    import ast
+    import sys
+
+    from dwise_predict.dllm import TINY_MODEL_DIR
+    from dwise_predict.serving.launcher import serve
+
+    for path in ("launch_server.py", "cli/serve.py"):
+        tree = ast.parse((sglang_reference.source_root() / "sglang" / path).read_text())
+        kills = [ast.unparse(node) for t in ast.walk(tree) if isinstance(t, ast.Try) for statement in t.finalbody
+                 for node in ast.walk(statement) if isinstance(node, ast.Call) and ast.unparse(node.func) == "kill_process_tree"]
+        assert kills == ["kill_process_tree(os.getpid(), include_parent=False)"], path
+    config = HookConfig(record=str(tmp_path / "t"), block_size=32, hidden_size=2048)
+    serve(config, ["--model-path", str(TINY_MODEL_DIR)])
+    assert sglang_entrypoints.KILLED == [{"parent_pid": os.getpid(), "include_parent": False}]
+
+    def failed_launch(*args, **kwargs):
+        raise RuntimeError("a scheduler died at start-up")
+
+    monkeypatch.setattr(sys.modules["sglang.srt.entrypoints.http_server"], "launch_server", failed_launch)
+    with pytest.raises(RuntimeError):
+        serve(config, ["--model-path", str(TINY_MODEL_DIR)])
+    assert len(sglang_entrypoints.KILLED) == 2
+
+
+@pytest.mark.skipif(not sglang_reference.available(), reason=sglang_reference.SKIP_REASON)
+@pytest.mark.parametrize("tp,attn_dp,attn_cp", [(1, 1, 1), (2, 1, 1), (4, 2, 1), (4, 4, 1), (8, 2, 2), (8, 4, 1)])
+def test_every_attention_dp_rank_records_once_where_sglang_places_it(tp, attn_dp, attn_cp):
+    """Under attention DP each attention-DP group of the TP group schedules its own requests: one
+    process of each group records them, into ``dp<its attention-DP rank>``, by SGLang's own placement
+    (``compute_dp_attention_world_info``, which also gives the DP controller the rank it passes each
+    scheduler). Not only TP rank 0. A later pipeline stage records nothing."""
+    from fakes import sglang_launch as sgl
+
+    from dwise_predict.serving.launcher import recording_directory
+
+    server_args = sgl.ServerArgs(tp_size=tp, attn_dp_size=attn_dp, attn_cp_size=attn_cp)
+    recorders = {}
+    for tp_rank in range(tp):
+        placed = sgl.compute_dp_attention_world_info(tp_rank, tp, attn_dp, attn_cp)  # attn_tp_rank, _, attn_dp_rank, _
+        dp_rank = placed[2] if attn_dp > 1 else None  # data_parallel_controller.launch_tensor_parallel_group
+        where = recording_directory(server_args, tp_rank, 0, dp_rank, sgl.resolve)
+        if where is not None:
+            assert placed[0] == 0 and where == f"dp{placed[2]}", (tp_rank, where)
+            recorders[tp_rank] = where
+        assert recording_directory(server_args, tp_rank, 1, dp_rank, sgl.resolve) is None
+    assert sorted(recorders.values()) == [f"dp{i}" for i in range(attn_dp)]
+
+
+@pytest.mark.skipif(not sglang_reference.available(), reason=sglang_reference.SKIP_REASON)
+def test_the_dp_layout_is_read_resolved_and_external_replicas_record_apart(monkeypatch):
+    """``--dp-size 4 --enable-dp-attention`` is SGLang's older spelling of ``--attn-dp-size 4``: read
+    from the resolved arguments it records four ranks. A DP server launched on its own with
+    ``SGLANG_DP_RANK`` (SGLang's scheduler takes its rank from there when the launcher passes none)
+    records into that rank's directory, not ``dp0`` like every other replica; attention DP inside such
+    a replica keeps both ranks in the name."""
+    from fakes import sglang_launch as sgl
+
+    from dwise_predict.serving.launcher import recording_directory
+
+    monkeypatch.delenv("SGLANG_DP_RANK", raising=False)
+    old = sgl.ServerArgs(tp_size=4, dp_size=4, enable_dp_attention=True)
+    old.resolve_once()
+    assert [recording_directory(old, r, 0, r, sgl.resolve) for r in range(4)] == ["dp0", "dp1", "dp2", "dp3"]
+    single = sgl.ServerArgs()
+    assert recording_directory(single, 0, 0, None, sgl.resolve) == "dp0"
+    monkeypatch.setenv("SGLANG_DP_RANK", "3")
+    assert sgl.resolve_spawn_dp_rank(None) == 3  # SGLang's own reading
+    assert recording_directory(single, 0, 0, None, sgl.resolve) == "dp3"
+    inside = sgl.ServerArgs(tp_size=2, attn_dp_size=2)
+    assert [recording_directory(inside, r, 0, r, sgl.resolve) for r in range(2)] == ["dp3-0", "dp3-1"]
 
 
 @pytest.mark.parametrize("algorithm,config_text,refused", [

@@ -182,3 +182,82 @@ def test_bad_request_fields():
     pol.add("a", 1, 1)
     with pytest.raises(InputError, match="already queued"):
         pol.add("a", 1, 1)
+
+
+# --- the server's budgets, the starvation guard (issue 40) ---------------------------------------------
+
+
+def test_a_pick_the_server_could_not_run_is_paused_and_a_standby_request_runs_in_its_slot():
+    pol = DwisePolicy(slots=2, k=8)
+    pol.add_many(["a", "b", "c", "d"], [0, 0, 0, 0], [10, 20, 30, 40])
+    pol.schedule()  # admits a, b (top 2)
+    pol.add_many(["e"], [0], [5])
+    pol.schedule()  # e ranks first: admitted, c and d still waiting
+    pol.add_many(["f"], [0], [1])
+    plan = pol.schedule()
+    assert pol.ids(plan.run) == ["f", "e"] and pol.ids(plan.standby) == ["a", "b"]  # the backfill order
+    pol.ran(plan, pol.slots_of(["f", "a"]))  # the server could not fit e: a ran in its slot
+    assert [pol.fields(r)["state"] for r in "efa"] == ["paused", "running", "running"]
+    pol.complete_slots(pol.slots_of(["f", "a"]), [False, False])  # f: 0 left, a: 9
+    plan = pol.schedule()
+    assert pol.ids(plan.run) == ["f", "e"]  # e keeps its rank
+    assert pol.fields("e")["preemptions"] == 0  # it never ran: not preempted
+    assert pol.fields("a")["preemptions"] == 1 and pol.ids(plan.preempted) == ["a"]
+    with pytest.raises(InputError, match="not resident"):
+        pol.ran(plan, pol.slots_of(["c"]))  # waiting: it cannot have run
+
+
+def test_complete_slots_with_several_rounds_is_that_many_single_rounds():
+    def make():
+        pol = DwisePolicy(slots=3)
+        pol.add_many(["p", "q", "r"], [2, 0, 0], [6, 4, 8])
+        return pol, pol.schedule()
+
+    once, plan = make()
+    p, q, r = once.slots_of("pqr")
+    once.complete_slots([p, q, r], [True, False, False], finished=[False, False, True], refined=[np.nan, 5.0, 1.0],
+                        rounds=[1, 3, 2])  # p a prompt block; q three forwards of its block; r two, finishing
+    single, plan = make()
+    q, p, r = (single._slot(x) for x in "qpr")
+    single.complete_slots([p, q], [True, False], refined=[np.nan, 5.0])
+    single.complete_slots([q], [False])
+    single.complete_slots([q], [False])
+    single.complete_slots([r], [False], refined=[1.0])
+    single.complete_slots([r], [False], finished=[True])
+    for rid in ("p", "q"):
+        assert once.fields(rid) == single.fields(rid)
+    assert once.fields("q")["r_hat"] == 3.0 and once.fields("p")["P"] == 1 and once.n_resident == single.n_resident == 2
+
+
+def _starved(aging: float, rounds: int = 1200) -> int | None:
+    """B = 1: a request of 50 rounds arrives at round 0 behind a stream of 2-round requests that keeps
+    the server busy; the round it first runs in (None: never within ``rounds``)."""
+    pol = DwisePolicy(slots=1, k=4, aging=aging)
+    pol.add("long", 0, 50.0)
+    for t in range(rounds):
+        if t % 2 == 0:
+            pol.add(f"short{t}", 0, 2.0)
+        plan = pol.schedule()
+        if pol.ids(plan.run) == ["long"]:
+            return t
+        pol.complete_round(plan, finished=[pol.fields(pol.ids(plan.run)[0])["r_hat"] <= 1])
+    return None
+
+
+def test_starvation_guard_bounds_the_wait_of_a_long_request_under_a_stream_of_short_ones():
+    assert _starved(aging=0.0) is None  # SRPT as published: it waits as long as the stream lasts
+    # with aging a, a newcomer arriving t rounds later ranks behind it once 2 + a t > 50: t > 48 / a
+    assert 48 / 0.1 <= _starved(aging=0.1) <= 48 / 0.1 + 50
+    assert _starved(aging=1.0) <= 48 + 50
+
+
+def test_aging_orders_as_remaining_work_less_aging_times_time_waited():
+    pol = DwisePolicy(slots=1, k=8, aging=0.5)
+    pol.add("early", 0, 10.0)  # arrives in round 0
+    for _ in range(8):
+        pol.schedule()  # it runs alone; stays at 10 (no complete): time passes
+    pol.add("late", 0, 7.0)  # arrives in round 8: 7 + 0.5 * 8 = 11 > 10
+    assert pol.ids(pol.schedule().run) == ["early"]
+    assert DwisePolicy(slots=1).aging == 0.0
+    with pytest.raises(ConfigError, match="aging \\(starvation guard\\) must be a finite number >= 0"):
+        DwisePolicy(slots=1, aging=-1)

@@ -255,7 +255,11 @@ def test_requests_not_ended_by_the_model_or_its_budget_are_left_out_and_counted(
         "requeued-before-it-ran": (SP(64), finish.FINISH_MATCHED_TOKEN(matched=2), 10, 10),
     }
     now = [0.0]
-    monkeypatch.setattr(live, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    import time
+
+    # the request clock only: the writer thread keeps the real one for its timer
+    monkeypatch.setattr(live, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=time.monotonic,
+                                                      sleep=time.sleep))
     manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
                              "LowConfidence", {}, BS, 64)
     recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=100, manifest=manifest)
@@ -278,7 +282,9 @@ def test_requests_not_ended_by_the_model_or_its_budget_are_left_out_and_counted(
     ds = load_traces(tmp_path / "t")
     assert sorted(ds.requests["request_id"]) == ["budget", "client-lists-the-eos", "eos", "requeued-before-it-ran"]
     counts = {k: v for k, v in ds.manifest["counts"].items() if k.startswith("left_out_")}
-    assert counts == {"left_out_client_stop": 3, "left_out_context_end": 1, "left_out_retracted": 1}
+    assert counts == {"left_out_client_stop": 3, "left_out_context_end": 1, "left_out_retracted": 1,
+                      "left_out_without_prompt_rows": 0, "left_out_warmup": 0, "left_out_health_check": 0}
+    assert ds.manifest["counts"]["dropped"] == 0
     rows = ds.requests.set_index("request_id")
     assert rows.loc["budget", "finish"] == "budget" and rows.loc["budget", "output_tokens"] == 16
     assert rows.loc["eos", "finish"] == "eos" and rows.loc["eos", "output_tokens"] == 9  # the EOS not counted
@@ -337,3 +343,218 @@ def test_an_algorithm_without_a_threshold_counts_over_the_collectors(tmp_path):
         ds = load_traces(tmp_path / str(p))
         np.testing.assert_allclose(ds.early_signals[:, frac], share)
         np.testing.assert_allclose(ds.early_signals[:, EARLY_SIGNALS.index("mean_confidence")], p, rtol=1e-5)
+
+
+# --- the recorder's lifecycle: a writer thread, a bounded queue, a timer, counts, SGLang's own requests
+
+MANIFEST = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
+                         "LowConfidence", {}, BS, 64)
+FINISH = fake.SGL.finish  # SGLang's finish reasons (from the wheel)
+
+
+def served(recorder, rid, ids=tuple(range(10, 22)), params=None, reason=None, outputs=10, prompt_row=None,
+           first_row=None):
+    """One request through the recorder as the hook reports it: arrival, a prompt block, a first
+    denoising forward that commits its block, SGLang's finish (by default its own FINISH_MATCHED_TOKEN
+    on the model's EOS)."""
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(rid=rid, origin_input_ids=list(ids), output_ids=[],
+                          sampling_params=params or sglang_reference.SamplingParams(64), finished_reason=None,
+                          finished_len=None, eos_token_ids={2}, tokenizer=None, finished=lambda: True)
+    recorder.arrived(req, BS)
+    recorder.forward(req, True, np.ones(H, np.float32) if prompt_row is None else prompt_row, 1)
+    req.output_ids = [7] * outputs
+    req.finished_reason = reason or FINISH.FINISH_MATCHED_TOKEN(matched=2)
+    req.finished_len = outputs
+    recorder.forward(req, False, np.full(H, 2.0, np.float32) if first_row is None else first_row, 3,
+                     signals=np.asarray([0.5, 0.6, 1.0, 0.1], np.float32))
+    recorder.finished(req)
+    return req
+
+
+def test_finished_requests_are_written_off_the_scheduler_thread_and_dropped_rather_than_waited_for(tmp_path,
+                                                                                                  monkeypatch):
+    """A shard write (Parquet, safetensors, two fsyncs) never runs on the scheduler's thread: the
+    writer thread does it. When the disk stalls and the writer falls ``queue_size`` requests behind,
+    a finished request is dropped and counted, and the scheduler does not wait."""
+    import threading
+    import time
+
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=1, queue_size=3, manifest=MANIFEST)
+    entered, release, threads = threading.Event(), threading.Event(), []
+    write = recorder.store.write_shard
+
+    def stalled_disk(*args, **kwargs):
+        threads.append(threading.current_thread())
+        entered.set()
+        release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(recorder.store, "write_shard", stalled_disk)
+    try:
+        served(recorder, "r0")
+        assert entered.wait(10)  # the writer took r0 and waits on the disk
+        start = time.perf_counter()
+        for i in range(1, 6):
+            served(recorder, f"r{i}")
+        assert time.perf_counter() - start < 2.0  # the scheduler's thread never waited for the 30 s write
+        assert recorder.dropped == 2  # r1..r3 queued, r4 and r5 dropped
+    finally:
+        release.set()
+        recorder.close()
+    assert threads and all(t is not threading.main_thread() for t in threads)
+    ds = load_traces(tmp_path / "t")
+    assert sorted(ds.requests["request_id"]) == ["r0", "r1", "r2", "r3"]
+    assert ds.manifest["counts"]["dropped"] == 2 and ds.manifest["counts"]["requests"] == 4
+
+
+def test_a_timer_commits_without_more_traffic_and_the_manifest_counts_every_run(tmp_path):
+    """With fewer finished requests than a shard holds and no more traffic, the writer still commits
+    them ``flush_s`` seconds on, and rewrites the manifest's counts with them: what a process killed
+    outright leaves. The counts cover every run of the directory: a restart adds to them."""
+    import json
+    import time
+
+    from dwise_predict.collectors.store import read_shards
+
+    stop = dict(params=sglang_reference.SamplingParams(64, stop_strs=["###"]), reason=FINISH.FINISH_MATCHED_STR(matched="###"))
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=1000, flush_s=0.2, manifest=MANIFEST)
+    try:
+        for i in range(3):
+            served(recorder, f"r{i}")
+        served(recorder, "stopped", **stop)
+        deadline = time.monotonic() + 20
+        while sum(len(s.requests) for s in read_shards(tmp_path / "t")) < 3:
+            assert time.monotonic() < deadline, "nothing committed without more traffic"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while (counts := json.loads((tmp_path / "t" / "manifest.json").read_text()).get("counts", {})).get("requests") != 3:
+            assert time.monotonic() < deadline, counts
+            time.sleep(0.05)
+        assert counts == {"requests": 3, "left_out_client_stop": 1, "left_out_context_end": 0, "left_out_retracted": 0,
+                          "left_out_without_prompt_rows": 0, "left_out_warmup": 0, "left_out_health_check": 0,
+                          "dropped": 0}
+    finally:
+        recorder.close()
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=1000, manifest=MANIFEST)  # a restart
+    try:
+        served(recorder, "stopped-again", **stop)
+        served(recorder, "r0")  # recorded by the first run: skipped
+    finally:
+        recorder.close()
+    counts = load_traces(tmp_path / "t").manifest["counts"]
+    assert counts["requests"] == 3 and counts["left_out_client_stop"] == 2
+
+
+class HostOnly:
+    """A host row seen only through the array protocol: ``.cpu()``, ``.tolist()``, ``.item()`` ... on a
+    device tensor would be a GPU->host sync per request, which the hook's one per-step transfer replaces."""
+
+    SYNCS = {"cpu", "tolist", "item", "numpy", "float", "to", "detach"}
+
+    def __init__(self, values):
+        self.values = values
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.values, dtype=dtype)
+
+    def __getattr__(self, name):
+        if name in self.SYNCS:
+            raise AssertionError(f"the recorder called .{name}()")
+        raise AttributeError(name)
+
+
+def test_the_recorder_takes_host_rows_and_keeps_its_own_copies(tmp_path):
+    """The hook hands the recorder host float32 rows out of one per-step transfer (a buffer the next
+    step may reuse): the recorder reads them through the array protocol only and copies them; CPU
+    tensors read the same way."""
+    prompt, first = np.arange(H, dtype=np.float32), np.full(H, 2.0, np.float32)
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=1, manifest=MANIFEST)
+    try:
+        served(recorder, "host", prompt_row=HostOnly(prompt), first_row=first)
+        first[:] = -1.0  # the next step reuses the host buffer
+        served(recorder, "tensor", prompt_row=torch.arange(H, dtype=torch.float32), first_row=torch.full((H,), 3.0))
+    finally:
+        recorder.close()
+    ds = load_traces(tmp_path / "t")
+    rows = {rid: i for i, rid in enumerate(ds.requests["request_id"])}
+    np.testing.assert_array_equal(ds.first_round[rows["host"]], np.full(H, 2.0))
+    np.testing.assert_array_equal(ds.prompt_last[rows["host"]], prompt)
+    np.testing.assert_array_equal(ds.first_round[rows["tensor"]], np.full(H, 3.0))
+    np.testing.assert_allclose(ds.early_signals[rows["host"]], [0.5, 0.6, 1.0, 0.1], rtol=1e-6)
+
+
+def sglang_warmup_request(skip_tokenizer_init: bool) -> dict:
+    """The request SGLang 0.5.23's HTTP server sends itself at start-up: its own
+    ``http_server._execute_server_warmup``, run over stand-ins for the server it talks to (a generation
+    model without images, one DP rank, no disaggregation), returns the JSON body it POSTs."""
+    from types import SimpleNamespace
+
+    posted = []
+
+    class Requests:
+        exceptions = SimpleNamespace(RequestException=Exception)
+
+        @staticmethod
+        def get(url, **kwargs):
+            return SimpleNamespace(status_code=200, json=lambda: {"is_generation": True, "has_image_understanding": False})
+
+        @staticmethod
+        def post(url, json=None, **kwargs):
+            posted.append((url, json))
+            return SimpleNamespace(status_code=200, text="")
+
+    off = SimpleNamespace(get=lambda: 0)
+    stand_ins = dict(
+        requests=Requests, time=SimpleNamespace(sleep=lambda s: None), ssl_verify_of=lambda args: True,
+        get_serving=lambda: SimpleNamespace(api_key=None, skip_tokenizer_init=skip_tokenizer_init),
+        get_disagg=lambda: SimpleNamespace(language_only=False, language_model_only=False, disaggregation_mode="null"),
+        get_exec=lambda: SimpleNamespace(features=SimpleNamespace(enable_encoder_swa_bounded_replay=False)),
+        is_mps=lambda: False, get_parallel=lambda: SimpleNamespace(num_dp_ranks=1),
+        get_observability=lambda: SimpleNamespace(debug_tensor_dump_input_file=None),
+        get_model=lambda: SimpleNamespace(model_path="m", revision=None), envs=SimpleNamespace(SGLANG_WARMUP_TIMEOUT=off),
+        _global_state=SimpleNamespace(tokenizer_manager=SimpleNamespace(server_status=None)),
+        ServerStatus=SimpleNamespace(Up="up", UnHealthy="unhealthy"), logger=SimpleNamespace(info=print, error=print),
+    )
+    warmup = sglang_reference.compile_functions(sglang_reference.source_root() / "sglang" / "srt" / "entrypoints" /
+                                                "http_server.py", ("_execute_server_warmup",), stand_ins)
+    assert warmup["_execute_server_warmup"](SimpleNamespace(url=lambda: "http://server")) is True
+    (url, body), = posted
+    assert url == "http://server/generate"
+    return body
+
+
+def test_sglangs_own_requests_are_not_traces(tmp_path):
+    """SGLang's HTTP server sends itself a warmup request at start-up (one per DP rank) and
+    ``/health_generate`` sends probes: neither is traffic. Their shapes come from SGLang's own code:
+    the warmup's body from running ``_execute_server_warmup`` (its text tokenised as the tokenizer
+    manager tokenises it; its ids under ``--skip-tokenizer-init``), the probes' rid prefix from
+    ``srt/constants.py``. They are counted, not recorded; the same text asking for more tokens is
+    traffic."""
+    import importlib
+    import uuid
+
+    from transformers import AutoTokenizer
+
+    from dwise_predict.dllm import TINY_MODEL_DIR
+
+    sglang_reference.load()
+    prefix = importlib.import_module("sglang.srt.constants").HEALTH_CHECK_RID_PREFIX
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
+    text_warmup, ids_warmup = sglang_warmup_request(False), sglang_warmup_request(True)
+    budget = text_warmup["sampling_params"]["max_new_tokens"]
+    assert ids_warmup["sampling_params"]["max_new_tokens"] == budget
+    text_ids = tokenizer(text_warmup["text"])["input_ids"]  # TokenizerManager: self.tokenizer(texts, ...)
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=1, manifest=MANIFEST, tokenizer=tokenizer)
+    try:
+        served(recorder, uuid.uuid4().hex, ids=text_ids, params=sglang_reference.SamplingParams(budget), outputs=budget)
+        served(recorder, uuid.uuid4().hex, ids=ids_warmup["input_ids"], params=sglang_reference.SamplingParams(budget),
+               outputs=budget)
+        served(recorder, f"{prefix}_{uuid.uuid4().hex}", ids=[0], params=sglang_reference.SamplingParams(1), outputs=1)
+        served(recorder, "user", ids=text_ids, params=sglang_reference.SamplingParams(2 * budget), outputs=budget)
+    finally:
+        recorder.close()
+    ds = load_traces(tmp_path / "t")
+    assert list(ds.requests["request_id"]) == ["user"]
+    assert ds.manifest["counts"]["left_out_warmup"] == 2 and ds.manifest["counts"]["left_out_health_check"] == 1

@@ -7,7 +7,10 @@ and batches obey an adder's budgets. Each test below names the "Why" bullet of i
 each fails on the adapter before that issue.
 """
 
+import collections
 import re
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +25,9 @@ if not sglang_reference.available():
 from dwise_predict.engine import prefill_rounds  # noqa: E402
 from dwise_predict.errors import BundleError, ConfigError  # noqa: E402
 from dwise_predict.serving.bundle import load_bundle  # noqa: E402
+from dwise_predict.serving.policy import DwisePolicy  # noqa: E402
 from dwise_predict.serving.simulator import SimConfig, SimRequests, simulate  # noqa: E402
+from dwise_predict.traces import load_traces  # noqa: E402
 from dwise_predict.serving.sglang_adapter import UNWRITTEN, install  # noqa: E402
 from fakes import sglang_fake as fake  # noqa: E402
 from fakes.serving_bundle import served_bundle  # noqa: E402
@@ -199,21 +204,29 @@ def test_without_a_bundle_the_patch_ranks_by_prompt_blocks_only(served):
 
 
 @pytest.mark.parametrize("slots", [1, 6])
-def test_sync_mode_advances_the_policy_by_every_forward_of_the_step(served, slots):
+def test_sync_mode_advances_the_policy_by_every_forward_of_the_step(served, slots, monkeypatch):
     """Without FDFO a step runs a block to its end: every request of the step is advanced by the
     forwards the step ran (its slowest block's), so alone in its steps a request is advanced by its
     own rounds exactly, and in company by at least them."""
+    rounds = collections.Counter()
+    complete = DwisePolicy.complete_slots
+
+    def counted(self, slots_, prompt, finished=None, refined=None, steps=1):
+        for rid, is_prompt, n in zip(self.ids(slots_), prompt, np.broadcast_to(steps, np.shape(slots_))):
+            rounds[rid] += 0 if is_prompt else int(n)
+        return complete(self, slots_, prompt, finished, refined, steps)
+
+    monkeypatch.setattr(DwisePolicy, "complete_slots", counted)
     handle = hooked(served[0], slots=slots, k=2)
     try:
         scheduler, algorithm, runner = make_server(served, slots=slots, max_running=2 * slots, fdfo=False)
-        reqs = {r.rid: r for r in scheduler.waiting_queue}
         finished = fake.serve(scheduler, algorithm, runner)
         assert handle.state.policy.n_resident == 0 and handle.state.policy.n_waiting == 0
     finally:
         handle.uninstall()
     work = served[1].prompt_blocks + served[1].total_rounds
     assert len(finished) == len(work) and runner.calls >= work.sum() / slots
-    advanced = np.array([reqs[rid]._dwise_rounds for rid in served[1].request_ids])
+    advanced = np.array([rounds[rid] for rid in served[1].request_ids])
     if slots == 1:
         assert (advanced == served[1].total_rounds).all()
     else:
@@ -334,22 +347,162 @@ def test_aborted_requests_leave_the_policy_and_new_ones_are_admitted_after_k_b_g
     assert len(finished) == 40 - len(scheduler.aborted) and set(scheduler.aborted) <= set(doomed)
 
 
-def test_retracted_requests_are_registered_again_and_finish(served):
-    handle = hooked(served[0], slots=3, k=2)
-
-    def retract(step, scheduler):
-        if step == 5:
-            live = [q for q in scheduler.dllm_manager.waiting_queue if not q.finished()]
-            scheduler.retract({r.rid for r in live[:3]})
-
+def test_a_pause_in_retract_mode_leaves_requests_in_sglangs_dllm_queues_and_the_hook_keeps_them_resident(served):
+    """SGLang 0.5.23 never decode-retracts a dLLM request (the running batch is emptied every step).
+    ``pause_generation(mode="retract")`` (SGLang's own, from the wheel) releases the last batch's KV and
+    appends its requests to the waiting queue, but leaves them in the dLLM manager's queues: the hook
+    keeps them resident, once, instead of registering them as new (SGLang's ``add_waiting_reqs``
+    refuses a request twice as redundant)."""
+    handle = install(None, slots=3, k=2, resolve=fake.resolve)
     try:
         scheduler, algorithm, runner = make_server(served, slots=3, max_running=6)
-        finished = fake.serve(scheduler, algorithm, runner, before_step=retract)
-        assert handle.stats.retracted == 3
-        assert handle.state.policy.n_resident == handle.state.policy.n_waiting == 0
+        for _ in range(5):
+            scheduler.step(algorithm, runner)
+        last = [r for r in scheduler.last_batch.reqs if not r.finished()]
+        assert len(last) == 3 and scheduler.running_batch.reqs == []
+        scheduler.pause_generation(SimpleNamespace(mode="retract"))
+        manager = scheduler.dllm_manager
+        for req in last:  # what SGLang did: KV released, queued again, still in the dLLM queues
+            assert not req.kv.holds_kv and req.prefix_len == 0 and req.retraction_count == 1
+            assert req in scheduler.waiting_queue and req in manager.waiting_queue and req in manager.staging_queue
+        scheduler.continue_generation(SimpleNamespace(torch_empty_cache=False))
+        scheduler.dllm_manager.init_next_round = lambda: None  # keep the staging queue: see below
+        scheduler._fetch_waiting_reqs()  # the hook's admission, the step after the pause
+        policy = handle.state.policy
+        for req in last:
+            assert req not in scheduler.waiting_queue and manager.waiting_queue.count(req) == 1
+            assert policy.fields(req.rid)["state"] != "waiting"
+        assert handle.stats.retracted == 3 and policy.n_resident == len(manager.waiting_queue)
     finally:
         handle.uninstall()
-    assert len(finished) == 40
+    # SGLang's own next step then checkpoints each of them (finish_dllm_forward on the staging queue)
+    # with its KV gone and extend_end None: 0.5.23 cannot resume a dLLM server from such a pause
+
+
+def test_the_fakes_adder_is_sglangs_with_kv_memory_and_token_budgets():
+    """SGLang's own PrefillAdder (from the wheel) over a KV pool: a new request is admitted while its
+    fill ids (prompt and mask block) plus max_new_tokens and a page fit what is free less this step's
+    reservations (its block and a page per request admitted), and admission stops at the first that
+    does not; KV held by running requests waits for them to finish."""
+    assert fake.PrefillAdder.add_one_req.__code__.co_filename.endswith("sglang/srt/managers/schedule_policy.py")
+    config = fake.config(BS, 4)
+    scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=100)
+    for i in range(3):  # each asks 16 prompt + 8 mask + 64 new + 1 page = 89 tokens, reserves 8 + 1
+        scheduler.waiting_queue.append(fake.Req(f"r{i}", prompt(i, 16), SP(64), config, [2], np.zeros(4, np.float32),
+                                                (1, 0, 16)))
+    runner, algorithm = fake.ModelRunner(BS, 4), fake.FillAlgorithm(config)
+    batch = scheduler.step(algorithm, runner)
+    assert [r.rid for r in batch.reqs] == ["r0", "r1"]  # 89 < 100 and 89 < 100 - 9; not 89 < 100 - 18
+    assert scheduler.token_to_kv_pool_allocator.used == 2 * (16 + BS)  # what their first forwards hold
+    finished = fake.serve(scheduler, algorithm, runner)
+    assert sorted(finished) == ["r0", "r1", "r2"] and scheduler.token_to_kv_pool_allocator.used == 0
+
+
+class FixedAdmission(RecordingBundle):
+    """The served bundle with admission estimates chosen by the test: each request's first feature."""
+
+    def admission(self, x):
+        return np.asarray(x, dtype=np.float32)[:, 0]
+
+
+def test_a_pick_sglangs_input_budget_cuts_is_paused_and_the_next_ranked_runs_in_its_slot(served):
+    """Without chunked prefill SGLang's adder refuses a prompt whose remaining fill ids reach the step's
+    input-token budget (--max-prefill-tokens) once the step holds a request, and goes on taking
+    shorter ones. The hook gives that slot to the next-ranked resident in the same step, and the
+    policy records the pick as paused, not running; it runs once it heads the step."""
+    config = fake.config(BS, 8)
+    width = served[5].shape[1]
+    bundle = FixedAdmission(served[0])
+    handle = hooked(bundle, slots=2, k=2)
+
+    def req(rid, n, estimate):
+        return fake.Req(rid, prompt(len(rid) + ord(rid[-1]), n), SP(), config, [2, 2], served[5][0], (estimate, 0, n),
+                        prompt_hidden=served[6][0])
+
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=8, max_total_num_tokens=10**9, max_prefill_tokens=5 * BS,
+                                   chunked_prefill_size=None)
+        runner, algorithm = fake.ModelRunner(BS, width, max_bs=4), fake.FillAlgorithm(config)
+        scheduler.waiting_queue += [req("b", 2 * BS, 20), req("c", 2 * BS, 20)]
+        scheduler.step(algorithm, runner)  # b and c resident
+        scheduler.waiting_queue += [req("a", 2 * BS, 0), req("long", 9 * BS, 0)]
+        batch = scheduler.step(algorithm, runner)  # picks a (R 2) and long (R 9); b, c standby (R 21)
+        policy = handle.state.policy
+        assert [r.rid for r in batch.reqs] == ["a", "b"]  # long's 80 fill ids >= 40 - 8 left: b in its slot
+        assert policy.fields("long")["state"] == "paused" and policy.fields("long")["preemptions"] == 0
+        assert (handle.stats.budget_overrides, handle.stats.backfilled) == (1, 1)
+        finished = fake.serve(scheduler, algorithm, runner)
+    finally:
+        handle.uninstall()
+    assert sorted(finished) == ["a", "b", "c", "long"]
+
+
+@pytest.mark.parametrize("fdfo,graph", [(False, False), (True, True)])
+def test_an_idle_batch_goes_through_the_hook_and_changes_nothing(served, fdfo, graph):
+    """DP attention runs an IDLE batch on a rank with nothing to run (SGLang's get_idle_batch:
+    no requests, forward mode IDLE) through DllmAlgorithm.run, and hands its result to
+    process_batch_result_idle, not to process_batch_result_dllm. Eager, its logits are None (the
+    logits processor computes dLLM logits for DLLM_EXTEND only); replayed, zero rows. SGLang's own
+    LowConfidence runs it in sync mode and from a graph (eager FDFO fails in SGLang's step itself);
+    the hook passes it through, and serves the same batches as without it."""
+    low_confidence = fake.SGL.algorithms["LowConfidence"](fake.config(BS, 12, fdfo=fdfo))
+    batches = {}
+    for idle in (True, False):
+        handle = hooked(served[0], slots=6, k=2)
+        try:
+            scheduler, algorithm, runner = make_server(served, slots=6, max_running=12, fdfo=fdfo, graph=graph)
+            steps = []
+            while scheduler.waiting_queue or not scheduler.dllm_manager.is_empty():
+                if idle and len(steps) % 3 == 1:
+                    scheduler.idle_step(low_confidence, runner)
+                batch = scheduler.step(algorithm, runner)
+                steps.append([r.rid for r in batch.reqs] if batch else [])
+            batches[idle] = steps
+            assert handle.stats.idle == runner.idle_calls == (len(steps) + 1) // 3 * idle
+            assert handle.stats.refined == handle.stats.finished == 40
+        finally:
+            handle.uninstall()
+    assert batches[True] == batches[False]
+
+
+def test_one_device_to_host_copy_per_step_and_none_without_a_first_denoising_round(served, tmp_path, monkeypatch):
+    """Per step the hook (and the recorder it feeds) copies from the device once at most: the refined
+    estimates, early signals and recorded rows of every request in its first denoising round
+    together, and nothing in a step without one."""
+    from dwise_predict.collectors.live import LiveRecorder, live_manifest
+
+    copies = collections.Counter()
+    watched = ("sglang_adapter.py", "collectors/live.py")
+
+    def counting(name):
+        real = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith(watched):
+                copies[name] += 1
+            return real(self, *args, **kwargs)
+        return method
+
+    for name in ("cpu", "tolist", "item", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    width = served[5].shape[1]
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, features=lambda req: req.features, every=16,
+                            manifest=live_manifest({"name": "fake", "hidden_size": width}, "LowConfidence", {}, BS, BUDGET))
+    handle = hooked(served[0], slots=6, k=2, recorder=recorder)
+    per_step = []
+    try:
+        scheduler, algorithm, runner = make_server(served, slots=6, max_running=12)
+        while scheduler.waiting_queue or not scheduler.dllm_manager.is_empty():
+            before, refined = sum(copies.values()), handle.stats.refined
+            scheduler.step(algorithm, runner)
+            per_step.append((sum(copies.values()) - before, handle.stats.refined > refined))
+    finally:
+        handle.uninstall()
+        recorder.close()
+    assert handle.stats.refined == 40 and len(per_step) > 40
+    assert [n for n, _ in per_step] == [int(first) for _, first in per_step]  # one copy, and only there
+    assert handle.stats.host_transfers == sum(first for _, first in per_step) == copies["cpu"]
+    assert len(load_traces(tmp_path / "t")) == 40
 
 
 def test_an_oversized_request_is_aborted_with_a_message_and_its_batch_proceeds(served):
@@ -470,7 +623,6 @@ def test_a_block_aligned_prompt_cached_whole_gets_a_kept_row_or_the_training_mea
     refinement gets the earlier request's kept row for that block, or without one the bundle's
     training mean of ``prompt_last`` (never zeros); the recorder leaves such a request out."""
     from dwise_predict.collectors.live import LiveRecorder, live_manifest
-    from dwise_predict.traces import load_traces
 
     config = fake.config(BS, 4)
     bundle = RecordingBundle(served[0])
@@ -513,11 +665,12 @@ def test_prompt_rows_keep_the_most_recently_used_and_key_every_token_before_the_
     from dwise_predict.serving.sglang_adapter import _PromptRows, block_key
 
     rows = _PromptRows(2)
-    for key, value in (("a", 1), ("b", 2)):
-        rows.put(key, value)
-    assert rows.get("a") == 1  # a is now the most recent: b leaves first
-    rows.put("c", 3)
-    assert list(rows.rows) == ["a", "c"] and rows.get("b") is None
+    rows.allocate(1, "cpu")
+    for key, value in (("a", 1.0), ("b", 2.0)):
+        rows.rows[rows.reserve(key)] = value
+    assert float(rows.get("a")) == 1.0  # a is now the most recent: b leaves first
+    rows.rows[rows.reserve("c")] = 3.0
+    assert list(rows.slots) == ["a", "c"] and rows.get("b") is None and float(rows.get("c")) == 3.0
 
     class Req:
         def __init__(self, ids):
@@ -542,7 +695,7 @@ def test_refusals_are_one_clear_line(served):
     try:
         scheduler, algorithm, runner = make_server(served, slots=8, max_running=16)
         with pytest.raises(ConfigError, match="--max-running-requests is 16: raise it to at least k\\*B"):
-            scheduler.get_new_batch_dllm()
+            scheduler.get_new_batch_dllm(scheduler.running_batch)
     finally:
         handle.uninstall()
     handle = hooked(served[0], slots=2, k=1)
@@ -553,7 +706,7 @@ def test_refusals_are_one_clear_line(served):
                                                 (1, 0, 64)))
         with pytest.raises(BundleError, match=re.escape("(decoding.block_size = 8, model 'synthetic') but the served "
                                                         "one has block_size = 32: export a bundle")):
-            scheduler.get_new_batch_dllm()
+            scheduler.get_new_batch_dllm(scheduler.running_batch)
     finally:
         handle.uninstall()
 
@@ -577,11 +730,11 @@ def test_a_bundle_is_held_to_the_decoding_sglang_serves(served, algorithm, param
         scheduler.waiting_queue.append(fake.Req("x", prompt(0, 16), SP(16), config, [2], np.zeros(served[5].shape[1],
                                                 np.float32), (1, 0, 16)))
         if refused is None:
-            scheduler.get_new_batch_dllm()
+            scheduler.get_new_batch_dllm(scheduler.running_batch)
             assert handle.stats.rounds == 1
         else:
             with pytest.raises(BundleError, match=re.escape(f"built for another decoding (decoding.{refused}")):
-                scheduler.get_new_batch_dllm()
+                scheduler.get_new_batch_dllm(scheduler.running_batch)
     finally:
         handle.uninstall()
 
@@ -599,3 +752,25 @@ def test_logits_hook_pools_block_rows_into_the_buffer_allocated_at_install(serve
             fake.LogitsProcessor()._get_dllm_logits(torch.zeros(3 * BS, 32), None, None)
     finally:
         handle.uninstall()
+
+
+@pytest.mark.slow
+def test_two_tp_ranks_with_last_bit_different_estimates_build_the_same_batches(served, tmp_path):
+    """Each TP rank runs its own scheduler and estimates on its own CPU and GPU; estimates that differ
+    in the last bit break ties differently, and ranks that build different batches hang in their
+    collectives. Two ranks in two processes, joined by a gloo group as SGLang's ``dp_tp_group``,
+    estimate every tie one ulp apart: both run the first rank's estimates, and the same batches."""
+    import json
+    import os
+    import subprocess
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")])}
+    bundle_path = served_bundle()[0]
+    ranks = [subprocess.Popen([sys.executable, str(tests / "tp_rank_child.py"), str(rank), str(tmp_path / "store"),
+                               str(bundle_path), str(tmp_path / f"rank{rank}.json")], env=env) for rank in (0, 1)]
+    assert [rank.wait(timeout=300) for rank in ranks] == [0, 0]
+    steps = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert steps[0]["refined"] == steps[1]["refined"] == 8
+    assert steps[0]["steps"] == steps[1]["steps"]
+    assert steps[0]["steps"][0] == ["r0", "r1"]  # the tie broken by arrival, as on the first rank

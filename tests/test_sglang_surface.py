@@ -80,14 +80,17 @@ def test_fake_instances_have_the_snapshot_attributes(touch):
     cls, member = _fake_member(touch)
     config = sglang_fake.config(8, 4)
     req = sglang_fake.Req("r", [1] * 8, None, config, [2], np.zeros(2, np.float32), (1, 0, 8))
+    scheduler = sglang_fake.Scheduler(config, 2, 1000)
     instances = {
         "DllmConfig": config,
         "DllmManager": sglang_fake.DllmManager(config),
-        "FakeDllmMixin": sglang_fake.Scheduler(config, 2, 1000),  # the fake's SchedulerDllmMixin
-        "Scheduler": sglang_fake.Scheduler(config, 2, 1000),
+        "FakeDllmMixin": scheduler,  # the fake's SchedulerDllmMixin
+        "Scheduler": scheduler,
         "Req": req,
+        "ReqDllmMixin": req,  # SGLang's own mixin, through the fake's Req
         "ScheduleBatch": sglang_fake.ScheduleBatch([req], sglang_fake.ForwardMode.DLLM_EXTEND),
-        "PrefillAdder": sglang_fake.PrefillAdder(8, 2, 100),
+        "PrefillAdder": scheduler._create_prefill_adder(scheduler.running_batch),  # SGLang's, from the wheel
+        "GroupCoordinator": scheduler.dp_tp_group,
         "AbortReq": sglang_fake.AbortReq(rid="r"),
         "DllmAlgorithm": sglang_fake.FillAlgorithm(config),
         "ForwardBatch": sglang_fake.ForwardBatch(sglang_fake.ScheduleBatch([req], sglang_fake.ForwardMode.DLLM_EXTEND)),

@@ -26,7 +26,7 @@ from dwise_predict.traces import load_traces, write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
 from dwise_predict.training import Targets, TrainConfig, load_predictors, refine_inputs, train_run
 from dwise_predict.training.select import (
-    BLEND_WEIGHTS, CANDIDATES, DEFAULT_BLEND_WEIGHT, choose_blend_weight, grouped_folds,
+    BLEND_WEIGHTS, CANDIDATES, DEFAULT_BLEND_WEIGHT, LEVEL_BAND, choose_blend_weight, grouped_folds,
 )
 
 torch.set_num_threads(1)
@@ -153,10 +153,14 @@ def test_auto_picks_the_best_cv_candidate_and_records_every_score(traces, tmp_pa
     assert selection["mode"] == "cv" and selection["folds"] == 3
     assert set(selection["candidates"]) == set(CANDIDATES)
     assert len(CANDIDATES) == 6 and "ridge-within+signals" in CANDIDATES
-    scores = {c: s["cv_within_category"] for c, s in selection["candidates"].items()}
-    assert selection["chosen"] == max(scores, key=scores.get)
+    overall = {c: s["cv_spearman"] for c, s in selection["candidates"].items()}
+    within = {c: s["cv_within_category"] for c, s in selection["candidates"].items()}
+    # the rule: level with the best overall rho (out of fold, calibrated), then the best within categories
+    level = [c for c in CANDIDATES if overall[c] >= max(overall.values()) - LEVEL_BAND]
+    assert selection["level_with_best"] == level
+    assert selection["chosen"] == max(level, key=within.get)
     # an 8-epoch, width-16 ensemble cannot match a linear head on a linear problem
-    assert selection["chosen"] != "survival" and scores[selection["chosen"]] > scores["survival"] + 0.05
+    assert selection["chosen"] != "survival" and overall[selection["chosen"]] > overall["survival"] + 0.05
     assert json.loads((run / "refine.json").read_text())["candidate"] == selection["chosen"]
     assert metrics["refine_candidate"] == selection["chosen"]
     assert "alpha" in selection["ridge"]
@@ -192,9 +196,9 @@ def test_well_trained_reference_can_win():
     make = lambda: SurvivalEnsemble(width=32, seeds=(0,), max_epochs=30, patience=30, lr=1e-2,  # noqa: E731
                                     batch_size=32, split_seed=0)
     # the ridge first: a tie, or a choice of the first candidate whatever the scores, would pick it
-    out = cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, candidates=("ridge", "survival"))
-    scores = {c: s["cv_within_category"] for c, s in out["candidates"].items()}
-    assert out["chosen"] == "survival"
+    out, _ = cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, candidates=("ridge", "survival"))
+    scores = {c: s["cv_spearman"] for c, s in out["candidates"].items()}
+    assert out["chosen"] == "survival" and out["level_with_best"] == ["survival"]
     assert abs(scores["ridge"]) < 0.15  # z and -z are equally long: a linear direction ranks at chance
     assert scores["survival"] > scores["ridge"] + 0.3
 
@@ -207,9 +211,12 @@ def test_cv_scores_and_choice_are_the_same_in_one_thread_and_in_two(traces):
     ds = load_traces(traces).split("train")
     t = Targets.of(ds)
     make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), dropout=0.2, max_epochs=3, split_seed=0)  # noqa: E731
-    one, two = (cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, jobs=jobs) for jobs in (1, 2))
+    (one, one_oof), (two, two_oof) = (cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, jobs=jobs)
+                                      for jobs in (1, 2))
     assert set(one["candidates"]) == set(CANDIDATES) and "blend_cv" in one
     assert json.dumps(one, sort_keys=True) == json.dumps(two, sort_keys=True)
+    for name in CANDIDATES:
+        np.testing.assert_array_equal(one_oof[name], two_oof[name])
 
 
 def test_ridge_within_folds_draw_nothing_from_torchs_global_rng(traces):

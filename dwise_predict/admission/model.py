@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dwise_predict.admission.model_text import check_model_text
 from dwise_predict.errors import InputError
 from dwise_predict.features.prompt import FEATURE_NAMES
-from dwise_predict.files import atomic_write_text
+from dwise_predict.files import atomic_write_text, read_json_object
 
 MODEL_FILE = "admission.txt"
 SPEC_FILE = "admission.json"
@@ -119,7 +120,7 @@ class AdmissionModel:
             raise InputError(f"{directory} has no {MODEL_FILE}: train one with `dwise-predict train`")
         params = {}
         if (directory / SPEC_FILE).is_file():
-            spec = json.loads((directory / SPEC_FILE).read_text())
+            spec = read_json_object(directory / SPEC_FILE, InputError, fix="retrain it with `dwise-predict train`")
             if spec.get("features") != list(FEATURE_NAMES) or spec.get("target") != TARGET:
                 raise InputError(
                     f"{directory / SPEC_FILE} describes features {spec.get('features')} and target "
@@ -129,7 +130,9 @@ class AdmissionModel:
         keys = ("n_estimators", "num_leaves", "learning_rate", "min_child_samples", "seed", "num_threads")
         init = {k: params[k] for k in keys if k in params}
         model = cls(**init)
-        model.booster_ = lgb.Booster(model_str=(directory / MODEL_FILE).read_text())
+        # checked first: LightGBM's parser and the tree compiler trust the text (model_text)
+        text = check_model_text((directory / MODEL_FILE).read_bytes(), str(directory / MODEL_FILE), InputError)
+        model.booster_ = lgb.Booster(model_str=text)
         model._compile()
         return model
 

@@ -135,10 +135,29 @@ def zoo_list_command(zoo: ZooOption, as_json: JsonOption = False) -> None:
     for e in entries:
         metrics = e.get("metrics") or {}
         summary.add_row(
-            e["name"], e["version"], str((e.get("model") or {}).get("name")), str(e.get("hidden_size")),
-            fmt((metrics.get("admission") or {}).get("spearman")), fmt((metrics.get("refined") or {}).get("spearman")), e.get("published", ""),
+            e["name"], e["version"], _cell((e.get("model") or {}).get("name")), _cell(e.get("hidden_size")),
+            _cell(_field(metrics, "admission", "spearman")), _cell(_field(metrics, "refined", "spearman")),
+            _cell(e.get("published") or ""),
         )
     _print(summary)
+
+
+def _field(section: dict, *keys):
+    """``section[k1][k2]...``, None where a level is missing or not an object (an index from elsewhere)."""
+    for key in keys:
+        section = section.get(key) if isinstance(section, dict) else None
+    return section
+
+
+def _cell(value) -> str:
+    """A value of a zoo index (which may come from anyone) as a table cell: numbers as `fmt` writes
+    them, text with its control characters escaped (a terminal would obey an escape sequence) and
+    no Rich markup."""
+    from rich.markup import escape
+
+    from dwise_predict.exports.manifest import printable
+
+    return escape(printable(value, limit=60, quoted=False) if isinstance(value, str) else fmt(value))
 
 
 @zoo_app.command("show")

@@ -14,7 +14,7 @@ from dwise_predict.cli.options import SEED_RANGE, JsonOption
 from dwise_predict.collectors.records import DecodingConfig
 from dwise_predict.engine.algorithms import read_algorithm_file
 from dwise_predict.errors import ConfigError
-from dwise_predict.files import parse_json
+from dwise_predict.files import loads_json
 
 _DEFAULT = DecodingConfig()
 
@@ -48,6 +48,7 @@ def collect_command(
     allow_missing: Annotated[bool, typer.Option(help="Collect the sources that are available when some of the workload's datasets are missing (they are listed in the manifest).")] = False,
     layers: Annotated[Optional[str], typer.Option(help="Also keep the first round at these layers, comma-separated: 0 = embedding output, -1 = the final hidden state first_round pools (transformers' output_hidden_states order); tensors first_round.layer{L}.{pooling} in hidden.safetensors, for `evaluate --ablate layers|pooling`.")] = None,
     pooling: Annotated[Optional[str], typer.Option(help="Poolings of the --layers rows, comma-separated (default: mean): mean, last (the block's last row), positions (every row of the block).")] = None,
+    rounds_hidden: Annotated[Optional[int], typer.Option(help="Also keep the pooled state and early signals of each request's first N denoising rounds (tensors round_states, round_signals; column rounds_recorded), for `simulate --refine-every`.")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Decode a workload with an instrumented dLLM into a trace dataset (resumable).
@@ -63,8 +64,10 @@ def collect_command(
         dwise-predict collect --out part0/ --shard 0/2   # and --shard 1/2, then: dwise-predict traces merge part0 part1 --out traces/
 
         dwise-predict collect --out traces/ --layers 0,2,-1 --pooling mean,last,positions
+
+        dwise-predict collect --out traces/ --rounds-hidden 8   # then: simulate --refine-every 1,2,4,8
     """
-    from dwise_predict.collectors.collect import collect, parse_shard
+    from dwise_predict.collectors.collect import check_rounds_hidden, collect, parse_shard
     from dwise_predict.collectors.layers import parse_layer_request
 
     problems = []
@@ -76,7 +79,8 @@ def collect_command(
                                   budget=budget, dtype=dtype.value, batch_size=batch_size)
     except ConfigError as err:
         problems.append(str(err))
-    for check in (lambda: parse_shard(shard), lambda: parse_layer_request(layers, pooling)):
+    for check in (lambda: parse_shard(shard), lambda: parse_layer_request(layers, pooling),
+                  lambda: check_rounds_hidden(rounds_hidden)):
         try:
             check()
         except ConfigError as err:
@@ -91,7 +95,7 @@ def collect_command(
     with CollectProgressBar() as bar:
         path = collect(model, workload, out, decoding, seed=seed, limit=limit, shard=shard, progress=bar.update,
                        device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
-                       allow_missing=allow_missing, layers=layers, pooling=pooling)
+                       allow_missing=allow_missing, layers=layers, pooling=pooling, rounds_hidden=rounds_hidden)
     _print_summary(path, json_out)
 
 
@@ -105,7 +109,7 @@ def _algorithm_config(value: str | None) -> dict:
             raise ConfigError(f"--algorithm-config {value!r} is neither a JSON object nor a file: pass e.g. "
                               "'{\"threshold\": 0.9}' or the server's --dllm-algorithm-config file")
         return read_algorithm_file(value, "--algorithm-config")
-    params = parse_json(value, ConfigError, "--algorithm-config")
+    params = loads_json(value, ConfigError, "--algorithm-config")
     if not isinstance(params, dict):
         raise ConfigError(f"--algorithm-config must be a JSON object, got {type(params).__name__}")
     return params

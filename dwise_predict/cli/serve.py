@@ -28,9 +28,11 @@ def serve_command(
     hidden_size: Annotated[Optional[int], typer.Option(help="The model's hidden size (recording without a bundle).")] = None,
     max_batch: Annotated[Optional[int], typer.Option(help="Largest batch of one forward (default: the larger of --slots and the server's largest CUDA-graph batch or --max-running-requests).")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(help="Tokenizer for the prompt features (default: SGLang's --tokenizer-path or --model-path).")] = None,
-    record_every: Annotated[int, typer.Option(help="Finished requests per committed trace shard.")] = _DEFAULT.record_every,
+    record_every: Annotated[int, typer.Option(help="Most finished requests per committed trace shard.")] = _DEFAULT.record_every,
+    record_flush_s: Annotated[float, typer.Option("--record-flush-s", help="Seconds after which a finished request is committed whatever the traffic: the most a scheduler process killed outright loses.")] = _DEFAULT.record_flush_s,
     prompt_cache: Annotated[int, typer.Option(help="Block rows kept (H floats each, on the GPU) for requests a prefix-cache hit leaves without a prompt block of their own; 0: none.")] = _DEFAULT.prompt_cache,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, print the hook config as JSON, start nothing.")] = False,
+    aging: Annotated[float, typer.Option(help="Starvation guard: rounds of remaining work one round in the server is worth, so a long request cannot wait forever behind a stream of shorter ones (0: off; default chosen in docs/serving.md).")] = _DEFAULT.aging,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, resolve SGLang's arguments as the server will (needs sglang), print the hook config it would run as JSON, start nothing.")] = False,
 ) -> None:
     """Run SGLang's HTTP server with the DWISE hook installed in every scheduler process.
 
@@ -42,20 +44,28 @@ def serve_command(
         dwise-predict serve --bundle bundle/ -- --model-path inclusionAI/LLaDA2.0-mini --dllm-algorithm LowConfidence --dllm-fdfo --max-running-requests 1024
 
         dwise-predict serve --bundle bundle/ --record traces/live -- --model-path ... --dllm-fdfo --dp-size 4
+
+    With SGLang's own launcher instead, the same hook through its plugin (docs/serving.md):
+
+        DWISE_BUNDLE=bundle/ python -m sglang.launch_server --model-path ... --dllm-fdfo
     """
-    from dwise_predict.serving.launcher import describe, resolved, serve
+    from dwise_predict.serving.launcher import plan, serve
 
     config = HookConfig(
         bundle=None if bundle is None else str(bundle), slots=slots, k=k, kv_budget_tokens=kv_budget_tokens,
         kv_fraction=kv_fraction, slack_blocks=slack_blocks, block_size=block_size, max_batch=max_batch,
         hidden_size=hidden_size, tokenizer=tokenizer, record=None if record is None else str(record),
-        record_every=record_every, prompt_cache=prompt_cache,
+        record_every=record_every, record_flush_s=record_flush_s, prompt_cache=prompt_cache, aging=aging,
     )
     problems = config.problems()
     if problems:
         raise ConfigError("; ".join(problems))
+    if bundle is not None:  # a hostile or broken bundle is refused here, before SGLang starts
+        from dwise_predict.exports.screen import open_bundle, screen_bundle
+
+        screen_bundle(bundle, open_bundle(bundle))
     if dry_run:
-        typer.echo(json.dumps({"hook": describe(resolved(config)), "sglang_args": list(sglang_args or [])}, indent=2))
+        typer.echo(json.dumps(plan(config, list(sglang_args or [])), indent=2))
         return
     log(f"dwise-predict serve: SGLang with the DWISE hook ({'bundle ' + str(bundle) if bundle else 'r_hat = 0'}"
         f"{', recording to ' + str(record) if record else ''})")

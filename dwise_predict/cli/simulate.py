@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from dwise_predict.cli.options import SEED_RANGE, JsonOption, console, log
-from dwise_predict.errors import ConfigError
+from dwise_predict.errors import ConfigError, StoreError
 from dwise_predict.serving.simulator import SimConfig
 
 _DEFAULT = SimConfig()
@@ -48,6 +48,7 @@ def simulate_command(
     rate: Annotated[Optional[str], typer.Option(help="Poisson rate for burst-poisson / poisson: req/s, or a multiple of SGLang-default's service rate (its utilisation) like 0.8x (default: 1.5x).")] = None,
     rates: Annotated[Optional[str], typer.Option(help="Load sweep instead: Poisson arrivals at each rate of a comma list (req/s, or multiples of SGLang-default's service rate like 0.5x,1x,2x).")] = None,
     ks: Annotated[Optional[str], typer.Option(help="k sweep instead: every scheduler at each resident-set multiplier of a comma list (seed 000 Fig. 10), under --arrival (burst unless poisson/burst-poisson).")] = None,
+    refine_every: Annotated[Optional[str], typer.Option(help="Also replay seed 000's Table 6: DWISE re-estimating r̂ every n denoising rounds, a comma list (e.g. 1,2,4,8), beside never and once, with ρ of the r̂ held; needs --bundle and traces collected with `collect --rounds-hidden N` (refinements stop after round N).")] = None,
     slots: Annotated[int, typer.Option(help="B: blocks per round (block slots).")] = _DEFAULT.slots,
     k: Annotated[float, typer.Option("--k", help="Resident-set multiplier: at most k*B requests hold KV.")] = _DEFAULT.k,
     kv_budget: Annotated[Optional[float], typer.Option(help="KV pool in blocks (default: unlimited).")] = _DEFAULT.kv_budget,
@@ -55,6 +56,7 @@ def simulate_command(
     round_ms: Annotated[float, typer.Option(help="Fixed cost of one round, ms.")] = _DEFAULT.round_ms,
     slot_ms: Annotated[float, typer.Option(help="Extra cost per block in a round, ms.")] = _DEFAULT.slot_ms,
     round_profile: Annotated[Optional[Path], typer.Option(help="Round-cost profile JSON (`dwise-predict profile-rounds`, or your GPU's): replaces --round-ms/--slot-ms.")] = None,
+    aging: Annotated[float, typer.Option(help="Starvation guard of the DWISE schedulers: rounds of remaining work one round in the server is worth (0: off, Algorithm 1 as published; `serve` runs with its --aging).")] = _DEFAULT.aging,
     requests: Annotated[int, typer.Option(help="Requests to replay, drawn with replacement from the split with --seed (0: the split as it is).")] = 4096,
     arrival_seeds: Annotated[int, typer.Option(help="Replay each arrival pattern under this many seeds; metrics get 95% bootstrap intervals.")] = 1,
     split: Annotated[Split, typer.Option(help="Which requests to replay.")] = Split.eval,
@@ -80,6 +82,8 @@ def simulate_command(
         dwise-predict simulate traces/ --bundle bundle/ --rates 0.25x,0.5x,1x,2x,4x --out sweep/
 
         dwise-predict simulate traces/ --bundle bundle/ --round-profile h200.json --arrival-seeds 5 --out sim/
+
+        dwise-predict simulate traces-r8/ --bundle bundle/ --refine-every 1,2,4,8 --out sim/   # seed 000 Table 6
     """
     from contextlib import nullcontext
     from dataclasses import asdict
@@ -110,6 +114,11 @@ def simulate_command(
             problems.append(f"--ks must be a comma list of finite numbers >= 1, got {ks!r}")
     if not math.isfinite(k):
         problems.append(f"--k must be a finite number (at most k x B requests hold KV), got {k}")
+    every = _refine_periods(refine_every, problems)
+    if every and bundle is None:
+        problems.append("--refine-every needs --bundle: the refinements come from its graph")
+    if every and (rates or ks):
+        problems.append("--refine-every replays at one load: drop --rates / --ks")
     if requests < 0 or requests > MAX_REQUESTS:
         problems.append(f"--requests must lie in 0..{MAX_REQUESTS:,} (0: the split as it is), got {requests:,}")
     if arrival_seeds < 1 or arrival_seeds > MAX_ARRIVAL_SEEDS:
@@ -119,7 +128,7 @@ def simulate_command(
     if backend not in ("onnx", "torch"):
         problems.append(f"--backend must be onnx or torch, got {backend!r}")
     base = dict(slots=slots, k=k, kv_budget=kv_budget, kv_slack_blocks=kv_slack, round_ms=round_ms,
-                slot_ms=slot_ms, seed=seed)
+                slot_ms=slot_ms, seed=seed, aging=aging)
     try:
         config = SimConfig(**base)
     except ConfigError as err:
@@ -144,22 +153,36 @@ def simulate_command(
 
             loaded = load_bundle(bundle, backend=backend, expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
         sim = sim_requests_from_traces(ds, None if split is Split.all else split.value, loaded)
+        if every:  # refused here, before any replay, when the traces hold no per-round states
+            from dwise_predict.serving.refine_every import round_estimates
+
+            sim.round_refined = round_estimates(ds, loaded, None if split is Split.all else split.value)
         if split is Split.eval and (chosen is None or "trail" in chosen):
             sim.probe = _trail_probe(ds)
+        ranked = sim
         if requests:
             sim = sim.draw(requests, seed)
         patterns = ["burst", "burst-poisson"] if arrival is Arrival.both else [arrival.value]
         tails: list = []
         rows, chosen = replay(sim, config, chosen, patterns, rate, rates, log=log, arrival_seeds=arrival_seeds,
                               tails=tails, ks=k_list)
+        refine_table = None
+        if every:
+            from dwise_predict.serving.refine_every import refine_call_us, replay_refine_every
+
+            log(f"replaying refinement every {', '.join(map(str, every))} rounds (seed 000 Table 6)")
+            refine_table = replay_refine_every(sim, config, every, patterns, rate, ranked,
+                                               call_us=lambda batch: refine_call_us(loaded, ds, batch))
         if out is not None:
             settings = {**asdict(config), "round_cost": config.cost.as_dict(), "traces": str(traces),
                         "bundle": str(bundle) if bundle else None, "split": split.value, "policies": chosen,
                         "requests": len(sim), "arrival_seeds": arrival_seeds}
-            paths = write_outputs(rows, out, stem, settings, tails)
+            paths = write_outputs(rows, out, stem, settings, tails,
+                                  None if refine_table is None else {"refine_every": refine_table})
             from dwise_predict.evaluation.simulation_report import write_simulation_report
+            from dwise_predict.files import read_json_object
 
-            saved = json.loads((out / f"{stem}.json").read_text())
+            saved = read_json_object(out / f"{stem}.json", StoreError, allow_nan=True)  # an undefined ρ is NaN
             paths += write_simulation_report(saved, {p.stem: p.read_bytes() for p in paths if p.suffix == ".png"}, out)
             for path in paths:
                 log(f"wrote {path}")
@@ -171,9 +194,16 @@ def simulate_command(
         first, title = ("arrival", "arrival", "{}"), f"Simulated serving, {len(sim)} requests, B={slots}, k={k:g}"
     title += f"; round cost: {config.cost.source}"
     if json_out:
-        typer.echo(json.dumps(rows, indent=2))
+        typer.echo(json.dumps(rows if refine_table is None else {"rows": rows, "refine_every": refine_table}, indent=2))
     else:
         console(240).print(render_table(rows, title, first))
+        if refine_table is not None:
+            from dwise_predict.serving.report import render_refine_table
+
+            for table in render_refine_table(refine_table, f"Refinement every n rounds (seed 000 Table 6), {len(sim)} "
+                                             f"requests, refinements up to round {refine_table['rounds_hidden']}; "
+                                             "ρ: mean over rounds 1..N of ρ(r̂ held, rounds left)"):
+                console(240).print(table)
         if not rates and not ks:
             from dwise_predict.serving.simulator import gain_decomposition
 
@@ -185,6 +215,20 @@ def simulate_command(
             start = ranking_pays_from(rows)
             typer.echo("ranking never beats fcfs-mixed by 5 % at these rates" if start is None else
                        f"ranking beats fcfs-mixed by >= 5 % from {start:.3g} req/s up; below it ranking stops paying")
+
+
+def _refine_periods(text: str | None, problems: list[str]) -> list[int]:
+    """``--refine-every 1,2,4,8`` as whole round counts >= 1 (a problem noted otherwise)."""
+    if text is None:
+        return []
+    try:
+        periods = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        periods = []
+    if not periods or min(periods) < 1:
+        problems.append(f"--refine-every must be a comma list of whole round counts >= 1 (e.g. 1,2,4,8), got {text!r}")
+        return []
+    return list(dict.fromkeys(periods))
 
 
 def _marker(out: Path, stem: str) -> str:

@@ -28,7 +28,7 @@ def train_command(
     lr: Annotated[float, typer.Option(help="Adam learning rate of the survival MLPs.")] = _DEFAULT.lr,
     batch_size: Annotated[int, typer.Option(help="Requests per optimisation step.")] = _DEFAULT.batch_size,
     val_fraction: Annotated[float, typer.Option(help="Share of the train split held out for early stopping.")] = _DEFAULT.val_fraction,
-    refine: Annotated[str, typer.Option(help="Refinement predictor to ship: auto (pick by grouped K-fold CV on the train split, within-category rho), survival (the paper's ensemble), ridge, survival+ridge, survival-pca, ridge-within or ridge-within+signals (see docs/training.md).")] = _DEFAULT.refine,
+    refine: Annotated[str, typer.Option(help="Refinement predictor to ship: auto (pick by grouped K-fold CV on the train split: overall rho of the calibrated out-of-fold estimates, within-category rho breaking near-ties), survival (the paper's ensemble), ridge, survival+ridge, survival-pca, ridge-within or ridge-within+signals (see docs/training.md).")] = _DEFAULT.refine,
     cv_folds: Annotated[int, typer.Option(help="Folds of the cross-validation that --refine auto uses.")] = _DEFAULT.cv_folds,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave this category out of training (both predictors and calibration); repeatable. The eval split keeps it (reported as held out).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = _DEFAULT.num_threads,
@@ -42,7 +42,8 @@ def train_command(
     Fits on the traces' train split, reports on their eval split, and writes the run directory
     (config.json, metrics.json, admission.txt/.json, refine.safetensors/.json, calibration.json,
     candidates.json, curves.json/.png). With --refine auto (default) the refinement predictor is the
-    candidate with the best grouped K-fold CV within-category rho on the train split: the paper's
+    candidate whose grouped K-fold CV estimates on the train split rank all requests best (overall rho,
+    calibrated as the scheduler sees them; within 0.01 of the best, the best within-category rho): the paper's
     survival ensemble, a ridge head, both, the ensemble on principal components, or a two-stage
     ridge, alone or blended with random-feature ridges on the early signals; every one exports
     under the same bundle contract. The directory appears only when complete; after an

@@ -33,6 +33,7 @@ from dwise_predict.errors import ConfigError, InputError, ModelError, StoreError
 from dwise_predict.features.prompt import count_newlines, count_words
 from dwise_predict.files import read_json_object, refuse_aliasing
 from dwise_predict.traces.dataset import MANIFEST_FILE
+from dwise_predict.traces import round_states as per_round
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY, HiddenExtra
 from dwise_predict.versions import package_versions
 
@@ -98,6 +99,7 @@ def collect(
     allow_missing: bool = False,
     layers: str | Sequence[int] | None = None,
     pooling: str | Sequence[str] | None = None,
+    rounds_hidden: int | None = None,
 ) -> Path:
     """Decode a workload with an instrumented dLLM into contract 1's trace dataset at ``out``.
 
@@ -122,6 +124,10 @@ def collect(
         embedding output, -1 = the final hidden state) and poolings (``"mean,last,positions"``,
         default ``mean``), as contract 1's optional tensors (:mod:`dwise_predict.traces.hidden_extra`);
         recorded in the manifest under ``hidden_extra``, and a resume must ask for the same.
+    rounds_hidden : also keep the pooled state and early signals of each request's first this many
+        denoising rounds (contract 1's ``round_states`` / ``round_signals`` and the column
+        ``rounds_recorded``, :mod:`dwise_predict.traces.round_states`); recorded in the manifest as
+        ``rounds_hidden``, and a resume must ask for the same. None (default) keeps none.
 
     Returns
     -------
@@ -140,6 +146,7 @@ def collect(
     per_shard = requests_per_shard or SHARD_REQUESTS_PER_SLOT * decoding.batch_size
     if per_shard <= 0:
         raise ConfigError(f"requests per shard must be positive, got {per_shard}")
+    check_rounds_hidden(rounds_hidden)
 
     plan_workload = load_workload(workload, seed=seed, limit=limit, allow_missing=allow_missing)  # raises on an empty or broken workload
     requests = plan_workload.requests
@@ -152,10 +159,15 @@ def collect(
             raise ModelError(f"{model} has no tokenizer (tokenizer.json): collect needs its chat template")
         decoding = resolve_decoding(backend, decoding)
         hidden_extra = resolve_layers(layer_request, backend)
+        if rounds_hidden and getattr(backend, "runs_own_loop", False):
+            raise ConfigError(f"--rounds-hidden: this model decodes with its own loop ({backend.algorithm}), which the "
+                              "collector watches at its first round only: drop --rounds-hidden")
         manifest = _manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device,
                              [requests[i] for run in owned for i in run])
         if hidden_extra is not None:  # absent otherwise: a default collection's manifest is unchanged
             manifest[MANIFEST_KEY] = hidden_extra.to_manifest()
+        if rounds_hidden:
+            manifest[per_round.MANIFEST_KEY] = rounds_hidden
         done = store.finished_ids()
         _refuse_unplanned(out, done - {requests[i].request_id for run in owned for i in run})
         store.begin(manifest)
@@ -170,18 +182,36 @@ def collect(
                 continue
             decode_requests = [_decode_request(backend, requests[i], decoding) for i in todo]
             results = _decode(backend, decode_requests, decoding, seed, lambda result: _advance(progress, state, result),
-                              hidden_extra)
+                              hidden_extra, rounds_hidden or 0)
             rows = [_row(backend, requests[i], i, d.budget, r, source_types.get(requests[i].source))
                     for i, d, r in zip(todo, decode_requests, results)]
             store.write_shard(
                 pd.DataFrame(rows),
                 np.stack([r.first_round_hidden for r in results]),
                 np.stack([r.prompt_last_hidden for r in results]),
-                {name: np.stack([r.first_round_layers[name] for r in results])
-                 for name in (hidden_extra.names() if hidden_extra else ())},
+                {**{name: np.stack([r.first_round_layers[name] for r in results])
+                    for name in (hidden_extra.names() if hidden_extra else ())},
+                 **_round_tensors(results, rounds_hidden or 0)},
             )
         store.consolidate({"requests": state.total, "resumed": state.resumed})
     return Path(out)
+
+
+def check_rounds_hidden(rounds_hidden: int | None) -> None:
+    """``--rounds-hidden N`` needs ``N >= 1`` (leave it out to keep none)."""
+    if rounds_hidden is not None and rounds_hidden < 1:
+        raise ConfigError(f"--rounds-hidden must be at least 1 (the first N denoising rounds), got {rounds_hidden}: "
+                          "leave it out to keep the first round only")
+
+
+def _round_tensors(results: list[DecodeResult], keep: int) -> dict[str, np.ndarray]:
+    """``round_states`` (n, keep, H) and ``round_signals`` (n, keep, 4), zeros after a request's last round."""
+    if not keep:
+        return {}
+    return {per_round.STATES: np.stack([per_round.padded(list(r.round_states), keep, r.round_states.shape[1])
+                                        for r in results]),
+            per_round.SIGNALS: np.stack([per_round.padded(list(r.round_signals), keep, r.round_signals.shape[1])
+                                         for r in results])}
 
 
 def _refuse_unplanned(out, unplanned: set[str]) -> None:
@@ -211,14 +241,16 @@ def resolve_decoding(backend, decoding: DecodingConfig) -> DecodingConfig:
 
 
 def _decode(backend, decode_requests: list[DecodeRequest], decoding: DecodingConfig, seed: int,
-            on_result: Callable[[DecodeResult], None], hidden_extra: HiddenExtra | None) -> list[DecodeResult]:
+            on_result: Callable[[DecodeResult], None], hidden_extra: HiddenExtra | None,
+            rounds_hidden: int = 0) -> list[DecodeResult]:
     """Decode one shard's requests with the backend's own loop or the engine-semantics decoder, in input order."""
     if getattr(backend, "runs_own_loop", False):
         stream: Iterator[DecodeResult] = backend.decode_requests(decode_requests, decoding, seed=seed, on_result=on_result)
     else:
         from dwise_predict.collectors.decoder import decode
 
-        stream = decode(backend, decode_requests, decoding, on_result=on_result, hidden_layers=hidden_extra)
+        stream = decode(backend, decode_requests, decoding, on_result=on_result, hidden_layers=hidden_extra,
+                        rounds_hidden=rounds_hidden)
     by_id = {r.request_id: r for r in stream}
     return [by_id[r.request_id] for r in decode_requests]
 
@@ -274,6 +306,8 @@ def _row(backend, request, index: int, budget: int, result: DecodeResult, source
         end_probability=result.end_probability, wall_s=result.wall_s,
     )
     row.update({"output_text": text, "correct": score_answer(request, text, source_type), ORDER_COLUMN: index})
+    if result.round_states is not None:
+        row[per_round.COUNT_COLUMN] = len(result.round_states)
     row.update({k: v for k, v in result.extra.items() if isinstance(v, (bool, int, float, str)) and k not in row})
     return row
 

@@ -35,7 +35,11 @@ threshold, mean top-1 probability, mean entropy (nats). ``extra`` holds ``admit_
 ``finish_round`` (global round indices) and ``slot``. Given ``hidden_layers`` (`collect --layers`),
 ``first_round_layers`` holds the same forward's rows at those layers and poolings
 (:func:`.layers.pool_first_round`); only rounds holding a first denoising forward ask the backend
-for every layer.
+for every layer. Given ``rounds_hidden`` N (`collect --rounds-hidden`), ``round_states`` /
+``round_signals`` hold the same two records for each of the request's first ``min(N, total)``
+denoising forwards, counted over all its blocks: round 1 is the first round's record itself, round k
+the mean of the window rows of the block that forward denoised and the signals over that block's
+still-masked positions (:mod:`dwise_predict.traces.round_states`).
 
 Bad input is rejected before anything is decoded: an empty request list, an empty prompt, a budget
 ≤ 0, duplicate request ids, or a prompt that does not fit the context with its output budget raise
@@ -80,6 +84,8 @@ class _Active:
     first_hidden: np.ndarray | None = None  # (H,)
     prompt_hidden: np.ndarray | None = None  # (H,)
     layer_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # `collect --layers` tensors
+    round_states: list[np.ndarray] = field(default_factory=list)  # `collect --rounds-hidden`: (H,) per round
+    round_signals: list[tuple[float, ...]] = field(default_factory=list)  # and its signals
 
 
 def _validate(requests: list[DecodeRequest], block: int, max_context: int) -> None:
@@ -111,7 +117,7 @@ def _validate(requests: list[DecodeRequest], block: int, max_context: int) -> No
 def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: DecodingConfig,
            on_result: Callable[[DecodeResult], None] | None = None,
            progress: Callable[[int], None] | None = None,
-           hidden_layers: HiddenExtra | None = None) -> Iterator[DecodeResult]:
+           hidden_layers: HiddenExtra | None = None, rounds_hidden: int = 0) -> Iterator[DecodeResult]:
     """Decode ``requests`` with ``config.batch_size`` slots; yield results in the order they finish.
 
     Parameters
@@ -125,6 +131,8 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     progress : called with the number of requests finished in a round (for a progress bar).
     hidden_layers : layers and poolings of the first denoising forward to keep besides ``first_round``
         (resolved against ``backend`` by :func:`.layers.resolve_layers`); None keeps none.
+    rounds_hidden : keep the pooled rows and early signals of each request's first this many
+        denoising forwards (``DecodeResult.round_states`` / ``round_signals``); 0 keeps none.
 
     Returns
     -------
@@ -134,15 +142,17 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     block = config.block_size or backend.block_size  # DecodingConfig has checked its own size
     if block <= 0:
         raise ConfigError(f"the model's block size must be positive, got {block}: pass --block-size")
+    if rounds_hidden < 0:
+        raise ConfigError(f"--rounds-hidden must be >= 0, got {rounds_hidden}")
     rule = make_rule(config.algorithm or DEFAULT_ALGORITHM, backend.mask_token_id, config.algorithm_config)
     rule.bind(backend)
     requests = list(requests)
     _validate(requests, block, backend.max_context)
-    return _run(backend, deque(requests), config, rule, block, on_result, progress, hidden_layers)
+    return _run(backend, deque(requests), config, rule, block, on_result, progress, hidden_layers, rounds_hidden)
 
 
 def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: StepRule, block: int,
-         on_result, progress, hidden_layers: HiddenExtra | None) -> Iterator[DecodeResult]:
+         on_result, progress, hidden_layers: HiddenExtra | None, rounds_hidden: int) -> Iterator[DecodeResult]:
     n_slots = min(config.batch_size, len(queue))
     backend.allocate(n_slots)
     mask_id, pad_id = backend.mask_token_id, backend.pad_token_id
@@ -186,9 +196,10 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
 
         finished: list[int] = []
         if len(d_rows):
-            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_ids, mask_id, hidden_layers)
+            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_ids, mask_id, hidden_layers,
+                                rounds_hidden)
         for slot in finished:
-            result = _result(s.active[slot], slot, round_index)
+            result = _result(s.active[slot], slot, round_index, rounds_hidden)
             s.active[slot] = None
             if on_result is not None:
                 on_result(result)
@@ -263,7 +274,7 @@ def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
 
 
 def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_ids: tuple[int, ...],
-             mask_id: int, hidden_layers: HiddenExtra | None) -> list[int]:
+             mask_id: int, hidden_layers: HiddenExtra | None, rounds_hidden: int) -> list[int]:
     """One step of the algorithm for every denoising row; returns the slots whose request ended."""
     logits = out.logits[d_rows].float()  # (n_d, block, V)
     ids, prompt_mask = s.blk[d_slots], s.prompt_mask[d_slots]
@@ -272,6 +283,8 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(d_slots.tolist(), forwards.tolist())]
     if any(first):
         _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, eos_ids, hidden_layers)
+    if rounds_hidden:
+        _record_rounds(out, d_rows, d_slots, logits, ids, s, rule, mask_id, eos_ids, rounds_hidden)
 
     new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
     capped = forwards_exhausted(rule, forwards, block)  # the engine's loop ends these unstepped
@@ -306,9 +319,7 @@ def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rul
                         eos_ids: tuple[int, ...], hidden_layers: HiddenExtra | None) -> None:
     """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
     rows = [j for j, is_first in enumerate(first) if is_first]
-    # the leftover prompt tokens of the first output block hold token ids, never the mask id
-    signals = early_signals(logits[rows].flatten(0, 1), ids[rows].flatten(), mask_id, ids.shape[1],
-                            rule.params.get("threshold", 0.0), torch.tensor(eos_ids, device=logits.device)).tolist()
+    signals = _signals(logits, ids, rows, rule, mask_id, eos_ids)
     for j, row_signals in zip(rows, signals):
         a = s.active[int(d_slots[j])]
         a.signals = tuple(row_signals)
@@ -320,7 +331,37 @@ def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rul
             a.prompt_hidden = hidden[: a.layout.leftover].mean(0).cpu().numpy()
 
 
-def _result(a: _Active, slot: int, round_index: int) -> DecodeResult:
+def _record_rounds(out, d_rows, d_slots, logits, ids, s: _Slots, rule: StepRule, mask_id: int,
+                   eos_ids: tuple[int, ...], keep: int) -> None:
+    """Each denoising row's pooled window rows and early signals, while its request has run at most
+    ``keep`` denoising forwards (`collect --rounds-hidden`). Round 1 copies the first round's record
+    (after :func:`_record_first_round`), so that row equals ``first_round`` bit for bit."""
+    later = []
+    for j, slot in enumerate(d_slots.tolist()):
+        a = s.active[slot]
+        if len(a.round_states) >= keep:
+            continue
+        if not a.round_states:  # this is its first denoising forward
+            a.round_states.append(a.first_hidden)
+            a.round_signals.append(a.signals)
+        else:
+            later.append(j)
+    for j, row_signals in zip(later, _signals(logits, ids, later, rule, mask_id, eos_ids)):
+        a = s.active[int(d_slots[j])]
+        a.round_states.append(out.hidden[d_rows[j]].float().mean(0).cpu().numpy())  # pooled as first_round
+        a.round_signals.append(tuple(row_signals))
+
+
+def _signals(logits, ids, rows: list[int], rule: StepRule, mask_id: int, eos_ids: tuple[int, ...]) -> list[list[float]]:
+    """Early signals of the given denoising rows over their blocks' masked positions (``engine.signals``)."""
+    if not rows:
+        return []
+    # the leftover prompt tokens of the first output block hold token ids, never the mask id
+    return early_signals(logits[rows].flatten(0, 1), ids[rows].flatten(), mask_id, ids.shape[1],
+                         rule.params.get("threshold", 0.0), torch.tensor(eos_ids, device=logits.device)).tolist()
+
+
+def _result(a: _Active, slot: int, round_index: int, rounds_hidden: int = 0) -> DecodeResult:
     frac, conf, entropy, end = a.signals
     return DecodeResult(
         request_id=a.request.request_id,
@@ -339,4 +380,6 @@ def _result(a: _Active, slot: int, round_index: int) -> DecodeResult:
         prompt_last_hidden=a.prompt_hidden.astype(np.float32),
         extra={"admit_round": a.admit_round, "finish_round": round_index, "slot": slot},
         first_round_layers=a.layer_hidden,
+        round_states=np.stack(a.round_states).astype(np.float32) if rounds_hidden else None,
+        round_signals=np.asarray(a.round_signals, dtype=np.float32) if rounds_hidden else None,
     )

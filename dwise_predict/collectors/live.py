@@ -1,13 +1,27 @@
 """Recording mode: contract-1 traces written by the serving hook from a live SGLang server.
 
 The SGLang hook (:mod:`dwise_predict.serving.sglang_adapter`) calls a :class:`LiveRecorder` from
-inside the scheduler process: ``arrived`` when a request is registered, ``forward`` after every
-step that ran it (with the pooled rows of the step's first forward and the early signals of that
-forward), ``finished`` when SGLang finishes it. Finished requests are committed in shards through
+inside the scheduler process, on the scheduler's thread: ``arrived`` when a request is registered,
+``forward`` after every step that ran it (with the pooled rows of the step's first forward and the
+early signals of that forward, host arrays), ``finished`` when SGLang finishes it. ``finished``
+only queues the request's row; a writer thread of the recorder commits the queue as shards through
 the same :class:`~dwise_predict.collectors.store.TraceStore` as ``collect`` (atomic, append-only,
-resumable: a restarted server appends new shards and skips request ids a shard already holds), and
-:meth:`LiveRecorder.close` consolidates them. Each data-parallel rank records into its own
-directory; ``dwise-predict traces merge`` joins them.
+resumable: a restarted server appends new shards and skips request ids a shard already holds), so
+no disk write or fsync ever runs on the scheduler's thread. The queue is bounded: when the writer
+falls behind by ``queue_size`` requests, a finished request is dropped and counted (``dropped``),
+never waited for. The writer commits a shard when ``every`` requests are queued and, whatever the
+traffic, ``flush_s`` seconds after the oldest uncommitted one finished, so a process killed outright
+(SIGKILL: nothing of it runs) loses at most the requests of its last ``flush_s`` seconds.
+:meth:`LiveRecorder.close` commits the rest and consolidates ``requests.parquet`` +
+``hidden.safetensors``; :meth:`LiveRecorder.close_on_exit` makes SIGTERM, SIGINT and interpreter
+exit run it (``docs/serving.md`` says what each kind of SGLang shutdown does). A recording whose
+last run died before consolidating (shards, no ``requests.parquet``) is consolidated when the next
+run opens it. Each data-parallel rank records into its own directory; ``dwise-predict traces
+merge`` joins them.
+
+The manifest's ``counts`` (requests, ``left_out_<reason>``, ``dropped``) cover the directory's whole
+life, every run of the server that appended to it, and are rewritten with every shard, so a killed
+run leaves them as of its last shard.
 
 Units are SGLang's own, because SGLang ran them: ``prompt_blocks`` is ``floor(n / block_size)``
 (the schema's definition, without a prefix cache); the prefill forwards that actually ran, after
@@ -18,18 +32,25 @@ request id (20 % eval), ``category`` is ``live`` and ``source`` ``sglang``.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import os
+import signal
+import threading
 import time
-from collections import Counter
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from dwise_predict.collectors.collect import contract_row
-from dwise_predict.collectors.store import ORDER_COLUMN, TraceStore
+from dwise_predict.collectors.store import ORDER_COLUMN, SHARDS_DIR, TraceStore
 from dwise_predict.engine import ENGINE, tokenizer_stop_ids
 from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, served_decoding
+from dwise_predict.errors import BundleError, StoreError
+from dwise_predict.files import read_json_object
+from dwise_predict.traces.dataset import MANIFEST_FILE, REQUESTS_FILE
 from dwise_predict.versions import package_versions
 
 EVAL_FRACTION = 0.2
@@ -111,6 +132,41 @@ def live_manifest(model: dict, algorithm: str, algorithm_config: dict, block_siz
     }
 
 
+# SGLang 0.5.23's own requests, which no client sent (read from its source; tests/test_serving_recording.py
+# runs that source): /health_generate's probes carry rids that start with this prefix
+# (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX), and the HTTP server's start-up warmup
+# (entrypoints/http_server._execute_server_warmup) is one /generate request per DP rank of this text,
+# or of these ids under --skip-tokenizer-init, for this many new tokens, under a fresh uuid rid.
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+WARMUP_TEXT = "The capital city of France is"
+WARMUP_IDS = (10, 11, 12)
+WARMUP_MAX_NEW_TOKENS = 8
+
+# why a request is not in the traces (the manifest's counts say how many, as left_out_<reason>)
+LEFT_OUT_REASONS = ("client_stop", "context_end", "retracted", "without_prompt_rows", "warmup", "health_check")
+
+
+def warmup_inputs(tokenizer=None) -> set[tuple[int, ...]]:
+    """The input ids of SGLang's start-up warmup request: its text as SGLang's tokenizer manager
+    tokenises it (``tokenizer(text)``, special tokens added) with the server's ``tokenizer``, and its
+    ids under ``--skip-tokenizer-init``."""
+    found = {WARMUP_IDS}
+    if tokenizer is not None:
+        found.add(tuple(int(i) for i in tokenizer(WARMUP_TEXT)["input_ids"]))
+    return found
+
+
+def sglang_own_request(req, warmup: set[tuple[int, ...]] = frozenset({WARMUP_IDS})) -> str | None:
+    """``"health_check"`` or ``"warmup"`` when SGLang itself sent ``req`` (see the constants above),
+    else None. ``warmup``: the warmup's input ids (:func:`warmup_inputs`)."""
+    if str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
+        return "health_check"
+    if int(req.sampling_params.max_new_tokens) == WARMUP_MAX_NEW_TOKENS and len(req.origin_input_ids) <= max(
+            map(len, warmup)) and tuple(int(i) for i in req.origin_input_ids) in warmup:
+        return "warmup"
+    return None
+
+
 class _Open:
     """What the recorder knows of one request between arrival and finish."""
 
@@ -130,6 +186,13 @@ class _Open:
         self.signals = (0.0, 0.0, 0.0, 0.0)
 
 
+def _host_row(row) -> np.ndarray:
+    """A float32 copy of one pooled row given as a host array (or a CPU tensor, through the array
+    protocol): the hook's per-step host buffer may be reused by the next step. Never a device
+    transfer: a device tensor here is the caller's error (``np.asarray`` refuses it)."""
+    return np.asarray(row, dtype=np.float32).reshape(-1).copy()
+
+
 class LiveRecorder:
     """Writes the requests a hooked SGLang scheduler finishes as contract-1 shards under ``out``.
 
@@ -139,63 +202,112 @@ class LiveRecorder:
     block_size : SGLang's dLLM block size.
     features : ``req -> (words, newlines, prompt_tokens)`` (the hook's admission features); the
         prompt text, when the features decoded it, is kept as ``req._dwise_text``.
-    every : finished requests per committed shard.
-
-    Some finished requests are not written, and ``left_out`` counts them by reason (the manifest's
-    ``counts`` says how many, as ``left_out_<reason>``): ``without_prompt_rows``, a request whose
-    prompt rows no forward of this process computed (a block-aligned prompt that SGLang's prefix
-    cache matched whole, its last block no longer kept by the hook: ``prompt_last`` would be made
-    up); ``retracted``, one SGLang retracted and ran again (its output re-encoded as prompt blocks,
-    work `collect` never does); and those :func:`left_out_because` names.
+    every : most finished requests per committed shard.
     manifest : the recording's manifest (:func:`live_manifest`); by default built from ``bundle``'s
         model fingerprint (a bundle directory) and ``decoding``.
     decoding : the decoding the server runs (``algorithm``, ``algorithm_config`` with SGLang's
         defaults, ``block_size``: :func:`dwise_predict.serving.launcher.served_algorithm`); by default
         SGLang's default algorithm with its defaults. The hook compares it with the scheduler's
         ``DllmConfig`` on its first step and stops on a difference: traces say what SGLang ran.
+    flush_s : seconds after which a finished request is committed whatever the traffic (the most a
+        process killed outright loses).
+    queue_size : finished requests the writer may fall behind by; past it they are dropped and
+        counted, and the scheduler never waits.
+    tokenizer : the server's tokenizer, to recognise SGLang's start-up warmup by its input ids
+        (:func:`warmup_inputs`); without one only the warmup of ``--skip-tokenizer-init`` is.
+
+    Some requests are not written, and ``left_out`` counts them by reason (:data:`LEFT_OUT_REASONS`):
+    ``health_check`` and ``warmup``, SGLang's own requests; ``without_prompt_rows``, a finished
+    request whose prompt rows no forward of this process computed (a block-aligned prompt that
+    SGLang's prefix cache matched whole, its last block no longer kept by the hook: ``prompt_last``
+    would be made up); ``retracted``, one SGLang retracted and ran again (its output re-encoded as
+    prompt blocks, work `collect` never does); and those :func:`left_out_because` names.
     """
 
+    POLL_S = 0.02  # how often the writer looks at the queue (the scheduler never wakes it)
+
     def __init__(self, out, block_size: int, features=None, every: int = 64, manifest: dict | None = None,
-                 bundle: str | None = None, decoding: dict | None = None):
+                 bundle: str | None = None, decoding: dict | None = None, flush_s: float = 5.0,
+                 queue_size: int = 4096, tokenizer=None):
         self.out = Path(out)
         self.block_size = int(block_size)
         self.features = features
         self.every = int(every)
+        self.flush_s = float(flush_s)
+        self.queue_size = int(queue_size)
+        self.warmup = warmup_inputs(tokenizer)
         if manifest is None:
-            import json
-
             model, trained = {}, {}
             if bundle is not None:
-                spec = json.loads((Path(bundle) / "bundle.json").read_text())
+                spec = read_json_object(Path(bundle) / "bundle.json", BundleError, fix="re-export the bundle")
                 model, trained = spec.get("model") or {}, spec.get("decoding") or {}
             decoding = decoding or served_decoding(DEFAULT_ALGORITHM, {}, self.block_size)
             manifest = live_manifest(model, decoding["algorithm"], decoding["algorithm_config"],
                                      decoding.get("block_size") or self.block_size, int(trained.get("budget") or 0),
                                      trained.get("dtype") or "bfloat16")
-        self.manifest = manifest
-        self.store = TraceStore(self.out, manifest).__enter__()
-        self.done = self.store.finished_ids()
+        self.manifest = {k: v for k, v in manifest.items() if k != "counts"}
+        # finished requests not written, by reason, and those dropped: every run of this directory's.
+        # All keys exist from the start: the writer reads them while the scheduler's thread counts.
+        self.left_out: dict[str, int] = dict.fromkeys(LEFT_OUT_REASONS, 0)
+        self.dropped = 0
+        self.written = 0  # requests this run committed
+        self.store = TraceStore(self.out).__enter__()  # the lock first: a second server is refused here
+        try:
+            self._carry_counts()
+            self.done = self.store.finished_ids()
+            self._base = len(self.done)  # requests the shards held when this run opened them
+            self.store.begin(dict(self.manifest, counts=self.counts()))  # refuses another model's directory
+            if self.done and not (self.out / REQUESTS_FILE).is_file():
+                self.store.consolidate(self.counts())  # the last run died before it consolidated
+        except BaseException as err:
+            self.store.__exit__(type(err), err, None)
+            raise
         self.open: dict = {}
-        self.rows: list = []
-        self.first: list = []
-        self.last: list = []
+        self._own: set = set()  # rids of SGLang's own requests (counted once, even if requeued)
         self.next_index = len(self.done)
-        self.written = 0
-        self.left_out: Counter[str] = Counter()  # finished requests not written, by reason (this process's)
+        self._queue: deque = deque()  # (row, first_round, prompt_last): appended here, popped by the writer
+        self._flush_wanted = self._flushed = 0  # flush requests and the last one the writer served
+        self._stopping = self._closed = False
+        self._error: BaseException | None = None  # what stopped the writer, raised on the next event
+        self._marked = False  # this run has made the consolidated files stale (store.mark_incomplete)
+        self._writer = threading.Thread(target=self._write_loop, name=f"dwise-recorder {self.out}", daemon=True)
+        self._writer.start()
 
     @property
     def decoding(self) -> dict:
         """What this recording says SGLang decodes with (its manifest's ``decoding``)."""
         return self.manifest["decoding"]
 
-    # --- events from the hook -----------------------------------------------------------------------
+    def counts(self) -> dict:
+        """The manifest's counts: requests committed, requests left out by reason, requests dropped."""
+        return {"requests": self._base + self.written,
+                **{f"left_out_{why}": n for why, n in self.left_out.items()}, "dropped": self.dropped}
+
+    def _carry_counts(self) -> None:
+        """Start from the counts of the runs before, when the directory already holds their traces."""
+        path = self.out / MANIFEST_FILE
+        if not path.is_file() or not (any((self.out / SHARDS_DIR).glob("shard-*.parquet"))
+                                      or (self.out / REQUESTS_FILE).is_file()):
+            return  # nothing recorded yet: a manifest alone binds nothing (TraceStore.begin)
+        before = read_json_object(path, StoreError, fix="that recording directory is damaged").get("counts") or {}
+        for why in self.left_out:
+            self.left_out[why] = int(before.get(f"left_out_{why}", 0))
+        self.dropped = int(before.get("dropped", 0))
+
+    # --- events from the hook (the scheduler's thread) ----------------------------------------------
 
     def arrived(self, req, block_size: int) -> None:
+        self._raise_writer_error()
         rid = str(req.rid)
         if rid in self.open:  # registered again: SGLang retracted it (work lost only if it had run)
             self.open[rid].retracted = self.open[rid].started is not None
             return
-        if rid in self.done:
+        if rid in self.done or rid in self._own:
+            return
+        own = sglang_own_request(req, self.warmup)
+        if own is not None:
+            self._own.add(rid)
+            self.left_out[own] += 1
             return
         features = self.features(req) if self.features is not None else (0, 0, len(req.origin_input_ids))
         self.open[rid] = _Open(self.next_index, features, block_size, len(req.origin_input_ids))
@@ -203,6 +315,9 @@ class LiveRecorder:
 
     def forward(self, req, prompt: bool, pooled_row, rounds: int, signals=None, leftover_row=None) -> None:
         """One step ran ``req``: a prompt block, or ``rounds`` forwards of its current output block.
+
+        ``pooled_row`` and ``leftover_row`` are host arrays of H floats (numpy, or CPU tensors: read
+        through the array protocol, copied); ``signals`` the step's early signals of the request's row.
         ``leftover_row``: in its first denoising forward, its ``prompt_last`` should it have run no
         prompt block of its own: the hook's kept row of its last full block after a prefix-cache hit,
         else the mean of its leftover prompt rows (as the decoder records a short prompt); None when
@@ -215,21 +330,24 @@ class LiveRecorder:
         if prompt:
             entry.prefill += 1
             if pooled_row is not None:
-                entry.prompt_last = pooled_row.float().cpu().numpy()
+                entry.prompt_last = _host_row(pooled_row)
             return
         if entry.first_round is None and pooled_row is not None:
-            entry.first_round = pooled_row.float().cpu().numpy()  # the first denoising round's pooled rows
+            entry.first_round = _host_row(pooled_row)  # the first denoising round's pooled rows
             if signals is not None:
-                entry.signals = tuple(float(x) for x in signals)
+                entry.signals = tuple(float(x) for x in np.asarray(signals, dtype=np.float64).reshape(-1))
             if entry.prompt_last is None and leftover_row is not None:
-                entry.prompt_last = leftover_row.float().cpu().numpy()
+                entry.prompt_last = _host_row(leftover_row)
         entry.current += rounds
         if len(req.output_ids) > entry.outputs or req.finished():  # the step committed the block
             entry.blocks.append(entry.current)
             entry.current, entry.outputs = 0, len(req.output_ids)
 
     def finished(self, req) -> None:
+        """SGLang finished ``req``: queue its row for the writer (never a disk write here)."""
+        self._raise_writer_error()
         rid = str(req.rid)
+        self._own.discard(rid)
         entry = self.open.pop(rid, None)
         if entry is None or entry.first_round is None:
             return
@@ -263,34 +381,113 @@ class LiveRecorder:
         )
         row["prefill_rounds"] = entry.prefill
         row[ORDER_COLUMN] = entry.index
-        self.rows.append(row)
-        self.first.append(entry.first_round)
-        self.last.append(entry.prompt_last)
-        self.done.add(rid)
-        if len(self.rows) >= self.every:
-            self.flush()
-
-    # --- shards -------------------------------------------------------------------------------------
-
-    def flush(self) -> None:
-        """Commit the finished requests held in memory as one shard."""
-        if not self.rows:
+        if self._closed or len(self._queue) >= self.queue_size:
+            self.dropped += 1  # the writer is behind (or gone): never stall the scheduler for it
             return
-        self.store.write_shard(pd.DataFrame(self.rows), np.stack(self.first), np.stack(self.last))
-        self.written += len(self.rows)
-        self.rows, self.first, self.last = [], [], []
+        self.done.add(rid)
+        self._queue.append((row, entry.first_round, entry.prompt_last))
 
-    def close(self) -> Path:
-        """Flush, consolidate ``requests.parquet`` + ``hidden.safetensors``, release the directory."""
+    def _raise_writer_error(self) -> None:
+        if self._error is not None:  # stays: a dead writer commits nothing more
+            raise self._error
+
+    # --- the writer thread --------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        pending: list = []
+        oldest = None  # when the oldest uncommitted request was seen
+        counted, counts_at = self.counts(), time.monotonic()  # the counts the manifest holds, and since when
         try:
-            self.flush()
-            if self.done:
-                # this process's counts: a resumed recording gives its own
-                counts = {"requests": len(self.done), **{f"left_out_{why}": n for why, n in sorted(self.left_out.items())}}
-                self.store.consolidate(counts)
+            while True:
+                stopping, wanted = self._stopping, self._flush_wanted  # read before draining the queue
+                while self._queue:
+                    pending.append(self._queue.popleft())
+                now = time.monotonic()
+                if pending and oldest is None:
+                    oldest = now
+                urgent = stopping or wanted > self._flushed
+                if pending and (urgent or len(pending) >= self.every or now - oldest >= self.flush_s):
+                    while pending:
+                        chunk, pending = pending[: self.every], pending[self.every:]
+                        self._commit(chunk)
+                    oldest = None
+                    counted, counts_at = self.counts(), now
+                elif self.counts() != counted and (urgent or now - counts_at >= self.flush_s):
+                    self.store.begin(dict(self.manifest, counts=self.counts()))  # left-outs without a new shard
+                    counted, counts_at = self.counts(), now
+                self._flushed = wanted
+                if stopping and not self._queue:
+                    return
+                time.sleep(self.POLL_S)
+        except BaseException as err:  # a full disk, a damaged directory: the scheduler's thread raises it
+            self._error = err
+
+    def _commit(self, chunk: list) -> None:
+        if not self._marked:
+            self.store.mark_incomplete()  # until close consolidates again, no reader takes it for whole
+            self._marked = True
+        rows, first, last = zip(*chunk)
+        self.store.write_shard(pd.DataFrame(list(rows)), np.stack(first), np.stack(last))
+        self.written += len(rows)
+        self.store.begin(dict(self.manifest, counts=self.counts()))  # the counts, as of this shard
+
+    # --- committing ---------------------------------------------------------------------------------
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Commit every finished request queued so far; wait up to ``timeout`` seconds for the writer.
+        Safe inside a signal handler on the scheduler's thread (no lock is taken: the writer polls).
+        Returns whether the writer got there in time."""
+        if self._closed:
+            return True
+        self._flush_wanted += 1
+        target, deadline = self._flush_wanted, time.monotonic() + timeout
+        while self._flushed < target and self._error is None and time.monotonic() < deadline:
+            time.sleep(self.POLL_S / 4)
+        self._raise_writer_error()
+        return self._flushed >= target
+
+    def close(self, timeout: float = 60.0) -> Path:
+        """Commit the rest, consolidate ``requests.parquet`` + ``hidden.safetensors``, release the
+        directory. A writer that does not finish within ``timeout`` seconds (a stalled disk) leaves
+        the consolidation to the next run that opens the directory."""
+        if self._closed:
+            return self.out
+        self._closed = True
+        self._stopping = True
+        try:
+            self._writer.join(timeout)
+            self._raise_writer_error()
+            if not self._writer.is_alive() and (self.done or self._base):
+                self.store.consolidate(self.counts())
         finally:
             self.store.__exit__(None, None, None)
         return self.out
 
+    def close_on_exit(self) -> None:
+        """Close at interpreter exit, and commit on SIGTERM and SIGINT, each chained to the handler
+        it replaces (call from the main thread of the scheduler process, as SGLang runs it).
 
-__all__ = ["LiveRecorder", "live_manifest", "live_split"]
+        A signal whose previous disposition is the default action (SIGTERM in a scheduler process:
+        SGLang installs none there) ends the process as that action would, after :meth:`close`:
+        every finished request committed and consolidated first. A Python handler before ours
+        (SIGINT's ``KeyboardInterrupt``) runs after the commit, and the process unwinds to the
+        ``atexit`` close; an ignored signal stays ignored, after the commit."""
+        atexit.register(self.close)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            signal.signal(sig, lambda signum, frame, previous=previous: self._on_signal(signum, frame, previous))
+
+    def _on_signal(self, signum, frame, previous) -> None:
+        if previous in (signal.SIG_DFL, None):  # None: a handler not installed from Python; act as default
+            try:
+                self.close()
+            finally:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        self.flush()
+        if callable(previous):
+            previous(signum, frame)
+
+
+__all__ = ["LiveRecorder", "live_manifest", "live_split", "sglang_own_request", "warmup_inputs"]

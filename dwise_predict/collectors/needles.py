@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dwise_predict.errors import InputError
+from dwise_predict.files import loads_json
 
 WORDS_PER_TOKEN = 0.75
 MIN_WORDS = 150
@@ -201,6 +202,6 @@ def generate_needle_prompts(
 
 def score_needles(reference: str, text: str) -> float:
     """Fraction of the reference numbers (a JSON list) that occur as whole numbers in ``text``."""
-    answers = json.loads(reference)
+    answers = loads_json(reference, InputError, "a multi_needle reference", "give a JSON list of numbers")
     found = set(re.findall(r"\d+", text))
     return sum(a in found for a in answers) / len(answers)

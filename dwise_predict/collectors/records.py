@@ -89,6 +89,10 @@ class DecodeResult:
     extra: dict = field(default_factory=dict)
     # `collect --layers`: tensor name (traces.hidden_extra) -> (H,) or (block, H) rows of the first round
     first_round_layers: dict[str, np.ndarray] = field(default_factory=dict)
+    # `collect --rounds-hidden N` (traces.round_states): (k, H) pooled rows and (k, 4) early signals of the
+    # request's first k = min(N, total_rounds) denoising forwards; None when not asked for
+    round_states: np.ndarray | None = None
+    round_signals: np.ndarray | None = None
 
     @property
     def total_rounds(self) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from dwise_predict.errors import InputError
-from dwise_predict.files import parse_json, read_json
+from dwise_predict.files import loads_json, read_json
 
 # Role names seen in public chat datasets, mapped to the chat-template roles.
 DEFAULT_ROLES = {
@@ -186,7 +186,7 @@ class RowMapping:
 
     def _turns(self, value: Any, where: str) -> list[tuple[str, str]]:
         if isinstance(value, str):  # CSV cells hold turns as a JSON string
-            value = parse_json(value, InputError, f"{where}: column {self.turns!r}", "give a JSON list of turns",
+            value = loads_json(value, InputError, f"{where}: column {self.turns!r}", "give a JSON list of turns",
                                max_bytes=None)
         if value is None:
             return []
@@ -281,7 +281,7 @@ def read_rows(path: Path, fmt: str, delimiter: str = ",") -> Iterator[tuple[dict
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                row = parse_json(line, InputError, f"{path}:{lineno}", "fix or delete that line", max_bytes=None)
+                row = loads_json(line, InputError, f"{path}:{lineno}", "fix or delete that line", max_bytes=None)
                 if not isinstance(row, dict):
                     raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
                 yield row, f"{path}:{lineno}"

@@ -24,7 +24,9 @@ semantics (the engine version and the trace schema): traces in other units are n
 batch size is recorded but not part of the identity, so a run can resume with another ``--batch-size``.
 The ``--layers`` / ``--pooling`` spec (manifest key ``hidden_extra``) is not part of the model or
 decoding identity, but every shard of a directory carries the same tensors, so a resume or a merge
-with another spec is refused (:func:`check_same_hidden_extra`).
+with another spec is refused (:func:`check_same_hidden_extra`); so is one with another
+``--rounds-hidden`` (manifest key ``rounds_hidden``, :func:`check_same_rounds_hidden`). Schema 4 only
+added those optional per-round tensors, so a collection of schema 3 resumes and merges with it.
 
 Code: the package's own source is not part of the identity (a resume after an upgrade keeps the
 finished requests), but each shard records the source fingerprint of the code that decoded it, and
@@ -47,13 +49,15 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import FileLock, atomic_write_bytes, parse_json, read_json_object, refuse_aliasing, write_errors
+from dwise_predict.files import FileLock, atomic_write_bytes, loads_json, read_json_object, refuse_aliasing, write_errors
 from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
+from dwise_predict.traces.round_states import MANIFEST_KEY as ROUNDS_HIDDEN_KEY
 from dwise_predict.traces.dataset import (
     HIDDEN_FILE,
     MANIFEST_FILE,
     REQUESTS_FILE,
+    SAME_UNITS_SINCE,
     SCHEMA_VERSION,
     TraceDataset,
     load_traces,
@@ -95,7 +99,7 @@ def check_compatible(theirs: dict, ours: dict, where: str, fix: str) -> None:
     ``where`` names the directory holding ``theirs``; ``fix`` says what the user can do.
     """
     schemas = theirs.get("schema_version"), ours.get("schema_version", SCHEMA_VERSION)
-    if schemas[0] != schemas[1] or schemas[0] != SCHEMA_VERSION:
+    if not all(isinstance(v, int) and SAME_UNITS_SINCE <= v <= SCHEMA_VERSION for v in schemas):
         raise StoreError(
             f"{where} holds traces of schema {schemas[0]!r}, in other round units than this dwise-predict "
             f"writes (schema {SCHEMA_VERSION}, {ENGINE} semantics): recollect them with this version, or {fix}")
@@ -116,6 +120,14 @@ def check_same_hidden_extra(theirs: dict, ours: dict, where: str, fix: str) -> N
     a, b = _layers_label(theirs), _layers_label(ours)
     if a != b:
         raise StoreError(f"{where} holds first-round tensors {a}, not {b}: {fix}")
+
+
+def check_same_rounds_hidden(theirs: dict, ours: dict, where: str, fix: str) -> None:
+    """Raise :class:`StoreError` when two manifests keep per-round states of different depths."""
+    a, b = theirs.get(ROUNDS_HIDDEN_KEY), ours.get(ROUNDS_HIDDEN_KEY)
+    if a != b:
+        label = lambda n: f"--rounds-hidden {n}" if n else "no per-round states (no --rounds-hidden)"  # noqa: E731
+        raise StoreError(f"{where} holds {label(a)}, not {label(b)}: {fix}")
 
 
 def _layers_label(manifest: dict) -> str:
@@ -154,7 +166,7 @@ def read_shards(out: Path) -> list[Shard]:
             requests = pd.read_parquet(io.BytesIO(table_bytes))
             with safe_open(str(tensors), framework="numpy") as f:
                 metadata = f.metadata() or {}
-                ids = parse_json(metadata["request_ids"], StoreError, f"the request ids of {tensors}")
+                ids = loads_json(metadata["request_ids"], StoreError, f"the request ids of {tensors}")
                 hidden = {name: f.get_tensor(name) for name in f.keys()}
             first_round, prompt_last = hidden.pop("first_round"), hidden.pop("prompt_last")
         except Exception as err:  # pyarrow / safetensors / json raise many types for a damaged file
@@ -328,6 +340,8 @@ class TraceStore:
         check_compatible(theirs, self.manifest, str(self.out), fix)
         check_same_hidden_extra(theirs, self.manifest, str(self.out),
                                 "rerun with the --layers and --pooling it was collected with, or " + fix)
+        check_same_rounds_hidden(theirs, self.manifest, str(self.out),
+                                 "rerun with the --rounds-hidden it was collected with, or " + fix)
         for key in ("name", "seed", "shard"):
             a, b = theirs.get("workload", {}).get(key), self.manifest.get("workload", {}).get(key)
             if a != b:
@@ -446,6 +460,8 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
         check_compatible(manifest, first, str(d), f"merge only directories collected with the same model and decoding config as {first_dir}")
         check_same_hidden_extra(manifest, first, str(d), f"merge only directories collected with the same --layers and "
                                                          f"--pooling as {first_dir}")
+        check_same_rounds_hidden(manifest, first, str(d),
+                                 f"merge only directories collected with the same --rounds-hidden as {first_dir}")
 
     # Collections of one workload interleave by workload order; different workloads follow input order.
     workloads: list[tuple] = []

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from dwise_predict.dllm.corpus import CATEGORIES, DRILLS, Example, generate_examples, vocabulary
 from dwise_predict.errors import ConfigError, InputError
-from dwise_predict.files import atomic_dir, atomic_write_bytes
+from dwise_predict.files import atomic_dir, atomic_write_bytes, loads_json
 from dwise_predict.versions import package_versions
 
 # Training examples use corpus seeds far from the small seeds workloads and tests use.
@@ -304,7 +304,8 @@ def _read_checkpoint(path: Path, with_tensors: bool) -> tuple[dict, dict[str, to
             tensors = {k: f.get_tensor(k) for k in f.keys()} if with_tensors else {}
         if metadata.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"format {metadata.get('format')!r}")
-        progress = {k: json.loads(v) for k, v in metadata.items() if k != "format"}
+        progress = {k: loads_json(v, InputError, f"its {k}", allow_nan=True)  # a diverged loss is NaN
+                    for k, v in metadata.items() if k != "format"}
     except Exception as err:  # safetensors and json raise many types for a damaged file
         raise InputError(f"{path} is not a readable training checkpoint ({err}): delete it to train from "
                          "the start") from None

@@ -121,7 +121,9 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
             "n_train": len(train),
             "n_eval": len(ev),
             "candidate": predictors.ensemble.candidate,
-            "cv": {c: s.get("cv_within_category") for c, s in predictors.selection.get("candidates", {}).items()},
+            # the choice's criterion and its tie-break (training.select.choose), out of fold on the train split
+            "cv": {c: {"spearman": s.get("cv_spearman"), "within_category": s.get("cv_within_category")}
+                   for c, s in predictors.selection.get("candidates", {}).items()},
             "admission": _pick(metrics["admission"]),
             "refined": _pick(metrics["refined"]),
             "median_ratio_calibrated": metrics["calibration"]["median_ratio_calibrated"],

@@ -204,6 +204,23 @@ def _baseline_table(rows: list[dict]) -> Table:
     )
 
 
+def candidates_section(selection: dict) -> Section | None:
+    """How ``train`` chose the refinement candidate (candidates.json), when it searched: every
+    candidate's out-of-fold criteria on the training split and the reason; None for a fixed one."""
+    if selection.get("mode") != "cv":
+        return None
+    level = set(selection.get("level_with_best", []))
+    body = [[name + (" (shipped)" if name == selection["chosen"] else ""), fmt(s.get("cv_spearman")),
+             fmt(s.get("cv_spearman_raw")), fmt(s.get("cv_within_category")), fmt(s.get("cv_held_out_category")),
+             "yes" if name in level else ""] for name, s in selection["candidates"].items()]
+    table = Table(["candidate", "ρ, all requests (calibrated)", "ρ, raw", "within-category ρ",
+                   "held-out-category ρ", f"within {selection.get('level_band')} of the best"], body,
+                  f"Out of fold on the training split ({selection.get('folds')} grouped folds); n/a: not measured")
+    # a run trained before the choice was on overall rho has no reason: name its criterion instead
+    why = selection.get("reason") or f"{selection['chosen']}, by {selection.get('criterion')}"
+    return Section("Refinement candidates (chosen in training)", f"{why}.", [table])
+
+
 def _output_work_table(table: dict) -> Table:
     rows = []
     for r in [{"category": "all", **table["overall"]}, *table["per_category"]]:
@@ -347,6 +364,9 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
         Section("Summary", "", summary(result)),
         Section("Predictors on the evaluation split", "", split_blocks),
     ]
+    chosen = candidates_section(result.get("selection") or {})
+    if chosen is not None:
+        sections.append(chosen)
 
     sections.append(Section("Calibration", "", [
         _calibration_table(result["calibration"]),

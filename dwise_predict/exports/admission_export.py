@@ -21,14 +21,19 @@ OUTPUT_NAME = "total_rounds"
 ONNX_OPSET = 17
 
 
-def load_booster(path: Path):
-    """Read a LightGBM text model; a corrupt file becomes a :class:`BundleError` naming it."""
+def load_booster(path: Path, text: bytes | None = None):
+    """Read a LightGBM text model (``text``: its bytes, already read) once it passes
+    :func:`~dwise_predict.admission.model_text.check_model_text`; a corrupt or hostile file becomes a
+    :class:`BundleError` naming it."""
     import lightgbm
 
+    from dwise_predict.admission.model_text import check_model_text
+
+    checked = check_model_text(path.read_bytes() if text is None else text, str(path), BundleError)
     try:
-        return lightgbm.Booster(model_file=str(path))
+        return lightgbm.Booster(model_str=checked)
     except lightgbm.basic.LightGBMError as err:
-        raise BundleError(f"{path} is not a readable LightGBM text model ({err})") from None
+        raise BundleError(f"{path} is not a readable LightGBM text model ({str(err).splitlines()[0]})") from None
 
 
 def predict_total_rounds(booster, features: np.ndarray) -> np.ndarray:

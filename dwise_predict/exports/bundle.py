@@ -43,7 +43,9 @@ from dwise_predict.exports.manifest import (
     BUNDLE_FILE,
     BUNDLE_SCHEMA_VERSION,
     NAME_PATTERN,
+    PROBES_FILE,
     SIGNAL_COUNT,
+    printable,
     write_bundle_manifest,
 )
 from dwise_predict.exports.model_card import model_card
@@ -65,11 +67,12 @@ from dwise_predict.runs import RunFiles, load_run
 from dwise_predict.survival.network import isotonic_interp
 from dwise_predict.versions import package_versions
 
-PROBES_FILE = "probes.safetensors"
 # the fused graph against the eager one, relative (probe_worker.calibrated_band): half of verify's
 # tolerance, leaving the other half to the runtimes that execute the fused graph (TorchScript, ONNX Runtime)
 EXPORT_TOLERANCE = TOLERANCE / 2
-# What each artifact is, for loaders choosing a path: pickle-bearing files load only after their hash matches.
+# What each artifact is, for loaders choosing a path: pickle-bearing files load only after their hash
+# matches and their content passes exports/screen.py. Its names are manifest.BUNDLE_ARTIFACTS, the
+# only files a loader reads (tests/test_hostile_bundles.py holds the two together).
 ARTIFACTS = {
     "refine.safetensors": {"role": "refine weights", "format": "safetensors", "pickle": False},
     "calibration.json": {"role": "refine calibration", "format": "json", "pickle": False},
@@ -108,9 +111,11 @@ def export_bundle(
         statistics with this seed.
     """
     out = Path(out)
-    name = name or _sanitise(Path(run).resolve().name)
+    if name is None:
+        name = _sanitise(Path(run).resolve().name)
     if not NAME_PATTERN.fullmatch(name):
-        raise InputError(f"--name '{name}' must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        raise InputError(f"--name {printable(name)} must be 1-100 letters, digits, '.', '_' or '-', starting with a "
+                         "letter or digit")
     if created is None:
         created = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
     else:

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
-from dwise_predict.files import atomic_write_bytes, sha256_file
+from dwise_predict.files import atomic_write_bytes, loads_json, sha256_file
 from dwise_predict.identity import EARLY_SIGNALS
 
 # What each older schema's refinement graph lacks; such a bundle is refused with a pointer to retrain:
@@ -38,8 +38,27 @@ BUNDLE_SCHEMA_VERSION = 5
 SIGNAL_COUNT = len(EARLY_SIGNALS)  # columns of the refinement graph's `early_signals` input
 BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"
+PROBES_FILE = "probes.safetensors"
+# Every file a bundle may hold besides bundle.json (exports/bundle.py ARTIFACTS says what each is).
+# Loaders refuse any other name (exports/screen.py), so nothing planted, a .pkl or an .npy, is read.
+BUNDLE_ARTIFACTS = ("refine.safetensors", "calibration.json", "refine.onnx", "refine.pt", "refine.pt2",
+                    "refine.int8.onnx", "admission.txt", "admission.onnx", PROBES_FILE, "README.md")
+# what every export writes; TorchScript, torch.export and the int8 graph are optional
+REQUIRED_ARTIFACTS = ("refine.safetensors", "calibration.json", "refine.onnx", "admission.txt", "admission.onnx",
+                      PROBES_FILE, "README.md")
+MANIFEST_MAX_BYTES = 16 << 20  # ours are a few kB; the metrics of a LOCO run add a few more
 # a bundle name or zoo version: use fullmatch (``$`` would also accept a trailing newline)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def printable(value, limit: int = 80, quoted: bool = True) -> str:
+    """A value from someone else (a name in a manifest, a zoo index, a tar) as a message shows it:
+    as ``repr`` writes it (a string quoted, control characters and line separators escaped, so the
+    message stays one line), cut at ``limit``; ``quoted=False`` drops a string's quotes."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[:limit - 2] + "…" + text[0]
+    return text[1:-1] if not quoted and isinstance(value, str) else text
 
 
 def canonical_json(manifest: dict) -> bytes:
@@ -61,13 +80,16 @@ def write_bundle_manifest(bundle: str | Path, manifest: dict) -> Path:
 def read_bundle_manifest(bundle: str | Path) -> dict:
     """Load ``bundle.json``; refuse a missing, unreadable or newer-schema manifest."""
     path = Path(bundle) / BUNDLE_FILE
+    if path.is_symlink():
+        raise BundleError(f"{path} is a symbolic link: a bundle holds only regular files; re-export or re-pull it")
     if not path.is_file():
         raise BundleError(f"{bundle} is not a bundle: it has no {BUNDLE_FILE} (create one with `dwise-predict export`)")
+    if path.stat().st_size > MANIFEST_MAX_BYTES:  # refused before it is read into memory
+        raise BundleError(f"{path} holds {path.stat().st_size:,} bytes, more than the {MANIFEST_MAX_BYTES:,} a "
+                          "manifest may: the bundle is corrupt; re-export or re-pull it")
     raw = path.read_bytes()
-    try:
-        manifest = json.loads(raw.decode())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BundleError(f"{path} is not valid JSON ({err}): the bundle is corrupt; re-export or re-pull it") from None
+    manifest = loads_json(raw, BundleError, str(path), "the bundle is corrupt; re-export or re-pull it",
+                          max_bytes=MANIFEST_MAX_BYTES)
     if not isinstance(manifest, dict):
         raise BundleError(f"{path} does not hold a JSON object: the bundle is corrupt; re-export or re-pull it")
     version = manifest.get("schema_version")
@@ -134,6 +156,8 @@ def check_files(bundle: str | Path, manifest: dict, names: list[str] | None = No
                 f"{bundle}/{BUNDLE_FILE} lists '{name}', which is not a plain file name: the bundle is unsafe"
             )
         path = bundle / name
+        if path.is_symlink():  # it could point anywhere, and change after this check
+            raise BundleError(f"{path} is a symbolic link: a bundle holds only regular files; re-export or re-pull it")
         if not path.is_file():
             raise BundleError(f"{path} is missing: the bundle is incomplete; re-export or re-pull it")
         if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:

@@ -120,10 +120,12 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "",
         "## Safety",
         "",
-        "`refine.pt` (TorchScript) and `refine.pt2` (torch.export) are zip archives that contain Python "
-        "pickles; unpickling runs code. Load them only from a bundle you trust and only after "
-        "`dwise-predict verify` (or `check_files` of `dwise_predict.exports.manifest`) has matched their sha256. "
-        "For bundles from others use the default paths: ONNX or the safetensors weights.",
+        "`refine.pt` (TorchScript) and `refine.pt2` (torch.export) are zip archives of Python pickles and code: "
+        "`torch.jit.load` and `torch.export.load` run what a tampered archive holds, and the sealed hashes "
+        "prove only that the files are the ones `bundle.json` names, not who wrote it. `dwise-predict verify` "
+        "and every dwise-predict loader screen them first (`dwise_predict.exports.screen`). Outside "
+        "dwise-predict, load them only from a source you trust; for bundles from others use ONNX or the "
+        "safetensors weights.",
         "",
         "## Files",
         "",

@@ -4,8 +4,9 @@ Run as ``python -I -m dwise_predict.exports.probe_worker BUNDLE`` by ``verify``;
 object on stdout: ``{"rows": [...], "modules": [...]}``. It imports only numpy, safetensors,
 onnxruntime, torch, the stdlib manifest module and the torch-only ``survival/network.py`` — never
 lightgbm, scikit-learn, pandas or the training code — so a pass shows the bundle loads on a serving
-host without the training stack. Hashes are checked here again before anything is deserialised:
-pickle-bearing files (TorchScript, torch.export) are opened only after their sha256 matches.
+host without the training stack. Everything is checked here again before it is deserialised: each
+file is read once, and its bytes are loaded only after their sha256 matches and their content passes
+:mod:`dwise_predict.exports.screen` (TorchScript and torch.export archives hold pickles and code).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dwise_predict.exports.manifest import check_files, read_bundle_manifest
-from dwise_predict.exports.refine_export import INPUT_NAMES
+from dwise_predict.exports.refine_export import INPUT_NAMES, INT8_MIN_SPEARMAN
+from dwise_predict.exports.screen import open_bundle, read_calibration, read_checked
 
 TOLERANCE = 1e-4  # max relative error against the eager outputs, and against the eager raw estimate
 # modules whose presence would mean the bundle needs the training stack to load
@@ -115,18 +116,23 @@ def compare(artifact: str, check: str, expected: np.ndarray, load, band: tuple[n
 
 
 def main(bundle: str) -> dict:
+    import io
+
     import onnxruntime as ort
     import torch
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
 
     torch.set_num_threads(1)
-    manifest = read_bundle_manifest(bundle)
-    check_files(bundle, manifest, refuse_unlisted=False)  # again, in this process, before deserialising anything; verify reports unlisted files
     root = Path(bundle)
-    probes = load_file(str(root / manifest["probes"]))
+    manifest = open_bundle(root)  # again, in this process: nothing is deserialised before it is checked
+
+    def checked(name: str) -> bytes:
+        return read_checked(root, manifest, name)
+
+    probes = load(checked(manifest["probes"]))
     inputs = [probes[f"refine.{name}"] for name in INPUT_NAMES]
     expected = probes["refine.remaining_rounds"]
-    calibration = json.loads((root / "calibration.json").read_text())
+    calibration = read_calibration(checked("calibration.json"), str(root / "calibration.json"))
     band = calibrated_band(expected, probes.get(RAW_PROBE), calibration)
     files = manifest["files"]
     rows = []
@@ -141,14 +147,15 @@ def main(bundle: str) -> dict:
     def onnx_session(name):
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
-        return ort.InferenceSession(str(root / name), options, providers=["CPUExecutionProvider"])
+        # from the checked bytes: no path inside the graph resolves against the bundle's directory
+        return ort.InferenceSession(checked(name), options, providers=["CPUExecutionProvider"])
 
     def rebuild():
-        from safetensors.torch import load_file as load_tensors
+        from safetensors.torch import load as load_tensors
 
         from dwise_predict.survival.network import build_refine_graph
 
-        return build_refine_graph(load_tensors(str(root / "refine.safetensors")), manifest["inputs"]["refine"], calibration)
+        return build_refine_graph(load_tensors(checked("refine.safetensors")), manifest["inputs"]["refine"], calibration)
 
     def onnx_run(name, output, feeds):
         session = onnx_session(name)
@@ -157,17 +164,17 @@ def main(bundle: str) -> dict:
     rows.append(compare("refine.safetensors", "rebuilt eager module vs probes", expected, lambda: torch_run(rebuild()), band))
     if "refine.pt" in files:
         rows.append(compare("refine.pt", "TorchScript vs eager", expected,
-                            lambda: torch_run(torch.jit.load(str(root / "refine.pt"))), band))
+                            lambda: torch_run(torch.jit.load(io.BytesIO(checked("refine.pt")))), band))
     if "refine.pt2" in files:
         rows.append(compare("refine.pt2", "torch.export vs eager", expected,
-                            lambda: torch_run(torch.export.load(str(root / "refine.pt2")).module()), band))
+                            lambda: torch_run(torch.export.load(io.BytesIO(checked("refine.pt2"))).module()), band))
     refine_feeds = dict(zip(INPUT_NAMES, inputs))
     rows.append(compare("refine.onnx", "onnxruntime vs eager", expected,
                         lambda: onnx_run("refine.onnx", "remaining_rounds", refine_feeds), band))
     if "refine.int8.onnx" in files:
         rows.append(compare("refine.int8.onnx", "int8 onnxruntime ranks like eager", expected,
                             lambda: onnx_run("refine.int8.onnx", "remaining_rounds", refine_feeds),
-                            min_spearman=manifest["artifacts"]["refine.int8.onnx"]["min_spearman"]))
+                            min_spearman=INT8_MIN_SPEARMAN))  # ours, not the manifest's: it could say -1
     rows.append(compare("admission.onnx", "onnxruntime vs LightGBM", probes["admission.total_rounds"],
                         lambda: onnx_run("admission.onnx", "total_rounds", {"features": probes["admission.features"]})))
     loaded = [m for m in FORBIDDEN_MODULES if m in sys.modules]

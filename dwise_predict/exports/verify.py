@@ -1,7 +1,11 @@
 """``dwise-predict verify``: check a bundle's hashes, then load and run every artifact.
 
-1. ``bundle.json`` must match its seal; every listed file its sha256 and size; no unlisted files.
-2. Only when all hashes match: a fresh interpreter (``python -I -m
+1. ``bundle.json`` must match its seal; the directory hold only the artifacts a bundle may hold, as
+   regular files (:func:`~dwise_predict.exports.screen.check_layout`: refused outright, in one line);
+   every listed file its sha256 and size; no unlisted files.
+2. Only when all hashes match: every file's content is screened without deserialising it
+   (:func:`~dwise_predict.exports.screen.screen_bundle`: pickles, code, ONNX external data, declared
+   shapes; a hostile file is refused outright, in one line). Then a fresh interpreter (``python -I -m
    dwise_predict.exports.probe_worker``) loads every artifact without the training stack and compares
    TorchScript, torch.export and ONNX with the eager outputs stored in ``probes.safetensors``
    (inside the calibration of a raw estimate within 1e-4 of eager, see ``probe_worker.calibrated_band``),
@@ -11,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,8 +22,9 @@ from pathlib import Path
 
 from dwise_predict.errors import BundleError
 from dwise_predict.exports.manifest import read_bundle_manifest, unlisted_files
-from dwise_predict.files import sha256_file
 from dwise_predict.exports.probe_worker import TOLERANCE, relative_error
+from dwise_predict.exports.screen import check_layout, read_checked, screen_bundle
+from dwise_predict.files import loads_json, sha256_file
 
 
 @dataclass
@@ -46,9 +50,11 @@ class VerifyReport:
 
 
 def verify_bundle(bundle: str | Path, timeout_s: float = 600.0) -> VerifyReport:
-    """Verify ``bundle``; a manifest that cannot be trusted at all raises :class:`BundleError`."""
+    """Verify ``bundle``; a manifest that cannot be trusted at all, and a file that must not be read
+    (a link, a planted name, a pickle or code outside our exports'), raise :class:`BundleError`."""
     bundle = Path(bundle)
     manifest = read_bundle_manifest(bundle)
+    check_layout(bundle, manifest)
     rows = [{"artifact": "bundle.json", "check": "seal and schema", "ok": True,
              "detail": f"schema {manifest['schema_version']}"}]
     rows += _hash_rows(bundle, manifest)
@@ -56,6 +62,7 @@ def verify_bundle(bundle: str | Path, timeout_s: float = 600.0) -> VerifyReport:
         rows.append({"artifact": "(all)", "check": "load and compare", "ok": False,
                      "detail": "skipped: nothing is deserialised until every hash matches"})
         return VerifyReport(bundle, rows, [])
+    screen_bundle(bundle, manifest)
     rows.append(_lightgbm_row(bundle, manifest))
     worker_rows, modules = _run_worker(bundle, timeout_s)
     return VerifyReport(bundle, rows + worker_rows, modules)
@@ -83,13 +90,14 @@ def _hash_rows(bundle: Path, manifest: dict) -> list[dict]:
 
 
 def _lightgbm_row(bundle: Path, manifest: dict) -> dict:
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
 
     from dwise_predict.exports.admission_export import load_booster, predict_total_rounds
 
     try:
-        probes = load_file(str(bundle / manifest["probes"]))
-        predicted = predict_total_rounds(load_booster(bundle / "admission.txt"), probes["admission.features"])
+        probes = load(read_checked(bundle, manifest, manifest["probes"]))
+        booster = load_booster(bundle / "admission.txt", read_checked(bundle, manifest, "admission.txt"))
+        predicted = predict_total_rounds(booster, probes["admission.features"])
         error = relative_error(probes["admission.total_rounds"], predicted)
         ok, detail = error <= TOLERANCE, f"max rel err {error:.1e} against the probes"
     except Exception as err:  # a failed load is a failed row
@@ -105,8 +113,8 @@ def _run_worker(bundle: Path, timeout_s: float) -> tuple[list[dict], list[str]]:
     except subprocess.TimeoutExpired:
         return [_worker_failure(f"no answer within {timeout_s:.0f} s")], []
     try:
-        answer = json.loads(done.stdout)
-    except json.JSONDecodeError:
+        answer = loads_json(done.stdout, BundleError, "the probe worker's answer", allow_nan=True)  # NaN: a broken graph
+    except BundleError:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return [_worker_failure(f"exit {done.returncode}: {tail}")], []
     if "error" in answer:

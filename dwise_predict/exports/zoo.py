@@ -9,11 +9,19 @@ An entry holds ``name``, ``version``, ``file``, ``sha256`` and ``bytes`` of the 
 and from the bundle: ``created``, ``bundle_schema_version``, ``model`` fingerprint, ``decoding``,
 ``hidden_size``, ``K``, ``metrics``.
 A published (name, version) is never overwritten. ``publish`` verifies the bundle first, holds
-a lock on ``ZOO/.lock`` while it writes (released by the OS if the publisher dies), moves the
-finished tar into place and only then replaces the index (temp file + rename), so an interrupted publish leaves the index as it was. ``pull`` checks the
-tar's sha256 against the index, extracts only plain files with plain names (no absolute paths, no
-``..``, no links) into a temporary directory, checks every hash of the bundle and renames it into
-place.
+a lock on ``ZOO/.lock`` while it writes (released by the OS if the publisher dies; a second publish
+waits for it, up to :data:`LOCK_WAIT_S`, then takes the next free version), moves the finished tar
+into place and only then replaces the index (temp file + rename), so an interrupted publish leaves
+the index as it was.
+
+An index and its tars may come from someone else: ``read_index`` accepts an entry only when its
+name and version are plain names (:data:`~dwise_predict.exports.manifest.NAME_PATTERN`: no ``/``,
+no ``..``) and its file is exactly ``bundles/NAME/NAME-VERSION.tar``, so no entry leads outside the
+zoo and the default ``--out`` of ``pull`` (``./NAME-VERSION``) stays in the current directory.
+``pull`` checks the tar's sha256 against the index, extracts only regular files named as bundle
+artifacts (no absolute paths, no ``..``, no links, devices, sparse or repeated members) into a
+temporary directory, checks and screens the bundle there (:mod:`dwise_predict.exports.screen`) and
+only then renames it into place.
 """
 
 from __future__ import annotations
@@ -23,26 +31,36 @@ import io
 import json
 import shutil
 import tarfile
+import time
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from dwise_predict.errors import BundleError, InputError, StoreError
-from dwise_predict.exports.manifest import BUNDLE_FILE, NAME_PATTERN, check_files, read_bundle_manifest
-from dwise_predict.files import (FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, refuse_aliasing,
-                                  sha256_file, write_errors)
+from dwise_predict.exports.manifest import BUNDLE_ARTIFACTS, BUNDLE_FILE, NAME_PATTERN, printable, read_bundle_manifest
+from dwise_predict.exports.screen import open_bundle, screen_bundle
+from dwise_predict.files import (FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, read_json,
+                                  refuse_aliasing, sha256_file, write_errors)
 
 INDEX_FILE = "index.json"
 LOCK_FILE = ".lock"
 ZOO_SCHEMA_VERSION = 1
 ENTRY_KEYS = ("name", "version", "file", "sha256")  # what list, show, pull and publish read of an entry
+# what else list and show read of an entry, when it is there: name -> the types it may have
+ENTRY_FIELDS = {"bytes": (int,), "published": (str,), "created": (str,), "bundle_schema_version": (int,),
+                "model": (dict,), "decoding": (dict,), "hidden_size": (int,), "K": (int,), "metrics": (dict,)}
+INDEX_MAX_BYTES = 256 << 20  # some 100,000 entries
+LOCK_WAIT_S = 300.0  # how long a publish waits for another one to finish writing (a tar and the index)
 
 
 def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, version: str | None = None,
-            verify: bool = True) -> dict:
+            verify: bool = True, lock_wait_s: float = LOCK_WAIT_S) -> dict:
     """Publish ``bundle`` into ``zoo`` as ``name@version``; return the new index entry.
 
     ``name`` defaults to the bundle's name, ``version`` to one more than the largest integer
     version published under that name (``1`` for a new name). ``verify`` runs the full
-    ``dwise-predict verify`` first; a bundle that fails is not published.
+    ``dwise-predict verify`` first; a bundle that fails is not published (without it, the bundle's
+    hashes and contents are still checked). Publishes into one zoo run one at a time: while another
+    holds the zoo's lock this one waits, up to ``lock_wait_s`` seconds, and then picks its version.
     """
     bundle, zoo = Path(bundle), Path(zoo)
     refuse_aliasing(zoo, [("BUNDLE", bundle)], flag="--zoo")
@@ -54,25 +72,52 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
         raise StoreError(f"--zoo {zoo} holds files but is not a zoo (no {INDEX_FILE}): a zoo is never made inside "
                          "another folder; choose a new or empty directory, or an existing zoo")
     manifest = read_bundle_manifest(bundle)
-    name = name or manifest.get("name", "")
+    if name is None:
+        name = manifest.get("name")
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise InputError(f"{bundle}/{BUNDLE_FILE} names the bundle {printable(name)}, which is not a zoo name (1-100 "
+                             "letters, digits, '.', '_' or '-', starting with a letter or digit): pass --name")
     for flag, value in (("--name", name), ("--version", version)):
         if value is not None and not NAME_PATTERN.fullmatch(value):
             raise InputError(
-                f"{flag} '{value}' must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+                f"{flag} {printable(value)} must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
     if verify:
         from dwise_predict.exports.verify import require_verified
 
         require_verified(bundle)
     else:
-        check_files(bundle, manifest)
+        screen_bundle(bundle, open_bundle(bundle))
     with write_errors(zoo, "nothing was published; free space or fix permissions and rerun the same command"):
-        return _publish(bundle, zoo, manifest, name, version)
+        return _publish(bundle, zoo, manifest, name, version, lock_wait_s)
 
 
-def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | None) -> dict:
+@contextmanager
+def _zoo_lock(zoo: Path, wait_s: float):
+    """Hold the zoo's lock, waiting up to ``wait_s`` while another publish holds it."""
+    if (zoo / LOCK_FILE).is_symlink():  # opening it would create or truncate the file it points at
+        raise StoreError(f"{zoo / LOCK_FILE} is a symbolic link: a zoo's lock is a plain file; remove the link "
+                         "(and check who placed it)")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            lock = FileLock(zoo / LOCK_FILE, lambda holder: (
+                f"the zoo {zoo} is locked by another publish (pid {holder}), still after {wait_s:g} s: wait for it "
+                "to finish and rerun the same command")).__enter__()
+            break
+        except StoreError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+    try:
+        yield
+    finally:
+        lock.__exit__()
+
+
+def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | None, lock_wait_s: float) -> dict:
     zoo.mkdir(parents=True, exist_ok=True)
-    with FileLock(zoo / LOCK_FILE, lambda holder: f"the zoo {zoo} is locked by another publish (pid {holder}): wait for it to finish"):
+    with _zoo_lock(zoo, lock_wait_s):
         index = read_index(zoo, missing_ok=True)
         taken = [e["version"] for e in index["bundles"] if e["name"] == name]
         version = version or str(max([int(v) for v in taken if v.isdigit()], default=0) + 1)
@@ -81,8 +126,9 @@ def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | 
                 f"{name}@{version} is already in the zoo {zoo}: published versions are never overwritten; "
                 "pass another --version"
             )
-        relative = Path("bundles") / name / f"{name}-{version}.tar"
+        relative = Path(_tar_path(name, version))
         target = zoo / relative
+        _refuse_links(zoo, target)
         target.parent.mkdir(parents=True, exist_ok=True)
         # an unindexed tar at the target is debris of an interrupted publish: replacing it is safe
         atomic_write(target, lambda tmp: _write_tar(bundle, manifest, tmp))
@@ -117,12 +163,8 @@ def read_index(zoo: str | Path, missing_ok: bool = False) -> dict:
         if missing_ok:
             return {"schema_version": ZOO_SCHEMA_VERSION, "bundles": []}
         raise StoreError(f"no zoo at {zoo} (no {INDEX_FILE}): publish a bundle there first with `dwise-predict publish`")
-    try:
-        index = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise StoreError(
-            f"zoo index {path} is not valid JSON ({err}): restore it from a backup; nothing was changed"
-        ) from None
+    fix = "restore it from a backup; nothing was changed"
+    index = read_json(path, StoreError, f"zoo index {path}", fix, max_bytes=INDEX_MAX_BYTES)  # size checked before reading
     if not isinstance(index, dict) or not isinstance(index.get("bundles"), list):
         raise StoreError(f"zoo index {path} has no 'bundles' list: restore it from a backup; nothing was changed")
     if not isinstance(index.get("schema_version"), int) or index["schema_version"] > ZOO_SCHEMA_VERSION:
@@ -135,9 +177,25 @@ def read_index(zoo: str | Path, missing_ok: bool = False) -> dict:
         file = PurePosixPath(entry["file"])
         if file.is_absolute() or ".." in file.parts or "\\" in entry["file"]:
             # publish writes bundles/NAME/NAME-VERSION.tar; anything leaving the zoo is a damaged or hostile index
-            raise StoreError(f"zoo index {path}: entry {i} points outside the zoo ({entry['file']!r}): "
+            raise StoreError(f"zoo index {path}: entry {i} points outside the zoo ({printable(entry['file'])}): "
                              "restore the index from a backup; nothing was changed")
+        # a name or version is a directory and file name of the zoo, and pull's default --out
+        for key in ("name", "version"):
+            if not NAME_PATTERN.fullmatch(entry[key]):
+                raise StoreError(f"zoo index {path}: entry {i} has the {key} {printable(entry[key])}, which is not a "
+                                 f"plain name (letters, digits, '.', '_', '-'): {fix}")
+        if entry["file"] != _tar_path(entry["name"], entry["version"]):
+            raise StoreError(f"zoo index {path}: entry {i} points at {printable(entry['file'])}, not where publish "
+                             f"puts {entry['name']}@{entry['version']} ({_tar_path(entry['name'], entry['version'])}): {fix}")
+        for key, types in ENTRY_FIELDS.items():
+            if entry.get(key) is not None and (not isinstance(entry[key], types) or isinstance(entry[key], bool)):
+                raise StoreError(f"zoo index {path}: entry {i} has a {key} of type {type(entry[key]).__name__}: {fix}")
     return index
+
+
+def _tar_path(name: str, version: str) -> str:
+    """Where publish puts ``name@version``, relative to the zoo."""
+    return f"bundles/{name}/{name}-{version}.tar"
 
 
 def list_entries(zoo: str | Path) -> list[dict]:
@@ -150,14 +208,14 @@ def find_entry(zoo: str | Path, ref: str) -> dict:
     name, _, version = ref.partition("@")
     entries = [e for e in list_entries(zoo) if e["name"] == name]
     if not entries:
-        raise InputError(f"no bundle named '{name}' in the zoo {zoo}: see `dwise-predict zoo list --zoo {zoo}`")
+        raise InputError(f"no bundle named {printable(name)} in the zoo {zoo}: see `dwise-predict zoo list --zoo {zoo}`")
     if not version:
         return entries[-1]
     for entry in entries:
         if entry["version"] == version:
             return entry
     versions = ", ".join(e["version"] for e in entries)
-    raise InputError(f"'{name}' has no version '{version}' in the zoo {zoo} (published: {versions})")
+    raise InputError(f"'{name}' has no version {printable(version)} in the zoo {zoo} (published: {versions})")
 
 
 def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
@@ -169,8 +227,20 @@ def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
         return _pull(zoo, entry, out)
 
 
+def _refuse_links(zoo: Path, path: Path) -> None:
+    """Refuse a link on the way from ``zoo`` to ``path`` (a shared zoo may hold one someone planted):
+    through it a publish would write, or a pull read, outside the zoo (or hang on /dev/zero)."""
+    parts = path.relative_to(zoo).parts
+    for depth in range(1, len(parts) + 1):
+        step = zoo.joinpath(*parts[:depth])
+        if step.is_symlink():
+            raise StoreError(f"{step} is a symbolic link: a zoo holds only plain directories and files; remove "
+                             "the link (and check who placed it)")
+
+
 def _pull(zoo: Path, entry: dict, out: Path) -> Path:
     tar_path = zoo / entry["file"]
+    _refuse_links(zoo, tar_path)
     if not tar_path.is_file():
         raise StoreError(
             f"{tar_path} is missing from the zoo: the index lists it; re-publish {entry['name']}@{entry['version']}"
@@ -182,8 +252,7 @@ def _pull(zoo: Path, entry: dict, out: Path) -> Path:
         )
     with atomic_dir(out) as tmp:
         _extract_flat(tar_path, tmp)
-        manifest = read_bundle_manifest(tmp)
-        check_files(tmp, manifest)
+        screen_bundle(tmp, open_bundle(tmp))  # a hostile bundle never reaches --out
     return out
 
 
@@ -200,18 +269,27 @@ def _write_tar(bundle: Path, manifest: dict, path: Path) -> None:
 
 
 def _extract_flat(tar_path: Path, dest: Path) -> None:
-    """Extract only regular files with plain names; refuse anything else, naming the member."""
+    """Extract only regular files named as bundle artifacts; refuse anything else, naming the member.
+
+    Stricter than tarfile's ``data`` filter, which would still write sub-directories and links
+    inside ``dest``: a bundle is flat, so a tar member is a regular file with a known name, written
+    once. A sparse member is refused too: its header may claim far more bytes than the tar holds.
+    """
+    allowed = {BUNDLE_FILE, *BUNDLE_ARTIFACTS}
     try:
         with tarfile.open(tar_path, "r:") as tar:
             for member in tar:
                 name = member.name
                 if not member.isfile() or Path(name).name != name or name in ("", ".", "..") or name.startswith("/"):
                     raise BundleError(
-                        f"{tar_path} holds '{name}', which is not a plain file at the top level: refusing to extract"
+                        f"{tar_path} holds {printable(name)}, which is not a plain file at the top level: refusing to extract"
                     )
+                if name not in allowed or member.issparse():
+                    raise BundleError(f"{tar_path} holds {printable(name)}, which is not a file of a bundle "
+                                      "(or is stored sparse): refusing to extract")
                 target = dest / name
                 if target.exists():
-                    raise BundleError(f"{tar_path} holds '{name}' twice: refusing to extract")
+                    raise BundleError(f"{tar_path} holds {printable(name)} twice: refusing to extract")
                 source = tar.extractfile(member)
                 with open(target, "wb") as f:
                     shutil.copyfileobj(source, f)

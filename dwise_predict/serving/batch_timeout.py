@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.errors import ConfigError, InputError
-from dwise_predict.files import parse_json
+from dwise_predict.files import loads_json
 
 PAPER_RHOS = (0.30, 0.50, 0.70, 0.85, 0.95)
 PAPER_SUMMARY = {"batch_size": 8, "mean_s": 8.74, "cv": 0.266, "n": 8}  # seed 001 §V, Table II
@@ -114,7 +114,7 @@ def load_service_times(path: Path, batch_size: int | None = None) -> ServiceTime
     size = batch_size
     try:
         if path.suffix == ".json":
-            obj = parse_json(text, InputError, str(path))
+            obj = loads_json(text, InputError, str(path))
             if isinstance(obj, dict):
                 size = size or obj.get("batch_size")
                 obj = obj.get("service_s")

@@ -9,24 +9,26 @@ Loading refuses, with a :class:`~dwise_predict.errors.BundleError` that names th
 - a bundle whose model fingerprint (``weights_sha256``, ``config_hash``, ``hidden_size``) or
   decoding config (``algorithm``, ``algorithm_config``, ``block_size``, ``engine``) differs from what
   the caller serves;
-- any file listed in ``bundle.json`` that is missing or fails its size/sha256 check (this runs
-  before anything is deserialised, so a tampered ``refine.pt`` is never loaded).
+- any file listed in ``bundle.json`` that is missing or fails its size/sha256 check, and any
+  bundle or file that :mod:`dwise_predict.exports.screen` refuses (a link, a planted name, ONNX
+  external data, declared shapes the files do not have, a hostile TorchScript archive). All of this
+  runs before anything is deserialised, and each file is loaded from the very bytes that were checked.
 
 The torch backend rebuilds the refinement graph from ``refine.safetensors`` + ``calibration.json``
 by default (plain arrays: nothing executable is read); ``torchscript=True`` loads ``refine.pt``
-instead, after its hash has been checked.
+instead, once its pickles and code have passed the screen.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
 from dwise_predict.errors import BundleError, InputError
-from dwise_predict.exports.manifest import SIGNAL_COUNT, check_files, read_bundle_manifest
+from dwise_predict.exports.manifest import SIGNAL_COUNT
+from dwise_predict.exports.screen import open_bundle, read_calibration, read_checked, screen_bundle
 from dwise_predict.identity import BUNDLE_DECODING_KEYS, MODEL_KEYS
 
 BACKENDS = ("onnx", "torch")
@@ -80,15 +82,15 @@ class LoadedBundle:
         self.backend = backend
         refine_spec = (manifest.get("inputs") or {}).get("refine") or {}
         self.hidden_size = int(refine_spec.get("hidden_size") or (manifest.get("model") or {}).get("hidden_size") or 0)
-        from safetensors import safe_open
+        from safetensors.numpy import load
 
-        with safe_open(path / "refine.safetensors", "np") as weights:  # input_mean: [first_round | prompt_last | short]
-            self.prompt_last_mean = weights.get_tensor("input_mean")[self.hidden_size:2 * self.hidden_size].astype(np.float32)
-        self._admission = _ort_session(path / "admission.onnx", "cpu")
+        weights = load(read_checked(path, manifest, "refine.safetensors"))  # input_mean: [first_round | prompt_last | short]
+        self.prompt_last_mean = weights["input_mean"][self.hidden_size:2 * self.hidden_size].astype(np.float32)
+        self._admission = _ort_session(path, manifest, "admission.onnx", "cpu")
         if backend == "onnx":
-            self._refine = _ort_session(path / "refine.onnx", device)
+            self._refine = _ort_session(path, manifest, "refine.onnx", device)
         else:
-            self._refine = _torch_refine(path, refine_spec, device, torchscript)
+            self._refine = _torch_refine(path, manifest, device, torchscript)
 
     # --- admission -----------------------------------------------------------------------------
 
@@ -206,7 +208,7 @@ class LoadedBundle:
 
         graph = getattr(self, "_raw_graph", None)
         if graph is None:
-            graph = self._raw_graph = _torch_refine(self.path, (self.manifest.get("inputs") or {}).get("refine") or {}, "cpu", False)
+            graph = self._raw_graph = _torch_refine(self.path, self.manifest, "cpu", False)
         with torch.inference_mode():
             return graph.raw(*_torch_inputs(first_round, prompt_last, prompt_tokens, budget, early_signals, "cpu")).numpy()
 
@@ -243,7 +245,11 @@ def _torch_inputs(first_round, prompt_last, prompt_tokens, budget, early_signals
     return h, last, pt, bu, signals
 
 
-def _ort_session(path: Path, device: str):
+def _ort_session(bundle: Path, manifest: dict, name: str, device: str):
+    """An onnxruntime session of one of the bundle's graphs, made from its checked bytes (so no path
+    inside the graph resolves against the bundle's directory)."""
+    path = bundle / name
+    model = read_checked(bundle, manifest, name)
     try:
         import onnxruntime as ort
     except ImportError:
@@ -257,26 +263,29 @@ def _ort_session(path: Path, device: str):
     if str(device).startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
     try:
-        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        return ort.InferenceSession(model, sess_options=options, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types for a corrupt graph
         raise BundleError(f"{path} is not a loadable ONNX graph ({err}): re-export the bundle") from None
 
 
-def _torch_refine(path: Path, spec: dict, device: str, torchscript: bool):
+def _torch_refine(path: Path, manifest: dict, device: str, torchscript: bool):
+    import io
+
     import torch
 
     if torchscript:
-        module = torch.jit.load(str(path / "refine.pt"), map_location=device)
+        module = torch.jit.load(io.BytesIO(read_checked(path, manifest, "refine.pt")), map_location=device)
         return module.eval()
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     from dwise_predict.survival.network import build_refine_graph
 
+    spec = (manifest.get("inputs") or {}).get("refine") or {}
+    calibration = read_calibration(read_checked(path, manifest, "calibration.json"), str(path / "calibration.json"))
     try:
-        calibration = json.loads((path / "calibration.json").read_text())
-        weights = load_file(str(path / "refine.safetensors"), device="cpu")
+        weights = load(read_checked(path, manifest, "refine.safetensors"))
         graph = build_refine_graph(weights, spec, calibration)
-    except (KeyError, RuntimeError, ValueError, json.JSONDecodeError) as err:
+    except (KeyError, RuntimeError, ValueError) as err:
         raise BundleError(
             f"{path}: refine.safetensors, calibration.json and bundle.json inputs.refine do not fit together "
             f"({type(err).__name__}: {err}): re-export the bundle"
@@ -315,11 +324,9 @@ def load_bundle(
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     path = Path(path)
-    manifest = read_bundle_manifest(path)
+    manifest = open_bundle(path)  # the layout and every listed file's hash
+    screen_bundle(path, manifest)  # and content, also of the files not loaded here: a hostile bundle is refused whole
     check_compatible(manifest, expect_model, expect_decoding, str(path))
-    needed = ["admission.onnx"] + (["refine.onnx"] if backend == "onnx" else ["refine.safetensors", "calibration.json"])
-    if backend == "torch" and torchscript:
-        needed.append("refine.pt")
-    listed = manifest.get("files") or {}
-    check_files(path, manifest, sorted(set(listed) | set(needed)))
+    if backend == "torch" and torchscript and "refine.pt" not in manifest["files"]:
+        raise BundleError(f"{path} holds no refine.pt (TorchScript): load it with torchscript=False")
     return LoadedBundle(path, manifest, device, backend, torchscript)

@@ -6,7 +6,11 @@ entry points take the child's target as a parameter — ``http_server.launch_ser
 run_scheduler_process_func=...)`` and ``Engine.run_scheduler_process_func`` — so we hand them a
 :class:`SchedulerEntry`: a picklable callable that, in the child, loads the bundle on the rank's
 GPU, calls :func:`~dwise_predict.serving.sglang_adapter.install` (before the model runner exists,
-so before any CUDA graph is captured) and then runs SGLang's own ``run_scheduler_process``.
+so before any CUDA graph is captured) and then runs SGLang's own ``run_scheduler_process``. The
+hook's config is resolved in the launching process against SGLang's resolved server arguments
+(:func:`resolved`: the pooling buffer's rows from the CUDA-graph batch sizes SGLang decided for
+this GPU, the tokenizer SGLang will load), the same way on every path: ``serve``, :func:`engine`
+and the SGLang plugin (:mod:`dwise_predict.serving.plugin`, for ``python -m sglang.launch_server``).
 
 Shell::
 
@@ -19,22 +23,32 @@ Python::
     serve(HookConfig(bundle="bundle/", slots=128, k=8), ["--model-path", "...", "--dllm-fdfo"])   # HTTP server
     llm = engine(HookConfig(bundle="bundle/"), model_path="...", dllm_algorithm="LowConfidence")  # offline Engine
 
-Recording mode (``HookConfig(record="traces/")``): each DP rank's scheduler (TP rank 0) writes
-contract-1 shards of the requests it finished to ``traces/dp<rank>/``; ``dwise-predict traces merge``
-joins them. See ``docs/serving.md``.
+Recording mode (``HookConfig(record="traces/")``): one scheduler process per data-parallel rank (the
+first of its attention group, :func:`recording_directory`) writes contract-1 shards of the requests
+it finished to ``traces/dp<rank>/``; ``dwise-predict traces merge`` joins them. What happens to a
+recording on each kind of shutdown is in ``docs/serving.md``.
+
+Besides what ``sglang_adapter.SURFACE`` lists, the launcher calls SGLang's ``load_plugins``,
+``prepare_server_args``, ``ServerArgs.resolve_once``, ``resolved_view``, ``launch_server``,
+``kill_process_tree``, ``Engine``, ``resolve_spawn_dp_rank`` and ``compute_dp_attention_world_info``
+(each checked against the 0.5.23 wheel in ``tests/test_serving_launcher.py`` and
+``tests/test_serving_plugin.py``).
 """
 
 from __future__ import annotations
 
 import importlib
-import json
+import os
+import signal
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from dwise_predict.errors import ConfigError
+from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.files import read_json
 
 RUN_SCHEDULER_PROCESS = "sglang.srt.managers.scheduler:run_scheduler_process"
 ACTIVE = None  # the Installed handle of this process (set in a scheduler child)
+LOCK_FILE = ".lock"  # a recording directory's lock file, holding its writer's pid (collectors.store)
 
 
 @dataclass(frozen=True)
@@ -52,9 +66,13 @@ class HookConfig:
     tokenizer : tokenizer directory or hub id for the admission features (prompt text); default
         the server's ``--tokenizer-path`` or ``--model-path``.
     record : directory for recording mode, or None.
-    record_every : requests per committed shard while recording.
+    record_every : most requests per committed shard while recording.
+    record_flush_s : seconds after which a finished request is committed whatever the traffic (the
+        most a scheduler process killed outright loses: ``docs/serving.md``).
     prompt_cache : block rows the hook keeps for requests that a prefix-cache hit leaves without a
         prompt block of their own (``sglang_adapter.install``; 0: none).
+    aging : the policy's starvation guard (``DwisePolicy(aging=)``: rounds of remaining work one round
+        in the server is worth; 0: off). The default's choice: docs/serving.md, "Starvation guard".
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
         imports SGLang.
     """
@@ -71,7 +89,9 @@ class HookConfig:
     tokenizer: str | None = None
     record: str | None = None
     record_every: int = 64
+    record_flush_s: float = 5.0
     prompt_cache: int = 4096
+    aging: float = 0.1
     resolver: str | None = None
 
     def problems(self) -> list[str]:
@@ -86,8 +106,12 @@ class HookConfig:
             out.append("nothing to do: pass --bundle (schedule with DWISE), --record (collect traces), or both")
         if self.record_every < 1:
             out.append(f"--record-every must be positive, got {self.record_every}")
+        if not self.record_flush_s > 0:
+            out.append(f"--record-flush-s must be positive, got {self.record_flush_s}")
         if self.prompt_cache < 0:
             out.append(f"--prompt-cache must be 0 or more, got {self.prompt_cache}")
+        if not 0 <= self.aging < float("inf"):
+            out.append(f"--aging must be a finite number >= 0 (0: no starvation guard), got {self.aging}")
         return out
 
 
@@ -116,7 +140,8 @@ def resolved(config: HookConfig, server_args=None) -> HookConfig:
         raise ConfigError("; ".join(problems))
     block_size, hidden, tokenizer = config.block_size, config.hidden_size, config.tokenizer
     if config.bundle is not None:
-        manifest = json.loads((Path(config.bundle) / "bundle.json").read_text())
+        path = Path(config.bundle) / "bundle.json"  # bounded: deeply nested JSON is one line, not a RecursionError
+        manifest = read_json(path, BundleError, str(path), "re-export the bundle")
         block_size = block_size or (manifest.get("decoding") or {}).get("block_size")
         hidden = hidden or (manifest.get("model") or {}).get("hidden_size")
         if server_args is not None:
@@ -166,11 +191,13 @@ def check_served_algorithm(manifest: dict, bundle: str, server_args) -> None:
 class SchedulerEntry:
     """SGLang's ``run_scheduler_process`` with the DWISE hook installed first, in the child process.
 
-    Picklable (a plain config and a target path), so SGLang can hand it to ``spawn``. ``target`` is
-    ``"module:function"`` of the scheduler main to run after installing (tests pass a stand-in).
+    Picklable (a plain config and a target), so SGLang can hand it to ``spawn``. ``target`` is the
+    scheduler main to run after installing: ``"module:function"``, or the function itself (the
+    plugin wraps whatever SGLang or a subclass of its ``Engine`` would have run; tests pass a
+    stand-in).
     """
 
-    def __init__(self, config: HookConfig, target: str = RUN_SCHEDULER_PROCESS):
+    def __init__(self, config: HookConfig, target=RUN_SCHEDULER_PROCESS):
         self.config = config
         self.target = target
 
@@ -180,38 +207,78 @@ class SchedulerEntry:
         ranks = {name: kwargs.get(name, args[i] if i < len(args) else None) for i, name in enumerate(names)}
         install_in_this_process(self.config, ranks["server_args"], gpu_id=ranks["gpu_id"] or 0,
                                 tp_rank=ranks["tp_rank"] or 0, pp_rank=ranks["pp_rank"] or 0,
-                                dp_rank=ranks["dp_rank"] or 0)
-        return _load(self.target)(*args, **kwargs)
+                                dp_rank=ranks["dp_rank"])
+        target = _load(self.target) if isinstance(self.target, str) else self.target
+        return target(*args, **kwargs)
+
+
+def recording_directory(server_args, tp_rank: int, pp_rank: int, dp_rank: int | None, resolve=importlib.import_module
+                        ) -> str | None:
+    """The directory (under ``--record``) this scheduler process records into, or None when another
+    process of its group records the requests it runs.
+
+    Each data-parallel rank schedules its own requests. Under attention DP (``--attn-dp-size``, or
+    the older ``--enable-dp-attention --dp-size N`` that SGLang resolves to it) every attention-DP
+    group of the TP group is such a rank: its first process (attention-TP rank 0, attention-CP rank
+    0) records, by SGLang's own placement (``compute_dp_attention_world_info``, read from the
+    resolved arguments); the other processes of the group run the same batches. The directory is
+    ``dp<rank>`` for the rank SGLang's scheduler resolves (``resolve_spawn_dp_rank``: the launcher's,
+    else ``SGLANG_DP_RANK`` for data-parallel servers launched one by one), ``dp0`` without one;
+    when SGLang keeps the launcher's attention-DP rank over a ``SGLANG_DP_RANK`` that is set (attention
+    DP inside an externally launched replica), ``dp<SGLANG_DP_RANK>-<rank>``, so replicas never share
+    a directory. Pipeline stages other than the first record nothing."""
+    if pp_rank != 0:
+        return None
+    tp_size, attn_dp_size, attn_cp_size = 1, 1, 1
+    if server_args is not None:
+        view = resolve("sglang.srt.arg_groups.model_override_base").resolved_view(server_args)
+        tp_size, attn_dp_size, attn_cp_size = int(view.tp_size), int(view.attn_dp_size), int(view.attn_cp_size)
+    attn_tp_rank, attn_tp_size, _, _ = resolve("sglang.srt.layers.dp_attention").compute_dp_attention_world_info(
+        tp_rank, tp_size, attn_dp_size, attn_cp_size)
+    if attn_tp_rank != 0 or (tp_rank // attn_tp_size) % attn_cp_size != 0:
+        return None
+    rank = resolve("sglang.srt.managers.scheduler").resolve_spawn_dp_rank(dp_rank)
+    replica = os.environ.get("SGLANG_DP_RANK")
+    if dp_rank is not None and replica is not None:
+        return f"dp{int(replica)}-{int(rank)}"
+    return f"dp{int(rank or 0)}"
 
 
 def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 0, tp_rank: int = 0, pp_rank: int = 0,
-                            dp_rank: int = 0):
+                            dp_rank: int | None = None):
     """Install the hook in the current (scheduler) process; returns the ``Installed`` handle.
-    ``server_args``: SGLang's, whose decoding a recording is made in (:func:`served_algorithm`)."""
+
+    ``server_args``: SGLang's, whose decoding a recording is made in (:func:`served_algorithm`) and
+    whose parallel layout decides which process records (:func:`recording_directory`, with the
+    launcher's ``dp_rank``). A recorder commits on SIGTERM, SIGINT and at exit
+    (:meth:`LiveRecorder.close_on_exit`): call this from the process's main thread."""
     global ACTIVE
     from dwise_predict.serving.sglang_adapter import install
 
+    resolve = _load(config.resolver) if config.resolver else importlib.import_module
     device = _device(gpu_id)
     bundle = None
     if config.bundle is not None:
         from dwise_predict.serving.bundle import load_bundle
 
         bundle = load_bundle(config.bundle, backend="torch", device=device)
-    features = _features(config.tokenizer) if bundle is not None or config.record else None
+    where = recording_directory(server_args, tp_rank, pp_rank, dp_rank, resolve) if config.record else None
+    tokenizer = _tokenizer(config.tokenizer) if bundle is not None or where is not None else None
+    features = _features(tokenizer) if bundle is not None or config.record else None
     recorder = None
-    if config.record is not None and tp_rank == 0 and pp_rank == 0:
+    if where is not None:
         # recording is a collector: its writer lives in collectors/ (see tests/test_layering.py)
         from dwise_predict.collectors.live import LiveRecorder
 
-        recorder = LiveRecorder(Path(config.record) / f"dp{dp_rank}", block_size=config.block_size,
-                                features=features, every=config.record_every, bundle=config.bundle,
-                                decoding=served_algorithm(server_args, config.block_size))
-    resolve = _load(config.resolver) if config.resolver else importlib.import_module
+        recorder = LiveRecorder(Path(config.record) / where, block_size=config.block_size, features=features,
+                                every=config.record_every, bundle=config.bundle, flush_s=config.record_flush_s,
+                                decoding=served_algorithm(server_args, config.block_size), tokenizer=tokenizer)
+        recorder.close_on_exit()
     ACTIVE = install(bundle, slots=config.slots, k=config.k, kv_budget_tokens=config.kv_budget_tokens,
                      kv_fraction=config.kv_fraction, slack_blocks=config.slack_blocks, features=features,
                      device=device if (bundle is not None or recorder is not None) else None, resolve=resolve,
                      block_size=config.block_size, max_batch=config.max_batch, hidden_size=config.hidden_size,
-                     recorder=recorder, prompt_cache=config.prompt_cache)
+                     recorder=recorder, prompt_cache=config.prompt_cache, aging=config.aging)
     return ACTIVE
 
 
@@ -223,18 +290,26 @@ def _device(gpu_id: int) -> str:
     return f"cuda:{gpu_id}" if torch.cuda.is_available() else "cpu"
 
 
-def _features(tokenizer: str | None):
+def _tokenizer(path: str | None):
+    """The tokenizer at ``path`` (a directory or hub id), or None without one."""
+    if not path:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _features(tokenizer):
     """``req -> (words, newlines, prompt_tokens)``: SGLang's ``Req`` holds the chat-templated ids, so
     the words and newlines are counted over the user's text inside them, as ``collect`` counts them
     (:meth:`PromptFeaturizer.user_text`); over the whole decoded input where the template cannot be
-    stripped (a system prompt or several turns: the template's markup then counts too)."""
+    stripped (a system prompt or several turns: the template's markup then counts too).
+    ``tokenizer``: a loaded tokenizer, a path to load one from, or None (no text: zero words)."""
     from dwise_predict.features.prompt import PromptFeaturizer, count_newlines, count_words
 
-    featurizer = None
-    if tokenizer:
-        from transformers import AutoTokenizer
-
-        featurizer = PromptFeaturizer(AutoTokenizer.from_pretrained(tokenizer))
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = _tokenizer(str(tokenizer))
+    featurizer = PromptFeaturizer(tokenizer) if tokenizer is not None else None
 
     def features(req):
         text = getattr(req, "_dwise_text", None)
@@ -249,37 +324,136 @@ def _features(tokenizer: str | None):
     return features
 
 
+def _sglang(what: str, name: str):
+    """SGLang's module ``name``, or a one-line :class:`ConfigError` saying ``what`` needs it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ConfigError(f"{what} needs sglang==0.5.23 installed in this environment ({err})") from None
+
+
+def server_arguments(sglang_argv: list[str], what: str = "dwise-predict serve"):
+    """SGLang's server arguments for ``sglang_argv`` as its launcher builds them (plugins loaded first,
+    ``prepare_server_args``, ``resolve_once``), and their resolved view: the decisions ``resolve_once``
+    took for this machine (the CUDA-graph batch sizes from the GPU's memory, the tokenizer path)."""
+    plugins = _sglang(what, "sglang.srt.plugins")
+    arguments = _sglang(what, "sglang.srt.server_args")
+    views = _sglang(what, "sglang.srt.arg_groups.model_override_base")
+    plugins.load_plugins()
+    server_args = arguments.prepare_server_args(list(sglang_argv))
+    server_args.resolve_once()
+    return server_args, views.resolved_view(server_args)
+
+
+def plan(config: HookConfig, sglang_argv: list[str]) -> dict:
+    """What ``serve`` would start, as plain JSON: the hook's config resolved against SGLang's own
+    resolution of ``sglang_argv`` on this machine (``max_batch``, ``tokenizer``, block and hidden
+    size), and SGLang's arguments. Starts nothing (``serve --dry-run``)."""
+    problems = config.problems()
+    if problems:
+        raise ConfigError("; ".join(problems))
+    _, view = server_arguments(sglang_argv, "dwise-predict serve --dry-run (it resolves SGLang's arguments as the "
+                                            "server will)")
+    return {"hook": describe(resolved(config, view)), "sglang_args": list(sglang_argv)}
+
+
 def serve(config: HookConfig, sglang_argv: list[str]) -> None:
     """``sglang serve`` / ``python -m sglang.launch_server`` with the hook in every scheduler process.
 
-    ``sglang_argv`` are SGLang's own server arguments. Runs until the server stops.
+    ``sglang_argv`` are SGLang's own server arguments. Runs until the server stops; then, as SGLang's
+    own launcher does, kills what is left of the process tree (``kill_process_tree`` of this process,
+    itself spared), so no scheduler outlives the server.
     """
     problems = config.problems()
     if problems:
         raise ConfigError("; ".join(problems))
+    http = _sglang("dwise-predict serve", "sglang.srt.entrypoints.http_server")
+    utils = _sglang("dwise-predict serve", "sglang.srt.utils")
+    server_args, view = server_arguments(sglang_argv)
     try:
-        from sglang.srt.arg_groups.model_override_base import resolved_view
-        from sglang.srt.entrypoints.http_server import launch_server
-        from sglang.srt.plugins import load_plugins
-        from sglang.srt.server_args import prepare_server_args
-    except ImportError as err:
-        raise ConfigError(f"dwise-predict serve needs sglang==0.5.23 installed in this environment ({err})") from None
-    load_plugins()
-    server_args = prepare_server_args(list(sglang_argv))
-    server_args.resolve_once()
-    for flag in ("encoder_only", "smg_grpc_mode", "use_ray"):
-        if getattr(server_args, flag, False):
-            raise ConfigError(f"dwise-predict serve runs SGLang's HTTP server only; drop --{flag.replace('_', '-')}")
-    launch_server(server_args, run_scheduler_process_func=SchedulerEntry(resolved(config, resolved_view(server_args))))
+        for flag in ("encoder_only", "smg_grpc_mode", "use_ray"):
+            if getattr(view, flag, False):
+                raise ConfigError(f"dwise-predict serve runs SGLang's HTTP server only; drop --{flag.replace('_', '-')}")
+        http.launch_server(server_args, run_scheduler_process_func=SchedulerEntry(resolved(config, view)))
+    finally:
+        utils.kill_process_tree(os.getpid(), include_parent=False)
 
 
 def engine(config: HookConfig, **engine_kwargs):
-    """An offline ``sglang.Engine`` whose scheduler processes run with the hook installed."""
-    from sglang.srt.entrypoints.engine import Engine
+    """An offline ``sglang.Engine`` whose scheduler processes run with the hook installed.
 
-    entry = SchedulerEntry(resolved(config))
-    hooked = type("DwiseEngine", (Engine,), {"run_scheduler_process_func": staticmethod(entry)})
-    return hooked(**engine_kwargs)
+    ``engine_kwargs`` are ``Engine``'s (SGLang's ``ServerArgs`` fields, or ``server_args=``). The
+    server arguments are built here as ``Engine.__init__`` builds them (plugins loaded first, SGLang's
+    default ``log_level="error"``) and resolved, so the hook is configured from what the engine will
+    run: the pooling buffer holds SGLang's largest CUDA-graph batch for this GPU, admission reads the
+    model's tokenizer. ``shutdown()`` (also at exit) lets each recording scheduler commit and
+    consolidate before SGLang's own shutdown SIGKILLs the schedulers (:func:`stop_recordings`).
+    """
+    Engine = _sglang("dwise_predict.serving.launcher.engine", "sglang.srt.entrypoints.engine").Engine
+    _sglang("dwise_predict.serving.launcher.engine", "sglang.srt.plugins").load_plugins()
+    server_args = engine_kwargs.pop("server_args", None)
+    if server_args is None:
+        engine_kwargs.setdefault("log_level", "error")
+        server_args = Engine.server_args_class(**engine_kwargs)
+    elif engine_kwargs:
+        raise ConfigError(f"engine(): pass server_args= or ServerArgs fields, not both ({', '.join(engine_kwargs)})")
+    server_args.resolve_once()
+    views = _sglang("dwise_predict.serving.launcher.engine", "sglang.srt.arg_groups.model_override_base")
+    entry = SchedulerEntry(resolved(config, views.resolved_view(server_args)))
+    record = entry.config.record
+
+    def shutdown(self):
+        if record is not None:
+            stop_recordings(record)
+        Engine.shutdown(self)
+
+    hooked = type("DwiseEngine", (Engine,), {"run_scheduler_process_func": staticmethod(entry), "shutdown": shutdown})
+    return hooked(server_args=server_args)
+
+
+def stop_recordings(record: str | os.PathLike, timeout: float = 60.0) -> list[int]:
+    """SIGTERM each scheduler process of this process's tree that records under ``record`` (the pid
+    in its recording directory's lock file) and wait up to ``timeout`` seconds for them to exit.
+    Their recorders commit and consolidate on SIGTERM, then end the process as SIGTERM would
+    (:meth:`LiveRecorder.close_on_exit`): what an ``Engine`` shutdown, a SIGKILL of every scheduler
+    (``kill_process_tree``), would otherwise cut short. Returns the pids signalled."""
+    import psutil  # SGLang's own dependency (its kill_process_tree uses it)
+
+    ours = {child.pid: child for child in psutil.Process().children(recursive=True)}
+    signalled = []
+    for lock in sorted(Path(record).glob(f"*/{LOCK_FILE}")):
+        pid = _lock_holder(lock)
+        if pid in ours:
+            try:
+                ours[pid].send_signal(signal.SIGTERM)
+                signalled.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+    psutil.wait_procs([ours[pid] for pid in signalled], timeout=timeout)
+    return signalled
+
+
+def _lock_holder(path: Path) -> int | None:
+    """The pid in a store's lock file while a process holds the lock (a released lock file keeps the
+    pid of its last holder, which may since name another process), else None."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # held: the pid is its holder's
+        try:
+            return int(os.pread(fd, 32, 0).decode(errors="replace").strip() or 0) or None
+        except ValueError:
+            return None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def describe(config: HookConfig) -> dict:

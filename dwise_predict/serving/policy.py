@@ -5,16 +5,27 @@ A server calls, every serving round,
 1. :meth:`DwisePolicy.add` (or :meth:`~DwisePolicy.add_many`) for each newly arrived request;
 2. :meth:`DwisePolicy.schedule` -> a :class:`RoundPlan`: which waiting requests become resident
    (admission) and which ``B`` resident requests run this round (the rest are paused, KV kept);
-3. after the forward pass, :meth:`DwisePolicy.complete_round` (vectorised) or
-   :meth:`DwisePolicy.complete` (one request at a time, in the pass the server already makes over
-   the batch): a prompt block lowers ``P``; the first denoising round sets ``r̂`` to the refined
-   estimate (once); any other denoising round lowers ``r̂`` by one (not below zero); finished
-   requests leave and free their KV reservation.
+3. if the server's own budgets ran other requests than the plan's (a pick it could not fit left
+   out, a standby request run in its slot): :meth:`DwisePolicy.ran`;
+4. after the forward pass, :meth:`DwisePolicy.complete_round` (the plan ran as planned),
+   :meth:`DwisePolicy.complete_slots` (any set of requests, vectorised) or
+   :meth:`DwisePolicy.complete` (one request at a time): a prompt block lowers ``P``; the first
+   denoising round sets ``r̂`` to the refined estimate (once); any other denoising round lowers
+   ``r̂`` by one (not below zero); finished requests leave and free their KV reservation.
 
 Remaining work is ``R = P + r̂`` (prompt blocks and denoising rounds each take one slot of one round,
 so they share one scale). Ties are broken by arrival sequence, which is the order requests were
 added (within one :meth:`add_many` call given ``arrival`` times: by time, then by request id), so a
 fixed input gives a fixed schedule.
+
+Starvation guard (``aging``): pure SRPT lets a long request wait without bound while shorter ones
+keep arriving. With ``aging = a > 0`` the rank key is ``R + a · t0``, ``t0`` the round the request
+arrived in (rounds counted by the policy), which orders requests exactly as ``R − a · (time
+waited)`` would: every round in the server is worth ``a`` rounds of remaining work. A request of
+remaining work ``R`` is then passed only by requests that arrived less than ``R / a`` rounds after
+it, so its wait is bounded, and the key of a request that does not run never changes, so the
+sorted waiting list stays sorted and a simulator may still skip ahead over rounds whose plan cannot
+change. ``a = 0`` is Algorithm 1 as published.
 
 The two FCFS baselines of the simulator are the same class with ``ranking="arrival"`` (rank by
 arrival sequence instead of ``R``) and, for SGLang's default, ``prefill_first=True`` (a round runs
@@ -49,6 +60,8 @@ class RoundPlan:
     admitted : int64 array, slots that moved from waiting to resident this round.
     paused : int64 array, resident slots that do not run this round (KV kept).
     preempted : int64 array, slots that ran last round, still have work, and are paused now.
+    standby : int64 array, the paused slots that could run (the rank's candidates), best rank
+        first: the order in which a server fills a slot that one of ``run`` could not take.
     """
 
     run: np.ndarray
@@ -56,6 +69,7 @@ class RoundPlan:
     admitted: np.ndarray
     paused: np.ndarray
     preempted: np.ndarray
+    standby: np.ndarray
 
 
 class DwisePolicy:
@@ -73,11 +87,14 @@ class DwisePolicy:
     blocking_admission : a waiting request whose reservation does not fit stops admission for the
         round, as SGLang's ``PrefillAdder`` does (``process_dllm_incoming_reqs`` breaks at the first
         request it cannot add), instead of letting a later, smaller one pass it (``False``).
+    aging : starvation guard, rounds of remaining work one round in the server is worth (``R`` ranks
+        as ``R + aging · arrival round``; see the module docstring); 0 is off. Only the
+        ``remaining`` ranking ages.
 
     Raises
     ------
     ConfigError
-        ``slots < 1``, ``k < 1``, a non-positive KV budget or an unknown ranking.
+        ``slots < 1``, ``k < 1``, a non-positive KV budget, an unknown ranking or a negative aging.
     """
 
     def __init__(
@@ -88,6 +105,7 @@ class DwisePolicy:
         ranking: str = "remaining",
         prefill_first: bool = False,
         blocking_admission: bool = False,
+        aging: float = 0.0,
     ):
         problems = []
         if not isinstance(slots, (int, np.integer)) or slots < 1:
@@ -98,6 +116,8 @@ class DwisePolicy:
             problems.append(f"KV budget must be positive, got {kv_budget!r}")
         if ranking not in RANKINGS:
             problems.append(f"ranking must be one of {', '.join(RANKINGS)}, got {ranking!r}")
+        if not (aging >= 0 and math.isfinite(aging)):
+            problems.append(f"aging (starvation guard) must be a finite number >= 0, got {aging!r}")
         if problems:
             raise ConfigError("; ".join(problems))
         self.slots = int(slots)
@@ -107,7 +127,9 @@ class DwisePolicy:
         self.ranking = ranking
         self.prefill_first = bool(prefill_first)
         self.blocking_admission = bool(blocking_admission)
+        self.aging = float(aging)
 
+        self.rounds = 0  # rounds scheduled so far (the clock of the starvation guard)
         self.kv_used = 0.0
         self._seq_next = 0
         self._ids: list = []
@@ -133,6 +155,7 @@ class DwisePolicy:
         grow("_rhat", np.float64, 0.0)  # estimated remaining denoising rounds
         grow("_rounds", np.int64, 0)  # denoising rounds done
         grow("_seq", np.int64, 0)  # arrival sequence (tie-break)
+        grow("_born", np.float64, 0.0)  # the round it arrived in (starvation guard)
         grow("_kv", np.float64, 0.0)  # KV reservation
         grow("_state", np.int8, FREE)
         grow("_preemptions", np.int64, 0)
@@ -207,6 +230,7 @@ class DwisePolicy:
         self._seq_next += n
         self._P[slots], self._rhat[slots], self._kv[slots], self._seq[slots] = P, est, kv, seq
         self._rounds[slots] = 0
+        self._born[slots] = self.rounds
         self._preemptions[slots] = 0
         self._state[slots] = WAITING
         for slot, rid in zip(slots.tolist(), ids):
@@ -224,8 +248,11 @@ class DwisePolicy:
     # --- the round -----------------------------------------------------------------------------
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
-        """Rank key of the given slots: ``R = P + r̂`` or the arrival sequence."""
+        """Rank key of the given slots: ``R = P + r̂`` (plus ``aging`` times the arrival round) or the
+        arrival sequence."""
         if self.ranking == "remaining":
+            if self.aging:
+                return self._P[slots] + self._rhat[slots] + self.aging * self._born[slots]
             return self._P[slots] + self._rhat[slots]
         return self._seq[slots].astype(np.float64)
 
@@ -239,10 +266,19 @@ class DwisePolicy:
         requests run (with ``prefill_first``: the best-ranked ones that still have prompt blocks, if
         any do).
         """
+        self.rounds += 1
         res = self._resident
         keys = self._keys(res)
         admitted: list[int] = []
-        if self._waiting and len(res) < self.max_resident:
+        rank = None
+        if self._waiting and len(res) < self.max_resident and len(res) >= self.slots:
+            # the common case of a busy server: the best waiting request ranks below the B-th resident,
+            # so none is admitted (the waiting list is sorted: its head is its best)
+            rank = np.lexsort((self._seq[res], keys))
+            kth = rank[self.slots - 1]
+            if self._waiting[0] < (float(keys[kth]), int(self._seq[res[kth]]), math.inf):
+                rank = None
+        if rank is None and self._waiting and len(res) < self.max_resident:
             head = self._waiting[: self.slots]
             thr = self._threshold(keys, self._seq[res], head)
             kept = []
@@ -271,9 +307,11 @@ class DwisePolicy:
         if self.prefill_first:
             prefill = self._P[res] > 0
             if prefill.any():
-                pool, pool_keys = res[prefill], keys[prefill]
-        rank = np.lexsort((self._seq[pool], pool_keys))
+                pool, pool_keys, rank = res[prefill], keys[prefill], None
+        if rank is None:
+            rank = np.lexsort((self._seq[pool], pool_keys))
         run = pool[rank[: self.slots]]
+        standby = pool[rank[self.slots:]]
 
         # A preemption is a request displaced by ranking: one that ran last round and is still a
         # candidate now. Decoders held back by the prefill-first barrier are stalled, not preempted.
@@ -283,7 +321,7 @@ class DwisePolicy:
         preempted = was_running[self._state[was_running] == PAUSED]
         self._preemptions[preempted] += 1
         paused = res[self._state[res] == PAUSED]
-        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64), paused, preempted)
+        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64), paused, preempted, standby)
 
     def _threshold(self, res_keys: np.ndarray, res_seq: np.ndarray, head: list) -> tuple:
         """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off)."""
@@ -295,6 +333,27 @@ class DwisePolicy:
         all_seq = np.concatenate([res_seq, head_seq])
         i = np.lexsort((all_seq, all_keys))[self.slots - 1]
         return (float(all_keys[i]), int(all_seq[i]), math.inf)
+
+    def ran(self, plan: RoundPlan, slots) -> None:
+        """The server ran ``slots`` this round instead of ``plan.run``: its own budgets left some
+        picks out (they are paused: waiting for the next round, not preempted) or ran standby
+        requests in their place (``plan.standby``; they are running, and one the plan counted as
+        preempted was not).
+
+        Raises
+        ------
+        InputError
+            A slot that is not resident (waiting or free).
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        outside = (self._state[slots] == WAITING) | (self._state[slots] == FREE)
+        if outside.any():
+            raise InputError(f"ran() got slots {slots[outside].tolist()} that are not resident: only the plan's "
+                             "picks and its standby requests can run")
+        self._state[plan.run] = PAUSED
+        self._state[slots] = RUNNING
+        # a request the plan displaced but the server ran after all was not preempted
+        self._preemptions[plan.preempted[np.isin(plan.preempted, slots)]] -= 1
 
     def complete_round(self, plan: RoundPlan, finished=None, refined=None, repeat: int = 1) -> np.ndarray:
         """Update the fields of the requests that ran (Algorithm 1, lines 11-20).
@@ -313,25 +372,60 @@ class DwisePolicy:
         -------
         int64 array: the slots that finished and were freed (their slots may be reused).
         """
-        run, prompt = plan.run, plan.prompt
-        self._P[run[prompt]] -= repeat
+        self.rounds += repeat - 1  # schedule() counted the first
+        return self.complete_slots(plan.run, plan.prompt, finished, refined if repeat == 1 else None, repeat)
+
+    def complete_slots(self, slots, prompt, finished=None, refined=None, rounds=1) -> np.ndarray:
+        """Update the fields of the requests that ran, whichever they were (vectorised).
+
+        Parameters
+        ----------
+        slots : int64 array (n,), slots that ran.
+        prompt : bool array (n,), True where that slot processed a prompt block (``P`` lowers by
+            one, not below zero), else denoising rounds.
+        finished : bool array (n,), True where that request produced its last block (it leaves).
+        refined : float array (n,), the refined remaining-rounds estimate, used where this was the
+            request's first denoising round and the value is finite.
+        rounds : int or int array (n,): denoising rounds each ran (a synchronous server runs a whole
+            block in one step); a refined estimate counts from the first of them.
+
+        Returns
+        -------
+        int64 array: the slots that finished and were freed.
+        """
+        slots = np.asarray(slots, dtype=np.int64)
+        prompt = np.asarray(prompt, dtype=bool)
+        pr = slots[prompt]
         dn_pos = np.flatnonzero(~prompt)
-        dn = run[dn_pos]
-        self._rounds[dn] += repeat
-        decremented = np.maximum(self._rhat[dn] - float(repeat), 0.0)
-        if refined is not None and repeat == 1:
+        dn = slots[dn_pos]
+        if np.ndim(rounds):  # one count per request (a synchronous server's block-long steps)
+            rounds = np.asarray(rounds, dtype=np.int64)
+            self._P[pr] = np.maximum(self._P[pr] - rounds[prompt], 0)
+            steps = rounds[dn_pos]
+        else:
+            self._P[pr] = np.maximum(self._P[pr] - rounds, 0)
+            steps = int(rounds)
+        first = self._rounds[dn] == 0
+        self._rounds[dn] += steps
+        rhat = np.maximum(self._rhat[dn] - steps, 0.0)
+        if refined is not None:
             ref = np.asarray(refined, dtype=np.float64)[dn_pos]
-            use = (self._rounds[dn] == 1) & np.isfinite(ref)
-            decremented = np.where(use, np.maximum(ref, 0.0), decremented)
-        self._rhat[dn] = decremented
+            rhat = np.where(first & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
+        self._rhat[dn] = rhat
         if finished is None:
             return np.zeros(0, dtype=np.int64)
-        done = run[np.asarray(finished, dtype=bool)]
+        done = slots[np.asarray(finished, dtype=bool)]
         self._release(done)
         return done
 
+    def refine(self, slots, remaining) -> None:
+        """Replace ``r̂`` of resident requests by fresh estimates of their remaining denoising rounds
+        (clamped at zero): a refinement after a later round (``simulate --refine-every``, seed 000
+        Table 6). Call it after :meth:`complete_round`, which keeps decrementing ``r̂`` in between."""
+        self._rhat[np.asarray(slots, dtype=np.int64)] = np.maximum(np.asarray(remaining, dtype=np.float64), 0.0)
+
     def complete(self, request_id, refined: float | None = None, finished: bool = False, prompt: bool | None = None) -> None:
-        """Per-request form of :meth:`complete_round` for a server walking its batch.
+        """Per-request form of :meth:`complete_slots` for a server walking its batch.
 
         ``prompt`` says whether the request processed a prompt block this round; by default it is
         inferred from ``P > 0`` (the policy's own record, which is exact).
@@ -339,16 +433,7 @@ class DwisePolicy:
         slot = self._slot(request_id)
         if prompt is None:
             prompt = self._P[slot] > 0
-        if prompt:
-            self._P[slot] = max(self._P[slot] - 1, 0)
-        else:
-            self._rounds[slot] += 1
-            if self._rounds[slot] == 1 and refined is not None and math.isfinite(refined):
-                self._rhat[slot] = max(float(refined), 0.0)
-            else:
-                self._rhat[slot] = max(self._rhat[slot] - 1.0, 0.0)
-        if finished:
-            self._release(np.array([slot], dtype=np.int64))
+        self.complete_slots([slot], [prompt], [finished], [math.nan if refined is None else refined])
 
     def set_prompt_blocks(self, request_id, prompt_blocks: int) -> None:
         """Set ``P`` from what the server knows now (a prefix-cache hit covers some prompt blocks).
@@ -404,6 +489,21 @@ class DwisePolicy:
     def ids(self, slots) -> list:
         """Request ids of the given slots."""
         return [self._ids[s] for s in np.asarray(slots).tolist()]
+
+    def slots_of(self, request_ids) -> np.ndarray:
+        """Slots of the given request ids (int64 array), which must be in the policy."""
+        try:
+            return np.fromiter((self._slot_of[rid] for rid in request_ids), dtype=np.int64)
+        except KeyError as err:
+            raise InputError(f"request {err.args[0]!r} is not in the policy (never added, or already finished)") from None
+
+    def denoising_rounds(self, slots) -> np.ndarray:
+        """Denoising rounds each slot's request has run (int64 array)."""
+        return self._rounds[np.asarray(slots, dtype=np.int64)]
+
+    def prompt_blocks(self, slots) -> np.ndarray:
+        """``P`` of each slot's request (int64 array)."""
+        return self._P[np.asarray(slots, dtype=np.int64)]
 
     def remaining_work(self, request_id) -> float:
         """``R = P + r̂`` of one request."""

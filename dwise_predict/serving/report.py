@@ -27,6 +27,26 @@ TABLE_COLUMNS = (
     ("adds", "adds over the row above", "{}"),
 )
 INTERVAL = "{:.2f} [{:.2f}, {:.2f}]"
+# seed 000 Table 6 (`simulate --refine-every`): one row per arrival pattern and refinement setting
+REFINE_COLUMNS = (
+    ("arrival", "arrival", "{}"),
+    ("refine", "refine", "{}"),
+    ("mean_latency_s", "mean s", "{:.2f}"),
+    ("p50_latency_s", "p50 s", "{:.2f}"),
+    ("preemptions_per_request", "preempt/req", "{:.2f}"),
+    ("rhat_zero_pct", "reach r̂=0 %", "{:.1f}"),
+    ("refinements_per_request", "refinements/req", "{:.2f}"),
+    ("predictor_us_per_round", "predictor µs/round", "{:.0f}"),
+    ("rho_held", "ρ(r̂, remaining)", "{:.3f}"),
+)
+ROUND_RANK_COLUMNS = (
+    ("round", "round k", "{}"),
+    ("requests", "running after k", "{}"),
+    ("rho_state", "ρ, round-k state", "{:.3f}"),
+    ("rho_decrement", "ρ, round 1 − (k − 1)", "{:.3f}"),
+    ("ratio_state", "median ratio, state", "{:.2f}"),
+    ("ratio_decrement", "median ratio, decrement", "{:.2f}"),
+)
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
@@ -54,9 +74,30 @@ def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arriv
     return table
 
 
-def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails: list[dict] | None = None) -> list[Path]:
-    """``<stem>.csv``, ``<stem>.json`` (rows + settings + per-category tails) and ``<stem>.png`` in
-    ``out``; with ``tails``, also ``<stem>_categories.csv`` and ``<stem>_categories.png``."""
+def render_refine_table(table: dict, title: str):
+    """Seed 000 Table 6 replayed (:func:`~dwise_predict.serving.refine_every.replay_refine_every`):
+    the rich tables of the replay and of ρ per round."""
+    from rich.table import Table
+
+    def build(rows, columns, heading):
+        out = Table(title=heading, title_justify="left")
+        for _, header, _ in columns:
+            out.add_column(header, justify="left" if header in ("arrival", "refine") else "right")
+        for r in rows:
+            out.add_row(*[_cell(r, key, fmt) for key, _, fmt in columns])
+        return out
+
+    rank_title = (f"Ranking of the remaining rounds after round k (requests still running): the refinement fed round "
+                  f"k's state vs round 1's decremented")
+    return (build(table["rows"], REFINE_COLUMNS, title),
+            build(table["rho_by_round"], ROUND_RANK_COLUMNS, rank_title))
+
+
+def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails: list[dict] | None = None,
+                  extra: dict | None = None) -> list[Path]:
+    """``<stem>.csv``, ``<stem>.json`` (rows + settings + per-category tails, and ``extra``'s keys, e.g.
+    ``refine_every``) and ``<stem>.png`` in ``out``; with ``tails``, also ``<stem>_categories.csv`` and
+    ``<stem>_categories.png``."""
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
     gains = []
     if rows and "arrival" in rows[0]:
@@ -67,7 +108,7 @@ def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails:
         out.mkdir(parents=True, exist_ok=True)
         # the JSON first: it marks the folder as a simulate output, so a rerun after a kill replaces it
         atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or [],
-                                                 "gains": gains}, indent=2, default=str).encode())
+                                                 "gains": gains, **(extra or {})}, indent=2, default=str).encode())
         write_csv(paths[0], rows)
         atomic_write_bytes(paths[2], _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem)))
         if tails:

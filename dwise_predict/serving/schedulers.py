@@ -172,10 +172,12 @@ class ScheduledPolicy(DwisePolicy):
         return max(1, int(np.min(np.ceil(next_work - work))))
 
 
-def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None) -> DwisePolicy:
-    """The policy object serving ``spec`` (the plain :class:`DwisePolicy` where it suffices)."""
+def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None, aging: float = 0.0) -> DwisePolicy:
+    """The policy object serving ``spec`` (the plain :class:`DwisePolicy` where it suffices); ``aging``,
+    the starvation guard of the DWISE schedulers (the ``dwise-*`` rows: what ``serve`` runs), leaves
+    the baselines as published."""
     k_eff = k if spec.preemptive else 1
     options = dict(ranking=spec.ranking, prefill_first=spec.prefill_first, blocking_admission=spec.blocking_admission)
     if spec.ranking in ("remaining", "arrival"):
-        return DwisePolicy(slots, k_eff, kv_budget, **options)
+        return DwisePolicy(slots, k_eff, kv_budget, aging=aging if spec.name.startswith("dwise-") else 0.0, **options)
     return ScheduledPolicy(slots, k_eff, kv_budget, **options)

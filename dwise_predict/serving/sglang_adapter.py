@@ -8,8 +8,9 @@ against the committed snapshot ``tests/fakes/sglang_surface.json`` always.
 What the patch does, at the four points of seed 000 §5.1:
 
 - **admission** — ``SchedulerDllmMixin._fetch_waiting_reqs`` is replaced: the policy is first
-  reconciled with SGLang's own queues (requests SGLang finished or aborted leave it; retracted or
-  paused ones, back in the waiting queue, are registered again), new requests are registered with a
+  reconciled with SGLang's own queues when their sizes say something changed behind its back
+  (requests SGLang aborted leave it; requests ``pause_generation(mode="retract")`` queued again
+  while leaving them in the dLLM manager stay resident, once), new requests are registered with a
   :class:`~dwise_predict.serving.policy.DwisePolicy` (``P`` = prompt blocks, ``r̂`` = the bundle's
   admission estimate, KV reservation = prompt + output budget + slack blocks; a request whose
   reservation exceeds the whole budget is aborted through SGLang's ``abort_request`` with a
@@ -18,14 +19,16 @@ What the patch does, at the four points of seed 000 §5.1:
 - **batch formation** — ``SchedulerDllmMixin._process_dllm_batches`` is replaced: the ``B`` resident
   requests the policy picked go to SGLang's own ``_process_batch_by_phase``, prompt and denoising
   blocks in one ``DLLM_EXTEND`` batch (no prefill-first barrier). SGLang's adder still applies its
-  budgets (picks it leaves out are counted in :class:`HookStats`); after staging, ``P`` follows the
-  prefix SGLang matched (``engine.prefill_rounds``). Models that encode the prompt in a separate
+  budgets; a pick it leaves out is recorded as paused (``DwisePolicy.ran``), and while the adder
+  still takes requests the next-ranked residents are offered for the free slots in the same step
+  (both counted in :class:`HookStats`); after staging, ``P`` follows the prefix SGLang matched
+  (``engine.prefill_rounds``). Models that encode the prompt in a separate
   pass (``requires_separate_context_encoding``) cannot mix phases: there the resident queue is only
   reordered and SGLang's own batch former runs;
 - **result processing** — ``SchedulerDllmMixin.process_batch_result_dllm`` is wrapped: after SGLang
-  commits outputs, the policy's fields are updated for every request of the batch, with the refined
-  estimate for requests whose first denoising round this was (and the recorder, in recording mode,
-  gets the request's forwards and pooled rows);
+  commits outputs, the policy's fields are updated for every request of the batch in one vectorised
+  call, with the refined estimate for requests whose first denoising round this was (and the
+  recorder, in recording mode, gets the request's forwards and, host-side, its pooled rows);
 - **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped to mean-pool each
   request's block rows into a static buffer allocated at install (block size and largest batch
   known then), so the copy is captured in SGLang's CUDA graphs and every replay writes it;
@@ -37,8 +40,8 @@ What the patch does, at the four points of seed 000 §5.1:
   ``prompt_last`` input is the same buffer's row for the request's last prompt block, kept on the
   device. A request that runs no prompt block of its own after a prefix-cache hit on every full
   block gets the row of the earlier request's forward that computed that same last block over the
-  same tokens, as a prompt block or as the last forward of an output block (:class:`_PromptRows`,
-  bounded); a prompt shorter than a block, or a hit whose block no longer is there, gets the mean of
+  same tokens, as a prompt block or as a finished request's last output block (:class:`_PromptRows`,
+  bounded); a prompt shorter than a block, or a hit whose block is not kept, gets the mean of
   its leftover prompt rows in its first denoising forward, as the decoder records for short prompts.
   A dLLM request's fill ids end in a mask block, so SGLang's match (``Req._compute_max_prefix_len``,
   floored to a block) can cover a block-aligned prompt whole: with no leftover rows and no kept
@@ -48,7 +51,16 @@ What the patch does, at the four points of seed 000 §5.1:
   before each step.
 
 Refinement runs on the pooled rows in ``process_batch_result_dllm``, after SGLang's own end-of-round
-synchronisation, as one batched call of the bundle's torch graph on the rows' device.
+synchronisation, as one batched call of the bundle's torch graph on the rows' device over every
+request in its first denoising round. What the host needs of that step (refined estimates, early
+signals, and when recording the pooled rows) comes back in one device-to-host copy, and a step
+without a first denoising round copies nothing; the rows' own inputs (which rows, prompt tokens,
+budget, leftover positions) go to the device in one copy before the forward, through a pinned
+buffer. An IDLE batch (DP attention's MLP sync: no requests; eager, no logits) passes through.
+
+On a server with several TP ranks (each its own scheduler, CPU and GPU), the estimates that rank
+requests are the first rank's on every rank (:class:`_RankShare`, over the scheduler's
+``dp_tp_group``), so a last-bit difference between GPUs cannot build different batches.
 
 On its first step the hook reads the scheduler's ``DllmConfig``: a bundle trained for another
 algorithm, other parameters or another block size stops it with one line (rounds in other units),
@@ -67,9 +79,12 @@ import ast
 import hashlib
 import importlib
 import math
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from dwise_predict.engine import prefill_rounds, tokenizer_stop_ids
 from dwise_predict.errors import BundleError, ConfigError
@@ -120,7 +135,7 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.dllm.config", "DllmConfig.max_running_requests", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.requires_separate_context_encoding", "attribute"),
     Touch("sglang.srt.dllm.config", "DllmConfig.first_done_first_out_mode", "attribute"),
-    Touch("sglang.srt.dllm.mixin.req", "ReqDllmMixin.is_dllm_prefill", "call", ("self",)),
+    Touch("sglang.srt.dllm.mixin.req", "ReqDllmMixin.dllm_phase", "attribute"),
     Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.STAGING_PREFILL", "attribute"),
     Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.INCOMING_PREFILL", "attribute"),
     Touch("sglang.srt.dllm.mixin.req", "DllmReqPhase.STAGING_DECODE", "attribute"),
@@ -139,8 +154,18 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.managers.io_struct", "AbortReq.finished_reason", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.output_ids", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.prefix_len", "attribute"),
+    Touch("sglang.srt.managers.schedule_batch", "Req.extend_end", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "ScheduleBatch.reqs", "attribute"),
     Touch("sglang.srt.managers.schedule_policy", "PrefillAdder.can_run_list", "attribute"),
+    # budgets: picks the adder leaves out are backfilled while it still takes requests
+    Touch("sglang.srt.managers.schedule_policy", "PrefillAdder.budget_state", "call", ("self",)),
+    Touch("sglang.srt.managers.schedule_policy", "AddReqResult.CONTINUE", "attribute"),
+    # TP ranks of one batch take the first rank's estimates (its TP group's gloo group)
+    Touch("sglang.srt.managers.scheduler", "Scheduler.dp_tp_group", "attribute"),
+    Touch("sglang.srt.distributed.parallel_state", "GroupCoordinator.ranks", "attribute"),
+    Touch("sglang.srt.distributed.parallel_state", "GroupCoordinator.world_size", "attribute"),
+    Touch("sglang.srt.distributed.parallel_state", "GroupCoordinator.rank_in_group", "attribute"),
+    Touch("sglang.srt.distributed.parallel_state", "GroupCoordinator.cpu_group", "attribute"),
     # the first forward's logits, mask positions and the model's stop ids: early signals (refinement input, recording)
     Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.mask_id", "attribute"),
     Touch("sglang.srt.dllm.algorithm.base", "DllmAlgorithm.block_size", "attribute"),
@@ -236,12 +261,20 @@ class HookStats:
     admitted : requests the policy moved into SGLang's dLLM queue.
     finished : requests that left the policy because SGLang finished them.
     vanished : requests that left because SGLang dropped them from every queue (``abort_request``).
-    retracted : requests SGLang sent back to its waiting queue (retraction, ``pause_generation``);
-        they are re-registered with the work they have left.
+    retracted : requests SGLang sent back to its waiting queue with their KV released
+        (``pause_generation(mode="retract")``, which leaves them in the dLLM manager's queues too:
+        they stay resident, the duplicate leaves the waiting queue, and ``P`` follows the prompt and
+        output blocks SGLang re-encodes).
     oversized : requests aborted because their KV reservation exceeds the whole budget.
     prefix_blocks : prompt blocks a prefix-cache hit removed from ``P``.
-    budget_overrides : policy picks that SGLang's batch budget (its ``PrefillAdder``: tokens,
-        requests) left out of a step; DWISE's order yields to those budgets.
+    budget_overrides : policy picks that SGLang's batch budget (its ``PrefillAdder``: KV memory, the
+        input-token budget ``--max-prefill-tokens``, request limits) left out of a step; DWISE's
+        order yields to those budgets, and the policy records them as paused, not run.
+    backfilled : standby requests (ranked next) run in a step in the slots of picks the adder left
+        out, where the adder still took requests (its ``budget_state`` said CONTINUE).
+    idle : IDLE forwards (DP attention's MLP sync: no requests) that went through the hook.
+    host_transfers : device-to-host copies the hook made: one per step that ran a first denoising
+        round (refinement or recording), none in any other step.
     refined : requests refined on their first denoising round.
     prompt_from_cache : refined requests that ran no prompt block of their own after a prefix-cache
         hit on every full block: their ``prompt_last`` input was the row an earlier request's forward
@@ -263,6 +296,9 @@ class HookStats:
     oversized: int = 0
     prefix_blocks: int = 0
     budget_overrides: int = 0
+    backfilled: int = 0
+    idle: int = 0
+    host_transfers: int = 0
     refined: int = 0
     prompt_from_cache: int = 0
     prompt_from_leftover: int = 0
@@ -270,10 +306,14 @@ class HookStats:
 
 
 class _PromptRows:
-    """Pooled rows of the blocks recent requests completed — each prompt block's forward, and each
-    full output block's last forward (the one over its final tokens, which SGLang caches) — keyed by
-    every token up to the block's end: the ``prompt_last`` of a later request whose every full prompt
-    block a prefix-cache hit served (a repeated prompt, or the next turn of a chat).
+    """Pooled rows of the blocks recent requests completed — each prompt block's forward, and a
+    finished request's last full block's last forward (the one over its final tokens, which SGLang
+    caches) — keyed by every token up to the block's end: the ``prompt_last`` of a later request whose
+    every full prompt block a prefix-cache hit served (a shared system prompt, a repeated prompt, the
+    next turn of a chat: the previous prompt, its answer and fewer new tokens than a block after its
+    last full block). Intermediate output blocks are not kept: only a prompt that branches off inside
+    an earlier answer would end on one, and keying every block cost the scheduler a hash and a copy per
+    row and step.
 
     A block's rows depend on its own tokens and those before it only (block-causal attention), so the
     row an earlier request computed for a block ending where the later request's last full block ends,
@@ -283,87 +323,155 @@ class _PromptRows:
     request's phase (checked against the wheel in ``test_serving_sglang_adapter.py``); algorithms that
     encode the context separately prefill as EXTEND, and for those no rows are keyed. Least recently
     used rows leave first once ``capacity`` are held (``capacity`` rows of H floats on the model's
-    device; 0 keeps none).
+    device, allocated at install; 0 keeps none).
     """
 
     def __init__(self, capacity: int):
         self.capacity = max(0, int(capacity))
-        self.rows: OrderedDict = OrderedDict()
+        self.slots: OrderedDict = OrderedDict()  # key -> row of ``rows``, least recently used first
+        self.rows = None  # (capacity, H) on the model's device (``allocate``)
+        self.free = list(range(self.capacity))
 
-    def put(self, key: bytes, row) -> None:
-        if not self.capacity:
-            return
-        self.rows[key] = row
-        self.rows.move_to_end(key)
-        while len(self.rows) > self.capacity:
-            self.rows.popitem(last=False)
+    def allocate(self, width: int, device) -> None:
+        import torch
+
+        self.rows = torch.zeros((self.capacity, width), device=device)
+
+    def reserve(self, key: bytes) -> int:
+        """The row that holds ``key``'s pooled row from now on (the least recently used one's, once
+        every row is taken); the caller writes it."""
+        slot = self.slots.pop(key, None)
+        if slot is None:
+            slot = self.free.pop() if self.free else self.slots.popitem(last=False)[1]
+        self.slots[key] = slot
+        return slot
 
     def get(self, key: bytes):
-        row = self.rows.get(key)
-        if row is not None:
-            self.rows.move_to_end(key)
-        return row
+        slot = self.slots.get(key)
+        if slot is None:
+            return None
+        self.slots.move_to_end(key)
+        return self.rows[slot]
 
 
 def block_key(req, blocks: int, block_size: int) -> bytes:
     """Digest of ``req``'s first ``blocks`` full blocks of tokens (prompt, then any output a
     retraction put back into its prompt), chained block by block and kept on the request, so a
     request's keys cost one pass over its tokens however many blocks ask."""
-    keys = vars(req).setdefault("_dwise_block_keys", [])
-    if len(keys) < blocks:
-        import numpy as np
-
-        start, stop, n = len(keys) * block_size, blocks * block_size, len(req.origin_input_ids)
-        # only the blocks not hashed yet: the prompt's, then any outputs a retraction put back
-        tokens = list(req.origin_input_ids[start:stop]) + list(req.output_ids[max(0, start - n):max(0, stop - n)])
-        ids = np.asarray(tokens, dtype=np.int64)
-        for k in range(blocks - len(keys)):
-            previous = keys[-1] if keys else b""
-            keys.append(hashlib.blake2b(previous + ids[k * block_size:(k + 1) * block_size].tobytes(),
-                                        digest_size=16).digest())
+    keys = req.__dict__.get("_dwise_block_keys")
+    if keys is None:
+        keys = req._dwise_block_keys = []
+    n = len(req.origin_input_ids)
+    while len(keys) < blocks:  # only the blocks not hashed yet: the prompt's, then any outputs a retraction put back
+        start = len(keys) * block_size
+        stop = start + block_size
+        tokens = req.origin_input_ids[start:stop] if stop <= n else \
+            list(req.origin_input_ids[start:n]) + list(req.output_ids[max(0, start - n):stop - n])
+        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + array("q", tokens).tobytes(), digest_size=16).digest())
     return keys[blocks - 1]
+
+
+class _RankShare:
+    """Values every TP rank serving one batch must hold bit for bit, taken from the group's first
+    rank: the estimates that rank requests (admission at arrival, refinement at the first denoising
+    round). Each rank computes them on its own CPU and GPU, and a last-bit difference between ranks
+    in a tie would build different batches on different ranks, whose collectives then wait for
+    each other forever. Everything else the policy reads (token counts, prefix matches, SGLang's
+    queues) is the same on every rank by SGLang's own design: it broadcasts the requests to the TP
+    ranks (``broadcast_pyobj`` over the TP group's CPU group) before any rank schedules them.
+
+    ``group``: the scheduler's ``dp_tp_group`` (SGLang's ``GroupCoordinator`` of the ranks sharing
+    one waiting queue: the TP group, or the attention-TP group under DP attention); the values cross
+    its gloo ``cpu_group`` as one float64 tensor (no pickle), from ``ranks[0]``.
+    """
+
+    def __init__(self, group):
+        self.group, self.source = group.cpu_group, group.ranks[0]
+        self.is_source = group.rank_in_group == 0
+
+    def __call__(self, values, n: int):
+        """``values`` (n,) on the first rank (ignored elsewhere) -> the first rank's (n,) float64."""
+        import torch
+
+        if self.is_source:
+            buffer = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        else:
+            buffer = torch.empty(n, dtype=torch.float64)
+        torch.distributed.broadcast(buffer, src=self.source, group=self.group)
+        return buffer.numpy()
+
+
+class _ToDevice:
+    """Host float32 vectors onto the model's device in one copy that does not block the host: a
+    copy from pageable memory may synchronise the stream, so on CUDA it goes through a pinned buffer.
+    One call per step and buffer: it is written again only after the step's own synchronisation
+    (SGLang's, when it commits the step's tokens) has passed."""
+
+    def __init__(self, device, capacity: int):
+        import torch
+
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
+
+    def __call__(self, values):
+        import torch
+
+        n = len(values)
+        self.host[:n].numpy()[:] = values
+        if not self.pinned:
+            return self.host[:n].to(self.device, copy=True)
+        return self.host[:n].to(self.device, non_blocking=True)
 
 
 class _State:
     """What the patched functions share: the policy, the bundle and the refinement buffers."""
 
     def __init__(self, bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device,
-                 block_size, max_batch, recorder, prompt_cache):
+                 block_size, max_batch, recorder, prompt_cache, aging):
         self.bundle = bundle
-        self.slots, self.k = slots, k
+        self.slots, self.k, self.aging = slots, k, aging
         self.kv_budget_tokens, self.kv_fraction, self.slack_blocks = kv_budget_tokens, kv_fraction, slack_blocks
         self.features = features
         self.device = device
         self.recorder = recorder
         self.policy: DwisePolicy | None = None
+        self.share = None  # _RankShare when several TP ranks schedule one batch (bind)
         self.block_size = int(block_size or 0)
         self.max_batch = int(max_batch or 0)
         self.stats = HookStats()
         self.reqs: dict = {}  # rid -> Req, for requests the policy holds
-        self.run_rids: list = []  # this round's picks, best rank first
-        self.batch_prompt: dict = {}  # rid -> the request ran a prompt block in the batch being run
-        self.first_rids: set | None = None  # requests whose first denoising forward the batch runs
-        self.pooled = None  # (max_batch, H) static buffer, allocated at install, written inside the forward
+        self.req_at = np.empty(0, dtype=object)  # policy slot -> its Req (each also carries its _dwise_slot)
+        self.plan = None  # this round's RoundPlan
+        self.picks: list = []  # this round's picks (Reqs), best rank first
+        self.foreign: list = []  # requests SGLang's own path put in the dLLM queue this round (finished while waiting)
+        self.batch = None  # the batch being run (SGLang's list of Reqs), and per row of it:
+        self.batch_slots = self.batch_prompt = self.batch_ours = None  # policy slot (-1: not ours), prompt block, ours
+        self.first: dict = {}  # rid -> (prompt tokens, budget, leftover prompt tokens to pool) of first denoising forwards
+        self.pooled2 = None  # (max_batch, 2, H) static, allocated at install, written inside the forward:
+        self.pooled = None  # [:, 0], each row's mean over its block rows,
+        self.leftover_pooled = None  # [:, 1], the weighted sum of its leftover prompt rows
+        self.weights = None  # (max_batch, 2, block) static: 1/block (the mean), and the leftover weights
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
         self.signal_threshold = None  # for an algorithm without one of its own: set by check_decoding
         self.prompt_last: dict = {}  # rid -> (H,) pooled rows of its latest prompt-block forward (device)
         self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
-        self.block_end: dict = {}  # rid -> where the block it runs in the batch being run ends
-        self.leftover_weights = None  # (max_batch, block) static: 1/n on a row's n leftover prompt positions
-        self.leftover_pooled = None  # (max_batch, H) static: those rows' weighted sum, written inside the forward
+        self.prompt_mean = None  # the bundle's training mean of prompt_last on the device (install)
+        self.leftover_weights = None  # weights[:, 1]: 1/n on a row's n leftover prompt positions, zeros elsewhere
         self.first_leftover = None  # (B, H) its snapshot after a step's first forward
+        self.weights_set = False  # leftover_weights holds a nonzero row
         self.last_pooled = None  # (B, H) the pooled buffer after a step's last forward
-        self.first_signals = None  # (B, 4) early signals of that forward, NaN outside first_rids' rows
+        self.to_device = None  # _ToDevice, for the step's per-row inputs (install)
+        self.to_device_kept = None  # _ToDevice, for the rows kept in prompt_rows (install)
+        self.rows: list = []  # batch rows of the step's first denoising forwards (run)
+        self.row_rids: list = []  # their request ids
+        self.rows_dev = self.tokens_dev = self.budget_dev = None  # the same on the device (run)
+        self.first_signals = None  # (n_rows, 4) early signals of those rows in the step's first forward
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.tokenizer_stop_ids: set[int] = set()  # the scheduler tokenizer's stop ids (bind)
         self.forwards = 0  # forwards in the current step
-        self.row_forwards = None  # per batch row: forwards until its block reported done (this step)
+        self.row_forwards = None  # int64 per batch row: forwards until its block reported done (this step; 0: not done)
         self.checked = False  # the first refinement checked that the buffer was written
-
-    def first_round(self, req, prompt: bool) -> bool:
-        """Does ``req`` run its first denoising forward in this step (the refinement's moment)?"""
-        return (not prompt and not getattr(req, "_dwise_rounds", 0)
-                and self.policy.fields(req.rid)["denoising_rounds"] == 0)
 
     def bind(self, scheduler) -> None:
         """Create the policy from the scheduler's dLLM config on first use (no allocation here)."""
@@ -382,35 +490,56 @@ class _State:
                 f"DWISE keeps up to k*B = {self.slots * self.k:g} requests resident but SGLang's "
                 f"--max-running-requests is {config.max_running_requests}: raise it to at least k*B"
             )
+        group = getattr(scheduler, "dp_tp_group", None)
+        if group is not None and group.world_size > 1:
+            self.share = _RankShare(group)
         budget = self.kv_budget_tokens
         if budget is None:
             budget = self.kv_fraction * float(scheduler.max_total_num_tokens)
-        self.policy = DwisePolicy(self.slots, self.k, kv_budget=budget)
+        self.policy = DwisePolicy(self.slots, self.k, kv_budget=budget, aging=self.aging)
 
     def reconcile(self, scheduler) -> None:
-        """Drop what SGLang no longer holds; re-register what it sent back to its waiting queue.
+        """Drop what SGLang no longer holds; settle what it queued again.
 
         SGLang's ``abort_request`` pops requests from its queues and ``filter_finished_reqs`` drops
-        finished ones without telling a custom policy; retraction and ``pause_generation(retract)``
-        put resident requests back in ``scheduler.waiting_queue`` with their KV released.
+        finished ones without telling a custom policy. ``pause_generation(mode="retract")`` releases
+        the KV of the last batch's requests and appends them to the waiting queue, but leaves them in
+        the dLLM manager's queues (SGLang 0.5.23 never retracts a dLLM request otherwise: the running
+        batch is emptied every step): such a request stays resident here, and its duplicate leaves
+        the waiting queue (SGLang's own ``add_waiting_reqs`` would refuse it as redundant). One that
+        SGLang queued again without the manager is registered again with the work it has left.
         """
         manager = scheduler.dllm_manager
         queued = {id(r) for r in scheduler.waiting_queue}
         held = {id(r) for r in manager.waiting_queue} | {id(r) for r in manager.staging_queue}
+        duplicates = set()
         for rid, req in list(self.reqs.items()):
-            if req.finished() or (id(req) not in queued and id(req) not in held):
-                self.policy.remove(rid)
-                del self.reqs[rid]
-                self.prompt_last.pop(rid, None)
+            in_queue, in_manager = id(req) in queued, id(req) in held
+            if req.finished() or not (in_queue or in_manager):
+                self.forget(rid)
                 if req.finished():
                     self.stats.finished += 1
                 else:
                     self.stats.vanished += 1
-            elif id(req) in queued and self.policy.fields(rid)["state"] != "waiting":
-                self.policy.remove(rid)  # registered again below, with the work it has left
-                del self.reqs[rid]
-                self.prompt_last.pop(rid, None)
+            elif in_queue and in_manager:
+                duplicates.add(id(req))
                 self.stats.retracted += 1
+                if self.recorder is not None:
+                    self.recorder.arrived(req, self.block_size)  # marks it: its output is re-encoded
+            elif in_queue and self.policy.fields(rid)["state"] != "waiting":
+                self.forget(rid)  # registered again, with the work it has left
+                self.stats.retracted += 1
+        if duplicates:
+            scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in duplicates]
+
+    def forget(self, rid, policy_too: bool = True) -> None:
+        """The request leaves the hook (and the policy, unless it already freed its slot)."""
+        req = self.reqs.pop(rid)
+        if policy_too:
+            self.policy.remove(rid)
+        self.req_at[req._dwise_slot] = None
+        req._dwise_slot = -1
+        self.prompt_last.pop(rid, None)
 
     def check_decoding(self, config) -> None:
         """Hold the bundle and the recording to the decoding SGLang serves (``config``: its
@@ -434,14 +563,15 @@ class _State:
                                   "it from SGLang's arguments)")
 
     def register(self, scheduler, reqs: list) -> None:
-        """Add newly arrived (or retracted) requests to the policy, admission estimates in one batch.
+        """Add newly arrived requests to the policy, admission estimates in one batch (the first TP
+        rank's, on every rank).
 
         A request whose worst-case KV reservation exceeds the whole budget could never be admitted:
         it is aborted through SGLang's own ``abort_request`` with a message saying so, and the rest
         of the batch is registered.
         """
         bs = self.block_size
-        # what is still to encode: the prompt, plus the output of a retracted request (re-encoded)
+        # what is still to encode: the prompt, plus the output of a request queued again (re-encoded)
         seen = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
         kv = [(math.ceil((len(r.origin_input_ids) + r.sampling_params.max_new_tokens) / bs) + self.slack_blocks) * bs
               for r in reqs]
@@ -458,17 +588,19 @@ class _State:
         kv = [k for k, ok in zip(kv, fits) if ok]
         # no prefix is matched before SGLang stages the request; P follows the match from then on
         P = [prefill_rounds(n, bs) for n in seen]
+        estimates = np.zeros(len(reqs))
         if self.bundle is not None:
-            import numpy as np
-
-            estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32)).tolist()
-            # a retracted request keeps its denoising progress: its admission estimate is what is left
-            estimates = [max(float(e) - getattr(r, "_dwise_rounds", 0), 0.0) for e, r in zip(estimates, reqs)]
-        else:
-            estimates = [0.0] * len(reqs)
-        self.policy.add_many([r.rid for r in reqs], P, [max(float(e), 0.0) for e in estimates], kv)
-        for r in reqs:
+            if self.share is None or self.share.is_source:
+                estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32))
+            if self.share is not None:
+                estimates = self.share(estimates, len(reqs))
+        slots = self.policy.add_many([r.rid for r in reqs], P, np.maximum(np.asarray(estimates, dtype=np.float64), 0.0), kv)
+        if len(self.req_at) <= slots.max():
+            self.req_at = np.concatenate([self.req_at, np.empty(max(len(self.req_at), slots.max() + 1), dtype=object)])
+        for r, slot in zip(reqs, slots.tolist()):
             self.reqs[r.rid] = r
+            self.req_at[slot] = r
+            r._dwise_slot = slot
         if self.recorder is not None:
             for r in reqs:
                 self.recorder.arrived(r, bs)
@@ -507,30 +639,19 @@ class Installed:
         self.originals.clear()
 
 
-def first_round_signals(full_logits, forward_batch, mask_id: int, block_size: int, threshold: float,
-                        stop_ids, first_rids: set | None):
-    """(B, 4) early signals of a step's first forward (``engine.signals``), computed only for the rows
-    of the requests in ``first_rids`` and NaN elsewhere: the softmax over the vocabulary costs
-    B * block * V per step, and only a request's first denoising forward needs it. SGLang's
-    ``ForwardBatch.rids`` names each row's request (host-side, also under CUDA-graph replay); without
-    it, or without ``first_rids``, every row is computed."""
-    import torch
-
+def row_signals(full_logits, input_ids, rows, mask_id: int, block_size: int, threshold: float, stop_ids):
+    """(n, 4) early signals (``engine.signals``) of the batch rows ``rows`` of a forward (a device int64
+    index; None: every row), from its ``full_logits`` (B * block, V) and ``input_ids`` (B * block,):
+    the softmax over the vocabulary costs block * V per row, and only a request's first denoising
+    forward needs it. Device tensor ops only."""
     from dwise_predict.engine.signals import early_signals
 
-    ids = forward_batch.input_ids
-    rids = getattr(forward_batch, "rids", None)
-    if first_rids is None or rids is None:
-        return early_signals(full_logits, ids, mask_id, block_size, threshold, stop_ids)
-    batch = ids.numel() // block_size
-    out = torch.full((batch, len(EARLY_SIGNALS)), math.nan, device=full_logits.device)
-    rows = [i for i, rid in enumerate(rids[:batch]) if rid in first_rids]
-    if rows:
-        index = torch.tensor(rows, device=full_logits.device)
-        logits = full_logits.view(batch, block_size, -1).index_select(0, index).reshape(len(rows) * block_size, -1)
-        picked = ids.view(batch, block_size).index_select(0, index.to(ids.device)).reshape(-1)
-        out[index] = early_signals(logits, picked, mask_id, block_size, threshold, stop_ids)
-    return out
+    if rows is None:
+        return early_signals(full_logits, input_ids, mask_id, block_size, threshold, stop_ids)
+    batch = input_ids.numel() // block_size
+    logits = full_logits.view(batch, block_size, -1).index_select(0, rows).reshape(len(rows) * block_size, -1)
+    picked = input_ids.view(batch, block_size).index_select(0, rows.to(input_ids.device)).reshape(-1)
+    return early_signals(logits, picked, mask_id, block_size, threshold, stop_ids)
 
 
 def stop_token_ids(model_runner, tokenizer_ids, device):
@@ -565,6 +686,7 @@ def install(
     hidden_size: int | None = None,
     recorder=None,
     prompt_cache: int = 4096,
+    aging: float = 0.0,
 ) -> Installed:
     """Patch SGLang's dLLM scheduler (classes, so every scheduler in the process) with DWISE.
 
@@ -592,11 +714,14 @@ def install(
         has ``max(max_batch, slots)`` rows. A forward with more rows fails loudly.
     hidden_size : the model's hidden size when recording without a bundle.
     recorder : an object with ``decoding`` (what it records SGLang to decode with: checked on the first
-        step), ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row)`` and ``finished(req)``
+        step), ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row, rounds, signals,
+        prompt_row)`` (rows as host float32 arrays, or None) and ``finished(req)``
         (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
     prompt_cache : block rows kept for requests that a prefix-cache hit leaves without a prompt
         block of their own (:class:`_PromptRows`; ``prompt_cache`` x H floats on ``device``; 0: none,
         those requests get their leftover prompt rows' mean).
+    aging : the policy's starvation guard (:class:`~dwise_predict.serving.policy.DwisePolicy`:
+        rounds of remaining work a round in the server is worth; 0: off).
     resolve : module resolver (tests pass a fake SGLang here).
     """
     global _resolve_abort_req
@@ -616,7 +741,7 @@ def install(
                 "export a bundle for this decoding config"
             )
     state = _State(bundle, slots, k, kv_budget_tokens, kv_fraction, slack_blocks, features, device,
-                   block_size, max_batch, recorder, prompt_cache)
+                   block_size, max_batch, recorder, prompt_cache, aging)
     if pooling:
         import torch
 
@@ -624,18 +749,30 @@ def install(
         if not width:
             raise ConfigError("recording without a bundle needs hidden_size= (the model's hidden size)")
         rows = max(int(max_batch or 0), int(slots))
-        state.pooled = torch.full((rows, int(width)), math.nan, device=device)
-        state.leftover_weights = torch.zeros((rows, int(block_size)), device=device)
-        state.leftover_pooled = torch.zeros((rows, int(width)), device=device)
+        state.pooled2 = torch.full((rows, 2, int(width)), math.nan, device=device)
+        state.pooled, state.leftover_pooled = state.pooled2[:, 0], state.pooled2[:, 1]
+        state.weights = torch.zeros((rows, 2, int(block_size)), device=device)
+        state.weights[:, 0] = 1.0 / int(block_size)
+        state.leftover_weights = state.weights[:, 1]
+        state.to_device = _ToDevice(device, 4 * rows)
+        state.to_device_kept = _ToDevice(device, 2 * rows)  # its own buffer: the next step's copy may be in flight
+        if state.prompt_rows.capacity:
+            state.prompt_rows.allocate(int(width), device)
+        if bundle is not None:
+            state.prompt_mean = torch.as_tensor(bundle.prompt_last_mean, dtype=torch.float32, device=device)
 
     sched_mod = resolve(_SCHED)
     req_mod = resolve("sglang.srt.dllm.mixin.req")
     fb_mod = resolve("sglang.srt.model_executor.forward_batch_info")
+    continue_ = resolve("sglang.srt.managers.schedule_policy").AddReqResult.CONTINUE
     _resolve_abort_req = resolve(_IO).AbortReq
     mixin = sched_mod.SchedulerDllmMixin
     algorithm = resolve("sglang.srt.dllm.algorithm.base").DllmAlgorithm
     logits = resolve("sglang.srt.layers.logits_processor").LogitsProcessor
     phase = req_mod.DllmReqPhase
+    # ReqDllmMixin.is_dllm_prefill by identity of the phase (its members are singletons): the method
+    # compares string enums, about 0.3 µs per request and step
+    staging_prefill, incoming_prefill = phase.STAGING_PREFILL, phase.INCOMING_PREFILL
     originals = []
 
     def patch(owner, name, fn):
@@ -645,72 +782,114 @@ def install(
     def fetch_waiting_reqs(self):
         if state.policy is None:
             state.bind(self)
-        state.reconcile(self)
-        # finished while waiting (SGLang's set_finish_with_abort): SGLang's own path, not the policy's
-        done = [r for r in self.waiting_queue if r.finished() and r.rid not in state.reqs]
-        if done:
-            self.waiting_queue = [r for r in self.waiting_queue if not (r.finished() and r.rid not in state.reqs)]
-            self.dllm_manager.add_waiting_reqs(done)
-        new = [r for r in self.waiting_queue if r.rid not in state.reqs]
+        policy, reqs = state.policy, state.reqs
+        new = [r for r in self.waiting_queue if r.rid not in reqs]
+        # the policy's waiting requests are in SGLang's waiting queue and its resident ones in the dLLM
+        # manager's (SGLang's filter_finished_reqs has just dropped the finished): a count that differs
+        # means SGLang aborted or queued again some of them, and only then are the queues walked
+        if len(self.waiting_queue) - len(new) != policy.n_waiting \
+                or len(self.dllm_manager.waiting_queue) != policy.n_resident:
+            state.reconcile(self)
+            new = [r for r in self.waiting_queue if r.rid not in reqs]
+        state.foreign = [r for r in new if r.finished()]
+        if state.foreign:  # finished while waiting (SGLang's set_finish_with_abort): SGLang's own path
+            done = {id(r) for r in state.foreign}
+            self.waiting_queue = [r for r in self.waiting_queue if id(r) not in done]
+            self.dllm_manager.add_waiting_reqs(state.foreign)
+            new = [r for r in new if id(r) not in done]
         if new:
             state.register(self, new)
-        plan = state.policy.schedule()
+        plan = state.plan = policy.schedule()
         state.stats.rounds += 1
         if len(plan.admitted):
-            admitted = set(state.policy.ids(plan.admitted))
-            moving = [r for r in self.waiting_queue if r.rid in admitted]
-            self.waiting_queue = [r for r in self.waiting_queue if r.rid not in admitted]
+            admitted = {id(r) for r in state.req_at[plan.admitted].tolist()}
+            moving, staying = [], []
+            for r in self.waiting_queue:
+                (moving if id(r) in admitted else staying).append(r)
+            self.waiting_queue = staying
             self.dllm_manager.add_waiting_reqs(moving)
             state.stats.admitted += len(moving)
-        state.run_rids = state.policy.ids(plan.run)
+        state.picks = state.req_at[plan.run].tolist()
 
     original_batches = mixin._process_dllm_batches
 
+    def stage(self, adder, running_batch, candidates) -> None:
+        """Offer ``candidates`` (in rank order) to SGLang's own batch former, prompt blocks first."""
+        prefill, decode = [], []
+        for r in candidates:
+            at = r.dllm_phase  # is_prefill, inline: once per request and step
+            (prefill if at is staging_prefill or at is incoming_prefill else decode).append(r)
+        self._process_batch_by_phase(adder, prefill, phase.STAGING_PREFILL, phase.INCOMING_PREFILL, running_batch)
+        self._process_batch_by_phase(adder, decode, phase.STAGING_DECODE, phase.INCOMING_DECODE, running_batch)
+
     def process_dllm_batches(self, adder, running_batch):
-        resident = {r.rid: r for r in self.dllm_manager.waiting_queue}
-        if self.dllm_config.requires_separate_context_encoding:
+        policy, plan = state.policy, state.plan
+        separate = self.dllm_config.requires_separate_context_encoding
+        candidates = state.foreign + state.picks if state.foreign else state.picks
+        if separate:
             # phases cannot share a forward here: keep SGLang's batch former, in DWISE order
-            rank = {rid: i for i, rid in enumerate(state.run_rids)}
-            self.dllm_manager.waiting_queue.sort(key=lambda r: rank.get(r.rid, len(rank)))
+            rank = {id(r): i for i, r in enumerate(state.picks)}
+            self.dllm_manager.waiting_queue.sort(key=lambda r: rank.get(id(r), len(rank)))
             mode = original_batches(self, adder, running_batch)
         else:
             # requests SGLang placed there without the policy (finished while waiting) run first, as they would
-            run = [r for rid, r in resident.items() if rid not in state.reqs]
-            run += [resident[rid] for rid in state.run_rids if rid in resident]
-            prefill = [r for r in run if r.is_dllm_prefill()]
-            decode = [r for r in run if not r.is_dllm_prefill()]
-            self._process_batch_by_phase(adder, prefill, phase.STAGING_PREFILL, phase.INCOMING_PREFILL, running_batch)
-            self._process_batch_by_phase(adder, decode, phase.STAGING_DECODE, phase.INCOMING_DECODE, running_batch)
+            stage(self, adder, running_batch, candidates)
             mode = fb_mod.ForwardMode.DLLM_EXTEND
-        staged = adder.can_run_list
-        taken = {r.rid for r in staged}
-        state.stats.budget_overrides += sum(rid not in taken for rid in state.run_rids if rid in resident)
-        # the phase each request runs in is known only now: SGLang matched its prefix while staging it
-        state.batch_prompt, state.block_end = {}, {}
-        for r in staged:
-            if r.rid not in state.reqs:
-                continue
-            prompt = r.is_dllm_prefill()
-            state.batch_prompt[r.rid] = prompt
-            fields = state.policy.fields(r.rid)
-            if not self.dllm_config.requires_separate_context_encoding:
-                # SGLang's prefix ends on a block boundary (it asserts so) and the forward runs the
-                # block after it, a prompt block or an output block (`ReqDllmMixin.determine_dllm_phase`)
-                state.block_end[r.rid] = r.prefix_len + state.block_size
-            if prompt:
-                left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), state.block_size, r.prefix_len)
-            else:
-                left = 0
-            if left < fields["P"]:
-                if fields["denoising_rounds"] == 0 and not getattr(r, "_dwise_prompt_seen", False):
-                    state.stats.prefix_blocks += fields["P"] - left
-                state.policy.set_prompt_blocks(r.rid, left)
-            r._dwise_prompt_seen = True
-        # the rows whose early signals the step needs (refinement, recording): a softmax over the
-        # vocabulary for every row of every step would cost more than the refinement itself
-        state.first_rids = {r.rid for r in staged if r.rid in state.batch_prompt
-                            and state.first_round(r, state.batch_prompt[r.rid])}
+        cut = 0
+        if separate or len(adder.can_run_list) != len(candidates):  # SGLang stages only what it is offered
+            taken = {id(r) for r in adder.can_run_list}
+            cut = sum(id(r) not in taken for r in state.picks)
+        if cut:
+            # SGLang's adder left picks out (KV memory, --max-prefill-tokens, request limits): while it
+            # still takes requests, the next-ranked residents run in their slots; the policy learns
+            # which ran, so the picks left out are paused (and ranked again next round), not running
+            state.stats.budget_overrides += cut
+            if not separate and adder.budget_state() == continue_:
+                before = len(adder.can_run_list)
+                stage(self, adder, running_batch, state.req_at[plan.standby[:cut]].tolist())
+                state.stats.backfilled += len(adder.can_run_list) - before
+            ran = np.fromiter((getattr(r, "_dwise_slot", -1) for r in adder.can_run_list), dtype=np.int64)
+            policy.ran(plan, ran[ran >= 0])
+        plan_batch(self, adder.can_run_list)
         return mode
+
+    def plan_batch(self, staged) -> None:
+        """What the batch's requests run, known only now (SGLang matched their prefixes while staging
+        them): their phase, ``P`` after a prefix hit or a retraction, and the inputs of the rows whose
+        first denoising forward this is. Kept per batch row for the step's result."""
+        policy, bs, n = state.policy, state.block_size, len(staged)
+        slots = np.fromiter([getattr(r, "_dwise_slot", -1) for r in staged], dtype=np.int64, count=n)
+        prompt = np.fromiter([at is staging_prefill or at is incoming_prefill for at in (r.dllm_phase for r in staged)],
+                             dtype=bool, count=n)
+        ours = slots >= 0  # the rest: SGLang's own (finished while waiting)
+        state.batch, state.batch_slots, state.batch_prompt, state.batch_ours = staged, slots, prompt, ours
+        if ours.all():
+            P, rounds = policy.prompt_blocks(slots), policy.denoising_rounds(slots)
+        else:
+            P, rounds = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            P[ours], rounds[ours] = policy.prompt_blocks(slots[ours]), policy.denoising_rounds(slots[ours])
+        # P follows what SGLang has left to encode (the prompt, and after a retraction the output) past
+        # its prefix: a request whose prefix grew by the block it ran last keeps the P the policy lowered
+        for i in np.flatnonzero(ours & (prompt | (P > 0))).tolist():
+            r = staged[i]
+            if prompt[i] and getattr(r, "_dwise_prefix", -1) == r.prefix_len:
+                r._dwise_prefix = r.prefix_len + bs
+                continue
+            left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), bs, r.prefix_len) if prompt[i] else 0
+            r._dwise_prefix = r.prefix_len + bs
+            if left != P[i]:
+                if left < P[i] and rounds[i] == 0:
+                    state.stats.prefix_blocks += int(P[i] - left)
+                policy.set_prompt_blocks(r.rid, left)
+        # the first denoising forwards: refinement and recording pool their rows; a softmax over the
+        # vocabulary for every row of every step (their early signals) would cost more than the refinement
+        state.first = {}
+        if state.pooled is not None:
+            for i in np.flatnonzero(ours & ~prompt & (rounds == 0)).tolist():
+                r = staged[i]
+                own = r.rid in state.prompt_last  # else its leftover prompt rows are pooled too
+                state.first[r.rid] = (len(r.origin_input_ids), r.sampling_params.max_new_tokens,
+                                      0 if own else len(r.origin_input_ids) % bs)
 
     original_result = mixin.process_batch_result_dllm
 
@@ -718,130 +897,180 @@ def install(
         original_result(self, batch, result)
         if state.policy is None:
             return
-        reqs = [r for r in batch.reqs if r.rid in state.reqs]
-        prompt = [state.batch_prompt.get(r.rid, r.is_dllm_prefill()) for r in reqs]
-        # first denoising forwards; only rows the batch former named have early signals (first_rids)
-        first = [i for i, r in enumerate(reqs) if state.first_round(r, prompt[i])
-                 and (state.first_rids is None or r.rid in state.first_rids)]
-        rows = {r.rid: batch.reqs.index(r) for r in reqs}
-        if state.first_pooled is not None and first:
-            import torch
-
-            if not state.checked:
-                snap = state.first_pooled[[batch.reqs.index(reqs[i]) for i in first]]
-                if not bool(torch.isfinite(snap).all()):  # one sync, on the first refinement only
-                    raise ConfigError(UNWRITTEN)
-                state.checked = True
-        # prompt_last of first-round requests that ran no prompt block of their own: an earlier
-        # forward's row for the same last full block, else the mean of their leftover prompt rows,
-        # else None (a block-aligned prompt cached whole: SGLang ran none of its rows here)
-        without_block, from_cache = {}, 0
-        if first and state.first_pooled is not None:
-            for i in first:
-                r = reqs[i]
-                if r.rid in state.prompt_last:
-                    continue
-                blocks, leftover = divmod(len(r.origin_input_ids), state.block_size)
-                row = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
-                from_cache += row is not None
-                if row is None and leftover:
-                    row = state.first_leftover[rows[r.rid]]
-                without_block[r.rid] = row
-        refined = {}
-        if first and state.bundle is not None and state.first_pooled is not None:
-            import torch
-
-            index = torch.tensor([rows[reqs[i].rid] for i in first], device=state.first_pooled.device)
-            pooled = state.first_pooled[index]
-            missing = sum(row is None for row in without_block.values())
-            average = torch.as_tensor(state.bundle.prompt_last_mean, device=pooled.device) if missing else None
-            last = torch.stack([state.prompt_last.pop(r.rid) if r.rid not in without_block
-                                else average if without_block[r.rid] is None else without_block[r.rid]
-                                for r in (reqs[i] for i in first)])
-            state.stats.prompt_from_cache += from_cache
-            state.stats.prompt_from_leftover += len(without_block) - from_cache - missing
-            state.stats.prompt_from_training_mean += missing
-            tokens = torch.tensor([float(len(reqs[i].origin_input_ids)) for i in first], device=pooled.device)
-            budget = torch.tensor([float(reqs[i].sampling_params.max_new_tokens) for i in first], device=pooled.device)
-            signals = state.first_signals[index.to(state.first_signals.device)]
-            values = state.bundle.refine(pooled.float(), last.float(), tokens, budget, signals).tolist()  # after SGLang's own sync
-            refined = {reqs[i].rid: v for i, v in zip(first, values)}
-            state.stats.refined += len(refined)
-        steps = max(state.forwards, 1)
-        for r, is_prompt in zip(reqs, prompt):
-            rounds = 1 if is_prompt else steps
-            if is_prompt and state.first_pooled is not None:  # the refinement's prompt_last, a device row
-                state.prompt_last[r.rid] = state.first_pooled[rows[r.rid]]
-            end = state.block_end.get(r.rid)
-            if end is not None and state.last_pooled is not None \
-                    and len(r.origin_input_ids) + len(r.output_ids) >= end:
-                # the block is committed and full: a later prompt can hold it (a next turn of a chat).
-                # A copy: a view would keep the whole step's snapshot alive
-                state.prompt_rows.put(block_key(r, end // state.block_size, state.block_size),
-                                      state.last_pooled[rows[r.rid]].clone())
-            if state.recorder is not None:
-                row = state.first_pooled[rows[r.rid]] if state.first_pooled is not None else None
-                signals = state.first_signals[rows[r.rid]].tolist() if state.first_signals is not None else None
-                own = state.row_forwards[rows[r.rid]] if state.row_forwards else 0
-                if r.rid in without_block:
-                    leftover = without_block[r.rid]
-                else:
-                    leftover = state.first_leftover[rows[r.rid]] if state.first_leftover is not None else None
-                state.recorder.forward(r, is_prompt, row, own or rounds, signals, leftover)
-            if not is_prompt:
-                r._dwise_rounds = getattr(r, "_dwise_rounds", 0) + rounds
-            for j in range(rounds):
-                last = j == rounds - 1
-                state.policy.complete(r.rid, refined=refined.get(r.rid) if j == 0 else None,
-                                      finished=last and r.finished(), prompt=is_prompt)
-            if r.finished():
-                del state.reqs[r.rid]
-                state.prompt_last.pop(r.rid, None)
-                state.stats.finished += 1
-                if state.recorder is not None:
-                    state.recorder.finished(r)
+        if batch.reqs is not state.batch:  # not the batch the hook formed (SGLang's own former ran it)
+            plan_batch(self, batch.reqs)
+        if state.batch_ours.any():
+            advance(self)
         # the next batch names its own rows, and pools its own: a pass that does not go through the
         # wrapped DllmAlgorithm.run (Gemma4Renoise's context encoding) finds none, not this batch's
-        state.first_rids = state.first_pooled = state.first_signals = state.first_leftover = state.last_pooled = None
+        state.batch, state.first, state.rows, state.row_rids = None, {}, [], []
+        state.first_pooled = state.first_signals = state.first_leftover = state.last_pooled = None
+
+    def advance(self) -> None:
+        """After SGLang committed the step: refine the first denoising rounds (one graph run), copy what
+        the host needs to the host (one transfer), then advance the policy (vectorised) and keep the
+        rows later requests or the recorder need."""
+        policy, recorder, batch = state.policy, state.recorder, state.batch
+        ours, prompt = state.batch_ours, state.batch_prompt
+        steps = max(state.forwards, 1)
+        rows = np.flatnonzero(ours)
+        first = state.rows  # the forward's rows are the batch's, in its order
+        host = to_host(first) if first and state.first_pooled is not None else None
+        refined = None
+        if host is not None and host["refined"] is not None:
+            refined = np.full(len(batch), math.nan)
+            refined[first] = host["refined"]
+        finished = np.fromiter((r.finished() for r in batch), dtype=bool, count=len(batch))
+        rounds = 1 if steps == 1 else np.where(prompt, 1, steps)
+        if len(rows) == len(batch):  # the common case: no request of SGLang's own in the batch
+            policy.complete_slots(state.batch_slots, prompt, finished, refined, rounds)
+        else:
+            policy.complete_slots(state.batch_slots[rows], prompt[rows], finished[rows],
+                                  None if refined is None else refined[rows], rounds if steps == 1 else rounds[rows])
+
+        pooled, last = state.first_pooled, state.last_pooled
+        if pooled is not None:
+            for i in np.flatnonzero(ours & prompt).tolist():  # the refinement's prompt_last, a device row
+                state.prompt_last[batch[i].rid] = pooled[i]
+        done = state.row_forwards
+        if last is not None and done is not None and state.prompt_rows.capacity \
+                and not self.dllm_config.requires_separate_context_encoding:
+            # a block reported done this step is committed; a full one can be held by a later prompt:
+            # a prompt block (a shared system prompt, a repeated prompt) or a finished request's last
+            # block (the next turn of a chat). Copied into the kept rows in one device op
+            kept, into = [], []
+            for i in np.flatnonzero(ours & (done > 0) & (prompt | finished)).tolist():
+                r = batch[i]
+                end = r.extend_end  # SGLang's prefix ends on a block boundary and the forward ran the block after it
+                if prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
+                    kept.append(i)
+                    into.append(state.prompt_rows.reserve(block_key(r, end // state.block_size, state.block_size)))
+            if kept:
+                index = state.to_device_kept(np.asarray(kept + into, dtype=np.float32)).long()
+                state.prompt_rows.rows.index_copy_(0, index[len(kept):], last.index_select(0, index[:len(kept)]))
+        if recorder is not None:
+            at = dict(zip(first, range(len(first)))) if host is not None else {}
+            for i in rows.tolist():
+                r, j = batch[i], at.get(i)
+                own = int(done[i]) if done is not None else 0
+                if j is None:
+                    recorder.forward(r, bool(prompt[i]), None, own or (1 if prompt[i] else steps))
+                else:
+                    recorder.forward(r, False, host["pooled"][j], own or steps, host["signals"][j],
+                                     host["prompt"][j] if host["has_prompt"][j] else None)
+        for i in np.flatnonzero(ours & finished).tolist():
+            r = batch[i]
+            state.forget(r.rid, policy_too=False)  # the policy freed it in complete_slots
+            state.stats.finished += 1
+            if recorder is not None:
+                recorder.finished(r)
+
+    def to_host(first) -> dict:
+        """The step's one device-to-host copy: the refined estimates of the first denoising rounds (the
+        bundle's graph run once over all of them), their early signals and, when recording, their
+        pooled rows and ``prompt_last`` rows; on the first refinement, whether the forward wrote the
+        pooling buffer. ``first``: their batch rows, in the order the forward's rows were staged."""
+        import torch
+
+        pooled = state.first_pooled.index_select(0, state.rows_dev)
+        n, width = len(first), pooled.shape[1]
+        prompt_rows, has_prompt = prompt_last_rows(first)
+        signals = state.first_signals if state.first_signals is not None \
+            else torch.full((n, len(EARLY_SIGNALS)), math.nan, device=pooled.device)
+        pieces = []
+        refine_here = state.bundle is not None and (state.share is None or state.share.is_source)
+        if refine_here:
+            last = torch.stack([row if row is not None else state.prompt_mean for row in prompt_rows])
+            pieces.append(state.bundle.refine(pooled.float(), last.float(), state.tokens_dev, state.budget_dev, signals))
+        pieces.append(signals)
+        if state.recorder is not None:
+            zeros = pooled.new_zeros(width)
+            pieces += [pooled, torch.stack([row if row is not None else zeros for row in prompt_rows])]
+        if not state.checked:
+            pieces.append(torch.isfinite(pooled).all().reshape(1))
+        host = torch.cat([piece.float().reshape(-1) for piece in pieces]).cpu().numpy()  # the transfer
+        state.stats.host_transfers += 1
+        out = {"refined": None, "has_prompt": has_prompt}
+        at = 0
+        if refine_here:
+            out["refined"], at = host[:n], n
+        out["signals"], at = host[at:at + 4 * n].reshape(n, 4), at + 4 * n
+        if state.recorder is not None:
+            out["pooled"] = host[at:at + n * width].reshape(n, width)
+            out["prompt"] = host[at + n * width:at + 2 * n * width].reshape(n, width)
+            at += 2 * n * width
+        if not state.checked:
+            if host[at] != 1.0:
+                raise ConfigError(UNWRITTEN)
+            state.checked = True
+        if state.bundle is not None:
+            if state.share is not None:
+                out["refined"] = state.share(out["refined"], n)
+            state.stats.refined += n
+        return out
+
+    def prompt_last_rows(first) -> tuple[list, list]:
+        """The refinement's ``prompt_last`` row of each first-round request (device rows): its own last
+        prompt block's; without one, an earlier forward's row for the same last full block, else the
+        mean of its leftover prompt rows in this forward, else None (a block-aligned prompt cached
+        whole: SGLang ran none of its rows here; the refinement takes the training mean)."""
+        rows, from_cache, leftover, missing = [], 0, 0, 0
+        for i in first:
+            r = state.batch[i]
+            own = state.prompt_last.pop(r.rid, None)
+            if own is None:
+                blocks, rest = divmod(len(r.origin_input_ids), state.block_size)
+                own = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
+                from_cache += own is not None
+                if own is None and rest:
+                    own, leftover = state.first_leftover[i], leftover + 1
+                missing += own is None
+            rows.append(own)
+        if state.bundle is not None:
+            state.stats.prompt_from_cache += from_cache
+            state.stats.prompt_from_leftover += leftover
+            state.stats.prompt_from_training_mean += missing
+        return rows, [row is not None for row in rows]
 
     original_run = algorithm.run
 
     def run(self, model_runner, forward_batch, algo_states=None):
         state.first_pooled, state.first_signals, state.first_leftover, state.forwards = None, None, None, 0
-        state.last_pooled = None
+        state.last_pooled = state.row_forwards = None
+        size = forward_batch.batch_size
+        state.stats.idle += size == 0  # DP attention's IDLE batch: no rows, and no logits when eager
         if state.pooled is not None:
             state.pooled.fill_(math.nan)  # what a replay that skipped the copy would leave: caught below
-            set_leftover_weights(forward_batch)
+            stage_rows(forward_batch)
         forward = model_runner.forward
 
         def counted_forward(*args, **kwargs):
             out = forward(*args, **kwargs)
             if state.forwards == 0 and state.pooled is not None:
-                state.first_pooled = state.pooled[: forward_batch.batch_size].clone()  # device copy, no sync
-                state.first_leftover = state.leftover_pooled[: forward_batch.batch_size].clone()
+                first = state.pooled2[:size].clone()  # device copy, no sync
+                state.first_pooled, state.first_leftover = first[:, 0], first[:, 1]
                 # the first forward's early signals, before the step fills masks: the refinement
                 # graph's last input (and recorded). From the forward's output, after any graph replay;
                 # an algorithm without a threshold of its own (Gemma4Renoise) counts over the one the
                 # DiffusionGemma collector uses (engine.signals.SIGNAL_THRESHOLD or the config's)
                 logits_out = out.logits_output.full_logits
-                if state.stop_ids is None:
-                    state.stop_ids = stop_token_ids(model_runner, state.tokenizer_stop_ids, logits_out.device)
-                state.first_signals = first_round_signals(
-                    logits_out, forward_batch, self.mask_id, self.block_size,
-                    float(getattr(self, "threshold", state.signal_threshold)), state.stop_ids, state.first_rids)
+                if state.rows and logits_out is not None:
+                    if state.stop_ids is None:
+                        state.stop_ids = stop_token_ids(model_runner, state.tokenizer_stop_ids, logits_out.device)
+                    state.first_signals = row_signals(
+                        logits_out, forward_batch.input_ids, state.rows_dev, self.mask_id, self.block_size,
+                        float(getattr(self, "threshold", state.signal_threshold)), state.stop_ids)
             state.forwards += 1
             return out
 
         step = self.step
-        state.row_forwards = None
 
         def counted_step(batch, full_logits, states):
             done = step(batch, full_logits, states)
             if state.row_forwards is None:
-                state.row_forwards = [0] * len(done)
-            for i, d in enumerate(done):  # a row's own forwards: those until its block first reported done
-                if d and not state.row_forwards[i]:
-                    state.row_forwards[i] = state.forwards
+                state.row_forwards = np.zeros(len(done), dtype=np.int64)
+            # a row's own forwards: those until its block first reported done
+            state.row_forwards[np.fromiter(done, dtype=bool, count=len(done)) & (state.row_forwards == 0)] = state.forwards
             return done
 
         own = vars(model_runner).get("forward")
@@ -855,7 +1084,7 @@ def install(
                 # the block's KV cache (LowConfidence reports done on a forward with no masks left;
                 # JointThresholdInDel keeps a block whose ids its step changed for one more forward)
                 state.last_pooled = (state.first_pooled if state.forwards == 1
-                                     else state.pooled[: forward_batch.batch_size].clone())
+                                     else state.pooled[:size].clone())
             return out
         finally:
             if own is None:
@@ -867,20 +1096,36 @@ def install(
             else:
                 self.step = own_step
 
-    def set_leftover_weights(forward_batch) -> None:
-        """Weights ``1/n`` on the ``n`` leftover prompt positions of each row whose request runs its first
-        denoising forward without a prompt block of its own, zeros elsewhere, written into the static
-        buffer before the step (captured graphs read it) by device fills: no host copy on the step's path."""
-        weights = state.leftover_weights
-        weights.zero_()
-        rids = getattr(forward_batch, "rids", None) or ()
-        for row, rid in enumerate(rids[: forward_batch.batch_size]):
-            req = state.reqs.get(rid)
-            if req is None or rid in state.prompt_last or state.batch_prompt.get(rid, True):
-                continue
-            n = len(req.origin_input_ids) % state.block_size
-            if n and state.first_round(req, False):
-                weights[row, :n] = 1.0 / n
+    def stage_rows(forward_batch) -> None:
+        """The batch rows of the step's first denoising forwards (``ForwardBatch.rids`` names each
+        row's request) and their inputs, onto the device in one copy before the forward: row index,
+        prompt tokens, budget and the leftover prompt positions to pool (``1/n`` weights on the ``n``
+        leftover positions of a request without a prompt block of its own, written into the static
+        buffer the captured graphs read; zeros elsewhere)."""
+        first = state.first
+        if state.weights_set:
+            state.leftover_weights.zero_()
+            state.weights_set = False
+        state.rows, state.row_rids, state.rows_dev = [], [], None
+        if not first:
+            return
+        rids = (getattr(forward_batch, "rids", None) or ())[: forward_batch.batch_size]
+        state.rows = [i for i, rid in enumerate(rids) if rid in first]
+        state.row_rids = [rids[i] for i in state.rows]
+        if not state.rows:
+            return
+        n = len(state.rows)
+        inputs = np.asarray([first[rid] for rid in state.row_rids], dtype=np.float32)  # (n, 3)
+        staged = state.to_device(np.concatenate([np.asarray(state.rows, dtype=np.float32), inputs.T.reshape(-1)]))
+        state.rows_dev = staged[:n].long()
+        state.tokens_dev, state.budget_dev, leftover = staged[n:2 * n], staged[2 * n:3 * n], staged[3 * n:]
+        if inputs[:, 2].any():
+            import torch
+
+            positions = torch.arange(state.block_size, device=leftover.device)
+            weights = (positions[None, :] < leftover[:, None]).float() / leftover.clamp_min(1.0)[:, None]
+            state.leftover_weights.index_copy_(0, state.rows_dev, weights.to(state.leftover_weights.dtype))
+            state.weights_set = True
 
     original_logits = logits._get_dllm_logits
 
@@ -891,12 +1136,10 @@ def install(
             if rows > buffer.shape[0]:
                 raise ConfigError(f"a forward of {rows} requests exceeds the pooling buffer's {buffer.shape[0]} rows: "
                                   "install the hook with max_batch at least SGLang's largest CUDA-graph batch")
-            # mean of each request's block rows, and the weighted sum of its leftover prompt rows, written
-            # in place: the addresses a CUDA graph captured
-            blocks = hidden_states.view(rows, state.block_size, hidden_states.shape[-1])
-            buffer[:rows].copy_(blocks.mean(dim=1))
-            weights = state.leftover_weights[:rows].to(blocks.dtype).unsqueeze(-1)  # (rows, block, 1)
-            state.leftover_pooled[:rows].copy_((weights * blocks).sum(dim=1))
+            # mean of each request's block rows, and the weighted sum of its leftover prompt rows, in one
+            # batched product written in place: the addresses a CUDA graph captured
+            blocks = hidden_states.view(rows, state.block_size, hidden_states.shape[-1])  # (rows, block, H)
+            state.pooled2[:rows].copy_(state.weights[:rows].to(blocks.dtype).bmm(blocks))  # (rows, 2, H)
         return original_logits(self, hidden_states, lm_head, logits_metadata)
 
     patch(mixin, "_fetch_waiting_reqs", fetch_waiting_reqs)

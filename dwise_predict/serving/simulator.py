@@ -57,6 +57,7 @@ class SimConfig:
         over ``round_ms`` / ``slot_ms``.
     arrival : ``burst``, ``burst-poisson`` or ``poisson``; ``rate`` in req/s for the Poisson part.
     seed : arrival order and times.
+    aging : the DWISE schedulers' starvation guard (``DwisePolicy(aging=)``; 0: Algorithm 1 as published).
     """
 
     slots: int = 128
@@ -69,6 +70,7 @@ class SimConfig:
     rate: float | None = None
     seed: int = 0
     round_cost: RoundCost | None = None
+    aging: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +88,8 @@ class SimConfig:
             problems.append(f"--arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if self.arrival != "burst" and not (self.rate is not None and self.rate > 0):
             problems.append(f"{self.arrival} arrivals need a positive --rate (req/s), got {self.rate}")
+        if not (self.aging >= 0 and math.isfinite(self.aging)):
+            problems.append(f"--aging must be a finite number >= 0 (0: off), got {self.aging}")
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -112,6 +116,9 @@ class SimRequests:
     raw_refined : the refinement before its isotonic calibration (``dwise-raw``), or None.
     block_rounds : object array (n,) of int arrays, rounds of each output block (``sglang-sync``), or None.
     categories : request family of each request (per-category tails), or None.
+    round_refined : (n, N) calibrated refinement of the remaining rounds from the state of each of the
+        first ``N`` denoising rounds (column k - 1: after round k; NaN where the request has no such
+        round), for ``simulate --refine-every`` (:mod:`~dwise_predict.serving.refine_every`), or None.
     """
 
     request_ids: np.ndarray
@@ -125,6 +132,7 @@ class SimRequests:
     categories: np.ndarray | None = None
     raw_refined: np.ndarray | None = None
     block_rounds: np.ndarray | None = None
+    round_refined: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -180,7 +188,8 @@ class SimRequests:
         ids = np.array([f"{self.request_ids[i]}#{k}" for k, i in enumerate(idx.tolist())])
         return SimRequests(ids, self.prompt_blocks[idx], self.total_rounds[idx], self.first_block_rounds[idx],
                            self.output_blocks[idx], pick(self.admission), pick(self.refined), pick(self.probe),
-                           pick(self.categories), pick(self.raw_refined), pick(self.block_rounds))
+                           pick(self.categories), pick(self.raw_refined), pick(self.block_rounds),
+                           pick(self.round_refined))
 
 
 def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> SimRequests:
@@ -280,7 +289,8 @@ class SimResult:
 
 
 def simulate(
-    workload: SimRequests, policy: str, config: SimConfig, arrivals=None, record: bool = False, fast_forward: bool = True
+    workload: SimRequests, policy: str, config: SimConfig, arrivals=None, record: bool = False, fast_forward: bool = True,
+    refine_every: float | None = None,
 ) -> SimResult:
     """Replay ``workload`` under one policy.
 
@@ -291,6 +301,9 @@ def simulate(
     record : keep the request ids run in each round (``run_log``) for inspection and tests.
     fast_forward : run a plan several rounds at once while it provably stays the same (see
         :func:`_steady_rounds`); results in rounds are identical either way (a test checks it).
+    refine_every : ``n``: besides the first denoising round, re-estimate ``r̂`` after rounds
+        ``1 + n, 1 + 2n, …`` while the workload's ``round_refined`` has them (seed 000 Table 6; ``inf``:
+        once, as without it); the metrics then also count the refinements. Only for ``dwise-refined``.
     """
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}: choose from {', '.join(POLICIES)}")
@@ -298,6 +311,8 @@ def simulate(
     if spec.sync:
         return _simulate_sync(workload, policy, config, arrivals)
     estimate, refined = workload.estimates(spec.estimate)
+    later = None if refine_every is None else later_refinements(workload, spec, refine_every)
+    refinements = refining_rounds = 0
     n = len(workload)
     kv = kv_reservations(workload, config)
     if spec.kv == "bucket":  # S³: reserve the predicted output, rounded up to its bucket, not the budget
@@ -306,7 +321,7 @@ def simulate(
     if spec.bucket_key:
         estimate = bucket(estimate)
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
-    pol = make_policy(spec, config.slots, config.k, config.kv_budget)
+    pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging)
     steady_limit = getattr(pol, "steady_limit", None)
     cost = config.cost
 
@@ -346,7 +361,8 @@ def simulate(
         repeat = 1
         if fast_forward and not record and len(plan.admitted) == 0:
             next_arrival = float(times[ptr]) if ptr < n else math.inf
-            repeat = _steady_rounds(pol, plan, done_rounds[dn], total[dn], first_block[dn], next_arrival - clock, dt)
+            repeat = _steady_rounds(pol, plan, done_rounds[dn], total[dn], first_block[dn], next_arrival - clock, dt,
+                                    None if later is None else later.gaps(done_rounds[dn]))
             if steady_limit is not None:
                 repeat = max(1, min(repeat, steady_limit(plan)))
         cap_blocked += repeat * (pol.n_waiting > 0 and pol.n_resident >= pol.max_resident)
@@ -368,6 +384,11 @@ def simulate(
                 refined_now = np.full(n_run, np.nan)
                 refined_now[dn_pos[now_first]] = refined[dn[now_first]]
         pol.complete_round(plan, finished, refined_now, repeat)
+        if later is not None and repeat == 1:
+            count = int(np.isfinite(refined_now).sum()) if refined_now is not None else 0
+            count += later.apply(pol, plan.run[dn_pos], dn, done_rounds[dn], finished[dn_pos])
+            refinements += count
+            refining_rounds += count > 0
         fin = run[finished]
         finish_round[fin], finish_s[fin] = rounds, clock
         n_done += len(fin)
@@ -376,9 +397,67 @@ def simulate(
 
     counters = dict(rounds=rounds, clock=clock, used_slots=used_slots, prefill_only=prefill_only,
                     prefill_only_s=prefill_only_s, preemptions=preemptions, cap_blocked=cap_blocked,
-                    rhat_zero_pct=rhat_zero_share(spec, estimate, refined, total))
-    return _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s,
-                   counters, log)
+                    rhat_zero_pct=rhat_zero_share(spec, estimate, refined, total, later))
+    result = _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s,
+                     counters, log)
+    if later is not None:
+        result.metrics.update(refine_every=refine_every if math.isfinite(refine_every) else None,
+                              refine_rounds=[1, *later.rounds.tolist()], refinements_per_request=refinements / n,
+                              refining_rounds_pct=100.0 * refining_rounds / max(rounds, 1),
+                              mean_refine_batch=refinements / max(refining_rounds, 1))
+    return result
+
+
+@dataclass(frozen=True)
+class LaterRefinements:
+    """Re-estimates of ``r̂`` after denoising rounds beyond the first (``simulate --refine-every``).
+
+    rounds : int64 (m,), ascending rounds ``1 + n, 1 + 2n, …`` after which ``r̂`` is replaced.
+    values : (n_requests, m) the estimate of the remaining rounds at each of them (NaN: none).
+    """
+
+    rounds: np.ndarray
+    values: np.ndarray
+
+    def gaps(self, done: np.ndarray) -> np.ndarray:
+        """Rounds from ``done`` to the next refinement round of each request (none left: omitted)."""
+        nxt = np.searchsorted(self.rounds, done, side="right")
+        return self.rounds[nxt[nxt < len(self.rounds)]] - done[nxt < len(self.rounds)]
+
+    def apply(self, pol: DwisePolicy, slots: np.ndarray, requests: np.ndarray, done: np.ndarray,
+              finished: np.ndarray) -> int:
+        """Refine the requests that ran their denoising round ``done`` (one of :attr:`rounds`) and go on;
+        returns how many were refined."""
+        at = np.searchsorted(self.rounds, done)
+        hit = (at < len(self.rounds)) & ~finished
+        hit[hit] = self.rounds[at[hit]] == done[hit]
+        values = self.values[requests[hit], at[hit]]
+        use = np.isfinite(values)
+        pol.refine(slots[hit][use], values[use])
+        return int(use.sum())
+
+
+def later_refinements(workload: SimRequests, spec, refine_every: float) -> LaterRefinements:
+    """The refinements after rounds ``1 + n, 1 + 2n, …`` up to the last round ``workload.round_refined``
+    holds (``n = inf``: none).
+
+    Raises
+    ------
+    ConfigError
+        ``n < 1``, a scheduler other than ``dwise-refined``, or a workload without per-round estimates.
+    """
+    if not refine_every >= 1:
+        raise ConfigError(f"--refine-every takes round counts >= 1, got {refine_every}")
+    if spec.estimate != "refined":
+        raise ConfigError(f"--refine-every re-estimates with the calibrated refinement: it applies to dwise-refined, "
+                          f"not {spec.name}")
+    if workload.round_refined is None:
+        raise ConfigError("--refine-every needs refinement estimates at later rounds: traces collected with "
+                          "`dwise-predict collect --rounds-hidden N` and --bundle")
+    kept = workload.round_refined.shape[1]
+    rounds = np.arange(1 + refine_every, kept + 1, refine_every, dtype=np.int64) if math.isfinite(refine_every) \
+        else np.zeros(0, dtype=np.int64)
+    return LaterRefinements(rounds, np.asarray(workload.round_refined, dtype=np.float64)[:, rounds - 1])
 
 
 def _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s,
@@ -491,20 +570,33 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
     return _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s, c)
 
 
-def rhat_zero_share(spec, estimate: np.ndarray, refined: np.ndarray | None, total: np.ndarray) -> float:
+def rhat_zero_share(spec, estimate: np.ndarray, refined: np.ndarray | None, total: np.ndarray,
+                    later: LaterRefinements | None = None) -> float:
     """Percent of requests whose ``r̂`` reaches 0 while rounds remain (seed 000 Table 6), or NaN
     for schedulers that do not track ``r̂``.
 
     After ``t`` denoising rounds ``r̂ = max(r̂_0 − t, 0)``, so it hits 0 with work left iff some
     integer ``t`` has ``r̂_0 <= t < total``, i.e. ``ceil(r̂_0) < total``; with refinement the same
-    holds from round 1 on with the refined estimate against ``total − 1``.
+    holds from round 1 on with the refined estimate against ``total − 1``. With ``later``
+    refinements each one starts a new stretch: an estimate ``e`` set after round ``k`` reaches 0
+    after round ``k + ceil(e)``, which counts if that comes before the next refinement and before
+    the request's last round.
     """
     if spec.ranking != "remaining" or spec.estimate in ("none", "oracle"):
         return float("nan")
     if refined is None:
         hit = np.ceil(estimate) < total
-    else:
+    elif later is None or not len(later.rounds):
         hit = (estimate <= 0) | (np.ceil(np.maximum(refined, 0.0)) < total - 1)
+    else:
+        hit = estimate <= 0
+        start, value = np.ones(len(total), dtype=np.int64), np.asarray(refined, dtype=np.float64)
+        for j, k in enumerate(later.rounds.tolist()):
+            applies = (total > k) & np.isfinite(later.values[:, j])
+            hit |= applies & (start + np.ceil(np.maximum(value, 0.0)) <= k - 1)
+            start = np.where(applies, k, start)
+            value = np.where(applies, later.values[:, j], value)
+        hit |= start + np.ceil(np.maximum(value, 0.0)) <= total - 1
     return float(100.0 * hit.mean())
 
 
@@ -540,7 +632,8 @@ def kv_reservations(workload: SimRequests, config: SimConfig) -> np.ndarray:
     return kv
 
 
-def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arrival: float, dt: float) -> int:
+def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arrival: float, dt: float,
+                   refine_gaps: np.ndarray | None = None) -> int:
     """How many rounds in a row ``plan`` provably repeats unchanged (at least 1).
 
     Between events the same requests keep running: runners' keys only fall (``P`` or ``r̂`` drop
@@ -548,11 +641,14 @@ def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arriv
     request overtakes a runner and the top-B cut-off only falls (no new admission). The plan
     changes at the first event: a prompt runner reaching ``P = 0`` (phase change), a first
     denoising round (refinement), a first output block or a request finishing, or an arrival.
-    The caller skips this when the round admitted anyone.
+    ``refine_gaps`` (``--refine-every``): rounds until a runner's next refinement, which must run
+    alone too. The caller skips this when the round admitted anyone.
     """
     if len(done) and (done == 0).any():
         return 1
     steps = []
+    if refine_gaps is not None and len(refine_gaps):
+        steps.append(int(refine_gaps.min()) - 1)  # 0 when this round refines: it runs alone
     prompt_P = pol._P[plan.run[plan.prompt]]
     if len(prompt_P):
         steps.append(int(prompt_P.min()))

@@ -8,8 +8,9 @@ regression (pool-adjacent-violators with block medians, the L1 isotonic fit) of 
 rounds on the raw estimate, over requests that have any rounds left (the requests
 :func:`~dwise_predict.metrics.median_ratio` is defined on). ``statistic="mean"`` gives the
 squared-error fit (conditional mean, what scikit-learn's ``IsotonicRegression`` computes) instead.
-The fit is centred (one knot per pooled block, see :func:`_centered_isotonic`), so calibration keeps
-the raw estimate's ranking between the end knots. Given the raw estimate's range (``raw_range``: the
+Each step of the fit is tilted by at most :data:`TILT` rounds (see :func:`_tilted_steps`), so
+calibration keeps the raw estimate's ranking between the end knots while every request is
+calibrated to its step's median. Given the raw estimate's range (``raw_range``: the
 graph's expected remaining rounds lie in ``[0, K]``), two more knots carry the map to both ends of it:
 ``(0, 0)`` (certain to finish now) and, past the last fitted knot, a slope of 1 (beyond the training
 data the raw estimate's increments are taken as they are). Without them every request whose raw
@@ -33,6 +34,8 @@ from typing import Literal
 import numpy as np
 
 from dwise_predict.errors import InputError
+
+TILT = 0.01  # rounds: how far a block's estimates may lie from its value, to keep the raw order
 
 
 class IsotonicCalibrator:
@@ -71,7 +74,7 @@ class IsotonicCalibrator:
             raw, actual = raw[actual > 0], actual[actual > 0]
         if raw.size == 0:
             raise InputError("no requests to fit the calibration on")
-        self.x_, self.y_ = _centered_isotonic(raw, actual, np.median if self.statistic == "median" else np.mean)
+        self.x_, self.y_ = _tilted_steps(raw, actual, np.median if self.statistic == "median" else np.mean)
         if raw_range is not None:
             self.x_, self.y_ = _extend(self.x_, self.y_, *raw_range)
         return self
@@ -98,15 +101,13 @@ class IsotonicCalibrator:
         return calibrator
 
 
-def _centered_isotonic(x: np.ndarray, y: np.ndarray, statistic) -> tuple[np.ndarray, np.ndarray]:
-    """Centred isotonic regression: pool-adjacent-violators, then one knot per pooled block.
+def _pool_adjacent_violators(x: np.ndarray, y: np.ndarray, statistic) -> tuple[list[np.ndarray], np.ndarray]:
+    """The isotonic fit of ``y`` on ``x``: the pooled blocks' x values (increasing, each block's
+    sorted) and their values (strictly increasing).
 
     PAVA pools adjacent blocks while their values (``statistic`` of the block's y: the median gives
     the L1 isotonic fit, the mean the L2 one) fail to increase; points with equal x start in one
-    block. Each block then becomes one knot at (mean x of the block, block value), so the knots
-    increase strictly in both coordinates and the interpolated map is strictly increasing between
-    the first and last knot: it keeps the ranking of the raw estimates instead of tying every
-    request of a block (Oron & Flournoy 2017, "Centered isotonic regression").
+    block, so blocks never share an x.
     """
     order = np.lexsort((y, x))
     x, y = x[order], y[order]
@@ -124,7 +125,43 @@ def _centered_isotonic(x: np.ndarray, y: np.ndarray, statistic) -> tuple[np.ndar
         blocks_x.append(bx)
         blocks_y.append(by)
         values.append(value)
-    return np.asarray([bx.mean() for bx in blocks_x], dtype=np.float64), np.asarray(values, dtype=np.float64)
+    return blocks_x, np.asarray(values, dtype=np.float64)
+
+
+def _tilted_steps(x: np.ndarray, y: np.ndarray, statistic) -> tuple[np.ndarray, np.ndarray]:
+    """Knots of the isotonic fit's steps, each tilted by a hair so that the map increases strictly.
+
+    A block of the fit becomes two knots, ``(its smallest x, value - tilt)`` and ``(its largest x,
+    value + tilt)`` (one knot ``(x, value)`` when all its x are equal), with ``tilt`` =
+    :data:`TILT` rounds, or a quarter of the gap to a neighbouring block's value where that is
+    smaller; between blocks the map is linear. So every request of a block is calibrated to the
+    block's value within ``TILT`` (what the L1 fit says: the median of the actual rounds of the
+    requests whose raw estimate lies there), and requests the raw estimate orders keep their order
+    (no ties, so no ρ is lost; seed 000 Table 5).
+
+    Why not one knot per block at its mean x (centred isotonic regression, Oron & Flournoy 2017,
+    used until 2026-12): interpolating between centres spreads a block's estimates across the
+    block's value, while its actual rounds are counts, many equal to that value. The requests at
+    exactly the block's count then fall above or below their estimate by where their raw estimate
+    sits in the block, not by how long they ran, and the median of predicted / actual drifted with
+    the skew of the raw estimates inside the blocks: on a known discrete Weibull law (shape 3,
+    30,000 requests, a raw estimate within 10 % of the scale) the lowest third of the estimates ran
+    at 0.973 with centres and at 1.000 with tilted steps.
+    """
+    blocks, values = _pool_adjacent_violators(x, y, statistic)
+    gaps = np.diff(values)  # (blocks - 1,), all > 0
+    knots_x: list[float] = []
+    knots_y: list[float] = []
+    for i, (bx, value) in enumerate(zip(blocks, values)):
+        if bx[0] == bx[-1]:
+            knots_x.append(float(bx[0]))
+            knots_y.append(float(value))
+            continue
+        near = gaps[max(i - 1, 0):i + 1]
+        tilt = min(TILT, float(near.min()) / 4) if near.size else TILT
+        knots_x += [float(bx[0]), float(bx[-1])]
+        knots_y += [float(value) - tilt, float(value) + tilt]
+    return np.asarray(knots_x, dtype=np.float64), np.asarray(knots_y, dtype=np.float64)
 
 
 def _extend(x: np.ndarray, y: np.ndarray, low: float, high: float) -> tuple[np.ndarray, np.ndarray]:

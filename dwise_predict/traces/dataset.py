@@ -9,7 +9,10 @@ A directory holding
   (more may follow; these keep their names and meaning);
 - ``hidden.safetensors``: ``first_round`` ``[N, H]`` and ``prompt_last`` ``[N, H]``, row i belonging to
   row i of ``requests.parquet``; a collection made with ``collect --layers`` adds the tensors named in
-  :mod:`dwise_predict.traces.hidden_extra` (``first_round.layer{L}.{mean,last,positions}``), kept in
+  :mod:`dwise_predict.traces.hidden_extra` (``first_round.layer{L}.{mean,last,positions}``), and one
+  made with ``collect --rounds-hidden N`` the first ``N`` denoising rounds' pooled states and early
+  signals, ``round_states`` ``[N, rounds, H]`` and ``round_signals`` ``[N, rounds, 4]``, with the request
+  column ``rounds_recorded`` (:mod:`dwise_predict.traces.round_states`); both kept in
   :attr:`TraceDataset.extra_hidden`.
 
 Outside tools read these files directly (``pd.read_parquet(dir / "requests.parquet")``), so the
@@ -32,8 +35,11 @@ from dwise_predict.errors import TraceError
 from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
 from dwise_predict.identity import EARLY_SIGNALS
 
-SCHEMA_VERSION = 3  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config);
-# 3: a fourth early signal, end_probability
+SCHEMA_VERSION = 4  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config);
+# 3: a fourth early signal, end_probability; 4: optional per-round states (collect --rounds-hidden)
+# the oldest schema in today's round units and columns: later ones only add optional tensors, so a
+# collection of schema 3 resumes and merges with one of schema 4
+SAME_UNITS_SINCE = 3
 MANIFEST_FILE = "manifest.json"
 REQUESTS_FILE = "requests.parquet"
 HIDDEN_FILE = "hidden.safetensors"
@@ -82,7 +88,8 @@ class TraceDataset:
     """A loaded trace dataset: the request table, the two hidden-state matrices and the manifest.
 
     ``extra_hidden`` maps the optional tensors of ``collect --layers`` (names in
-    :mod:`dwise_predict.traces.hidden_extra`) to arrays whose first axis is the request; empty for a
+    :mod:`dwise_predict.traces.hidden_extra`) and of ``collect --rounds-hidden``
+    (:mod:`dwise_predict.traces.round_states`) to arrays whose first axis is the request; empty for a
     default collection.
     """
 
@@ -91,7 +98,7 @@ class TraceDataset:
     prompt_last: np.ndarray  # (N, H) float32, pooled final-layer rows of the last prompt block
     manifest: dict = field(default_factory=dict)
     path: Path | None = None
-    extra_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (N, H) or (N, block, H) float32
+    extra_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (N, ...) float32
 
     def __post_init__(self) -> None:
         validate(self)
@@ -296,14 +303,9 @@ def _whole_numbers(value) -> bool:
     return counts.ndim == 1 and bool(np.all(np.isfinite(counts) & (counts >= 1) & (counts == np.floor(counts))))
 
 
-# the oldest trace schema read: schema 1 counted rounds in other units (ceil prompt blocks, r forwards
-# per block), schema 2 lacks the fourth early signal; neither can stand for today's traces
-OLDEST_SCHEMA_VERSION = 3
-
-
 def check_manifest(manifest: dict, path: str | os.PathLike) -> None:
     """Raise :class:`TraceError` when a trace manifest's schema version is not one this code reads
-    (a whole number from :data:`OLDEST_SCHEMA_VERSION` to :data:`SCHEMA_VERSION`; JSON's ``true`` is
+    (a whole number from :data:`SAME_UNITS_SINCE` to :data:`SCHEMA_VERSION`; JSON's ``true`` is
     not one), or its model, decoding or workload block is not a JSON object."""
     version = manifest.get("schema_version")
     if type(version) is not int:  # bool is a subclass of int: `true` would read as schema 1
@@ -312,8 +314,8 @@ def check_manifest(manifest: dict, path: str | os.PathLike) -> None:
     if version > SCHEMA_VERSION:
         raise TraceError(f"{path} has trace schema version {version}; this dwise-predict reads up to "
                          f"{SCHEMA_VERSION}: upgrade dwise-predict")
-    if version < OLDEST_SCHEMA_VERSION:
-        raise TraceError(f"{path} has trace schema version {version}; this dwise-predict reads {OLDEST_SCHEMA_VERSION} "
+    if version < SAME_UNITS_SINCE:
+        raise TraceError(f"{path} has trace schema version {version}; this dwise-predict reads {SAME_UNITS_SINCE} "
                          f"to {SCHEMA_VERSION} (older traces count rounds in other units, or lack end_probability): "
                          "collect them again with this version")
     for key in ("model", "decoding", "workload"):

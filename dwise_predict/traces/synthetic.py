@@ -2,15 +2,22 @@
 
 Each request has a latent difficulty ``z ~ N(0, 1)`` that only the hidden state sees: the first-round
 hidden vector is ``z * direction + category embedding + noise``; prompt features (words, newlines,
-tokens) are drawn independently of ``z``. Remaining rounds after the first denoising round follow a
-discrete-time survival law with a constant per-round hazard
+tokens) are drawn independently of ``z``. Remaining rounds ``T`` after the first denoising round follow
+a discrete Weibull law (Nakagawa & Osaki 1975) of scale ``s`` and shape ``hazard_shape``
 
-    hazard = sigmoid(-(base_log_rounds[category] + difficulty_scale * z + length_scale * log(tokens)))
+    P(T >= t) = exp(-(t / s) ** hazard_shape),   s = 1 / log(1 + exp(-level)),
+    level = base_log_rounds[category] * level_scale (around the categories' mean level)
+            + difficulty_scale * z + length_scale * log(tokens)
 
-so ``remaining ~ Geometric`` (right-skewed: its mean sits above its median), capped where the budget
-stops generation. The oracle's expected remaining rounds under that law is stored in the extra
-column ``oracle_remaining``. Tests use this to check that a predictor recovers what the hidden state
-holds and that prompt features cannot see it.
+capped where the budget stops generation. Its hazard after ``t`` rounds is
+``1 - exp(-((t + 1) ** shape - t ** shape) / s ** shape)``: at ``hazard_shape = 1`` (the default) the
+constant ``sigmoid(-level)``, so ``T ~ Geometric`` with mean ``exp(level)`` (right-skewed: its mean
+sits above its median); above 1 it rises with the rounds done and ``T`` gathers around ``s ≈
+exp(level)`` (median ``s · log(2) ** (1 / shape)``). ``level_scale`` sets how much of the work lies in
+the categories' levels (between categories) against ``difficulty_scale``'s share inside them. The
+oracle's expected remaining rounds under that law is stored in the extra column
+``oracle_remaining``. Tests use this to check that a predictor recovers what the hidden state holds
+and that prompt features cannot see it.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ def make_synthetic_traces(
     difficulty_scale: float = 0.7,
     length_scale: float = 0.15,
     noise: float = 0.5,
+    level_scale: float = 1.0,
+    hazard_shape: float = 1.0,
     eval_fraction: float = 0.3,
     budget: int = 256,
     block_size: int = 8,
@@ -55,6 +64,10 @@ def make_synthetic_traces(
         log of the expected remaining rounds.
     length_scale : how strongly log prompt tokens (seen by the admission features) moves it.
     noise : standard deviation of isotropic noise added to the hidden vectors.
+    level_scale : multiplies the categories' base levels' spread around their mean: above 1 the
+        levels between categories carry more of the work, below 1 the difficulty inside them does.
+    hazard_shape : the discrete Weibull shape: 1 is a constant hazard (geometric rounds), above 1 a
+        hazard that rises with the rounds done (less spread around ``exp(level)``).
 
     Returns
     -------
@@ -74,11 +87,23 @@ def make_synthetic_traces(
     newlines = rng.poisson(newline_rate * prompt_tokens / 100.0)
     z = rng.standard_normal(n_requests)
 
-    log_mean = base + difficulty_scale * z + length_scale * np.log(prompt_tokens)
-    hazard = 1.0 / (1.0 + np.exp(log_mean))  # mean of Geometric = (1-h)/h = exp(log_mean)
-    remaining = rng.geometric(hazard) - 1  # rounds after the first denoising round, >= 0
+    mean_level = float(np.mean([categories[c][0] for c in names]))
+    level = (base + (level_scale - 1.0) * (base - mean_level) + difficulty_scale * z
+             + length_scale * np.log(prompt_tokens))
+    hazard = 1.0 / (1.0 + np.exp(level))  # at shape 1 the hazard, and the mean (1 - h) / h is exp(level)
+    q = 1.0 - hazard  # at shape 1, P(T >= t) = q ** t = exp(-t / s)
+    scale = -1.0 / np.log(q)
+    if hazard_shape == 1.0:
+        remaining = rng.geometric(hazard) - 1  # rounds after the first denoising round, >= 0
+    else:  # inverse CDF: P(floor(s * (-log U) ** (1 / shape)) >= t) = P(U <= exp(-(t / s) ** shape))
+        remaining = np.floor(scale * (-np.log(rng.uniform(size=n_requests))) ** (1.0 / hazard_shape)).astype(int)
     max_rounds = budget // block_size * block_size  # every round unmasks >= 1 token
     remaining = np.minimum(remaining, max_rounds - 1)
+    if hazard_shape == 1.0:  # mean of min(T, cap) = sum over t = 1..cap of P(T >= t), cap = max_rounds - 1
+        oracle = q * (1.0 - q ** (max_rounds - 1)) / hazard
+    else:
+        steps = np.arange(1, max_rounds, dtype=np.float64)[None, :]
+        oracle = np.exp(-(steps / scale[:, None]) ** hazard_shape).sum(axis=1)
     total_rounds = remaining + 1
 
     direction = rng.standard_normal(hidden_size)
@@ -118,8 +143,7 @@ def make_synthetic_traces(
             "mean_entropy": rng.uniform(0.0, 2.0, n_requests),
             "end_probability": rng.uniform(0.0, 1.0, n_requests),
             "wall_s": total_rounds * 0.01,
-            # mean of min(Geometric, cap): sum_{j<cap} (1-h)^(j+1)
-            "oracle_remaining": (1.0 - hazard) * (1.0 - (1.0 - hazard) ** (max_rounds - 1)) / hazard,
+            "oracle_remaining": oracle,
             "difficulty": z,
         }
     )

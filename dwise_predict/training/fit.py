@@ -125,7 +125,7 @@ def fit_predictors(
 def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress, jobs: int | None) -> tuple:
     """The chosen refinement candidate (by CV when ``config.refine == "auto"``), its calibration and
     the selection record."""
-    from dwise_predict.training.select import cross_validate, fit_candidate, grouped_folds
+    from dwise_predict.training.select import CLOSED_FORM, cross_validate, fit_candidate, grouped_folds
 
     def make_ensemble() -> SurvivalEnsemble:
         return SurvivalEnsemble(
@@ -142,10 +142,13 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
         )
 
     inputs = refine_inputs(train)
+    out_of_fold = None
     if config.refine == "auto":
         jobs = default_jobs(2, config.num_threads) if jobs is None else jobs  # two threads is all the CV uses
-        selection = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble, config.cv_folds,
-                                   config.seed, jobs=jobs)
+        selection, estimates = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble,
+                                              config.cv_folds, config.seed, jobs=jobs)
+        if selection["chosen"] in CLOSED_FORM:
+            out_of_fold = estimates[selection["chosen"]]
     else:
         selection = {"mode": "fixed", "candidates": {}, "chosen": config.refine}
     ensemble, inner = fit_candidate(selection["chosen"], inputs, targets.remaining, targets.events, make_ensemble,
@@ -153,15 +156,34 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
                                     fold=grouped_folds(train, config.cv_folds, config.seed),
                                     blend_weight=selection.get("blend_weight"), seed=config.seed)
     selection.update(inner)
-    # Calibrate on every finished training request (as seed 000 does). Measured on synthetic traces:
-    # with 3,000 training requests the eval median ratio lands at 0.96-1.03; fitting only on the
-    # validation part (never seen by the weights) was noisier there (0.89-1.05), though with ~700
-    # training requests the in-sample fit is biased by the network's optimism (0.85-1.16).
+    return ensemble, calibrate(ensemble, inputs, targets, config.calibration, out_of_fold), selection
+
+
+def calibrate(ensemble: SurvivalEnsemble, inputs: tuple, targets: Targets, statistic: str,
+              out_of_fold: np.ndarray | None = None) -> IsotonicCalibrator:
+    """The isotonic map from ``ensemble``'s raw estimate to remaining rounds, fitted on the finished
+    training requests: on their out-of-fold raw estimates (``out_of_fold`` (N,), NaN where a fold was
+    not scored) when the candidate search made them and the candidate is fitted in closed form
+    (``select.CLOSED_FORM``), else on the ensemble's own estimates of its training requests (seed
+    000's recipe).
+
+    Why out of fold for the closed-form heads: the map is applied to requests the head never saw,
+    and on its own training requests a ridge on 2H + 6 columns fitted to a few hundred requests
+    follows their rounds more closely than on new ones, and a map fitted there puts too many new
+    requests below their actual rounds. A closed-form fit on (folds - 1) / folds of the requests
+    behaves as the final fit does on new requests (the scheme of scikit-learn's
+    ``CalibratedClassifierCV(ensemble=False)``). Why not for the survival networks: their raw scale
+    moves with how far training got, which depends on how many requests a fit had, so a fold
+    network's estimates are not on the final network's scale. Measured on synthetic sets with a
+    known law: docs/training.md, "Calibration"."""
     done = targets.events
-    raw = ensemble.predict_raw(*(a[done] for a in inputs))
-    calibrator = IsotonicCalibrator(statistic=config.calibration, fitted_on="train").fit(
+    if out_of_fold is not None:
+        done = done & np.isfinite(out_of_fold)
+        raw, fitted_on = out_of_fold[done], "train, out of fold"
+    else:
+        raw, fitted_on = ensemble.predict_raw(*(a[done] for a in inputs)), "train"
+    return IsotonicCalibrator(statistic=statistic, fitted_on=fitted_on).fit(
         raw, targets.remaining[done], raw_range=(0.0, float(ensemble.num_rounds_)))
-    return ensemble, calibrator, selection
 
 
 @contextmanager

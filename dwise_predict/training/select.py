@@ -21,10 +21,17 @@ Candidates (all one graph family, so all export under contract 2 — see
 
 Folds are grouped by prompt text (requests sharing a prompt, e.g. one prompt at several budgets,
 never sit on both sides) and dealt per category, so every validation fold holds every category.
-Each candidate's out-of-fold raw estimates over the whole training split are scored by the mean
-within-category Spearman ρ against remaining rounds (calibration is monotone, so the raw estimate
-ranks as the shipped one does); the highest wins, ties going to the earlier candidate in
-:data:`CANDIDATES` (the reference first). Everything is seeded by ``TrainConfig.seed``.
+The choice is made on what the scheduler does with the estimate (seed 000's Algorithm 1 ranks every
+request together by remaining work ``P + r̂``; when ``r̂`` is set after the first denoising round the
+prompt is done, ``P = 0``): each candidate's out-of-fold raw estimates over the whole training split
+are calibrated fold by fold (:func:`calibrated_out_of_fold`, so they are on the scale the scheduler
+sees) and scored by their Spearman ρ against remaining rounds over all requests (``cv_spearman``).
+The candidates within :data:`LEVEL_BAND` of the best are level with it, and among them the best mean
+within-category ρ wins (:func:`choose`), ties going to the earlier candidate in :data:`CANDIDATES`
+(the reference first). Held-out-category ρ is reported, not chosen on (:data:`HELD_OUT_NOTE`).
+Everything is seeded by ``TrainConfig.seed``. Until 2026-12 the choice was by within-category ρ
+alone: on sets where the categories' levels carry the work it shipped heads that order requests
+inside categories and rank them all far worse (docs/training.md).
 
 With ``jobs=2`` the CV runs in two threads (torch and numpy release the GIL inside their kernels):
 this one fits the survival candidates fold by fold while the other fits the ``ridge-within`` folds,
@@ -44,12 +51,28 @@ from contextlib import contextmanager
 import numpy as np
 
 from dwise_predict import metrics as M
-from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead, blend, blend_heads, fit_pca_survival
+from dwise_predict.survival.calibration import IsotonicCalibrator
+from dwise_predict.survival.labels import RemainingRoundsLabels
+from dwise_predict.survival.linear import (
+    RidgeHead, SignalFeatureHead, blend, blend_heads, fit_pca_survival, linear_raw,
+)
 from dwise_predict.traces import TraceDataset
 
 CANDIDATES = ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals")
 BLEND_WEIGHTS = (0.25, 0.4, 0.5, 0.6, 0.75)  # share of ridge-within in ridge-within+signals
 DEFAULT_BLEND_WEIGHT = 0.5  # both heads alike, kept unless CV finds a weight clearly better
+# fitted in closed form: a fold's fit is the final fit on fewer requests, so their out-of-fold estimates
+# calibrate the final one (training.fit.calibrate); the survival networks' raw scale moves with training
+CLOSED_FORM = ("ridge", "ridge-within", "ridge-within+signals")
+# overall rho this close to the best counts as level with it (then within-category rho decides)
+LEVEL_BAND = 0.01
+HELD_OUT_NOTE = ("cv_held_out_category: mean within-category rho, each category ranked by the candidate fitted "
+                 "without it (leave-one-category-out), for ridge (exact, at its penalty), ridge-within and "
+                 "ridge-within+signals (refitted); null for the survival networks, whose refits (one per category) "
+                 "would more than double train's time (evaluate --loco measures the shipped one); reported, not "
+                 "chosen on")
+CRITERION = ("overall Spearman rho of the out-of-fold calibrated remaining rounds (train split only; the "
+             "scheduler ranks all requests together); within level_band of the best, the best within-category rho")
 
 
 def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
@@ -226,55 +249,131 @@ def _blend_within(weight, ridge_oof, feature_oof, remaining, events, groups) -> 
 def cross_validate(
     train: TraceDataset, inputs: tuple, remaining: np.ndarray, events: np.ndarray, make_ensemble, folds: int, seed: int,
     candidates: tuple[str, ...] = CANDIDATES, jobs: int = 1,
-) -> dict:
-    """Out-of-fold raw estimates of every candidate and their scores (the candidates.json dict).
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """Every candidate's out-of-fold estimates, their scores and the choice (the candidates.json dict).
 
-    ``ridge-within+signals`` is scored at its blend weight chosen on the same out-of-fold estimates
-    (see :func:`choose_blend_weight`; when the rule leaves the default, a choice made on the
-    validation folds, so its score is then slightly optimistic against the others'). ``jobs``: 2 runs
-    the ``ridge-within`` fits in a second thread (see the module docstring); results do not depend on it."""
+    Under the grouped folds each candidate's out-of-fold raw estimates are calibrated fold by fold
+    (:func:`calibrated_out_of_fold`) and scored as the scheduler uses them, all requests ranked
+    together: ``cv_spearman``, the primary criterion; ``cv_within_category`` and, under
+    leave-one-category-out folds, ``cv_held_out_category`` are reported beside it, and
+    within-category ρ breaks ties (:func:`choose`). ``ridge-within+signals`` is scored at its blend
+    weight chosen on the same out-of-fold estimates (see :func:`choose_blend_weight`; when the rule
+    leaves the default, a choice made on the validation folds, so its scores are then slightly
+    optimistic against the others'). ``jobs``: 2 runs the ``ridge-within`` fits in a second thread (see
+    the module docstring); results do not depend on it.
+
+    Returns (the record, {candidate: out-of-fold raw estimates (N,) under the grouped folds, NaN where
+    unscored}); a closed-form winner's calibration is fitted on its own (``training.fit.calibrate``)."""
     fold = grouped_folds(train, folds, seed)
     cats = train.requests["category"].astype(str).to_numpy()
+    by_category = _category_folds(cats)
+    num_rounds = RemainingRoundsLabels().fit(remaining, events).out_features  # K, as every candidate's graph
     ridge_within = any(c in ("ridge-within", "ridge-within+signals") for c in candidates)
     with _other_thread(jobs) as pool:
-        # ridge-within's fits start first (one set serves both of its candidates, under both fold sets
-        # of the blend weight); with jobs = 2 they run beside the survival fits below
+        # ridge-within's fits start first (one set serves both of its candidates, under both fold sets);
+        # with jobs = 2 they run beside the survival fits below
         pending = [_submit_heads(inputs, remaining, events, cats, f, seed, pool)
-                   for f in (fold, _category_folds(cats))] if ridge_within else []
-        oof = _fold_estimates(inputs, remaining, events, make_ensemble, fold, folds, candidates)
+                   for f in (fold, by_category)] if ridge_within else []
+        oof = _fold_estimates(inputs, remaining, events, make_ensemble, fold, candidates)
+        held = {name: np.full(len(train), np.nan) for name in candidates}
+        if "ridge" in held:  # exact without refits (RidgeHead.held_out_scores)
+            ridge = RidgeHead().fit(*inputs, remaining, events)
+            held["ridge"] = linear_raw(ridge.held_out_scores(*inputs, remaining, events, cats), num_rounds)
         heads = [_gather_heads(len(train), p) for p in pending]
-    record = {}
+    record = {"held_out": HELD_OUT_NOTE}
     if "ridge-within" in oof:
-        oof["ridge-within"] = heads[0][2]
+        oof["ridge-within"], held["ridge-within"] = heads[0][2], heads[1][2]
     if "ridge-within+signals" in oof:
-        weight, by_weight, oof["ridge-within+signals"] = choose_blend_weight(
-            inputs, remaining, events, cats, fold, seed, by_prompt=heads[0], by_category=heads[1])
-        record = {"blend_weight": weight, "blend_cv": by_weight}
+        weight, by_weight, score = choose_blend_weight(inputs, remaining, events, cats, fold, seed, by_prompt=heads[0],
+                                                       by_category=heads[1])
+        oof["ridge-within+signals"] = linear_raw(score, num_rounds)
+        held["ridge-within+signals"] = linear_raw(weight * heads[1][0] + (1.0 - weight) * heads[1][1], num_rounds)
+        record.update(blend_weight=weight, blend_cv=by_weight)
     scored = events & np.isfinite(oof[candidates[0]])
-    scores = {}
-    for name in candidates:
-        pred, true = oof[name][scored], remaining[scored]
-        within, per = M.within_category(pred, true, cats[scored])
-        scores[name] = {"cv_within_category": within, "cv_spearman": M.spearman(pred, true), "cv_per_category": per}
-    chosen = max(candidates, key=lambda c: (_value(scores[c]["cv_within_category"]), -candidates.index(c)))
+    scores = {name: _scores(oof[name], held[name], remaining, scored, cats, fold, num_rounds) for name in candidates}
+    chosen, reason, level = choose(scores, candidates)
     return {
         "mode": "cv",
         "folds": folds,
         "grouping": "prompt text, dealt per category",
-        "criterion": "mean within-category Spearman rho of out-of-fold raw estimates (train split only)",
+        "criterion": CRITERION,
+        "level_band": LEVEL_BAND,
         "n_scored": int(scored.sum()),
         "candidates": scores,
+        "level_with_best": level,
         "chosen": chosen,
+        "reason": reason,
         **record,
-    }
+    }, oof
 
 
-def _fold_estimates(inputs, remaining, events, make_ensemble, fold, folds, candidates) -> dict[str, np.ndarray]:
-    """Out-of-fold raw estimates (N,) of each candidate that is not ``ridge-within`` (those stay NaN,
-    filled by the caller): the survival ensembles, the ridge and their blend, fold by fold."""
+def _scores(raw, held, remaining, scored, cats, fold, num_rounds) -> dict:
+    """One candidate's entry of candidates.json from its out-of-fold raw estimates under the grouped
+    folds (``raw``) and under leave-one-category-out folds (``held``), over the ``scored`` requests."""
+    calibrated = calibrated_out_of_fold(raw, remaining, scored, fold, num_rounds)
+    pred, true, groups = calibrated[scored], remaining[scored], cats[scored]
+    within, per = M.within_category(pred, true, groups)
+    # one model per held-out category and a strictly increasing calibration: raw ranks as calibrated
+    kept = scored & np.isfinite(held)
+    held_out, held_per = M.within_category(held[kept], remaining[kept], cats[kept])
+    return {"cv_spearman": M.spearman(pred, true), "cv_spearman_raw": M.spearman(raw[scored], true),
+            "cv_within_category": within, "cv_per_category": per, "cv_held_out_category": held_out,
+            "cv_held_out_per_category": held_per}
+
+
+def calibrated_out_of_fold(raw: np.ndarray, remaining: np.ndarray, scored: np.ndarray, fold: np.ndarray,
+                           num_rounds: int) -> np.ndarray:
+    """Out-of-fold raw estimates (N,) put on the scale of remaining rounds fold by fold, as the
+    scheduler would see them: fold k's by an isotonic calibration fitted on the other folds' scored
+    requests (their own out-of-fold estimates, so the map never saw fold k's requests' rounds), like
+    the shipped one (``training.fit``). Pooled raw estimates of several fold models need not share a
+    scale (a fold's ridge may pick another penalty); the calibrated ones do. NaN where ``raw`` is."""
+    out = np.full(len(raw), np.nan)
+    for k in np.unique(fold):
+        fit_rows, val_rows = scored & (fold != k) & np.isfinite(raw), (fold == k) & np.isfinite(raw)
+        if not val_rows.any() or not fit_rows.any():
+            continue
+        calibrator = IsotonicCalibrator().fit(raw[fit_rows], remaining[fit_rows], raw_range=(0.0, float(num_rounds)))
+        out[val_rows] = calibrator.predict(raw[val_rows])
+    return out
+
+
+def choose(scores: dict, candidates: tuple[str, ...]) -> tuple[str, str, list[str]]:
+    """The candidate to ship, why (one plain sentence), and the candidates level with the best.
+
+    Level: an overall ``cv_spearman`` within :data:`LEVEL_BAND` of the best. Among those the best
+    ``cv_within_category`` wins (the order inside a category is what a level predictor cannot
+    fake), then the earlier candidate of :data:`CANDIDATES`."""
+    def value(c, key):
+        return _value(scores[c][key])
+
+    best = max(candidates, key=lambda c: (value(c, "cv_spearman"), -candidates.index(c)))
+    level = [c for c in candidates if value(c, "cv_spearman") >= value(best, "cv_spearman") - LEVEL_BAND]
+    chosen = max(level, key=lambda c: (value(c, "cv_within_category"), -candidates.index(c)))
+
+    def shown(c, key):
+        return "n/a" if scores[c][key] is None else f"{scores[c][key]:.3f}"
+
+    overall = f"{chosen}: overall rho {shown(chosen, 'cv_spearman')} of the out-of-fold calibrated estimates"
+    if len(level) == 1:
+        others = sorted((c for c in candidates if c != chosen), key=lambda c: -value(c, "cv_spearman"))
+        runner = (f"; the next, {others[0]}, has {shown(others[0], 'cv_spearman')}, more than {LEVEL_BAND} lower"
+                  if others else "")
+        return chosen, f"{overall}, the best{runner}", level
+    standing = ("the best" if chosen == best else
+                f"within {LEVEL_BAND} of the best ({best}, {shown(best, 'cv_spearman')})")
+    rivals = ", ".join(f"{c} {shown(c, 'cv_within_category')}" for c in level if c != chosen)
+    reason = (f"{overall}, {standing}; of the {len(level)} candidates within {LEVEL_BAND} of the best it ranks "
+              f"best within categories ({shown(chosen, 'cv_within_category')} against {rivals})")
+    return chosen, reason, level
+
+
+def _fold_estimates(inputs, remaining, events, make_ensemble, fold, candidates) -> dict[str, np.ndarray]:
+    """Out-of-fold raw estimates (N,) of each candidate that is not a ``ridge-within`` one (those stay
+    NaN, filled by the caller): the survival ensembles, the ridge and their blend, fold by fold."""
     oof = {name: np.full(len(remaining), np.nan) for name in candidates}
     need_survival = any(c in ("survival", "survival+ridge") for c in candidates)
-    for k in range(folds):
+    for k in np.unique(fold):
         fit_rows, val_rows = fold != k, fold == k
         if not val_rows.any() or fit_rows.sum() < 8:
             continue

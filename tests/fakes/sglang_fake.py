@@ -18,23 +18,41 @@ used unmodified:
   prefix-cache lookup (``_compute_max_prefix_len``), compiled from that file's own text
   (``sglang_reference.load``: the module itself needs CUDA).
 
+- ``srt/managers/schedule_policy.py`` — ``PrefillAdder`` (its ``__init__``, ``add_one_req``,
+  ``add_dllm_staging_req`` and the budgets they charge: ``--max-prefill-tokens`` as
+  ``rem_input_tokens``, ``--chunked-prefill-size`` as ``rem_chunk_tokens``, ``max_running_requests``
+  blocks as ``rem_dllm_tokens``, ``budget_state``) over ``srt/mem_cache/prefill_budget.py``'s
+  ``PrefillBudget`` (KV memory: free tokens of the pool less this step's reservations, a request's
+  prompt plus ``max_new_tokens`` at admission), and ``SchedulerDllmMixin.get_new_batch_dllm`` itself;
+- ``srt/managers/scheduler.py`` — ``Scheduler.pause_generation`` / ``continue_generation`` and
+  ``schedule_batch.Req.reset_for_retract``: what a pause in ``retract`` mode does to a dLLM server
+  (the last batch's requests lose their KV and are queued again, while they stay in the dLLM
+  manager's queues). A dLLM request is never decode-retracted: SGLang empties the running batch
+  every step (``get_next_batch_to_run`` excludes the last dLLM batch's requests), so the fake has
+  no other retraction.
+
 Written here, for what needs a GPU or a real model (each mirrors the SGLang code it names):
 
 - ``Req``: token arrays, ``prefix_len``, ``init_next_round_input`` (``schedule_batch.Req``: fill
-  ids, prefix match within SGLang's bound, phase);
+  ids, prefix match within SGLang's bound, phase) and the request fields the adder reads (no host
+  or storage cache hits);
 - ``RadixCache``: block-aligned prefixes of committed tokens (``checkpoint_kv_cache`` inserts and
-  sets ``prefix_len = extend_end``);
-- ``PrefillAdder``: SGLang's batch budgets (requests per batch, tokens per batch); a request that
-  does not fit is left out of the step;
+  sets ``prefix_len = extend_end``); nothing evictable (its prefixes take no room in the pool);
+- ``TokenPool``: the KV pool the adder's budget reads (``available_size``): a request holds its
+  committed tokens plus one block from its first forward until it finishes, is aborted or retracted;
 - ``FakeDllmMixin``: SGLang's ``SchedulerDllmMixin`` subclassed, with ``process_batch_result_dllm``
   rewritten without KV pools, streaming and metrics (sync:
   commit the block's tokens; FDFO: keep an unresolved block in ``dllm_incomplete_ids``, commit a
   resolved one, leftover prompt positions are not output; a request finishes after its planned
-  blocks, or, given an EOS id, by SGLang's own ``Req.update_finish_state``); ``resolve``
+  blocks, or, given an EOS id, by SGLang's own ``Req.update_finish_state``), and ``_create_dllm_batch``
+  (a plain batch; KV taken from the pool); ``resolve``
   hands it out as ``SchedulerDllmMixin``, so the adapter patches what SGLang's ``Scheduler`` inherits;
-- ``Scheduler``: ``get_new_batch_dllm`` with the fake adder, ``abort_request`` (pops from both
-  queues, as SGLang's does), ``retract`` (KV released, back to the waiting queue), and the step
-  order of ``get_next_batch_to_run`` (``filter_finished_reqs``, then ``finish_dllm_forward``);
+- ``Scheduler``: ``abort_request`` (pops from both queues, as SGLang's does), the step order of
+  ``get_next_batch_to_run`` (``filter_finished_reqs``, then ``finish_dllm_forward``, then
+  ``get_new_batch_dllm``), ``idle_step`` (a DP-attention IDLE batch: no requests, forward mode
+  ``IDLE``, run through ``DllmAlgorithm.run`` as ``tp_worker`` does and never handed to
+  ``process_batch_result_dllm``), and ``dp_tp_group`` (the TP ranks sharing its requests; one
+  unless a test gives it a real process group);
 - ``FillAlgorithm``: SGLang's ``DllmAlgorithm`` with a ``step`` that, like ``LowConfidence.step``,
   reports *done* when the forward's input held no mask and otherwise fills masks so that block b
   of a request is filled in ``forwards[b] - 1`` steps (so it costs ``forwards[b]`` forwards);
@@ -42,7 +60,8 @@ Written here, for what needs a GPU or a real model (each mirrors the SGLang code
   vector in a prompt block, and on the leftover prompt positions of its first output block); with
   ``cuda_graph=True`` the logits path is recorded once at ``capture()`` (start-up) and every
   forward replays the recorded tensor operations without running any Python hook, as a CUDA graph
-  replay does.
+  replay does; an eager IDLE forward returns no ``full_logits`` (``LogitsProcessor`` computes dLLM
+  logits for ``DLLM_EXTEND`` only), a replayed one zero rows.
 
 A fake request knows its forwards per output block (SGLang units, as traces record them), its
 first-round hidden vector and its prompt hidden vector (the first-round one unless given).
@@ -60,6 +79,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sglang_reference
 
 SGL = sglang_reference.load_scheduler()
+ADDER = sglang_reference.load_adder()
+PAUSE = sglang_reference.load_pause()
 DllmConfig = SGL.DllmConfig
 DllmReqPhase = SGL.req.DllmReqPhase
 ReqDllmMixin = SGL.req.ReqDllmMixin
@@ -91,7 +112,7 @@ class AbortReq:
 # --- sglang.srt.managers.schedule_batch --------------------------------------------------------------
 
 
-class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin):
+class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin, PAUSE.ReqRetract):
     """SGLang's request fields the dLLM path reads, with SGLang's own ``ReqDllmMixin`` and, given an
     ``eos_token_id``, its own finish rule (``update_finish_state``, ``finished``)."""
 
@@ -100,6 +121,8 @@ class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin):
         self.rid = rid
         self.origin_input_ids = array("q", [int(t) for t in origin_input_ids])
         self.output_ids = array("q")
+        if sampling_params is not None and not hasattr(sampling_params, "ignore_eos"):
+            sampling_params.ignore_eos = False  # SGLang's default; the adder reads it
         self.sampling_params = sampling_params
         self.finished_reason = None
         if eos_token_id is not None:  # a real model: SGLang's finish rule reads these
@@ -110,7 +133,14 @@ class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin):
         self.full_untruncated_fill_ids = array("q")
         self.inflight_middle_chunks = 0
         self.return_logprob, self.logprob_start_len = False, -1  # read by SGLang's _compute_max_prefix_len
-        self.kv = SimpleNamespace(holds_kv=False)
+        self.kv = SimpleNamespace(holds_kv=False, holds_mamba=False, req_pool_idx=None)
+        self.kv_tokens = 0  # fake-only: tokens this request holds in the TokenPool
+        # what PrefillAdder reads: no host, SWA or storage cache hits, never retracted so far
+        self.last_node = self.lock = None
+        self.host_hit_length = self.swa_host_hit_length = self.auxiliary_swa_host_hit_length = 0
+        self.retracted_stain = False
+        self.retraction_count = 0
+        self.input_embeds = None  # token ids, not embeddings (reset_for_retract reads it)
         self.init_diffusion_llm(dllm_config)  # SGLang's: the first phase from the prompt length
         # fake-only: forwards per output block (SGLang units) and the model's hidden vector
         self.forwards_per_block = [int(x) for x in rounds_per_block]
@@ -128,6 +158,14 @@ class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin):
             self.prefix_len = tree_cache.match(self)
             self._update_block_offset_for_dllm()
         self.determine_dllm_phase()
+
+    @property
+    def extend_len(self) -> int:
+        """``schedule_batch.Req.extend_len``."""
+        return self.extend_end - self.prefix_len
+
+    def needs_host_load_back(self) -> bool:
+        return False  # no host cache tier
 
     def block_input(self):
         """The block this request's next forward runs: its unresolved block, or the next block of fill ids."""
@@ -158,40 +196,68 @@ class RadixCache:
         for stop in range(self.block_size, end // self.block_size * self.block_size + 1, self.block_size):
             self.prefixes.add(tuple(ids[:stop]))
 
+    # what SGLang's PrefillAdder and PrefillBudget ask a tree cache
+    disable = False
+    buffer_pipeline = None
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def lock(self, node):
+        return None
+
+    def unlock(self, lock) -> None:
+        pass
+
+
+class TokenPool:
+    """The KV token pool as SGLang's adder reads it (``token_to_kv_pool_allocator``): ``size`` tokens,
+    of which a request holds its committed tokens plus one block from its first forward on."""
+
+    def __init__(self, size, block_size, page_size=1):
+        self.size, self.block_size, self.page_size = int(size), block_size, page_size
+        self.used = 0
+
+    def available_size(self) -> int:
+        return self.size - self.used
+
+    def request_slot_reserve(self, *, has_req_pool_slot, prefill_tokens=0) -> int:
+        return 0
+
+    def create_prefill_budget(self, tree_cache, *, num_mixed_decode_tokens=0):
+        return ADDER.PrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def hold(self, req) -> None:
+        """A forward allocated ``req``'s block: it holds what it committed plus that block."""
+        held = len(req.origin_input_ids) + len(req.output_ids) + self.block_size
+        self.used += held - req.kv_tokens
+        req.kv_tokens, req.kv.holds_kv = held, True
+
+    def release(self, req) -> None:
+        self.used -= req.kv_tokens
+        req.kv_tokens, req.kv.holds_kv = 0, False
+
 
 class ScheduleBatch:
     def __init__(self, reqs, forward_mode):
         self.reqs = reqs
         self.forward_mode = forward_mode
+        self.batch_is_full = False
 
     def batch_size(self):
         return len(self.reqs)
 
 
-class PrefillAdder:
-    """SGLang's batch budgets: at most ``max_requests`` requests and ``max_tokens`` tokens per step."""
+class PrefillAdder(ADDER.PrefillAdderMethods):
+    """SGLang's ``PrefillAdder`` from the wheel (``sglang_reference.load_adder``), with its metrics
+    of prefix-cache tiers and storage prefetches (``_account_prefill_cache_admission``: counters for
+    logs, no admission decision) left out."""
 
-    def __init__(self, block_size, max_requests, max_tokens):
-        self.block_size, self.max_requests, self.max_tokens = block_size, max_requests, max_tokens
-        self.can_run_list = []
-        self.preempt_list = []
-        self.tokens = 0
-
-    def _add(self, req):
-        if len(self.can_run_list) >= self.max_requests:
-            return AddReqResult.OTHER
-        if self.tokens + self.block_size > self.max_tokens:
-            return AddReqResult.NO_TOKEN
-        req.extend_end = req.prefix_len + self.block_size  # one block per forward (_get_dllm_extend_len)
-        self.tokens += self.block_size
-        self.can_run_list.append(req)
-        return AddReqResult.CONTINUE
-
-    def add_one_req(self, req, has_chunked_req=False, truncation_align_size=None):
-        return self._add(req)
-
-    def add_dllm_staging_req(self, req):
-        return self._add(req)
+    def _account_prefill_cache_admission(self, req, prefix_len):
+        pass
 
 
 # --- sglang.srt.model_executor ------------------------------------------------------------------------
@@ -203,7 +269,7 @@ class ForwardBatch:
         self.reqs = batch.reqs
         self.rids = [r.rid for r in batch.reqs]  # as ForwardBatch.init_new names each row's request
         self.forward_mode = batch.forward_mode
-        self.input_ids = torch.tensor([t for r in batch.reqs for t in r.block_input()], dtype=torch.long)
+        self.input_ids = torch.tensor([t for r in batch.reqs for t in r.block_input()], dtype=torch.long).reshape(-1)
         self.dllm_prompt_mask = None
 
     def mark_forward_metadata_ready(self, replan_equivalent=True):
@@ -257,7 +323,7 @@ class ModelRunner:
         self.block_size, self.hidden_size = block_size, hidden_size
         self.model_config = ModelConfig(eos_ids)  # the fake's logits have one entry, id 0
         self.logits_processor = LogitsProcessor()
-        self.calls = 0
+        self.calls = self.idle_calls = 0
         self.cuda_graph, self.max_bs = cuda_graph, max_bs
         self.graph = None
         if cuda_graph:
@@ -273,6 +339,13 @@ class ModelRunner:
     def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None, reinit_attn_backend=False,
                 split_forward_count=1):
         self.calls += 1
+        if forward_batch.forward_mode.is_idle():
+            self.idle_calls += 1
+            if self.graph is None:  # eager: LogitsProcessor.forward computes dLLM logits for DLLM_EXTEND only
+                return SimpleNamespace(logits_output=SimpleNamespace(full_logits=None, next_token_logits=None),
+                                       can_run_graph=False)
+            ops, result = self.graph  # IDLE is a graph mode: the padded replay, sliced to its zero real rows
+            return SimpleNamespace(logits_output=SimpleNamespace(full_logits=_replay(ops, result)[:0]), can_run_graph=True)
         hidden_states = torch.cat([self._block_rows(r) for r in forward_batch.reqs])  # (B*bs, H)
         if self.graph is not None and forward_batch.batch_size <= self.max_bs:
             self.static_hidden.zero_()
@@ -373,23 +446,57 @@ class FakeDllmMixin(SchedulerDllmMixin):
             req.finished_reason = "length"
         if req.finished():
             self.tree_cache.insert(req.full_untruncated_fill_ids, req.extend_end)
+            self.token_to_kv_pool_allocator.release(req)  # release_kv_cache
+
+    def _create_prefill_adder(self, running_batch):
+        """``_create_dllm_prefill_adder``'s ``PrefillAdder`` with this scheduler's budgets."""
+        return PrefillAdder(self.page_size, self.tree_cache, self.token_to_kv_pool_allocator, running_batch, 1.0,
+                            self.max_prefill_tokens, self.chunked_prefill_size, 0, 0,
+                            prefill_max_requests=self.prefill_max_requests, dllm_config=self.dllm_config)
+
+    def _create_dllm_prefill_adder(self, running_bs, running_batch):
+        return self._create_prefill_adder(running_batch)
+
+    def _create_dllm_batch(self, can_run_list, forward_mode, adder, running_batch):
+        """``ScheduleBatch.init_new`` + ``prepare_for_extend``: the batch's blocks are allocated."""
+        for req in can_run_list:
+            self.token_to_kv_pool_allocator.hold(req)
+        return ScheduleBatch(can_run_list, forward_mode)
 
 
-class Scheduler(FakeDllmMixin):
+class Scheduler(FakeDllmMixin, PAUSE.SchedulerPause):
     """The scheduler state and the GPU-side methods SGLang's dLLM mixin calls."""
 
-    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9, tokenizer=None):
+    def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9, tokenizer=None,
+                 chunked_prefill_size=8192, page_size=1):
+        """``batch_capacity``: SGLang's ``--prefill-max-requests`` (requests the adder admits from the
+        incoming phase per step); ``max_total_num_tokens``: the KV pool; ``max_prefill_tokens``,
+        ``chunked_prefill_size`` (None: ``-1``, off) and ``page_size``: SGLang's flags of those names."""
         self.dllm_config = dllm_config
         self.tokenizer = tokenizer  # SGLang's, with additional_stop_token_ids attached; None: skip_tokenizer_init
-        self.batch_capacity = batch_capacity
-        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_max_requests = batch_capacity
+        self.max_prefill_tokens, self.chunked_prefill_size, self.page_size = max_prefill_tokens, chunked_prefill_size, page_size
         self.max_total_num_tokens = max_total_num_tokens
+        self.token_to_kv_pool_allocator = TokenPool(max_total_num_tokens, dllm_config.block_size, page_size)
+        self.req_to_token_pool = None
         self.waiting_queue = []
         self.enable_priority_preemption = False
         self.truncation_align_size = None
+        self.policy = SimpleNamespace(calc_priority=lambda waiting_queue: None)  # FCFS: SGLang's default keeps order
         self.tree_cache = RadixCache(dllm_config.block_size)
         self.dllm_manager = DllmManager(dllm_config=dllm_config)
+        self.running_batch = ScheduleBatch([], ForwardMode.DECODE)  # a dLLM server's is empty at every step
+        self.last_batch = None
+        self.chunked_req = None
+        self.dp_tp_group = GroupCoordinator([0], 0, None)  # one TP rank; tests give two a real gloo group
         self.aborted: dict = {}  # rid -> the message the client got
+        # what SGLang's pause_generation / continue_generation read (no overlap, disaggregation, HiSparse)
+        self.enable_overlap = self.enable_overlap_mlx = self._engine_paused = False
+        self.disaggregation_mode = PAUSE.DisaggregationMode.NULL
+        self._pause_started_at, self._pause_intervals = None, []
+        self.decode_offload_manager = self.hisparse_coordinator = self.cur_batch_for_debug = None
+        self.metrics_reporter = SimpleNamespace(last_gen_throughput=0.0, current_scheduler_metrics_enabled=False)
+        self.kv_events_publisher = SimpleNamespace(publish_kv_events=lambda: None)
 
     # what SGLang's mixin calls on the scheduler
     def get_num_allocatable_reqs(self, running_bs, num_held_rows=0):
@@ -400,21 +507,12 @@ class Scheduler(FakeDllmMixin):
         self.tree_cache.insert(req.full_untruncated_fill_ids, req.extend_end)
         req.prefix_len = req.extend_end
 
-    def get_new_batch_dllm(self, running_batch=None):
-        """``SchedulerDllmMixin.get_new_batch_dllm`` with the fake adder and batch."""
-        if not self.waiting_queue and self.dllm_manager.is_empty():
-            return None
-        adder = PrefillAdder(self.dllm_config.block_size, self.batch_capacity, self.max_prefill_tokens)
-        self.dllm_manager.init_next_round()
-        self._fetch_waiting_reqs()
-        forward_mode = self._process_dllm_batches(adder, running_batch=SimpleNamespace(reqs=[], batch_is_full=False))
-        if not adder.can_run_list:
-            return None
-        self._update_state_for_batch(adder.can_run_list, adder)
-        return ScheduleBatch(adder.can_run_list, forward_mode)
+    def _add_request_to_queue(self, req, is_retracted=False):
+        """``Scheduler._add_request_to_queue`` without disaggregation: to the back of the waiting queue."""
+        self.waiting_queue.append(req)
 
     def abort_request(self, recv_req):
-        """``Scheduler.abort_request``: pop from the waiting queue and from both dLLM queues."""
+        """``Scheduler.abort_request``: pop from the waiting queue and from both dLLM queues, KV released."""
         kept = []
         for req in self.waiting_queue:
             if recv_req.abort_all or req.rid.startswith(recv_req.rid):
@@ -424,30 +522,40 @@ class Scheduler(FakeDllmMixin):
         self.waiting_queue = kept
         for req in self.dllm_manager.pop_aborted_reqs(recv_req.abort_all, recv_req.rid):
             self.aborted[req.rid] = (recv_req.finished_reason or {}).get("message", "aborted")
-
-    def retract(self, rids):
-        """Retraction / ``pause_generation(mode="retract")``: KV released, back to the waiting queue."""
-        manager = self.dllm_manager
-        out = [r for r in manager.waiting_queue if r.rid in rids and not r.finished()]
-        manager.waiting_queue = [r for r in manager.waiting_queue if r.rid not in rids]
-        manager.staging_queue = [r for r in manager.staging_queue if r.rid not in rids]
-        for req in out:
-            req.prefix_len, req.dllm_initialized, req.fills = 0, False, 0
-            req.dllm_incomplete_ids = array("q")
-            req.init_diffusion_llm(req.dllm_config)
-            self.waiting_queue.append(req)
+            if req.kv.holds_kv:
+                self.token_to_kv_pool_allocator.release(req)
 
     def step(self, algorithm, runner):
         """One scheduler iteration (``get_next_batch_to_run`` order); returns the batch or None."""
         self.dllm_manager.filter_finished_reqs()
         for req in list(self.dllm_manager.staging_queue):
             self.finish_dllm_forward(req)
-        batch = self.get_new_batch_dllm()
+        batch = self.get_new_batch_dllm(ScheduleBatch([], ForwardMode.DECODE))
         if batch is None:
             return None
-        result = algorithm.run(runner, ForwardBatch(batch), None)
+        result = algorithm.run(runner, ForwardBatch(batch), self._algo_states(algorithm, batch))
         self.process_batch_result_dllm(batch, result)
+        self.last_batch = batch
         return batch
+
+    def idle_step(self, algorithm, runner):
+        """A DP-attention IDLE step (``get_idle_batch``: no requests, ``prepare_for_idle``) as
+        ``tp_worker.forward_batch_generation`` runs it on a dLLM server: ``DllmAlgorithm.run``. Its
+        result goes to ``process_batch_result_idle``, never to ``process_batch_result_dllm``."""
+        batch = ScheduleBatch([], ForwardMode.IDLE)
+        return algorithm.run(runner, ForwardBatch(batch), self._algo_states(algorithm, batch))
+
+    @staticmethod
+    def _algo_states(algorithm, batch):
+        """``tp_worker._forward_batch_generation_dllm``: FDFO carries each request's algorithm state."""
+        return [getattr(req, "dllm_algo_state", None) for req in batch.reqs] if algorithm.fdfo else None
+
+
+class GroupCoordinator:
+    """``distributed.parallel_state.GroupCoordinator``: the fields a scheduler's ``dp_tp_group`` has."""
+
+    def __init__(self, ranks, rank, cpu_group):
+        self.ranks, self.world_size, self.rank_in_group, self.cpu_group = list(ranks), len(ranks), ranks.index(rank), cpu_group
 
 
 SchedulerDllmMixin = FakeDllmMixin
@@ -460,11 +568,12 @@ MODULES = {
     "sglang.srt.layers.logits_processor": SimpleNamespace(LogitsProcessor=LogitsProcessor),
     "sglang.srt.managers.io_struct": SimpleNamespace(AbortReq=AbortReq),
     "sglang.srt.managers.schedule_batch": SimpleNamespace(Req=Req, ScheduleBatch=ScheduleBatch),
-    "sglang.srt.managers.schedule_policy": SimpleNamespace(PrefillAdder=PrefillAdder),
+    "sglang.srt.managers.schedule_policy": SimpleNamespace(PrefillAdder=PrefillAdder, AddReqResult=AddReqResult),
     "sglang.srt.managers.scheduler": SimpleNamespace(Scheduler=Scheduler),
     "sglang.srt.model_executor.forward_batch_info": SimpleNamespace(ForwardMode=ForwardMode, ForwardBatch=ForwardBatch),
     "sglang.srt.model_executor.model_runner": SimpleNamespace(ModelRunner=ModelRunner),
     "sglang.srt.configs.model_config": SimpleNamespace(ModelConfig=ModelConfig),
+    "sglang.srt.distributed.parallel_state": SimpleNamespace(GroupCoordinator=GroupCoordinator),
 }
 
 
@@ -476,7 +585,7 @@ def serve(scheduler: Scheduler, algorithm: DllmAlgorithm, runner: ModelRunner, m
           before_step=None) -> dict:
     """Drive the fake server until every request is done or aborted; returns {rid: forward it finished in}.
 
-    ``before_step(step_index, scheduler)`` runs before each iteration (aborts, retractions).
+    ``before_step(step_index, scheduler)`` runs before each iteration (aborts, pauses).
     """
     all_reqs = list(scheduler.waiting_queue)
     finished_at = {}

@@ -1,0 +1,123 @@
+"""The DWISE hook as an SGLang plugin: ``DWISE_BUNDLE=bundle/ python -m sglang.launch_server ...``.
+
+SGLang 0.5.23 runs every entry point of the ``sglang.srt.plugins`` group (``sglang/srt/plugins``:
+``load_plugins``, in the launching process before it builds its server arguments, and again in each
+child it starts) and then applies the hooks they registered with its ``HookRegistry``. This package
+registers :func:`register` there (``pyproject.toml``). With no ``DWISE_*`` environment variable set
+it does nothing. Otherwise it wraps ``Engine._launch_subprocesses``, the one function through which
+both ``http_server.launch_server`` (``sglang serve``, ``python -m sglang.launch_server``) and the
+offline ``sglang.Engine`` start their scheduler processes, so that the scheduler target they pass is
+run by the launcher's :class:`~dwise_predict.serving.launcher.SchedulerEntry`, with the config read
+from the environment and resolved against SGLang's resolved server arguments: the same entry, the
+same config and the same patched methods as ``dwise-predict serve`` (which stays the one-command
+path; it passes its own entry, which the wrapper leaves alone).
+
+Environment: every :class:`~dwise_predict.serving.launcher.HookConfig` field is ``DWISE_`` + its
+name in capitals (:data:`VARIABLES`), read as ``dwise-predict serve`` reads the option of the same
+name: ``DWISE_BUNDLE``, ``DWISE_RECORD``, ``DWISE_SLOTS``, ``DWISE_K``, ``DWISE_KV_BUDGET_TOKENS``,
+``DWISE_KV_FRACTION``, ``DWISE_SLACK_BLOCKS``, ``DWISE_BLOCK_SIZE``, ``DWISE_MAX_BATCH``,
+``DWISE_HIDDEN_SIZE``, ``DWISE_TOKENIZER``, ``DWISE_RECORD_EVERY``, ``DWISE_RECORD_FLUSH_S``,
+``DWISE_PROMPT_CACHE`` (and ``DWISE_RESOLVER``, for tests); set but empty, an optional one keeps its
+default. The package's other ``DWISE_*`` settings (``DWISE_DEBUG``, ``DWISE_ZOO`` ...) do not engage
+the plugin; a name one letter or two from a plugin variable does, and is refused. A misspelt name
+or a value of the wrong type stops the launch with one line naming it: SGLang logs a plugin's own
+exception and carries on without it, so the plugin raises nothing itself and checks when SGLang
+launches (a server that silently ran without the hook would look like one that runs with it).
+
+The wrapper is registered in the launching process (no ``multiprocessing`` parent) and wherever
+SGLang's ``engine`` module is already imported (an ``Engine`` built in a child process), not in the
+scheduler, detokenizer and data-parallel controller children, which would only import it for
+nothing: their scheduler entry came from the launching process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import multiprocessing
+import os
+import re
+import sys
+from dataclasses import fields
+
+from dwise_predict.errors import ConfigError
+from dwise_predict.serving.launcher import HookConfig, SchedulerEntry, resolved
+
+PREFIX = "DWISE_"
+ENGINE_MODULE = "sglang.srt.entrypoints.engine"
+TARGET = f"{ENGINE_MODULE}.Engine._launch_subprocesses"
+VARIABLES = {f"{PREFIX}{f.name.upper()}": f for f in fields(HookConfig)}  # DWISE_BUNDLE -> HookConfig.bundle
+
+
+def _misspelt(environ) -> dict[str, str]:
+    """``DWISE_*`` names in ``environ`` that are none of :data:`VARIABLES` but one letter or two from
+    one of them (name -> the variable meant). Other ``DWISE_*`` names are the package's other
+    settings (``DWISE_DEBUG``, ``DWISE_ZOO`` ...), not the plugin's."""
+    return {name: close[0] for name in environ if name.startswith(PREFIX) and name not in VARIABLES
+            and (close := difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.85))}
+
+
+def engaged(environ=None) -> bool:
+    """Whether ``environ`` (default ``os.environ``) asks for the hook: a plugin variable is set, or
+    one misspelt (refused at launch, not ignored)."""
+    environ = os.environ if environ is None else environ
+    return any(name in VARIABLES for name in environ) or bool(_misspelt(environ))
+
+
+def config_from_environ(environ=None) -> HookConfig | None:
+    """The hook's config from the plugin variables of ``environ`` (default ``os.environ``), or None
+    when it sets none (:func:`engaged`). Raises :class:`ConfigError` naming every misspelt variable,
+    every value of the wrong type and the config's own problems (:meth:`HookConfig.problems`)."""
+    environ = os.environ if environ is None else environ
+    if not engaged(environ):
+        return None
+    problems = [f"{name} is no DWISE plugin variable: did you mean {meant}?"
+                for name, meant in sorted(_misspelt(environ).items())]
+    values = {}
+    for name, value in sorted((n, v) for n, v in environ.items() if n in VARIABLES):
+        field = VARIABLES[name]
+        kind = int if "int" in field.type else float if "float" in field.type else str
+        if value == "" and "None" in field.type:
+            values[field.name] = None  # set but empty: the default of an optional field
+            continue
+        try:
+            values[field.name] = kind(value)
+        except ValueError:
+            problems.append(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    config = HookConfig(**values)  # the values that parsed: their problems are reported with the rest
+    # the config names its options as serve's flags: name them as the variables that set them here
+    problems += [re.sub(r"--([a-z][a-z-]*)", lambda m: PREFIX + m.group(1).replace("-", "_").upper(), problem)
+                 for problem in config.problems()]
+    if problems:
+        raise ConfigError("DWISE plugin: " + "; ".join(problems))
+    return config
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: wrap ``Engine._launch_subprocesses`` when a
+    ``DWISE_*`` variable is set (see the module's docstring)."""
+    if not engaged():
+        return
+    if multiprocessing.parent_process() is not None and ENGINE_MODULE not in sys.modules:
+        return  # an SGLang child: its scheduler entry, if any, came from the launching process
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, launch_with_hook, HookType.AROUND)
+
+
+def launch_with_hook(original, *args, **kwargs):
+    """``Engine._launch_subprocesses`` with its ``run_scheduler_process_func`` run by a
+    :class:`SchedulerEntry` configured from the environment (an entry already passed, by
+    ``dwise-predict serve`` or ``launcher.engine``, is kept)."""
+    call = inspect.signature(original).bind(*args, **kwargs)
+    target = call.arguments["run_scheduler_process_func"]
+    if not isinstance(target, SchedulerEntry):
+        config = config_from_environ()
+        if config is not None:
+            from sglang.srt.arg_groups.model_override_base import resolved_view
+
+            server_args = call.arguments["server_args"]
+            server_args.resolve_once()  # what _launch_subprocesses does first; idempotent
+            call.arguments["run_scheduler_process_func"] = SchedulerEntry(
+                resolved(config, resolved_view(server_args)), target=target)
+    return original(*call.args, **call.kwargs)

@@ -1,0 +1,74 @@
+"""How `make test` shares the suite between its pytest-xdist workers (``--dist loadfile``).
+
+xdist hands out work units in collection order (``--no-loadscope-reorder``), each to the first
+worker that is free, and a unit runs whole on one worker. One unit per test file, as ``--dist
+loadfile`` makes them, builds each module fixture once; :data:`UNITS` changes that where it pays:
+
+- a file with a few long tests that share no costly fixture is cut into several units, so that no
+  unit outlasts a worker's share of the suite;
+- files that read the same session fixture (``conftest.loco_evaluation``) go together, so it is
+  built once.
+
+:data:`FIRST` starts the longest units first (the longest-processing-time rule): on two workers a
+long unit started last leaves the other worker idle at the end. The order comes from CPU seconds
+measured one file at a time on the 2-core machine (2026-12-03, under load: the order is what
+counts); a unit missing from it runs after them in file order, and a test or file renamed here
+only falls back to its file's unit, so nothing is ever left out.
+
+The conftest applies both: :func:`scheduler` replaces xdist's ``loadfile`` scheduler (its units
+are files), and workers collect in :func:`rank` order. Why not ``--dist loadgroup`` with
+``xdist_group`` marks: pytest-xdist 3.8 groups by rewriting ``item._nodeid``, which pytest 9.2 no
+longer reads (``Node.nodeid`` comes from ``Node._id``), so the marks group nothing.
+"""
+
+from __future__ import annotations
+
+# unit name -> its members: a file name, or "file::test" (a test with all its parametrizations)
+UNITS = {
+    "faults: evaluate killed at renames": ("test_faults.py::test_evaluate_killed_at_renames_leaves_a_whole_report",),
+    "faults: extending a collect": (
+        "test_faults.py::test_extending_a_finished_collect_reads_as_incomplete_until_it_finishes",),
+    "evaluate: ablations, across-set tables, LOCO": ("test_evaluate_ablate.py", "test_evaluate_loco.py"),
+}
+
+# units started first, longest first (CPU seconds of one run, measured as above)
+FIRST = (
+    "evaluate: ablations, across-set tables, LOCO",  # ~125
+    "test_faults.py",  # ~110 (the tests left after the two cut out)
+    "faults: evaluate killed at renames",  # ~100
+    "test_train_select.py",  # ~80
+    "faults: extending a collect",  # ~75
+    "test_engine_conformance.py",  # ~65
+    "test_quickstart.py",  # ~55
+    "test_export_verify.py",  # ~50
+    "test_serving_sglang_adapter.py",  # ~35
+    "test_collect_kill.py",  # ~35
+    "test_evaluate_cli.py",  # ~30
+    "test_bad_inputs.py",  # ~30
+)
+
+_MEMBER_OF = {member: unit for unit, members in UNITS.items() for member in members}
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of the test ``nodeid`` (``tests/test_x.py::test_y[params]``)."""
+    path, _, test = nodeid.partition("::")
+    file_name = path.rsplit("/", 1)[-1]
+    return _MEMBER_OF.get(f"{file_name}::{test.split('[', 1)[0]}") or _MEMBER_OF.get(file_name) or file_name
+
+
+def rank(nodeid: str) -> int:
+    """Where the unit of the test ``nodeid`` starts: its place in :data:`FIRST`, or after all of them."""
+    unit = work_unit(nodeid)
+    return FIRST.index(unit) if unit in FIRST else len(FIRST)
+
+
+def scheduler(config, log):
+    """xdist's ``loadfile`` scheduler with these work units in place of files."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class WorkUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
