@@ -182,3 +182,32 @@ def test_bad_depth_is_one_line(value, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--rounds-hidden must be at least 1" in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("edit", ["count", "tensor"])
+def test_round_states_that_disagree_with_the_table_are_refused_on_load(collections, tmp_path, capsys, edit):
+    """The one contract-1 validator checks schema 4's per-round tensors too (issue 43): a count edited
+    in requests.parquet, or round_states of another request count, is one line at load, not a
+    replay that reads zeros as rounds."""
+    import shutil
+
+    import pandas as pd
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(collections["rounds"], bad)
+    if edit == "count":
+        table = pd.read_parquet(bad / "requests.parquet")
+        table.loc[0, "rounds_recorded"] = 99
+        table.to_parquet(bad / "requests.parquet", index=False)
+        message = r"rounds_recorded .* is 99, not min\(N, total_rounds\)"
+    else:
+        tensors = load_file(str(bad / "hidden.safetensors"))
+        tensors["round_states"] = tensors["round_states"][:-1]
+        save_file(tensors, str(bad / "hidden.safetensors"))
+        message = "has shape .* but the table has"
+    with pytest.raises(TraceError, match=message):
+        load_traces(bad)
+    assert main(["traces", "show", str(bad)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "collect" in err and err.startswith("error")

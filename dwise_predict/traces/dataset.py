@@ -34,6 +34,9 @@ import pandas as pd
 from dwise_predict.errors import TraceError
 from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
 from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.traces.round_states import COUNT_COLUMN as ROUND_COUNT_COLUMN
+from dwise_predict.traces.round_states import TENSORS as ROUND_TENSORS
+from dwise_predict.traces.round_states import round_states
 
 SCHEMA_VERSION = 4  # 2: SGLang 0.5.23 units (floor prompt blocks, r + 1 forwards per block, algorithm config);
 # 3: a fourth early signal, end_probability; 4: optional per-round states (collect --rounds-hidden)
@@ -210,6 +213,8 @@ def validate(ds: TraceDataset) -> None:
     for name, arr in [(name, getattr(ds, name)) for name in HIDDEN_TENSORS] + list(ds.extra_hidden.items()):
         if not np.isfinite(arr).all():
             raise TraceError(f"hidden state '{name}'{where} holds NaN or inf: drop those requests")
+    if ROUND_COUNT_COLUMN in ds.requests.columns or any(name in ds.extra_hidden for name in ROUND_TENSORS):
+        round_states(ds)  # schema 4's per-round tensors: shapes and counts agree with the table
 
 
 # early signals are a fraction, probabilities and an entropy (nats): outside these, a column was edited
