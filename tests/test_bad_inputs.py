@@ -644,6 +644,12 @@ CASES += [
     Case("a43-lines-compare-folds-1000", ["compare-regressors", "{traces}", "--folds", "1000"], ("cannot fill 1000 folds",)),
     Case("a43-lines-compare-tiny-traces", ["compare-regressors", "{small}", "--folds", "2"],
          ("to fit on in a fold", "collect more requests"), small_traces(24)),
+    # multi-line errors: a value holding a line break other than \n (str.splitlines breaks at U+2028,
+    # U+2029, \x85, \x0b, \x0c, \x1c-\x1e), echoed in our message or in typer's
+    Case("a43-lines-path-u2028", ["train", "{tmp}/a\u2028b", "--out", "{tmp}/r"], ("a\\u2028b", "no trace directory")),
+    Case("a43-lines-path-x85", ["evaluate", "{tmp}/a\x85b", "--out", "{tmp}/e"], ("a\\x85b",)),
+    Case("a43-lines-usage-u2029", ["collect", "--bo\u2029gus"], ("--bo\\u2029gus", HELP), code=2),
+    Case("a43-lines-usage-x0b", ["colle\x0bct"], ("colle\\x0bct", HELP), code=2),
 ]
 
 
@@ -678,6 +684,20 @@ def test_bad_input_is_one_line_and_changes_nothing(case, world, tmp_path, capsys
     assert {k: after.get(k) for k in before} == before, "an input changed"
     assert all(Path(p).name.endswith(".lock") for p in set(after) - set(before)), set(after) - set(before)
     assert not Path(_Planted.marker).exists(), "a pickle payload ran"
+
+
+def test_one_line_escapes_every_character_a_line_breaks_at():
+    """cli.app._one_line: no character str.splitlines breaks at survives (the set found by trying them
+    all, not copied from the code), and each shows as its escape."""
+    import sys
+
+    from dwise_predict.cli.app import _one_line
+
+    breaks = [chr(c) for c in range(sys.maxunicode + 1) if len(f"a{chr(c)}b".splitlines()) > 1]
+    assert len(breaks) == 10  # \n \r \x0b \x0c \x1c \x1d \x1e \x85 \u2028 \u2029
+    for char in breaks:
+        line = _one_line(f"x{char}y\r\n")
+        assert line.splitlines() == [line] and line == f"x{char.encode('unicode_escape').decode()}y\\r\\n"
 
 
 def test_the_json_reader_refuses_what_no_file_of_ours_holds(tmp_path):

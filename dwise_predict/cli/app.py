@@ -116,6 +116,12 @@ def _usage_error(err: TyperException) -> int:
     return err.exit_code
 
 
+# every character str.splitlines breaks a line at, mapped to its escape ("\n" -> "\\n", "\u2028" -> "\\u2028")
+_LINE_BREAKS = str.maketrans({c: c.encode("unicode_escape").decode()
+                              for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
 def _one_line(message: str) -> str:
-    """A message as one line: a user's value holding a newline (``--version '7\\n'``) shows it escaped."""
-    return message.replace("\r", "\\r").replace("\n", "\\n")
+    """A message as one line: a user's value holding a line break (``--version '7\\n'``, a path with
+    U+2028) shows it escaped."""
+    return message.translate(_LINE_BREAKS)
