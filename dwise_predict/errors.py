@@ -34,5 +34,9 @@ class StoreError(DwiseError):
     """The output directory is locked by another writer, unwritable, or holds other traces."""
 
 
+class LockHeldError(StoreError):
+    """Another process holds the lock (waiting may help; a lock file that is a link never will)."""
+
+
 class WorkerError(DwiseError):
     """A worker process died under a command (killed, or out of memory); rerunning resumes."""

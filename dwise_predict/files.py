@@ -36,13 +36,14 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from dwise_predict.errors import InputError, StoreError
+from dwise_predict.errors import InputError, LockHeldError, StoreError
 
 TMP_MARK = ".tmp-"
 # what a failed write means to a user, by errno
@@ -447,13 +448,13 @@ class FileLock:
 
     def __enter__(self) -> "FileLock":
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
-                raise StoreError(self.busy(holder)) from None
+                raise LockHeldError(self.busy(holder)) from None
             if not self.transient or _same_file(fd, self.path):
                 break
             os.close(fd)  # its holder removed it while we opened it: lock the one at the path now
@@ -461,6 +462,26 @@ class FileLock:
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd
         return self
+
+    def _open(self) -> int:
+        """The lock file, opened without following a link: a link (or a hard link) planted at its name,
+        in a directory others write (a shared mount), had us truncate and write the file it names. In
+        the open itself: a check before it leaves the link time to appear."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise StoreError(f"{self.path} is a symbolic link, not a lock file: remove the link (and check who "
+                             "placed it), then rerun") from None
+        info = os.fstat(fd)
+        odd = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+               else "a hard link to another file" if info.st_nlink > 1  # 0 links: its last holder just removed it
+               else None)
+        if odd:
+            os.close(fd)
+            raise StoreError(f"{self.path} is not a lock file ({odd}): remove it (and check who placed it), then rerun")
+        return fd
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:

@@ -331,6 +331,22 @@ def test_a_second_writer_of_the_same_run_is_refused_at_once(small, tmp_path, cap
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("planted", ["symlink", "hardlink", "fifo"])
+def test_a_lock_file_planted_beside_the_output_is_refused_and_what_it_names_kept(small, tmp_path, capsys, planted):
+    """A directory others write (a shared mount) may hold a `.NAME.lock` someone placed there: opened
+    through a link, the lock truncated the file the link names and wrote a pid into it (a check before
+    the open still raced). Every lock (an output's, a trace store's, a zoo's) opens through FileLock."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    lock = tmp_path / ".run.lock"
+    {"symlink": lambda: lock.symlink_to(victim), "hardlink": lambda: os.link(victim, lock),
+     "fifo": lambda: os.mkfifo(lock)}[planted]()
+    assert main(["train", str(small["traces"]), "--out", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{lock} is" in err and "not a lock file" in err and "remove" in err, err
+    assert victim.read_text() == "keep me" and not (tmp_path / "run").exists()
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()

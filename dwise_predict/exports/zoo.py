@@ -35,7 +35,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from dwise_predict.errors import BundleError, InputError, StoreError
+from dwise_predict.errors import BundleError, InputError, LockHeldError, StoreError
 from dwise_predict.exports.manifest import BUNDLE_ARTIFACTS, BUNDLE_FILE, NAME_PATTERN, printable, read_bundle_manifest
 from dwise_predict.exports.screen import open_bundle, screen_bundle
 from dwise_predict.files import (FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, read_json,
@@ -95,9 +95,6 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
 @contextmanager
 def _zoo_lock(zoo: Path, wait_s: float):
     """Hold the zoo's lock, waiting up to ``wait_s`` while another publish holds it."""
-    if (zoo / LOCK_FILE).is_symlink():  # opening it would create or truncate the file it points at
-        raise StoreError(f"{zoo / LOCK_FILE} is a symbolic link: a zoo's lock is a plain file; remove the link "
-                         "(and check who placed it)")
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -105,7 +102,7 @@ def _zoo_lock(zoo: Path, wait_s: float):
                 f"the zoo {zoo} is locked by another publish (pid {holder}), still after {wait_s:g} s: wait for it "
                 "to finish and rerun the same command")).__enter__()
             break
-        except StoreError:
+        except LockHeldError:  # a lock file that is a link, say, is refused at once
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
