@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -315,6 +316,19 @@ def jsonl_workload(line: str):
         (tmp / "d.jsonl").write_text('{"prompt": "fine"}\n' + line + "\n")
         (tmp / "spec.toml").write_text('[[sources]]\ntype = "jsonl"\npath = "d.jsonl"\ncategory = "chat"\n')
         return {"spec": tmp / "spec.toml"}
+    return setup
+
+
+def hidden_with(edit: Callable[[dict], None]):
+    """A copy of the traces whose hidden tensors are rewritten by ``edit`` (bypassing validation)."""
+    def setup(w, tmp):
+        from safetensors.numpy import load_file, save_file
+
+        bad = _copy(w["traces"], tmp / "bad")
+        tensors = load_file(str(bad / "hidden.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(bad / "hidden.safetensors"))
+        return {"bad": bad}
     return setup
 
 
@@ -646,6 +660,19 @@ CASES += [
     Case("a43-edges-limit-negative", ["collect", "--limit", "-5", "--out", "{tmp}/o"], ("--limit must be positive",)),
     Case("a43-env-zoo-is-a-file", ["zoo", "list"], ("no zoo at",), a_file, env={"DWISE_ZOO": "{file}"}),
     Case("a43-env-zoo-empty", ["zoo", "list"], ("missing option '--zoo'", "dwise_zoo"), code=2, env={"DWISE_ZOO": ""}),
+    # invented beside the pass: values no collection writes, in tensors and columns
+    Case("a43-data-hidden-nan", ["train", "{bad}", "--out", "{tmp}/r"], ("first_round", "nan or inf"),
+         hidden_with(lambda t: t["first_round"].__setitem__((0, 0), np.nan))),
+    Case("a43-data-prompt-last-inf", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("prompt_last", "nan or inf"),
+         hidden_with(lambda t: t["prompt_last"].__setitem__((1, 2), np.inf))),
+    Case("a43-data-first-round-narrower", ["train", "{bad}", "--out", "{tmp}/r"], ("hidden_size 16", "rows of 3"),
+         hidden_with(lambda t: t.__setitem__("first_round", t["first_round"][:, :3]))),
+    Case("a43-data-duplicate-request-id", ["train", "{bad}", "--out", "{tmp}/r"], ("appears twice", "unique"),
+         traces_with(lambda t: t.assign(request_id=[t.request_id[0]] * 2 + list(t.request_id[2:])))),
+    Case("a43-data-prompt-tokens-text", ["train", "{bad}", "--out", "{tmp}/r"], ("prompt_tokens",),
+         traces_with(lambda t: t.assign(prompt_tokens=t.prompt_tokens.astype(str).where(t.index != 0, "many")))),
+    Case("a43-data-total-rounds-zero", ["evaluate", "{bad}", "--out", "{tmp}/e"], ("total_rounds",),
+         traces_with(set_column("total_rounds", 0))),
     # multi-line errors: a progress line before a refusal
     Case("a43-lines-compare-folds-1000", ["compare-regressors", "{traces}", "--folds", "1000"], ("cannot fill 1000 folds",)),
     Case("a43-lines-compare-tiny-traces", ["compare-regressors", "{small}", "--folds", "2"],
