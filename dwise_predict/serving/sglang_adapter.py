@@ -421,18 +421,22 @@ class _ToDevice:
     """Host float32 vectors onto the model's device in one copy that does not block the host: a
     copy from pageable memory may synchronise the stream, so on CUDA it goes through a pinned buffer.
     One call per step and buffer: it is written again only after the step's own synchronisation
-    (SGLang's, when it commits the step's tokens) has passed."""
+    (SGLang's, when it commits the step's tokens) has passed. On a CPU device no copy is made: the
+    caller's array (a fresh one each call) becomes the tensor."""
 
     def __init__(self, device, capacity: int):
         import torch
 
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
-        self.host = torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
+        on_host = self.device.type == "cpu"
+        self.host = None if on_host else torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
 
     def __call__(self, values):
         import torch
 
+        if self.host is None:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         n = len(values)
         self.host[:n].numpy()[:] = values
         if not self.pinned:
@@ -494,6 +498,7 @@ class _State:
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.tokenizer_stop_ids: set[int] = set()  # the scheduler tokenizer's stop ids (bind)
         self.forwards = 0  # forwards in the current step
+        self.step_done: list = []  # (forwards so far, the algorithm step's done list) per step call (run)
         self.row_forwards = None  # int64 per batch row: forwards until its block reported done (this step; 0: not done)
         self.checked = False  # the first refinement checked that the buffer was written
 
@@ -999,7 +1004,7 @@ def install(
         keep_rows(self, finished)
         if recorder is not None:
             at = dict(zip(first, range(len(first)))) if host is not None else {}
-            done = state.row_forwards
+            done = row_forwards()
             for i in np.flatnonzero(ours).tolist():
                 r, j = batch[i], at.get(i)
                 own = int(done[i]) if done is not None else 0
@@ -1022,7 +1027,7 @@ def install(
         SGLang serves from its cache (:class:`_PromptRows`), every block reported done this step that a
         later prompt can end on: a prompt block (a shared system prompt, a repeated prompt) or a
         finished request's last full block (the next turn of a chat)."""
-        pooled, last, done = state.first_pooled, state.last_pooled, state.row_forwards
+        pooled, last, done = state.first_pooled, state.last_pooled, row_forwards()
         if pooled is None:
             return
         batch, slots, ours, prompt, bs = state.batch, state.batch_slots, state.batch_ours, state.batch_prompt, state.block_size
@@ -1146,10 +1151,17 @@ def install(
         """The algorithm's ``step`` while the hook's ``run`` runs: a row's own forwards are those until
         its block first reported done."""
         done = state.running[4](batch, full_logits, states)
-        if state.row_forwards is None:
-            state.row_forwards = np.zeros(len(done), dtype=np.int64)
-        state.row_forwards[np.fromiter(done, dtype=bool, count=len(done)) & (state.row_forwards == 0)] = state.forwards
+        state.step_done.append((state.forwards, done))  # read once, after the step (row_forwards)
         return done
+
+    def row_forwards():
+        """int64 per batch row: the forwards until its block first reported done this step (0: not
+        done), from the step's done lists in one array conversion; None without a step call."""
+        if state.row_forwards is None and state.step_done:
+            marks = np.array([done for _, done in state.step_done], dtype=bool)  # (steps, rows)
+            counts = np.array([forwards for forwards, _ in state.step_done], dtype=np.int64)
+            state.row_forwards = np.where(marks.any(0), counts[marks.argmax(0)], 0)
+        return state.row_forwards
 
     # held by the state, read at each run: benchmarks/hook_overhead.py times them as the hook's
     state.counted_forward, state.counted_step = counted_forward, counted_step
@@ -1157,6 +1169,7 @@ def install(
     def run(self, model_runner, forward_batch, algo_states=None):
         state.first_pooled, state.first_signals, state.first_leftover, state.forwards = None, None, None, 0
         state.last_pooled = state.row_forwards = None
+        state.step_done = []
         size = forward_batch.batch_size
         state.stats.idle += size == 0  # DP attention's IDLE batch: no rows, and no logits when eager
         if state.pooled is not None:
