@@ -17,12 +17,17 @@ exactly B requests count (the steady state; the first and last steps run fewer),
 the typical step (the mean of the hook's time, also printed, spreads over them the steps that
 register arrivals and refine first rounds). "off", "on" and "record" are whole steps (the schedules differ: SGLang's runs prompt blocks first, DWISE mixes them,
 and the fake's own cost follows the mix). "hook" is measured inside the "on" and "record" runs: the
-time spent in the hook's patched functions, less the SGLang and fake functions they call. Times are
-the scheduler thread's CPU time (``time.thread_time``; torch runs on that one thread here), which
-other processes on the machine do not inflate. Two shared cores: every
-figure is the least of ``--repeats`` interleaved runs. With recording, every 64 finished requests
-write a shard on the scheduler thread (a few steps: in no median; moving those writes off the
-thread is another change).
+time spent in the hook's patched functions, less the SGLang and fake functions they call, the
+refinement graph's run and the pooling product (``_get_dllm_logits``'s batched product: inside the
+captured decode graph on a GPU, where a replay runs no Python; printed apart as "pooling"). The
+early signals' tensor ops over the first-round rows run eagerly after the forward: they stay in
+"hook" and are also printed apart ("signals"; 0 in a median step that has no first denoising round,
+as most steady-state steps at B = 128 have none: a run's 512 first rounds refine in 15 calls, over
+53 such steps). Times are the scheduler thread's CPU time (``time.thread_time``; torch runs on that
+one thread here), which other processes on the machine inflate less than wall time (they still share
+its caches and cores: a loaded machine reads higher). Every figure is the least of ``--repeats``
+interleaved runs. With recording, the scheduler thread queues each finished request and the
+recorder's writer thread commits shards of 64 (that thread's time is not the scheduler's).
 
 Each request: 2 prompt blocks and 3 output blocks of 4 forwards; 4 B requests arrive at once, and
 the hook keeps up to k·B = 8 B resident.
