@@ -17,12 +17,17 @@ exactly B requests count (the steady state; the first and last steps run fewer),
 the typical step (the mean of the hook's time, also printed, spreads over them the steps that
 register arrivals and refine first rounds). "off", "on" and "record" are whole steps (the schedules differ: SGLang's runs prompt blocks first, DWISE mixes them,
 and the fake's own cost follows the mix). "hook" is measured inside the "on" and "record" runs: the
-time spent in the hook's patched functions, less the SGLang and fake functions they call. Times are
-the scheduler thread's CPU time (``time.thread_time``; torch runs on that one thread here), which
-other processes on the machine do not inflate. Two shared cores: every
-figure is the least of ``--repeats`` interleaved runs. With recording, every 64 finished requests
-write a shard on the scheduler thread (a few steps: in no median; moving those writes off the
-thread is another change).
+time spent in the hook's patched functions, less the SGLang and fake functions they call, the
+refinement graph's run and the pooling product (``_get_dllm_logits``'s batched product: inside the
+captured decode graph on a GPU, where a replay runs no Python; printed apart as "pooling"). The
+early signals' tensor ops over the first-round rows run eagerly after the forward: they stay in
+"hook" and are also printed apart ("signals"; 0 in a median step that has no first denoising round,
+as most steady-state steps at B = 128 have none: a run's 512 first rounds refine in 15 calls, over
+53 such steps). Times are the scheduler thread's CPU time (``time.thread_time``; torch runs on that
+one thread here), which other processes on the machine inflate less than wall time (they still share
+its caches and cores: a loaded machine reads higher). Every figure is the least of ``--repeats``
+interleaved runs. With recording, the scheduler thread queues each finished request and the
+recorder's writer thread commits shards of 64 (that thread's time is not the scheduler's).
 
 Each request: 2 prompt blocks and 3 output blocks of 4 forwards; 4 B requests arrive at once, and
 the hook keeps up to k·B = 8 B resident.
@@ -70,10 +75,10 @@ class TimedBundle:
 
 class ExclusiveTimer:
     """Time spent in wrapped functions, each frame's own time less that of the wrapped frames it
-    calls, summed by kind ("hook" or "sglang")."""
+    calls, summed by kind ("hook", "sglang", "pooling" or "signals")."""
 
     def __init__(self):
-        self.totals = {"hook": 0.0, "sglang": 0.0}
+        self.totals = {"hook": 0.0, "sglang": 0.0, "pooling": 0.0, "signals": 0.0}
         self.stack: list = []
 
     def wrap(self, owner, name: str, kind: str) -> None:
@@ -106,6 +111,7 @@ def serve(batch: int, mode: str, bundle, hidden: np.ndarray, out: Path) -> dict:
     from fakes import sglang_fake as fake
 
     from dwise_predict.collectors.live import LiveRecorder, live_manifest
+    from dwise_predict.serving import sglang_adapter
     from dwise_predict.serving.sglang_adapter import install
 
     timed = TimedBundle(bundle) if mode != "off" else None
@@ -126,8 +132,13 @@ def serve(batch: int, mode: str, bundle, hidden: np.ndarray, out: Path) -> dict:
                          block_size=BS, device="cpu", max_batch=batch, recorder=recorder)
         for owner, name in ((fake.FakeDllmMixin, "_fetch_waiting_reqs"), (fake.FakeDllmMixin, "_process_dllm_batches"),
                             (fake.FakeDllmMixin, "process_batch_result_dllm"), (fake.DllmAlgorithm, "run"),
-                            (fake.LogitsProcessor, "_get_dllm_logits")):
+                            (handle.state, "counted_forward"), (handle.state, "counted_step")):
             clock.wrap(owner, name, "hook")
+        # the pooling product: inside SGLang's captured decode graph on a GPU (replays run no Python)
+        clock.wrap(fake.LogitsProcessor, "_get_dllm_logits", "pooling")
+        # the early signals' tensor ops over the first-round rows (eager, after the forward): the hook's,
+        # counted in its time, and also printed apart (here dispatch and compute; on a GPU, launches)
+        clock.wrap(sglang_adapter, "row_signals", "signals")
     try:
         config = fake.config(BS, batch if mode == "off" else K * batch)
         scheduler = fake.Scheduler(config, batch_capacity=K * batch, max_total_num_tokens=10**9)
@@ -137,23 +148,28 @@ def serve(batch: int, mode: str, bundle, hidden: np.ndarray, out: Path) -> dict:
             scheduler.waiting_queue.append(fake.Req(f"r{i}", [1 + (7 * i + t) % 900 for t in range(n)], sp(), config,
                                                     [4, 4, 4], hidden[i % len(hidden)], (n // 2, 1, n)))
         algorithm, runner = fake.FillAlgorithm(config), fake.ModelRunner(BS, hidden.shape[1], max_bs=K * batch)
-        steps, hook = [], []
+        steps, hook, pooling, signals = [], [], [], []
         while scheduler.waiting_queue or not scheduler.dllm_manager.is_empty():
             refine_before, hook_before = (timed.refine_s if timed else 0.0), clock.totals["hook"]
+            pooling_before, signals_before = clock.totals["pooling"], clock.totals["signals"]
             start = time.thread_time()
             run = scheduler.step(algorithm, runner)
             refine = (timed.refine_s - refine_before) if timed else 0.0
             if run is not None and run.batch_size() == batch:
                 steps.append(time.thread_time() - start - refine)
-                hook.append(clock.totals["hook"] - hook_before - refine)
+                signals.append(clock.totals["signals"] - signals_before)
+                hook.append(clock.totals["hook"] - hook_before - refine + signals[-1])
+                pooling.append(clock.totals["pooling"] - pooling_before)
     finally:
         if handle is not None:
             clock.unwrap()
             handle.uninstall()
         if recorder is not None:
             recorder.close()
-    return {"step": statistics.median(steps), "hook": statistics.median(hook) if mode != "off" else 0.0,
-            "hook_mean": statistics.mean(hook) if mode != "off" else 0.0, "bundle": timed}
+    on = mode != "off"
+    return {"step": statistics.median(steps), "hook": statistics.median(hook) if on else 0.0,
+            "hook_mean": statistics.mean(hook) if on else 0.0, "pooling": statistics.median(pooling) if on else 0.0,
+            "signals": statistics.median(signals) if on else 0.0, "bundle": timed}
 
 
 def main() -> None:
@@ -179,7 +195,7 @@ def main() -> None:
           f"steady-state steps (hook mean: with arrivals and first rounds spread over them), least of {args.repeats} runs; "
           f"target: the hook's own code <= {TARGET_US:.0f} µs per step at B = 128 (refinement graph excluded)")
     print(f"{'B':>5} {'off µs':>9} {'on µs':>9} {'record µs':>10} {'hook µs':>8} {'hook+rec':>9} {'hook mean':>10} "
-          f"{'refine µs/call':>15} {'rows/call':>10}  target")
+          f"{'signals µs':>11} {'pooling µs':>11} {'refine µs/call':>15} {'rows/call':>10}  target")
     with tempfile.TemporaryDirectory() as tmp:
         for batch in (int(b) for b in args.batches.split(",")):
             best: dict = {}
@@ -187,7 +203,7 @@ def main() -> None:
             for repeat in range(args.repeats):  # interleaved: the machine's load moves all three alike
                 for mode in ("off", "on", "record"):
                     run = serve(batch, mode, bundle, hidden, Path(tmp) / f"{batch}-{mode}-{repeat}")
-                    for key in ("step", "hook", "hook_mean"):
+                    for key in ("step", "hook", "hook_mean", "pooling", "signals"):
                         best[mode, key] = min(best.get((mode, key), float("inf")), run[key] * 1e6)
                     if mode == "on" and (refine is None or run["bundle"].refine_calls):
                         refine = run["bundle"]
@@ -195,8 +211,9 @@ def main() -> None:
             per_call = refine.refine_s / max(refine.refine_calls, 1) * 1e6
             verdict = f"{TARGET_US:.0f}: {'met' if hook <= TARGET_US else 'MISSED'}" if batch == 128 else ""
             print(f"{batch:>5} {best['off', 'step']:>9.0f} {best['on', 'step']:>9.0f} {best['record', 'step']:>10.0f} "
-                  f"{hook:>8.0f} {hook_rec:>9.0f} {best['on', 'hook_mean']:>10.0f} {per_call:>15.0f} {refine.refine_rows / max(refine.refine_calls, 1):>10.1f}"
-                  f"  {verdict}")
+                  f"{hook:>8.0f} {hook_rec:>9.0f} {best['on', 'hook_mean']:>10.0f} {best['on', 'signals']:>11.0f} "
+                  f"{best['on', 'pooling']:>11.0f} "
+                  f"{per_call:>15.0f} {refine.refine_rows / max(refine.refine_calls, 1):>10.1f}  {verdict}")
 
 
 if __name__ == "__main__":

@@ -79,9 +79,11 @@ import ast
 import hashlib
 import importlib
 import math
+import operator
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import compress
 from pathlib import Path
 
 import numpy as np
@@ -355,20 +357,34 @@ class _PromptRows:
 
 
 def block_key(req, blocks: int, block_size: int) -> bytes:
-    """Digest of ``req``'s first ``blocks`` full blocks of tokens (prompt, then any output a
-    retraction put back into its prompt), chained block by block and kept on the request, so a
-    request's keys cost one pass over its tokens however many blocks ask."""
-    keys = req.__dict__.get("_dwise_block_keys")
-    if keys is None:
-        keys = req._dwise_block_keys = []
-    n = len(req.origin_input_ids)
-    while len(keys) < blocks:  # only the blocks not hashed yet: the prompt's, then any outputs a retraction put back
-        start = len(keys) * block_size
-        stop = start + block_size
-        tokens = req.origin_input_ids[start:stop] if stop <= n else \
-            list(req.origin_input_ids[start:n]) + list(req.output_ids[max(0, start - n):stop - n])
-        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + array("q", tokens).tobytes(), digest_size=16).digest())
-    return keys[blocks - 1]
+    """Digest of ``req``'s first ``blocks`` full blocks of tokens (prompt, then output: what a
+    retraction put back into its prompt, or a finished request's answer): one hash over every token up
+    to the block's end, fed block by block to a running hash kept on the request, so a request's keys
+    cost one pass over its tokens however many blocks ask, in whatever order."""
+    memo = req.__dict__.get("_dwise_block_keys")
+    if memo is None:
+        memo = req._dwise_block_keys = [{}, hashlib.blake2b(digest_size=16), 0]  # keys by blocks, running hash, its blocks
+    keys, running, hashed = memo
+    key = keys.get(blocks)
+    if key is None:
+        if blocks < hashed:  # behind the running hash: hash those tokens afresh
+            running, hashed = hashlib.blake2b(digest_size=16), 0
+        else:
+            memo[2] = blocks
+        running.update(_token_bytes(req, hashed * block_size, blocks * block_size))
+        key = keys[blocks] = running.digest()
+    return key
+
+
+def _token_bytes(req, start: int, stop: int):
+    """The request's tokens ``[start, stop)`` (prompt, then output) as int64 bytes."""
+    ids, n = req.origin_input_ids, len(req.origin_input_ids)
+    if stop <= n:
+        tokens = ids[start:stop]
+    else:
+        tokens = array("q", ids[start:n]) if start < n else array("q")
+        tokens.extend(req.output_ids[max(0, start - n):stop - n])
+    return tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
 
 
 class _RankShare:
@@ -405,18 +421,22 @@ class _ToDevice:
     """Host float32 vectors onto the model's device in one copy that does not block the host: a
     copy from pageable memory may synchronise the stream, so on CUDA it goes through a pinned buffer.
     One call per step and buffer: it is written again only after the step's own synchronisation
-    (SGLang's, when it commits the step's tokens) has passed."""
+    (SGLang's, when it commits the step's tokens) has passed. On a CPU device no copy is made: the
+    caller's array (a fresh one each call) becomes the tensor."""
 
     def __init__(self, device, capacity: int):
         import torch
 
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
-        self.host = torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
+        on_host = self.device.type == "cpu"
+        self.host = None if on_host else torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
 
     def __call__(self, values):
         import torch
 
+        if self.host is None:
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
         n = len(values)
         self.host[:n].numpy()[:] = values
         if not self.pinned:
@@ -447,14 +467,19 @@ class _State:
         self.foreign: list = []  # requests SGLang's own path put in the dLLM queue this round (finished while waiting)
         self.batch = None  # the batch being run (SGLang's list of Reqs), and per row of it:
         self.batch_slots = self.batch_prompt = self.batch_ours = None  # policy slot (-1: not ours), prompt block, ours
-        self.first: dict = {}  # rid -> (prompt tokens, budget, leftover prompt tokens to pool) of first denoising forwards
+        self.first: dict = {}  # rid -> (prompt tokens, budget, leftover prompt tokens to pool, own_last row or -1)
+        #                        of the batch's first denoising forwards
         self.pooled2 = None  # (max_batch, 2, H) static, allocated at install, written inside the forward:
         self.pooled = None  # [:, 0], each row's mean over its block rows,
         self.leftover_pooled = None  # [:, 1], the weighted sum of its leftover prompt rows
         self.weights = None  # (max_batch, 2, block) static: 1/block (the mean), and the leftover weights
         self.first_pooled = None  # (B, H) snapshot after a step's first forward
         self.signal_threshold = None  # for an algorithm without one of its own: set by check_decoding
-        self.prompt_last: dict = {}  # rid -> (H,) pooled rows of its latest prompt-block forward (device)
+        # per policy slot (numpy, indexed like the policy's own arrays, grown with them in register):
+        self.expect_prefix = np.empty(0, dtype=np.int64)  # SGLang's prefix_len once its last prompt block ran as planned
+        self.own_row = np.empty(0, dtype=np.int64)  # its row of own_last (-1: none)
+        self.own_last = None  # (k*B + max_batch, H) device rows: each request's latest prompt-block row, until its first round
+        self.own_free: list = []  # rows of own_last no request holds
         self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
         self.prompt_mean = None  # the bundle's training mean of prompt_last on the device (install)
         self.leftover_weights = None  # weights[:, 1]: 1/n on a row's n leftover prompt positions, zeros elsewhere
@@ -466,10 +491,14 @@ class _State:
         self.rows: list = []  # batch rows of the step's first denoising forwards (run)
         self.row_rids: list = []  # their request ids
         self.rows_dev = self.tokens_dev = self.budget_dev = None  # the same on the device (run)
+        self.row_own, self.own_dev = None, None  # their own_last rows (-1: none), host and device (run)
+        self.running = None  # (algorithm, model runner, forward batch, its forward, its step) during run
+        self.counted_forward = self.counted_step = None  # what run puts in place of those two (install)
         self.first_signals = None  # (n_rows, 4) early signals of those rows in the step's first forward
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.tokenizer_stop_ids: set[int] = set()  # the scheduler tokenizer's stop ids (bind)
         self.forwards = 0  # forwards in the current step
+        self.step_done: list = []  # (forwards so far, the algorithm step's done list) per step call (run)
         self.row_forwards = None  # int64 per batch row: forwards until its block reported done (this step; 0: not done)
         self.checked = False  # the first refinement checked that the buffer was written
 
@@ -537,9 +566,38 @@ class _State:
         req = self.reqs.pop(rid)
         if policy_too:
             self.policy.remove(rid)
-        self.req_at[req._dwise_slot] = None
+        slot = req._dwise_slot
+        self.req_at[slot] = None
         req._dwise_slot = -1
-        self.prompt_last.pop(rid, None)
+        if self.own_row[slot] >= 0:
+            self.own_free.append(int(self.own_row[slot]))
+            self.own_row[slot] = -1
+
+    def hold_own(self, slots: np.ndarray) -> np.ndarray:
+        """Rows of ``own_last`` of the requests in ``slots`` (unique policy slots): theirs, or free rows
+        taken now for those without one (the buffer doubles if every row is held: more requests than
+        the k*B resident ones it was sized for, which SGLang's queues should not allow)."""
+        rows = self.own_row[slots]
+        new = np.flatnonzero(rows < 0)
+        if len(new):
+            if len(new) > len(self.own_free):
+                import torch
+
+                held = len(self.own_last)
+                self.own_last = torch.cat([self.own_last, torch.zeros_like(self.own_last)])
+                self.own_free.extend(range(2 * held - 1, held - 1, -1))
+            rows[new] = self.own_free[-len(new):]
+            del self.own_free[-len(new):]
+            self.own_row[slots[new]] = rows[new]
+        return rows
+
+    def release_own(self, slots: np.ndarray) -> None:
+        """The requests in ``slots`` no longer need their prompt-block rows (their first round ran)."""
+        rows = self.own_row[slots]
+        held = rows >= 0
+        if held.any():
+            self.own_free.extend(rows[held].tolist())
+            self.own_row[slots[held]] = -1
 
     def check_decoding(self, config) -> None:
         """Hold the bundle and the recording to the decoding SGLang serves (``config``: its
@@ -596,7 +654,11 @@ class _State:
                 estimates = self.share(estimates, len(reqs))
         slots = self.policy.add_many([r.rid for r in reqs], P, np.maximum(np.asarray(estimates, dtype=np.float64), 0.0), kv)
         if len(self.req_at) <= slots.max():
-            self.req_at = np.concatenate([self.req_at, np.empty(max(len(self.req_at), slots.max() + 1), dtype=object)])
+            more = max(len(self.req_at), slots.max() + 1)
+            self.req_at = np.concatenate([self.req_at, np.empty(more, dtype=object)])
+            self.own_row = np.concatenate([self.own_row, np.full(more, -1, dtype=np.int64)])
+            self.expect_prefix = np.concatenate([self.expect_prefix, np.full(more, -1, dtype=np.int64)])
+        self.expect_prefix[slots] = -1  # (own_row is -1 already: forget released the slot's row)
         for r, slot in zip(reqs, slots.tolist()):
             self.reqs[r.rid] = r
             self.req_at[slot] = r
@@ -754,10 +816,13 @@ def install(
         state.weights = torch.zeros((rows, 2, int(block_size)), device=device)
         state.weights[:, 0] = 1.0 / int(block_size)
         state.leftover_weights = state.weights[:, 1]
-        state.to_device = _ToDevice(device, 4 * rows)
-        state.to_device_kept = _ToDevice(device, 2 * rows)  # its own buffer: the next step's copy may be in flight
+        state.to_device = _ToDevice(device, 5 * rows)
+        state.to_device_kept = _ToDevice(device, 4 * rows)  # its own buffer: the next step's copy may be in flight
         if state.prompt_rows.capacity:
             state.prompt_rows.allocate(int(width), device)
+        resident = int(math.floor(k * slots))  # a row is held from a request's first prompt block to its first round
+        state.own_last = torch.zeros((resident, int(width)), device=device)
+        state.own_free = list(range(resident - 1, -1, -1))
         if bundle is not None:
             state.prompt_mean = torch.as_tensor(bundle.prompt_last_mean, dtype=torch.float32, device=device)
 
@@ -770,9 +835,9 @@ def install(
     algorithm = resolve("sglang.srt.dllm.algorithm.base").DllmAlgorithm
     logits = resolve("sglang.srt.layers.logits_processor").LogitsProcessor
     phase = req_mod.DllmReqPhase
-    # ReqDllmMixin.is_dllm_prefill by identity of the phase (its members are singletons): the method
-    # compares string enums, about 0.3 µs per request and step
-    staging_prefill, incoming_prefill = phase.STAGING_PREFILL, phase.INCOMING_PREFILL
+    # ReqDllmMixin.is_dllm_prefill as a set lookup (the phases are str enums, hashed as their strings):
+    # the method builds a list and compares against it, about 0.3 µs per request and step
+    prefill_phases = frozenset((phase.STAGING_PREFILL, phase.INCOMING_PREFILL))
     originals = []
 
     def patch(owner, name, fn):
@@ -815,12 +880,11 @@ def install(
 
     def stage(self, adder, running_batch, candidates) -> None:
         """Offer ``candidates`` (in rank order) to SGLang's own batch former, prompt blocks first."""
-        prefill, decode = [], []
-        for r in candidates:
-            at = r.dllm_phase  # is_prefill, inline: once per request and step
-            (prefill if at is staging_prefill or at is incoming_prefill else decode).append(r)
-        self._process_batch_by_phase(adder, prefill, phase.STAGING_PREFILL, phase.INCOMING_PREFILL, running_batch)
-        self._process_batch_by_phase(adder, decode, phase.STAGING_DECODE, phase.INCOMING_DECODE, running_batch)
+        prompt = [r.dllm_phase in prefill_phases for r in candidates]  # is_dllm_prefill, inline: once per request and step
+        self._process_batch_by_phase(adder, list(compress(candidates, prompt)), phase.STAGING_PREFILL,
+                                     phase.INCOMING_PREFILL, running_batch)
+        self._process_batch_by_phase(adder, list(compress(candidates, map(operator.not_, prompt))), phase.STAGING_DECODE,
+                                     phase.INCOMING_DECODE, running_batch)
 
     def process_dllm_batches(self, adder, running_batch):
         policy, plan = state.policy, state.plan
@@ -856,11 +920,15 @@ def install(
     def plan_batch(self, staged) -> None:
         """What the batch's requests run, known only now (SGLang matched their prefixes while staging
         them): their phase, ``P`` after a prefix hit or a retraction, and the inputs of the rows whose
-        first denoising forward this is. Kept per batch row for the step's result."""
+        first denoising forward this is. Kept per batch row for the step's result. Per request, two
+        attribute reads; the rest is array operations and work for the rows at a prompt block or a first
+        round."""
         policy, bs, n = state.policy, state.block_size, len(staged)
-        slots = np.fromiter([getattr(r, "_dwise_slot", -1) for r in staged], dtype=np.int64, count=n)
-        prompt = np.fromiter([at is staging_prefill or at is incoming_prefill for at in (r.dllm_phase for r in staged)],
-                             dtype=bool, count=n)
+        try:
+            slots = np.fromiter([r._dwise_slot for r in staged], dtype=np.int64, count=n)
+        except AttributeError:  # a request the hook has never seen (one SGLang's own path queued)
+            slots = np.fromiter([getattr(r, "_dwise_slot", -1) for r in staged], dtype=np.int64, count=n)
+        prompt = np.fromiter([r.dllm_phase in prefill_phases for r in staged], dtype=bool, count=n)
         ours = slots >= 0  # the rest: SGLang's own (finished while waiting)
         state.batch, state.batch_slots, state.batch_prompt, state.batch_ours = staged, slots, prompt, ours
         if ours.all():
@@ -870,26 +938,29 @@ def install(
             P[ours], rounds[ours] = policy.prompt_blocks(slots[ours]), policy.denoising_rounds(slots[ours])
         # P follows what SGLang has left to encode (the prompt, and after a retraction the output) past
         # its prefix: a request whose prefix grew by the block it ran last keeps the P the policy lowered
-        for i in np.flatnonzero(ours & (prompt | (P > 0))).tolist():
-            r = staged[i]
-            if prompt[i] and getattr(r, "_dwise_prefix", -1) == r.prefix_len:
-                r._dwise_prefix = r.prefix_len + bs
-                continue
-            left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), bs, r.prefix_len) if prompt[i] else 0
-            r._dwise_prefix = r.prefix_len + bs
-            if left != P[i]:
-                if left < P[i] and rounds[i] == 0:
-                    state.stats.prefix_blocks += int(P[i] - left)
-                policy.set_prompt_blocks(r.rid, left)
+        check = np.flatnonzero(ours & (prompt | (P > 0)))
+        if len(check):
+            at = check.tolist()
+            prefix = np.fromiter([staged[i].prefix_len for i in at], dtype=np.int64, count=len(at))
+            held = slots[check]
+            planned = prompt[check] & (state.expect_prefix[held] == prefix)
+            state.expect_prefix[held] = prefix + bs
+            for j in np.flatnonzero(~planned).tolist():
+                i, r = at[j], staged[at[j]]
+                left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), bs, int(prefix[j])) if prompt[i] else 0
+                if left != P[i]:
+                    if left < P[i] and rounds[i] == 0:
+                        state.stats.prefix_blocks += int(P[i] - left)
+                    policy.set_prompt_blocks(r.rid, left)
         # the first denoising forwards: refinement and recording pool their rows; a softmax over the
         # vocabulary for every row of every step (their early signals) would cost more than the refinement
         state.first = {}
         if state.pooled is not None:
             for i in np.flatnonzero(ours & ~prompt & (rounds == 0)).tolist():
                 r = staged[i]
-                own = r.rid in state.prompt_last  # else its leftover prompt rows are pooled too
+                own = int(state.own_row[slots[i]])  # its last prompt block's row; else its leftover prompt rows are pooled
                 state.first[r.rid] = (len(r.origin_input_ids), r.sampling_params.max_new_tokens,
-                                      0 if own else len(r.origin_input_ids) % bs)
+                                      0 if own >= 0 else len(r.origin_input_ids) % bs, own)
 
     original_result = mixin.process_batch_result_dllm
 
@@ -911,46 +982,30 @@ def install(
         the host needs to the host (one transfer), then advance the policy (vectorised) and keep the
         rows later requests or the recorder need."""
         policy, recorder, batch = state.policy, state.recorder, state.batch
-        ours, prompt = state.batch_ours, state.batch_prompt
+        slots, ours, prompt = state.batch_slots, state.batch_ours, state.batch_prompt
+        n, all_ours = len(batch), ours.all()
         steps = max(state.forwards, 1)
-        rows = np.flatnonzero(ours)
         first = state.rows  # the forward's rows are the batch's, in its order
         host = to_host(first) if first and state.first_pooled is not None else None
         refined = None
-        if host is not None and host["refined"] is not None:
-            refined = np.full(len(batch), math.nan)
-            refined[first] = host["refined"]
-        finished = np.fromiter((r.finished() for r in batch), dtype=bool, count=len(batch))
+        if host is not None:
+            state.release_own(host["slots"])  # their first round took their prompt-block rows
+            if host["refined"] is not None:
+                refined = np.full(n, math.nan)
+                refined[first] = host["refined"]
+        finished = np.fromiter([r.finished() for r in batch], dtype=bool, count=n)
         rounds = 1 if steps == 1 else np.where(prompt, 1, steps)
-        if len(rows) == len(batch):  # the common case: no request of SGLang's own in the batch
-            policy.complete_slots(state.batch_slots, prompt, finished, refined, rounds)
+        if all_ours:  # the common case: no request of SGLang's own in the batch
+            policy.complete_slots(slots, prompt, finished, refined, rounds)
         else:
-            policy.complete_slots(state.batch_slots[rows], prompt[rows], finished[rows],
+            rows = np.flatnonzero(ours)
+            policy.complete_slots(slots[rows], prompt[rows], finished[rows],
                                   None if refined is None else refined[rows], rounds if steps == 1 else rounds[rows])
-
-        pooled, last = state.first_pooled, state.last_pooled
-        if pooled is not None:
-            for i in np.flatnonzero(ours & prompt).tolist():  # the refinement's prompt_last, a device row
-                state.prompt_last[batch[i].rid] = pooled[i]
-        done = state.row_forwards
-        if last is not None and done is not None and state.prompt_rows.capacity \
-                and not self.dllm_config.requires_separate_context_encoding:
-            # a block reported done this step is committed; a full one can be held by a later prompt:
-            # a prompt block (a shared system prompt, a repeated prompt) or a finished request's last
-            # block (the next turn of a chat). Copied into the kept rows in one device op
-            kept, into = [], []
-            for i in np.flatnonzero(ours & (done > 0) & (prompt | finished)).tolist():
-                r = batch[i]
-                end = r.extend_end  # SGLang's prefix ends on a block boundary and the forward ran the block after it
-                if prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
-                    kept.append(i)
-                    into.append(state.prompt_rows.reserve(block_key(r, end // state.block_size, state.block_size)))
-            if kept:
-                index = state.to_device_kept(np.asarray(kept + into, dtype=np.float32)).long()
-                state.prompt_rows.rows.index_copy_(0, index[len(kept):], last.index_select(0, index[:len(kept)]))
+        keep_rows(self, finished)
         if recorder is not None:
             at = dict(zip(first, range(len(first)))) if host is not None else {}
-            for i in rows.tolist():
+            done = row_forwards()
+            for i in np.flatnonzero(ours).tolist():
                 r, j = batch[i], at.get(i)
                 own = int(done[i]) if done is not None else 0
                 if j is None:
@@ -965,6 +1020,37 @@ def install(
             if recorder is not None:
                 recorder.finished(r)
 
+    def keep_rows(self, finished) -> None:
+        """Copy the step's rows that later steps read into device rows, in one host-to-device copy of
+        their indices and one device op per buffer: each prompt block's row, the refinement's
+        ``prompt_last`` once its first round comes (``own_last``); and for later requests whose prefix
+        SGLang serves from its cache (:class:`_PromptRows`), every block reported done this step that a
+        later prompt can end on: a prompt block (a shared system prompt, a repeated prompt) or a
+        finished request's last full block (the next turn of a chat)."""
+        pooled, last, done = state.first_pooled, state.last_pooled, row_forwards()
+        if pooled is None:
+            return
+        batch, slots, ours, prompt, bs = state.batch, state.batch_slots, state.batch_ours, state.batch_prompt, state.block_size
+        own = np.flatnonzero(ours & prompt)
+        own_into = state.hold_own(slots[own]) if len(own) else own
+        kept, into = [], []
+        if last is not None and done is not None and state.prompt_rows.capacity \
+                and not self.dllm_config.requires_separate_context_encoding:
+            for i in np.flatnonzero(ours & (done > 0) & (prompt | finished)).tolist():
+                r = batch[i]
+                end = r.extend_end  # SGLang's prefix ends on a block boundary and the forward ran the block after it
+                if prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
+                    kept.append(i)
+                    into.append(state.prompt_rows.reserve(block_key(r, end // bs, bs)))
+        if not len(own) and not kept:
+            return
+        index = state.to_device_kept(np.concatenate([own, own_into, kept, into]).astype(np.float32)).long()
+        a, b = len(own), 2 * len(own)
+        if a:
+            state.own_last.index_copy_(0, index[a:b], pooled.index_select(0, index[:a]))
+        if kept:
+            state.prompt_rows.rows.index_copy_(0, index[b + len(kept):], last.index_select(0, index[b:b + len(kept)]))
+
     def to_host(first) -> dict:
         """The step's one device-to-host copy: the refined estimates of the first denoising rounds (the
         bundle's graph run once over all of them), their early signals and, when recording, their
@@ -974,23 +1060,21 @@ def install(
 
         pooled = state.first_pooled.index_select(0, state.rows_dev)
         n, width = len(first), pooled.shape[1]
-        prompt_rows, has_prompt = prompt_last_rows(first)
+        last, has_prompt = prompt_last_rows(first)
         signals = state.first_signals if state.first_signals is not None \
             else torch.full((n, len(EARLY_SIGNALS)), math.nan, device=pooled.device)
         pieces = []
         refine_here = state.bundle is not None and (state.share is None or state.share.is_source)
         if refine_here:
-            last = torch.stack([row if row is not None else state.prompt_mean for row in prompt_rows])
             pieces.append(state.bundle.refine(pooled.float(), last.float(), state.tokens_dev, state.budget_dev, signals))
         pieces.append(signals)
         if state.recorder is not None:
-            zeros = pooled.new_zeros(width)
-            pieces += [pooled, torch.stack([row if row is not None else zeros for row in prompt_rows])]
+            pieces += [pooled, last]  # a row without prompt rows (has_prompt False) is not read
         if not state.checked:
             pieces.append(torch.isfinite(pooled).all().reshape(1))
         host = torch.cat([piece.float().reshape(-1) for piece in pieces]).cpu().numpy()  # the transfer
         state.stats.host_transfers += 1
-        out = {"refined": None, "has_prompt": has_prompt}
+        out = {"refined": None, "has_prompt": has_prompt, "slots": state.batch_slots[first]}
         at = 0
         if refine_here:
             out["refined"], at = host[:n], n
@@ -1009,74 +1093,93 @@ def install(
             state.stats.refined += n
         return out
 
-    def prompt_last_rows(first) -> tuple[list, list]:
-        """The refinement's ``prompt_last`` row of each first-round request (device rows): its own last
-        prompt block's; without one, an earlier forward's row for the same last full block, else the
-        mean of its leftover prompt rows in this forward, else None (a block-aligned prompt cached
-        whole: SGLang ran none of its rows here; the refinement takes the training mean)."""
-        rows, from_cache, leftover, missing = [], 0, 0, 0
-        for i in first:
+    def prompt_last_rows(first):
+        """The refinement's ``prompt_last`` rows of the first-round requests, ``(n, H)`` on the device,
+        and whether each has one: its own last prompt block's (``own_last``, gathered in one op);
+        without one, an earlier forward's row for the same last full block, else the mean of its
+        leftover prompt rows in this forward, else none (a block-aligned prompt cached whole: SGLang
+        ran none of its rows here), where the refinement takes the training mean."""
+        own = state.row_own >= 0
+        rows = state.own_last.index_select(0, state.own_dev)
+        if own.all():
+            return rows, own
+        has, from_cache, leftover = own.copy(), 0, 0
+        for j in np.flatnonzero(~own).tolist():
+            i = first[j]
             r = state.batch[i]
-            own = state.prompt_last.pop(r.rid, None)
-            if own is None:
-                blocks, rest = divmod(len(r.origin_input_ids), state.block_size)
-                own = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
-                from_cache += own is not None
-                if own is None and rest:
-                    own, leftover = state.first_leftover[i], leftover + 1
-                missing += own is None
-            rows.append(own)
+            blocks, rest = divmod(len(r.origin_input_ids), state.block_size)
+            row = state.prompt_rows.get(block_key(r, blocks, state.block_size)) if blocks else None
+            from_cache += row is not None
+            if row is None and rest:
+                row, leftover = state.first_leftover[i], leftover + 1
+            if row is None:
+                row = state.prompt_mean if state.prompt_mean is not None else rows.new_zeros(rows.shape[1])
+            else:
+                has[j] = True
+            rows[j] = row
         if state.bundle is not None:
             state.stats.prompt_from_cache += from_cache
             state.stats.prompt_from_leftover += leftover
-            state.stats.prompt_from_training_mean += missing
-        return rows, [row is not None for row in rows]
+            state.stats.prompt_from_training_mean += int((~has).sum())
+        return rows, has
 
     original_run = algorithm.run
+
+    def counted_forward(*args, **kwargs):
+        """``model_runner.forward`` while the hook's ``run`` runs: counts the step's forwards and, after
+        its first, snapshots the pooling buffer and computes the early signals of its first rounds."""
+        algo, model_runner, forward_batch, forward, _ = state.running
+        out = forward(*args, **kwargs)
+        if state.forwards == 0 and state.pooled is not None:
+            first = state.pooled2[:forward_batch.batch_size].clone()  # device copy, no sync
+            state.first_pooled, state.first_leftover = first[:, 0], first[:, 1]
+            # the first forward's early signals, before the step fills masks: the refinement
+            # graph's last input (and recorded). From the forward's output, after any graph replay;
+            # an algorithm without a threshold of its own (Gemma4Renoise) counts over the one the
+            # DiffusionGemma collector uses (engine.signals.SIGNAL_THRESHOLD or the config's)
+            logits_out = out.logits_output.full_logits
+            if state.rows and logits_out is not None:
+                if state.stop_ids is None:
+                    state.stop_ids = stop_token_ids(model_runner, state.tokenizer_stop_ids, logits_out.device)
+                state.first_signals = row_signals(
+                    logits_out, forward_batch.input_ids, state.rows_dev, algo.mask_id, algo.block_size,
+                    float(getattr(algo, "threshold", state.signal_threshold)), state.stop_ids)
+        state.forwards += 1
+        return out
+
+    def counted_step(batch, full_logits, states):
+        """The algorithm's ``step`` while the hook's ``run`` runs: a row's own forwards are those until
+        its block first reported done."""
+        done = state.running[4](batch, full_logits, states)
+        state.step_done.append((state.forwards, done))  # read once, after the step (row_forwards)
+        return done
+
+    def row_forwards():
+        """int64 per batch row: the forwards until its block first reported done this step (0: not
+        done), from the step's done lists in one array conversion; None without a step call."""
+        if state.row_forwards is None and state.step_done:
+            marks = np.array([done for _, done in state.step_done], dtype=bool)  # (steps, rows)
+            counts = np.array([forwards for forwards, _ in state.step_done], dtype=np.int64)
+            state.row_forwards = np.where(marks.any(0), counts[marks.argmax(0)], 0)
+        return state.row_forwards
+
+    # held by the state, read at each run: benchmarks/hook_overhead.py times them as the hook's
+    state.counted_forward, state.counted_step = counted_forward, counted_step
 
     def run(self, model_runner, forward_batch, algo_states=None):
         state.first_pooled, state.first_signals, state.first_leftover, state.forwards = None, None, None, 0
         state.last_pooled = state.row_forwards = None
+        state.step_done = []
         size = forward_batch.batch_size
         state.stats.idle += size == 0  # DP attention's IDLE batch: no rows, and no logits when eager
         if state.pooled is not None:
             state.pooled.fill_(math.nan)  # what a replay that skipped the copy would leave: caught below
             stage_rows(forward_batch)
-        forward = model_runner.forward
-
-        def counted_forward(*args, **kwargs):
-            out = forward(*args, **kwargs)
-            if state.forwards == 0 and state.pooled is not None:
-                first = state.pooled2[:size].clone()  # device copy, no sync
-                state.first_pooled, state.first_leftover = first[:, 0], first[:, 1]
-                # the first forward's early signals, before the step fills masks: the refinement
-                # graph's last input (and recorded). From the forward's output, after any graph replay;
-                # an algorithm without a threshold of its own (Gemma4Renoise) counts over the one the
-                # DiffusionGemma collector uses (engine.signals.SIGNAL_THRESHOLD or the config's)
-                logits_out = out.logits_output.full_logits
-                if state.rows and logits_out is not None:
-                    if state.stop_ids is None:
-                        state.stop_ids = stop_token_ids(model_runner, state.tokenizer_stop_ids, logits_out.device)
-                    state.first_signals = row_signals(
-                        logits_out, forward_batch.input_ids, state.rows_dev, self.mask_id, self.block_size,
-                        float(getattr(self, "threshold", state.signal_threshold)), state.stop_ids)
-            state.forwards += 1
-            return out
-
-        step = self.step
-
-        def counted_step(batch, full_logits, states):
-            done = step(batch, full_logits, states)
-            if state.row_forwards is None:
-                state.row_forwards = np.zeros(len(done), dtype=np.int64)
-            # a row's own forwards: those until its block first reported done
-            state.row_forwards[np.fromiter(done, dtype=bool, count=len(done)) & (state.row_forwards == 0)] = state.forwards
-            return done
-
+        state.running = (self, model_runner, forward_batch, model_runner.forward, self.step)
         own = vars(model_runner).get("forward")
         own_step = vars(self).get("step")
-        model_runner.forward = counted_forward
-        self.step = counted_step
+        model_runner.forward = state.counted_forward
+        self.step = state.counted_step
         try:
             out = original_run(self, model_runner, forward_batch, algo_states)
             if state.pooled is not None and state.prompt_rows.capacity:  # no rows kept: no snapshot
@@ -1087,6 +1190,7 @@ def install(
                                      else state.pooled[:size].clone())
             return out
         finally:
+            state.running = None
             if own is None:
                 del model_runner.forward  # back to the class method
             else:
@@ -1099,9 +1203,9 @@ def install(
     def stage_rows(forward_batch) -> None:
         """The batch rows of the step's first denoising forwards (``ForwardBatch.rids`` names each
         row's request) and their inputs, onto the device in one copy before the forward: row index,
-        prompt tokens, budget and the leftover prompt positions to pool (``1/n`` weights on the ``n``
+        prompt tokens, budget, the leftover prompt positions to pool (``1/n`` weights on the ``n``
         leftover positions of a request without a prompt block of its own, written into the static
-        buffer the captured graphs read; zeros elsewhere)."""
+        buffer the captured graphs read; zeros elsewhere) and its row of ``own_last``."""
         first = state.first
         if state.weights_set:
             state.leftover_weights.zero_()
@@ -1115,10 +1219,11 @@ def install(
         if not state.rows:
             return
         n = len(state.rows)
-        inputs = np.asarray([first[rid] for rid in state.row_rids], dtype=np.float32)  # (n, 3)
+        inputs = np.asarray([first[rid] for rid in state.row_rids], dtype=np.float32)  # (n, 4)
         staged = state.to_device(np.concatenate([np.asarray(state.rows, dtype=np.float32), inputs.T.reshape(-1)]))
         state.rows_dev = staged[:n].long()
-        state.tokens_dev, state.budget_dev, leftover = staged[n:2 * n], staged[2 * n:3 * n], staged[3 * n:]
+        state.tokens_dev, state.budget_dev, leftover = staged[n:2 * n], staged[2 * n:3 * n], staged[3 * n:4 * n]
+        state.row_own, state.own_dev = inputs[:, 3], staged[4 * n:].long().clamp_min(0)
         if inputs[:, 2].any():
             import torch
 
