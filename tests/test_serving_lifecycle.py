@@ -8,10 +8,11 @@ SIGKILLs its schedulers), SIGINT (Ctrl-C reaches the whole process group), SIGKI
 """
 
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,19 +35,25 @@ START_S = 240  # a child imports torch and SGLang's fake on two shared cores
 
 
 def start(out: Path, *args: str) -> subprocess.Popen:
+    """The child, its stdout lines queued by a thread (``child.lines``): ``select`` on a text pipe misses
+    a line that arrived in the same read as the one before it and waits in the reader's buffer."""
     env = dict(os.environ, PYTHONPATH=str(TESTS), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, str(TESTS / "recording_child.py"), str(out), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen([sys.executable, str(TESTS / "recording_child.py"), str(out), *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    child.lines = queue.Queue()
+    threading.Thread(target=lambda: [child.lines.put(line.strip()) for line in child.stdout], daemon=True).start()
+    return child
 
 
 def read_until(child: subprocess.Popen, done, timeout: float = START_S) -> list[str]:
     """The child's stdout lines until ``done(lines)`` holds (or the child exits, or time runs out)."""
     lines, deadline = [], time.monotonic() + timeout
     while not done(lines):
-        assert child.poll() is None, f"the child exited early: {child.stderr.read()[-2000:]}"
-        assert time.monotonic() < deadline, f"the child said {lines[-3:]} after {timeout} s"
-        if select.select([child.stdout], [], [], 1.0)[0]:
-            lines.append(child.stdout.readline().strip())
+        try:
+            lines.append(child.lines.get(timeout=1.0))
+        except queue.Empty:  # nothing said in a second: still alive, still in time?
+            assert child.poll() is None, f"the child exited early: {child.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, f"the child said {lines[-3:]} after {timeout} s"
     return lines
 
 
