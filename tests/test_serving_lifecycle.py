@@ -49,11 +49,11 @@ def read_until(child: subprocess.Popen, done, timeout: float = START_S) -> list[
     """The child's stdout lines until ``done(lines)`` holds (or the child exits, or time runs out)."""
     lines, deadline = [], time.monotonic() + timeout
     while not done(lines):
+        assert time.monotonic() < deadline, f"the child said {lines[-3:]} after {timeout} s"
         try:
             lines.append(child.lines.get(timeout=1.0))
-        except queue.Empty:  # nothing said in a second: still alive, still in time?
+        except queue.Empty:  # nothing said in a second: is it still alive?
             assert child.poll() is None, f"the child exited early: {child.stderr.read()[-2000:]}"
-            assert time.monotonic() < deadline, f"the child said {lines[-3:]} after {timeout} s"
     return lines
 
 
