@@ -274,11 +274,19 @@ def test_cli_across_writes_only_a_table_of_its_own(tmp_path, capsys):
         assert _snapshot(traces) == before["a"] and _snapshot(mine) == before["mine"]  # nothing written
     table = tmp_path / "table"
     assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config), "--jobs", "1"]) == 0
-    (table / "stray.txt").write_text("from an earlier table")
+    (table / "stray.txt").write_text("yours, put into an earlier table")
+    capsys.readouterr()
+    assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config), "--jobs", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stray.txt" in err[0], err  # a file a table never holds is yours: kept, not replaced
+    assert (table / "stray.txt").read_text() == "yours, put into an earlier table"
+    (table / "stray.txt").unlink()
+    (table / "across.md").write_text("an earlier table's file")
     assert main(["evaluate", str(traces), "--across", "--out", str(table), "--config", str(config), "--jobs", "1"]) == 0
     capsys.readouterr()
     names = {p.name for p in table.iterdir()}
-    assert {"across.html", "across.json", "across.md"} <= names and "stray.txt" not in names  # replaced whole
+    assert {"across.html", "across.json", "across.md"} <= names
+    assert (table / "across.md").read_text() != "an earlier table's file"  # an earlier table is replaced
     assert not (tmp_path / ".table.kept").exists()  # what was kept for a resume goes once the table is there
 
 

@@ -54,7 +54,7 @@ def claim_across_out(out: str | os.PathLike, traces: Sequence[str | os.PathLike]
     :func:`dwise_predict.files.claim_output`): an earlier table there is replaced; a trace set, an
     evaluation or a folder of yours never is."""
     return claim_output(out, [("TRACES", path) for path in traces], "an across-set table", ACROSS_MARKER,
-                        replace=True, contents=("across.*",))
+                        replace=True, contents=("across.*", "plots"))
 
 
 def write_across(result: dict, out: str | os.PathLike) -> Path:

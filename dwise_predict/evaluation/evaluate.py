@@ -45,7 +45,7 @@ from dwise_predict.versions import package_versions
 
 EVALUATION_MARKER = "evaluation.json"  # a directory holding it is an evaluation: the next one replaces it
 # every name an evaluation holds: a folder holding anything else is yours, never replaced with it
-EVALUATION_CONTENTS = ("*.json", "predictions.parquet", "report.html", "report.md", "plots")
+EVALUATION_CONTENTS = ("*.json", "predictions.parquet", "report.html", "report.md", "ablations.html", "ablations.md", "plots")
 
 SURVIVAL_EXAMPLES = 4
 
