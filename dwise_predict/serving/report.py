@@ -87,8 +87,8 @@ def render_refine_table(table: dict, title: str):
             out.add_row(*[_cell(r, key, fmt) for key, _, fmt in columns])
         return out
 
-    rank_title = (f"Ranking of the remaining rounds after round k (requests still running): the refinement fed round "
-                  f"k's state vs round 1's decremented")
+    rank_title = ("Ranking of the remaining rounds after round k (requests still running): the refinement fed round "
+                  "k's state vs round 1's decremented")
     return (build(table["rows"], REFINE_COLUMNS, title),
             build(table["rho_by_round"], ROUND_RANK_COLUMNS, rank_title))
 
