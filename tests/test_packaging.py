@@ -20,6 +20,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _new_environment(env: Path) -> Path:
+    """A new virtual environment that borrows this one's dependencies; its python."""
+    venv.create(env, with_pip=False)
+    python = env / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "borrowed-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
 @pytest.mark.slow
 def test_sdist_and_wheel_install_in_a_new_environment_and_run(tmp_path):
     dist = tmp_path / "dist"
@@ -44,11 +54,7 @@ def test_sdist_and_wheel_install_in_a_new_environment_and_run(tmp_path):
     assert not any(n.startswith("tests/") for n in names)
 
     env = tmp_path / "env"
-    venv.create(env, with_pip=False)
-    python = env / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    Path(purelib, "borrowed-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python = _new_environment(env)
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
                                 "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True)
     assert installed.returncode == 0, installed.stderr[-2000:]
@@ -70,11 +76,7 @@ def test_editable_install_warns_of_nothing_of_ours(tmp_path):
     """`make install`'s `pip install -e .`: setuptools warns on every editable install of a project
     whose package root it has to guess (it then installs an import finder); pyproject.toml names it."""
     env = tmp_path / "env"
-    venv.create(env, with_pip=False)
-    python = env / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    Path(purelib, "borrowed-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python = _new_environment(env)
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
                                 "--no-index", "--no-build-isolation", "-e", str(ROOT)], capture_output=True, text=True)
     assert installed.returncode == 0, installed.stderr[-2000:]
