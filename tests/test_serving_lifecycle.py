@@ -41,8 +41,20 @@ def start(out: Path, *args: str) -> subprocess.Popen:
     child = subprocess.Popen([sys.executable, str(TESTS / "recording_child.py"), str(out), *args],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     child.lines = queue.Queue()
-    threading.Thread(target=lambda: [child.lines.put(line.strip()) for line in child.stdout], daemon=True).start()
+    child.reader = threading.Thread(target=lambda: [child.lines.put(line.strip()) for line in child.stdout], daemon=True)
+    child.reader.start()
     return child
+
+
+def rest_of(child: subprocess.Popen, timeout: float = 60) -> tuple[list[str], str]:
+    """Once the child ends: the stdout lines its reader queued and nobody took, and its stderr."""
+    err = child.stderr.read()  # to its end: the child's exit closes it
+    child.wait(timeout=timeout)
+    child.reader.join(timeout=timeout)
+    lines = []
+    while not child.lines.empty():
+        lines.append(child.lines.get())
+    return lines, err
 
 
 def read_until(child: subprocess.Popen, done, timeout: float = START_S) -> list[str]:
@@ -76,10 +88,10 @@ def test_a_recording_stopped_mid_traffic_keeps_every_finished_request(tmp_path, 
             assert not psutil.pid_exists(child.pid)
         else:
             child.send_signal(getattr(signal, how))
-        out, err = child.communicate(timeout=60)
+        out, err = rest_of(child)
     finally:
         child.kill()
-    printed = finished(before + out.splitlines())
+    printed = finished(before + out)
     if how == "SIGINT":  # Python's own handler ran after the commit: the process unwound
         assert child.returncode == 1 and err.rstrip().endswith("KeyboardInterrupt"), err[-2000:]
     elif how == "SIGTERM":
