@@ -1,8 +1,8 @@
 """Nothing lost, nothing hangs (issue 17): crashes at every atomic rename, a full or read-only disk,
 concurrent writers, stale temporary files, and resuming after each.
 
-The kill-on-rename harness (``tests/kill_on_rename.py``) SIGKILLs a command just before its N-th
-``os.replace``; after each kill the output is either the old one or the new one, complete, once the
+The kill-on-rename harness (``tests/kill_on_rename.py``: a server per test process that forks each
+command) SIGKILLs a command just before its N-th ``os.replace``; after each kill the output is either the old one or the new one, complete, once the
 next writer of that output has swept the debris, and rerunning the same command finishes.
 """
 
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from collect_helpers import make_tiny_dir
+from kill_on_rename import KillServer
 from dwise_predict.cli import main
 from dwise_predict.evaluation.pool import kept_results_dir
 from dwise_predict.files import TMP_MARK, atomic_dir, atomic_write_text, claim_output, output_lock, sweep_stale
 from evaluate_helpers import FAST_CONFIG, fast_config, make_traces, write
 
-HARNESS = Path(__file__).with_name("kill_on_rename.py")
 FAST_FLAGS = ["--members", "1", "--width", "32", "--max-epochs", "20", "--patience", "3", "--lr", "0.01",
               "--batch-size", "32"]
 assert FAST_CONFIG["members"] == 1 and FAST_CONFIG["width"] == 32  # the flags train what fast_config() does
@@ -42,10 +42,20 @@ def small(tmp_path_factory) -> dict:
     return {"traces": traces, "run": run}
 
 
-def _harness(kill_at: int, argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(HARNESS), str(kill_at), *map(str, argv)], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=cwd)
+_server: list[KillServer] = []  # started on first use, stopped with the module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_kill_server():
+    yield
+    while _server:
+        _server.pop().close()
+
+
+def _harness(kill_at: int, argv: list, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    if not _server:
+        _server.append(KillServer())
+    return _server[0].run(kill_at, argv, cwd)
 
 
 def _count_renames(argv: list[str]) -> int:
