@@ -49,6 +49,8 @@ from dwise_predict.errors import ConfigError, InputError
 
 WAITING, RUNNING, PAUSED, FREE = 0, 1, 2, 3
 RANKINGS = ("remaining", "arrival")
+NONE = np.zeros(0, dtype=np.int64)  # an empty slot array, shared (read-only)
+NONE.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class RoundPlan:
     run : int64 array (n_run,), the slots that process one block this round, best rank first.
     prompt : bool array (n_run,), True where that slot processes a prompt block (else denoising).
     admitted : int64 array, slots that moved from waiting to resident this round.
-    paused : int64 array, resident slots that do not run this round (KV kept).
+    paused : int64 array, resident slots that do not run this round (KV kept): the standby ones best rank
+        first, then (``prefill_first``) those held back by the barrier.
     preempted : int64 array, slots that ran last round, still have work, and are paused now.
     standby : int64 array, the paused slots that could run (the rank's candidates), best rank
         first: the order in which a server fills a slot that one of ``run`` could not take.
@@ -303,25 +306,30 @@ class DwisePolicy:
                 res = np.concatenate([res, adm])
                 keys = np.concatenate([keys, self._keys(adm)])
                 self._resident = res
-        pool, pool_keys = res, keys
+        pool, pool_keys, held_back = res, keys, None
         if self.prefill_first:
             prefill = self._P[res] > 0
             if prefill.any():
-                pool, pool_keys, rank = res[prefill], keys[prefill], None
+                pool, pool_keys, rank, held_back = res[prefill], keys[prefill], None, res[~prefill]
         if rank is None:
             rank = np.lexsort((self._seq[pool], pool_keys))
-        run = pool[rank[: self.slots]]
-        standby = pool[rank[self.slots:]]
+        ranked = pool[rank]
+        run, standby = ranked[: self.slots], ranked[self.slots:]
 
         # A preemption is a request displaced by ranking: one that ran last round and is still a
         # candidate now. Decoders held back by the prefill-first barrier are stalled, not preempted.
-        was_running = pool[self._state[pool] == RUNNING]
-        self._state[res] = PAUSED
+        # (A handful of array operations: on a server this runs on the scheduler thread every step.)
+        preempted = standby[self._state[standby] == RUNNING]
+        if held_back is None:
+            self._state[standby] = PAUSED
+            paused = standby
+        else:
+            self._state[res] = PAUSED
+            paused = np.concatenate([standby, held_back])
         self._state[run] = RUNNING
-        preempted = was_running[self._state[was_running] == PAUSED]
         self._preemptions[preempted] += 1
-        paused = res[self._state[res] == PAUSED]
-        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64), paused, preempted, standby)
+        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
+                         preempted, standby)
 
     def _threshold(self, res_keys: np.ndarray, res_seq: np.ndarray, head: list) -> tuple:
         """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off)."""
@@ -393,27 +401,28 @@ class DwisePolicy:
         -------
         int64 array: the slots that finished and were freed.
         """
+        # C-level array calls only (no numpy function written in Python): a server runs this every step
         slots = np.asarray(slots, dtype=np.int64)
         prompt = np.asarray(prompt, dtype=bool)
+        denoise = ~prompt
         pr = slots[prompt]
-        dn_pos = np.flatnonzero(~prompt)
-        dn = slots[dn_pos]
-        if np.ndim(rounds):  # one count per request (a synchronous server's block-long steps)
+        dn = slots[denoise]
+        if not (isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)):
+            steps = int(rounds)
+            self._P[pr] = np.maximum(self._P[pr] - steps, 0)
+        else:  # one count per request (a synchronous server's block-long steps)
             rounds = np.asarray(rounds, dtype=np.int64)
             self._P[pr] = np.maximum(self._P[pr] - rounds[prompt], 0)
-            steps = rounds[dn_pos]
-        else:
-            self._P[pr] = np.maximum(self._P[pr] - rounds, 0)
-            steps = int(rounds)
-        first = self._rounds[dn] == 0
-        self._rounds[dn] += steps
+            steps = rounds[denoise]
+        done_rounds = self._rounds[dn]
         rhat = np.maximum(self._rhat[dn] - steps, 0.0)
         if refined is not None:
-            ref = np.asarray(refined, dtype=np.float64)[dn_pos]
-            rhat = np.where(first & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
+            ref = np.asarray(refined, dtype=np.float64)[denoise]
+            rhat = np.where((done_rounds == 0) & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
+        self._rounds[dn] = done_rounds + steps
         self._rhat[dn] = rhat
         if finished is None:
-            return np.zeros(0, dtype=np.int64)
+            return NONE.copy()
         done = slots[np.asarray(finished, dtype=bool)]
         self._release(done)
         return done
@@ -467,7 +476,7 @@ class DwisePolicy:
     def _release(self, slots: np.ndarray) -> None:
         if len(slots) == 0:
             return
-        self.kv_used = max(self.kv_used - float(self._kv[slots].sum()), 0.0)
+        self.kv_used = max(self.kv_used - float(np.add.reduce(self._kv[slots])), 0.0)
         self._state[slots] = FREE
         self._resident = self._resident[self._state[self._resident] != FREE]
         for slot in slots.tolist():

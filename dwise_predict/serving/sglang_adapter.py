@@ -81,7 +81,7 @@ import importlib
 import math
 import operator
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import compress
 from pathlib import Path
@@ -95,6 +95,13 @@ from dwise_predict.serving.bundle import check_compatible
 from dwise_predict.serving.policy import DwisePolicy
 
 SGLANG_VERSION = "0.5.23"
+
+# per-request reads of SGLang's Req objects as C-level callables: a pass over a batch through map() runs
+# no Python frame per request (a list comprehension costs about twice as much on the scheduler thread)
+_rid = operator.attrgetter("rid")
+_phase = operator.attrgetter("dllm_phase")
+_slot = operator.attrgetter("_dwise_slot")
+_finished = operator.methodcaller("finished")
 
 
 @dataclass(frozen=True)
@@ -326,11 +333,19 @@ class _PromptRows:
     encode the context separately prefill as EXTEND, and for those no rows are keyed. Least recently
     used rows leave first once ``capacity`` are held (``capacity`` rows of H floats on the model's
     device, allocated at install; 0 keeps none).
+
+    The scheduler keeps rows every step but looks one up only for a request that ran no prompt block
+    of its own, so a kept row's key (a digest of its tokens, :func:`block_key`) is computed when the
+    next lookup comes (:meth:`reserve_tokens`, :meth:`get`), not on the step that keeps it: a server
+    whose requests all run their own prompt blocks hashes nothing. Rows kept since the last lookup
+    count as more recently used than every keyed row (a keyed row read after they were kept may leave
+    before them).
     """
 
     def __init__(self, capacity: int):
         self.capacity = max(0, int(capacity))
         self.slots: OrderedDict = OrderedDict()  # key -> row of ``rows``, least recently used first
+        self.pending: deque = deque()  # (its request's _BlockKeys, blocks, block size, row): kept, not yet keyed
         self.rows = None  # (capacity, H) on the model's device (``allocate``)
         self.free = list(range(self.capacity))
 
@@ -344,11 +359,32 @@ class _PromptRows:
         every row is taken); the caller writes it."""
         slot = self.slots.pop(key, None)
         if slot is None:
-            slot = self.free.pop() if self.free else self.slots.popitem(last=False)[1]
+            slot = self._take()
         self.slots[key] = slot
         return slot
 
+    def reserve_tokens(self, req, blocks: int, block_size: int) -> int:
+        """:meth:`reserve` for the block of ``req`` ending at token ``blocks * block_size``, keyed by
+        those tokens (:func:`block_key`) at the next lookup."""
+        slot = self._take()
+        self.pending.append((_block_keys(req), blocks, block_size, slot))
+        return slot
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.slots:
+            return self.slots.popitem(last=False)[1]
+        return self.pending.popleft()[3]
+
     def get(self, key: bytes):
+        while self.pending:  # key the rows kept since the last lookup, oldest first (a later one wins)
+            keys, blocks, block_size, slot = self.pending.popleft()
+            pending_key = keys.key(blocks, block_size)
+            old = self.slots.pop(pending_key, None)
+            if old is not None:
+                self.free.append(old)
+            self.slots[pending_key] = slot
         slot = self.slots.get(key)
         if slot is None:
             return None
@@ -356,34 +392,57 @@ class _PromptRows:
         return self.rows[slot]
 
 
+class _BlockKeys:
+    """The keys of one request's leading blocks (:func:`block_key`): one running hash over its tokens
+    (prompt, then output), fed block by block, so its keys cost one pass over its tokens however many
+    blocks ask, in whatever order. It holds the request's token lists, not the request."""
+
+    __slots__ = ("origin", "output", "keys", "running", "hashed")
+
+    def __init__(self, req):
+        self.origin, self.output = req.origin_input_ids, req.output_ids
+        self.keys: dict = {}  # blocks -> key
+        self.running = hashlib.blake2b(digest_size=16)
+        self.hashed = 0  # blocks in the running hash
+
+    def key(self, blocks: int, block_size: int) -> bytes:
+        key = self.keys.get(blocks)
+        if key is None:
+            running, hashed = self.running, self.hashed
+            if blocks < hashed:  # behind the running hash: hash those tokens afresh
+                running, hashed = hashlib.blake2b(digest_size=16), 0
+            else:
+                self.hashed = blocks
+            running.update(_token_bytes(self.origin, self.output, hashed * block_size, blocks * block_size))
+            key = self.keys[blocks] = running.digest()
+        return key
+
+
+def _block_keys(req) -> _BlockKeys:
+    """``req``'s :class:`_BlockKeys`, kept on the request (its token lists as they are now)."""
+    keys = req.__dict__.get("_dwise_block_keys")
+    if keys is None:
+        keys = req._dwise_block_keys = _BlockKeys(req)
+    else:
+        keys.origin, keys.output = req.origin_input_ids, req.output_ids
+    return keys
+
+
 def block_key(req, blocks: int, block_size: int) -> bytes:
     """Digest of ``req``'s first ``blocks`` full blocks of tokens (prompt, then output: what a
     retraction put back into its prompt, or a finished request's answer): one hash over every token up
-    to the block's end, fed block by block to a running hash kept on the request, so a request's keys
-    cost one pass over its tokens however many blocks ask, in whatever order."""
-    memo = req.__dict__.get("_dwise_block_keys")
-    if memo is None:
-        memo = req._dwise_block_keys = [{}, hashlib.blake2b(digest_size=16), 0]  # keys by blocks, running hash, its blocks
-    keys, running, hashed = memo
-    key = keys.get(blocks)
-    if key is None:
-        if blocks < hashed:  # behind the running hash: hash those tokens afresh
-            running, hashed = hashlib.blake2b(digest_size=16), 0
-        else:
-            memo[2] = blocks
-        running.update(_token_bytes(req, hashed * block_size, blocks * block_size))
-        key = keys[blocks] = running.digest()
-    return key
+    to the block's end (:class:`_BlockKeys`)."""
+    return _block_keys(req).key(blocks, block_size)
 
 
-def _token_bytes(req, start: int, stop: int):
-    """The request's tokens ``[start, stop)`` (prompt, then output) as int64 bytes."""
-    ids, n = req.origin_input_ids, len(req.origin_input_ids)
+def _token_bytes(origin, output, start: int, stop: int):
+    """Tokens ``[start, stop)`` of a request's prompt ``origin`` then its output, as int64 bytes."""
+    n = len(origin)
     if stop <= n:
-        tokens = ids[start:stop]
+        tokens = origin[start:stop]
     else:
-        tokens = array("q", ids[start:n]) if start < n else array("q")
-        tokens.extend(req.output_ids[max(0, start - n):stop - n])
+        tokens = array("q", origin[start:n]) if start < n else array("q")
+        tokens.extend(output[max(0, start - n):stop - n])
     return tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
 
 
@@ -418,25 +477,26 @@ class _RankShare:
 
 
 class _ToDevice:
-    """Host float32 vectors onto the model's device in one copy that does not block the host: a
+    """Host vectors (float32, or int64 indices) onto the model's device in one copy that does not block the host: a
     copy from pageable memory may synchronise the stream, so on CUDA it goes through a pinned buffer.
     One call per step and buffer: it is written again only after the step's own synchronisation
     (SGLang's, when it commits the step's tokens) has passed. On a CPU device no copy is made: the
     caller's array (a fresh one each call) becomes the tensor."""
 
-    def __init__(self, device, capacity: int):
+    def __init__(self, device, capacity: int, dtype: str = "float32"):
         import torch
 
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         on_host = self.device.type == "cpu"
-        self.host = None if on_host else torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
+        self.dtype = np.dtype(dtype)
+        self.host = None if on_host else torch.empty(capacity, dtype=getattr(torch, dtype), pin_memory=self.pinned)
 
     def __call__(self, values):
         import torch
 
         if self.host is None:
-            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=self.dtype))
         n = len(values)
         self.host[:n].numpy()[:] = values
         if not self.pinned:
@@ -467,6 +527,7 @@ class _State:
         self.foreign: list = []  # requests SGLang's own path put in the dLLM queue this round (finished while waiting)
         self.batch = None  # the batch being run (SGLang's list of Reqs), and per row of it:
         self.batch_slots = self.batch_prompt = self.batch_ours = None  # policy slot (-1: not ours), prompt block, ours
+        self.batch_all_ours = False  # every row is ours (a Python bool: read without a numpy call)
         self.first: dict = {}  # rid -> (prompt tokens, budget, leftover prompt tokens to pool, own_last row or -1)
         #                        of the batch's first denoising forwards
         self.pooled2 = None  # (max_batch, 2, H) static, allocated at install, written inside the forward:
@@ -817,7 +878,7 @@ def install(
         state.weights[:, 0] = 1.0 / int(block_size)
         state.leftover_weights = state.weights[:, 1]
         state.to_device = _ToDevice(device, 5 * rows)
-        state.to_device_kept = _ToDevice(device, 4 * rows)  # its own buffer: the next step's copy may be in flight
+        state.to_device_kept = _ToDevice(device, 4 * rows, "int64")  # its own buffer: the next step's copy may be in flight
         if state.prompt_rows.capacity:
             state.prompt_rows.allocate(int(width), device)
         resident = int(math.floor(k * slots))  # a row is held from a request's first prompt block to its first round
@@ -848,15 +909,17 @@ def install(
         if state.policy is None:
             state.bind(self)
         policy, reqs = state.policy, state.reqs
-        new = [r for r in self.waiting_queue if r.rid not in reqs]
+        queue = self.waiting_queue
+        # SGLang's waiting queue holds the policy's waiting requests and any new ones (one pass, in C)
+        new = [] if all(map(reqs.__contains__, map(_rid, queue))) else [r for r in queue if r.rid not in reqs]
         # the policy's waiting requests are in SGLang's waiting queue and its resident ones in the dLLM
         # manager's (SGLang's filter_finished_reqs has just dropped the finished): a count that differs
         # means SGLang aborted or queued again some of them, and only then are the queues walked
-        if len(self.waiting_queue) - len(new) != policy.n_waiting \
+        if len(queue) - len(new) != policy.n_waiting \
                 or len(self.dllm_manager.waiting_queue) != policy.n_resident:
             state.reconcile(self)
             new = [r for r in self.waiting_queue if r.rid not in reqs]
-        state.foreign = [r for r in new if r.finished()]
+        state.foreign = [r for r in new if r.finished()] if new else []
         if state.foreign:  # finished while waiting (SGLang's set_finish_with_abort): SGLang's own path
             done = {id(r) for r in state.foreign}
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in done]
@@ -880,7 +943,7 @@ def install(
 
     def stage(self, adder, running_batch, candidates) -> None:
         """Offer ``candidates`` (in rank order) to SGLang's own batch former, prompt blocks first."""
-        prompt = [r.dllm_phase in prefill_phases for r in candidates]  # is_dllm_prefill, inline: once per request and step
+        prompt = list(map(prefill_phases.__contains__, map(_phase, candidates)))  # is_dllm_prefill, in C
         self._process_batch_by_phase(adder, list(compress(candidates, prompt)), phase.STAGING_PREFILL,
                                      phase.INCOMING_PREFILL, running_batch)
         self._process_batch_by_phase(adder, list(compress(candidates, map(operator.not_, prompt))), phase.STAGING_DECODE,
@@ -925,13 +988,15 @@ def install(
         round."""
         policy, bs, n = state.policy, state.block_size, len(staged)
         try:
-            slots = np.fromiter([r._dwise_slot for r in staged], dtype=np.int64, count=n)
+            slots = np.fromiter(map(_slot, staged), dtype=np.int64, count=n)
         except AttributeError:  # a request the hook has never seen (one SGLang's own path queued)
             slots = np.fromiter([getattr(r, "_dwise_slot", -1) for r in staged], dtype=np.int64, count=n)
-        prompt = np.fromiter([r.dllm_phase in prefill_phases for r in staged], dtype=bool, count=n)
+        prompt = np.fromiter(map(prefill_phases.__contains__, map(_phase, staged)), dtype=bool, count=n)
         ours = slots >= 0  # the rest: SGLang's own (finished while waiting)
+        all_ours = bool(ours.all())
         state.batch, state.batch_slots, state.batch_prompt, state.batch_ours = staged, slots, prompt, ours
-        if ours.all():
+        state.batch_all_ours = all_ours
+        if all_ours:
             P, rounds = policy.prompt_blocks(slots), policy.denoising_rounds(slots)
         else:
             P, rounds = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -970,7 +1035,7 @@ def install(
             return
         if batch.reqs is not state.batch:  # not the batch the hook formed (SGLang's own former ran it)
             plan_batch(self, batch.reqs)
-        if state.batch_ours.any():
+        if state.batch_all_ours or state.batch_ours.any():
             advance(self)
         # the next batch names its own rows, and pools its own: a pass that does not go through the
         # wrapped DllmAlgorithm.run (Gemma4Renoise's context encoding) finds none, not this batch's
@@ -983,7 +1048,7 @@ def install(
         rows later requests or the recorder need."""
         policy, recorder, batch = state.policy, state.recorder, state.batch
         slots, ours, prompt = state.batch_slots, state.batch_ours, state.batch_prompt
-        n, all_ours = len(batch), ours.all()
+        n, all_ours = len(batch), state.batch_all_ours
         steps = max(state.forwards, 1)
         first = state.rows  # the forward's rows are the batch's, in its order
         host = to_host(first) if first and state.first_pooled is not None else None
@@ -993,7 +1058,7 @@ def install(
             if host["refined"] is not None:
                 refined = np.full(n, math.nan)
                 refined[first] = host["refined"]
-        finished = np.fromiter([r.finished() for r in batch], dtype=bool, count=n)
+        finished = np.fromiter(map(_finished, batch), dtype=bool, count=n)
         rounds = 1 if steps == 1 else np.where(prompt, 1, steps)
         if all_ours:  # the common case: no request of SGLang's own in the batch
             policy.complete_slots(slots, prompt, finished, refined, rounds)
@@ -1027,24 +1092,26 @@ def install(
         SGLang serves from its cache (:class:`_PromptRows`), every block reported done this step that a
         later prompt can end on: a prompt block (a shared system prompt, a repeated prompt) or a
         finished request's last full block (the next turn of a chat)."""
-        pooled, last, done = state.first_pooled, state.last_pooled, row_forwards()
+        pooled, last = state.first_pooled, state.last_pooled
         if pooled is None:
             return
         batch, slots, ours, prompt, bs = state.batch, state.batch_slots, state.batch_ours, state.batch_prompt, state.block_size
-        own = np.flatnonzero(ours & prompt)
+        all_ours = state.batch_all_ours
+        own = np.flatnonzero(prompt if all_ours else ours & prompt)
         own_into = state.hold_own(slots[own]) if len(own) else own
         kept, into = [], []
-        if last is not None and done is not None and state.prompt_rows.capacity \
+        if last is not None and state.step_done and state.prompt_rows.capacity \
                 and not self.dllm_config.requires_separate_context_encoding:
-            for i in np.flatnonzero(ours & (done > 0) & (prompt | finished)).tolist():
+            keep = (row_forwards() > 0) & (prompt | finished)
+            for i in np.flatnonzero(keep if all_ours else keep & ours).tolist():
                 r = batch[i]
                 end = r.extend_end  # SGLang's prefix ends on a block boundary and the forward ran the block after it
                 if prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
                     kept.append(i)
-                    into.append(state.prompt_rows.reserve(block_key(r, end // bs, bs)))
+                    into.append(state.prompt_rows.reserve_tokens(r, end // bs, bs))  # keyed when a lookup comes
         if not len(own) and not kept:
             return
-        index = state.to_device_kept(np.concatenate([own, own_into, kept, into]).astype(np.float32)).long()
+        index = state.to_device_kept(np.concatenate([own, own_into, kept, into]))
         a, b = len(own), 2 * len(own)
         if a:
             state.own_last.index_copy_(0, index[a:b], pooled.index_select(0, index[:a]))
@@ -1157,7 +1224,11 @@ def install(
     def row_forwards():
         """int64 per batch row: the forwards until its block first reported done this step (0: not
         done), from the step's done lists in one array conversion; None without a step call."""
-        if state.row_forwards is None and state.step_done:
+        if state.row_forwards is None and len(state.step_done) == 1:  # FDFO: one step call
+            forwards, done = state.step_done[0]
+            marks = np.fromiter(done, dtype=np.int64, count=len(done))
+            state.row_forwards = marks if forwards == 1 else marks * forwards
+        elif state.row_forwards is None and state.step_done:
             marks = np.array([done for _, done in state.step_done], dtype=bool)  # (steps, rows)
             counts = np.array([forwards for forwards, _ in state.step_done], dtype=np.int64)
             state.row_forwards = np.where(marks.any(0), counts[marks.argmax(0)], 0)
