@@ -1080,14 +1080,16 @@ def install(
         done = state.step_done[0][1] if len(state.step_done) == 1 and self.dllm_config.first_done_first_out_mode else None
         asked = range(n) if done is None else list(compress(range(n), done))
         finished_at = list(compress(asked, map(_finished, map(batch.__getitem__, asked))))
-        finished = np.zeros(n, dtype=bool)
-        finished[finished_at] = True
+        finished = None  # most steps finish no request
+        if finished_at:
+            finished = np.zeros(n, dtype=bool)
+            finished[finished_at] = True
         rounds = 1 if steps == 1 else np.where(prompt, 1, steps)
         if all_ours:  # the common case: no request of SGLang's own in the batch
             policy.complete_slots(slots, prompt, finished, refined, rounds)
         else:
             rows = ours.nonzero()[0]
-            policy.complete_slots(slots[rows], prompt[rows], finished[rows],
+            policy.complete_slots(slots[rows], prompt[rows], None if finished is None else finished[rows],
                                   None if refined is None else refined[rows], rounds if steps == 1 else rounds[rows])
             finished_at = [i for i in finished_at if slot_list[i] >= 0]
         keep_rows(self, finished_at)
