@@ -51,12 +51,6 @@ WAITING, RUNNING, PAUSED, FREE = 0, 1, 2, 3
 RANKINGS = ("remaining", "arrival")
 NONE = np.zeros(0, dtype=np.int64)  # an empty slot array, shared (read-only)
 NONE.flags.writeable = False
-# one round of (P, r̂, denoising rounds) for a request that ran a denoising block (row 0) or a prompt
-# block (row 1), subtracted in one step; then P and r̂ are floored at zero (rounds are not)
-ONE_ROUND = np.array([[0.0, 1.0, -1.0], [1.0, 0.0, 0.0]])
-ONE_ROUND.flags.writeable = False
-FLOOR = np.array([0.0, 0.0, -np.inf])
-FLOOR.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -161,13 +155,9 @@ class DwisePolicy:
                 arr[:n_old] = getattr(self, name)
             setattr(self, name, arr)
 
-        # what a round changes, one row per slot (float64: whole numbers stay exact), so that a round's
-        # update is one gather, one subtraction, one floor and one scatter (complete_slots)
-        progress = np.zeros((capacity, 3))
-        if n_old:
-            progress[:n_old] = self._progress
-        # unprocessed prompt blocks, estimated remaining denoising rounds, denoising rounds done (views)
-        self._progress, self._P, self._rhat, self._rounds = progress, progress[:, 0], progress[:, 1], progress[:, 2]
+        grow("_P", np.int64, 0)  # unprocessed prompt blocks
+        grow("_rhat", np.float64, 0.0)  # estimated remaining denoising rounds
+        grow("_rounds", np.int64, 0)  # denoising rounds done
         grow("_seq", np.int64, 0)  # arrival sequence (tie-break)
         grow("_born", np.float64, 0.0)  # the round it arrived in (starvation guard)
         grow("_kv", np.float64, 0.0)  # KV reservation
@@ -446,18 +436,10 @@ class DwisePolicy:
         # C-level array calls only (no numpy function written in Python): a server runs this every step
         slots = np.asarray(slots, dtype=np.int64)
         prompt = np.asarray(prompt, dtype=bool)
-        per_request = isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)
-        if refined is None and not per_request and int(rounds) == 1:
-            # one round each (an FDFO server's step): P, r̂ and the rounds of all of them in one update
-            progress = self._progress[slots]
-            progress -= ONE_ROUND[prompt.view(np.int8)]
-            np.maximum(progress, FLOOR, out=progress)
-            self._progress[slots] = progress
-            return self._finish(slots, finished)
         denoise = ~prompt
         pr = slots[prompt]
         dn = slots[denoise]
-        if not per_request:
+        if not (isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)):
             steps = int(rounds)
             self._P[pr] = np.maximum(self._P[pr] - steps, 0)
         else:  # one count per request (a synchronous server's block-long steps)
@@ -472,9 +454,6 @@ class DwisePolicy:
             rhat = np.where((done_rounds == 0) & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
         self._rounds[dn] = done_rounds + steps
         self._rhat[dn] = rhat
-        return self._finish(slots, finished)
-
-    def _finish(self, slots: np.ndarray, finished) -> np.ndarray:
         if finished is None:
             return NONE.copy()
         done = slots[np.asarray(finished, dtype=bool)]
@@ -567,11 +546,11 @@ class DwisePolicy:
 
     def denoising_rounds(self, slots) -> np.ndarray:
         """Denoising rounds each slot's request has run (int64 array)."""
-        return self._rounds[np.asarray(slots, dtype=np.int64)].astype(np.int64)
+        return self._rounds[np.asarray(slots, dtype=np.int64)]
 
     def prompt_blocks(self, slots) -> np.ndarray:
         """``P`` of each slot's request (int64 array)."""
-        return self._P[np.asarray(slots, dtype=np.int64)].astype(np.int64)
+        return self._P[np.asarray(slots, dtype=np.int64)]
 
     def remaining_work(self, request_id) -> float:
         """``R = P + r̂`` of one request."""
