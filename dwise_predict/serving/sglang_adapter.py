@@ -537,7 +537,7 @@ class _State:
         self.pooled = None  # [:, 0], each row's mean over its block rows,
         self.leftover_pooled = None  # [:, 1], the weighted sum of its leftover prompt rows
         self.weights = None  # (max_batch, 2, block) static: 1/block (the mean), and the leftover weights
-        self.first_pooled = None  # (B, H) snapshot after a step's first forward
+        self.first_pooled = None  # (B, H) the step's first forward's rows (a view of pooled; copied if a second forward runs)
         self.signal_threshold = None  # for an algorithm without one of its own: set by check_decoding
         # per policy slot (Python lists, indexed like the policy's own arrays, grown with them in register:
         # read and written for the few rows of a step at a prompt block or a first round, where a list
@@ -550,7 +550,7 @@ class _State:
         self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
         self.prompt_mean = None  # the bundle's training mean of prompt_last on the device (install)
         self.leftover_weights = None  # weights[:, 1]: 1/n on a row's n leftover prompt positions, zeros elsewhere
-        self.first_leftover = None  # (B, H) its snapshot after a step's first forward
+        self.first_leftover = None  # (B, H) the same of leftover_pooled (when the step has first-round rows)
         self.weights_set = False  # leftover_weights holds a nonzero row
         self.last_pooled = None  # (B, H) the pooled buffer after a step's last forward
         self.to_device = None  # _ToDevice, for the step's per-row inputs (install)
@@ -1112,8 +1112,9 @@ def install(
                 recorder.finished(r)
 
     def keep_rows(self, finished_at: list) -> None:
-        """Copy the step's rows that later steps read into device rows, in one host-to-device copy of
-        their indices and one device op per buffer: each prompt block's row, the refinement's
+        """Copy the step's rows that later steps read into device rows (``kept_rows``), in one
+        host-to-device copy of their indices, one gather and one copy (two of each after a step of
+        several forwards): each prompt block's row, the refinement's
         ``prompt_last`` once its first round comes (``own_last``); and for later requests whose prefix
         SGLang serves from its cache (:class:`_PromptRows`), every block reported done this step that a
         later prompt can end on: a prompt block (a shared system prompt, a repeated prompt) or a
@@ -1230,7 +1231,7 @@ def install(
 
     def counted_forward(*args, **kwargs):
         """``model_runner.forward`` while the hook's ``run`` runs: counts the step's forwards and, after
-        its first, snapshots the pooling buffer and computes the early signals of its first rounds."""
+        its first, takes the pooling buffer's rows and computes the early signals of its first rounds."""
         algo, model_runner, forward_batch, forward, _ = state.running
         if state.forwards == 1 and state.first_pooled is not None:
             # a second forward in the step (synchronous decoding) overwrites the buffer: copy the first's
@@ -1297,7 +1298,7 @@ def install(
         self.step = state.counted_step
         try:
             out = original_run(self, model_runner, forward_batch, algo_states)
-            if state.pooled is not None and state.prompt_rows.capacity:  # no rows kept: no snapshot
+            if state.pooled is not None and state.prompt_rows.capacity:  # no rows kept: none needed
                 # a block SGLang emits ran its last forward over its final tokens: that forward writes
                 # the block's KV cache (LowConfidence reports done on a forward with no masks left;
                 # JointThresholdInDel keeps a block whose ids its step changed for one more forward)
