@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import torch
 
-# requests per chunk: the softmax temporaries are (chunk * block, vocab) floats, not the whole batch's
+# requests per chunk: the softmax temporaries are (chunk * block, vocab) floats, not the whole batch's:
+# 8 requests, or as many as fit in what 8 requests of a 32-token block over a 32,768-token vocabulary
+# take (a small vocabulary, like the fake's, runs in one chunk: the op count is per chunk)
 CHUNK_REQUESTS = 8
+CHUNK_FLOATS = CHUNK_REQUESTS * 32 * 32768
 # the fraction signal's threshold under an algorithm that has none of its own (Gemma4Renoise: the
 # DiffusionGemma collector and the serving hook alike), unless its algorithm config gives a "threshold"
 SIGNAL_THRESHOLD = 0.9
@@ -31,14 +34,15 @@ def early_signals(full_logits: torch.Tensor, input_ids: torch.Tensor, mask_id: i
     logits = full_logits.view(batch, block_size, -1)
     masked = (input_ids.view(batch, block_size) == mask_id).to(device=logits.device, dtype=torch.float32)
     count = masked.sum(dim=1).clamp_min(1.0)
+    chunk = max(CHUNK_REQUESTS, CHUNK_FLOATS // max(block_size * logits.shape[-1], 1))
     out = []
-    for start in range(0, batch, CHUNK_REQUESTS):
-        logp = torch.log_softmax(logits[start:start + CHUNK_REQUESTS].float(), dim=-1)  # (b, bs, V)
+    for start in range(0, batch, chunk):
+        logp = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)  # (b, bs, V)
         top = logp.max(dim=-1).values.exp()  # (b, bs)
         entropy = -(logp.exp() * logp).sum(dim=-1)  # exp(-inf) * -inf would be NaN: log_softmax is finite
         stop = logp.index_select(-1, stop_ids).exp().sum(dim=-1)  # (b, bs)
-        m = masked[start:start + CHUNK_REQUESTS]
-        n = count[start:start + CHUNK_REQUESTS]
+        m = masked[start:start + chunk]
+        n = count[start:start + chunk]
         no_end = (torch.log1p(-stop.clamp(max=1.0 - 1e-7)) * m).sum(1)  # log P(no stop anywhere in the block)
         out.append(torch.stack([((top > threshold).float() * m).sum(1) / n, (top * m).sum(1) / n,
                                 (entropy * m).sum(1) / n, -torch.expm1(no_end)], 1))

@@ -49,6 +49,8 @@ from dwise_predict.errors import ConfigError, InputError
 
 WAITING, RUNNING, PAUSED, FREE = 0, 1, 2, 3
 RANKINGS = ("remaining", "arrival")
+NONE = np.zeros(0, dtype=np.int64)  # an empty slot array, shared (read-only)
+NONE.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class RoundPlan:
     run : int64 array (n_run,), the slots that process one block this round, best rank first.
     prompt : bool array (n_run,), True where that slot processes a prompt block (else denoising).
     admitted : int64 array, slots that moved from waiting to resident this round.
-    paused : int64 array, resident slots that do not run this round (KV kept).
+    paused : int64 array, resident slots that do not run this round (KV kept): the standby ones best rank
+        first, then (``prefill_first``) those held back by the barrier.
     preempted : int64 array, slots that ran last round, still have work, and are paused now.
     standby : int64 array, the paused slots that could run (the rank's candidates), best rank
         first: the order in which a server fills a slot that one of ``run`` could not take.
@@ -137,6 +140,7 @@ class DwisePolicy:
         self._free: list[int] = []
         self._waiting: list[tuple[float, int, int]] = []  # sorted (key, seq, slot)
         self._resident = np.zeros(0, dtype=np.int64)
+        self._kept = None  # (run, standby) of the last plan while only its runs have happened since (_replan)
         self._alloc(64)
 
     # --- storage -------------------------------------------------------------------------------
@@ -225,6 +229,7 @@ class DwisePolicy:
 
         order = np.arange(n) if arrival is None else np.lexsort((np.array([str(i) for i in ids]), np.asarray(arrival, dtype=np.float64)))
         slots = self._take_slots(n)
+        self._kept = None  # a new waiting request may rank into the top B
         seq = np.empty(n, dtype=np.int64)
         seq[order] = self._seq_next + np.arange(n)
         self._seq_next += n
@@ -267,6 +272,10 @@ class DwisePolicy:
         any do).
         """
         self.rounds += 1
+        if self._kept is not None:
+            plan = self._replan(*self._kept)
+            if plan is not None:
+                return plan
         res = self._resident
         keys = self._keys(res)
         admitted: list[int] = []
@@ -303,25 +312,55 @@ class DwisePolicy:
                 res = np.concatenate([res, adm])
                 keys = np.concatenate([keys, self._keys(adm)])
                 self._resident = res
-        pool, pool_keys = res, keys
+        pool, pool_keys, held_back = res, keys, None
         if self.prefill_first:
             prefill = self._P[res] > 0
             if prefill.any():
-                pool, pool_keys, rank = res[prefill], keys[prefill], None
+                pool, pool_keys, rank, held_back = res[prefill], keys[prefill], None, res[~prefill]
         if rank is None:
             rank = np.lexsort((self._seq[pool], pool_keys))
-        run = pool[rank[: self.slots]]
-        standby = pool[rank[self.slots:]]
+        ranked = pool[rank]
+        run, standby = ranked[: self.slots], ranked[self.slots:]
 
         # A preemption is a request displaced by ranking: one that ran last round and is still a
         # candidate now. Decoders held back by the prefill-first barrier are stalled, not preempted.
-        was_running = pool[self._state[pool] == RUNNING]
-        self._state[res] = PAUSED
+        # (A handful of array operations: on a server this runs on the scheduler thread every step.)
+        preempted = standby[self._state[standby] == RUNNING]
+        if held_back is None:
+            self._state[standby] = PAUSED
+            paused = standby
+        else:
+            self._state[res] = PAUSED
+            paused = np.concatenate([standby, held_back])
         self._state[run] = RUNNING
-        preempted = was_running[self._state[was_running] == PAUSED]
         self._preemptions[preempted] += 1
-        paused = res[self._state[res] == PAUSED]
-        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64), paused, preempted, standby)
+        self._kept = (run, standby) if held_back is None and self.ranking in RANKINGS else None
+        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
+                         preempted, standby)
+
+    def _replan(self, run: np.ndarray, standby: np.ndarray) -> RoundPlan | None:
+        """This round's plan when only the last plan's runs have happened since it (no arrival, finish,
+        refinement, override or change of ``P`` from outside): the same plan with its runs re-ordered,
+        or None where a waiting request may now be admitted (then :meth:`schedule` ranks everything).
+
+        Running a round lowers a runner's key or keeps it (``P`` or ``r̂`` drop, not below zero; with
+        ``aging`` its arrival term stays) and leaves every other key as it was, so each runner still
+        ranks ahead of every paused request it ranked ahead of, and the paused ones keep their order:
+        the same ``B`` run, the standby list is unchanged, nobody is preempted, and only the runners'
+        own order needs sorting. On a busy server that is most rounds (a handful of array calls over
+        ``B`` requests instead of a ranking of the whole resident set).
+        """
+        keys, seq = self._keys(run), self._seq[run]
+        order = np.lexsort((seq, keys))
+        if self._waiting and len(self._resident) < self.max_resident:
+            if len(run) < self.slots:
+                return None
+            worst = order[-1]  # the B-th best request: a waiting one ahead of it would be admitted
+            if self._waiting[0] < (float(keys[worst]), int(seq[worst]), math.inf):
+                return None
+        run = run[order]
+        self._kept = (run, standby)
+        return RoundPlan(run, self._P[run] > 0, NONE, standby, NONE, standby)
 
     def _threshold(self, res_keys: np.ndarray, res_seq: np.ndarray, head: list) -> tuple:
         """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off)."""
@@ -350,6 +389,7 @@ class DwisePolicy:
         if outside.any():
             raise InputError(f"ran() got slots {slots[outside].tolist()} that are not resident: only the plan's "
                              "picks and its standby requests can run")
+        self._kept = None
         self._state[plan.run] = PAUSED
         self._state[slots] = RUNNING
         # a request the plan displaced but the server ran after all was not preempted
@@ -380,7 +420,7 @@ class DwisePolicy:
 
         Parameters
         ----------
-        slots : int64 array (n,), slots that ran.
+        slots : int64 array (n,), slots that ran: the plan's ``run``, or the slots given to :meth:`ran`.
         prompt : bool array (n,), True where that slot processed a prompt block (``P`` lowers by
             one, not below zero), else denoising rounds.
         finished : bool array (n,), True where that request produced its last block (it leaves).
@@ -393,27 +433,29 @@ class DwisePolicy:
         -------
         int64 array: the slots that finished and were freed.
         """
+        # C-level array calls only (no numpy function written in Python): a server runs this every step
         slots = np.asarray(slots, dtype=np.int64)
         prompt = np.asarray(prompt, dtype=bool)
+        denoise = ~prompt
         pr = slots[prompt]
-        dn_pos = np.flatnonzero(~prompt)
-        dn = slots[dn_pos]
-        if np.ndim(rounds):  # one count per request (a synchronous server's block-long steps)
+        dn = slots[denoise]
+        if not (isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)):
+            steps = int(rounds)
+            self._P[pr] = np.maximum(self._P[pr] - steps, 0)
+        else:  # one count per request (a synchronous server's block-long steps)
             rounds = np.asarray(rounds, dtype=np.int64)
             self._P[pr] = np.maximum(self._P[pr] - rounds[prompt], 0)
-            steps = rounds[dn_pos]
-        else:
-            self._P[pr] = np.maximum(self._P[pr] - rounds, 0)
-            steps = int(rounds)
-        first = self._rounds[dn] == 0
-        self._rounds[dn] += steps
+            steps = rounds[denoise]
+        done_rounds = self._rounds[dn]
         rhat = np.maximum(self._rhat[dn] - steps, 0.0)
-        if refined is not None:
-            ref = np.asarray(refined, dtype=np.float64)[dn_pos]
-            rhat = np.where(first & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
+        if refined is not None:  # r̂ may rise: the next round ranks everything
+            self._kept = None
+            ref = np.asarray(refined, dtype=np.float64)[denoise]
+            rhat = np.where((done_rounds == 0) & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
+        self._rounds[dn] = done_rounds + steps
         self._rhat[dn] = rhat
         if finished is None:
-            return np.zeros(0, dtype=np.int64)
+            return NONE.copy()
         done = slots[np.asarray(finished, dtype=bool)]
         self._release(done)
         return done
@@ -422,6 +464,7 @@ class DwisePolicy:
         """Replace ``r̂`` of resident requests by fresh estimates of their remaining denoising rounds
         (clamped at zero): a refinement after a later round (``simulate --refine-every``, seed 000
         Table 6). Call it after :meth:`complete_round`, which keeps decrementing ``r̂`` in between."""
+        self._kept = None
         self._rhat[np.asarray(slots, dtype=np.int64)] = np.maximum(np.asarray(remaining, dtype=np.float64), 0.0)
 
     def complete(self, request_id, refined: float | None = None, finished: bool = False, prompt: bool | None = None) -> None:
@@ -431,6 +474,7 @@ class DwisePolicy:
         inferred from ``P > 0`` (the policy's own record, which is exact).
         """
         slot = self._slot(request_id)
+        self._kept = None  # any request, not only a runner
         if prompt is None:
             prompt = self._P[slot] > 0
         self.complete_slots([slot], [prompt], [finished], [math.nan if refined is None else refined])
@@ -446,6 +490,7 @@ class DwisePolicy:
             raise InputError(f"request {request_id!r}: prompt blocks must be >= 0, got {prompt_blocks}")
         if prompt_blocks == self._P[slot]:
             return
+        self._kept = None
         if self._state[slot] == WAITING:
             old = next(e for e in self._waiting if e[2] == slot)
             self._waiting.remove(old)
@@ -457,6 +502,7 @@ class DwisePolicy:
     def remove(self, request_id) -> None:
         """Drop a request in any state (abort), freeing its KV reservation."""
         slot = self._slot(request_id)
+        self._kept = None
         if self._state[slot] == WAITING:
             self._waiting = [e for e in self._waiting if e[2] != slot]
             self._state[slot] = FREE
@@ -467,7 +513,8 @@ class DwisePolicy:
     def _release(self, slots: np.ndarray) -> None:
         if len(slots) == 0:
             return
-        self.kv_used = max(self.kv_used - float(self._kv[slots].sum()), 0.0)
+        self._kept = None
+        self.kv_used = max(self.kv_used - float(np.add.reduce(self._kv[slots])), 0.0)
         self._state[slots] = FREE
         self._resident = self._resident[self._state[self._resident] != FREE]
         for slot in slots.tolist():

@@ -32,8 +32,9 @@ What the patch does, at the four points of seed 000 §5.1:
 - **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped to mean-pool each
   request's block rows into a static buffer allocated at install (block size and largest batch
   known then), so the copy is captured in SGLang's CUDA graphs and every replay writes it;
-  ``DllmAlgorithm.run`` is wrapped to fill that buffer with NaN before a step and snapshot it after
-  the step's first forward. The first refinement checks the snapshot: an unwritten buffer (a graph
+  ``DllmAlgorithm.run`` is wrapped to fill that buffer with NaN before a step (until the first
+  refinement has checked it) and read the step's first forward's rows from it (copied out only if a
+  second forward follows). The first refinement checks those rows: an unwritten buffer (a graph
   captured before install) is a one-line :class:`ConfigError`, never silent zeros. The same first
   forward's early signals (``engine.signals``, the refinement graph's last input) are computed
   from its ``full_logits`` after the forward returns, outside any captured graph. The refinement's
@@ -81,7 +82,7 @@ import importlib
 import math
 import operator
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import compress
 from pathlib import Path
@@ -95,6 +96,13 @@ from dwise_predict.serving.bundle import check_compatible
 from dwise_predict.serving.policy import DwisePolicy
 
 SGLANG_VERSION = "0.5.23"
+
+# per-request reads of SGLang's Req objects as C-level callables: a pass over a batch through map() runs
+# no Python frame per request (a list comprehension costs about twice as much on the scheduler thread)
+_rid = operator.attrgetter("rid")
+_phase = operator.attrgetter("dllm_phase")
+_slot = operator.attrgetter("_dwise_slot")
+_finished = operator.methodcaller("finished")
 
 
 @dataclass(frozen=True)
@@ -326,11 +334,19 @@ class _PromptRows:
     encode the context separately prefill as EXTEND, and for those no rows are keyed. Least recently
     used rows leave first once ``capacity`` are held (``capacity`` rows of H floats on the model's
     device, allocated at install; 0 keeps none).
+
+    The scheduler keeps rows every step but looks one up only for a request that ran no prompt block
+    of its own, so a kept row's key (a digest of its tokens, :func:`block_key`) is computed when the
+    next lookup comes (:meth:`reserve_tokens`, :meth:`get`), not on the step that keeps it: a server
+    whose requests all run their own prompt blocks hashes nothing. Rows kept since the last lookup
+    count as more recently used than every keyed row (a keyed row read after they were kept may leave
+    before them).
     """
 
     def __init__(self, capacity: int):
         self.capacity = max(0, int(capacity))
         self.slots: OrderedDict = OrderedDict()  # key -> row of ``rows``, least recently used first
+        self.pending: deque = deque()  # (its request's _BlockKeys, blocks, block size, row): kept, not yet keyed
         self.rows = None  # (capacity, H) on the model's device (``allocate``)
         self.free = list(range(self.capacity))
 
@@ -344,11 +360,32 @@ class _PromptRows:
         every row is taken); the caller writes it."""
         slot = self.slots.pop(key, None)
         if slot is None:
-            slot = self.free.pop() if self.free else self.slots.popitem(last=False)[1]
+            slot = self._take()
         self.slots[key] = slot
         return slot
 
+    def reserve_tokens(self, req, blocks: int, block_size: int) -> int:
+        """:meth:`reserve` for the block of ``req`` ending at token ``blocks * block_size``, keyed by
+        those tokens (:func:`block_key`) at the next lookup."""
+        slot = self._take()
+        self.pending.append((_block_keys(req), blocks, block_size, slot))
+        return slot
+
+    def _take(self) -> int:
+        if self.free:
+            return self.free.pop()
+        if self.slots:
+            return self.slots.popitem(last=False)[1]
+        return self.pending.popleft()[3]
+
     def get(self, key: bytes):
+        while self.pending:  # key the rows kept since the last lookup, oldest first (a later one wins)
+            keys, blocks, block_size, slot = self.pending.popleft()
+            pending_key = keys.key(blocks, block_size)
+            old = self.slots.pop(pending_key, None)
+            if old is not None:
+                self.free.append(old)
+            self.slots[pending_key] = slot
         slot = self.slots.get(key)
         if slot is None:
             return None
@@ -356,34 +393,57 @@ class _PromptRows:
         return self.rows[slot]
 
 
+class _BlockKeys:
+    """The keys of one request's leading blocks (:func:`block_key`): one running hash over its tokens
+    (prompt, then output), fed block by block, so its keys cost one pass over its tokens however many
+    blocks ask, in whatever order. It holds the request's token lists, not the request."""
+
+    __slots__ = ("origin", "output", "keys", "running", "hashed")
+
+    def __init__(self, req):
+        self.origin, self.output = req.origin_input_ids, req.output_ids
+        self.keys: dict = {}  # blocks -> key
+        self.running = hashlib.blake2b(digest_size=16)
+        self.hashed = 0  # blocks in the running hash
+
+    def key(self, blocks: int, block_size: int) -> bytes:
+        key = self.keys.get(blocks)
+        if key is None:
+            running, hashed = self.running, self.hashed
+            if blocks < hashed:  # behind the running hash: hash those tokens afresh
+                running, hashed = hashlib.blake2b(digest_size=16), 0
+            else:
+                self.hashed = blocks
+            running.update(_token_bytes(self.origin, self.output, hashed * block_size, blocks * block_size))
+            key = self.keys[blocks] = running.digest()
+        return key
+
+
+def _block_keys(req) -> _BlockKeys:
+    """``req``'s :class:`_BlockKeys`, kept on the request (its token lists as they are now)."""
+    keys = req.__dict__.get("_dwise_block_keys")
+    if keys is None:
+        keys = req._dwise_block_keys = _BlockKeys(req)
+    else:
+        keys.origin, keys.output = req.origin_input_ids, req.output_ids
+    return keys
+
+
 def block_key(req, blocks: int, block_size: int) -> bytes:
     """Digest of ``req``'s first ``blocks`` full blocks of tokens (prompt, then output: what a
     retraction put back into its prompt, or a finished request's answer): one hash over every token up
-    to the block's end, fed block by block to a running hash kept on the request, so a request's keys
-    cost one pass over its tokens however many blocks ask, in whatever order."""
-    memo = req.__dict__.get("_dwise_block_keys")
-    if memo is None:
-        memo = req._dwise_block_keys = [{}, hashlib.blake2b(digest_size=16), 0]  # keys by blocks, running hash, its blocks
-    keys, running, hashed = memo
-    key = keys.get(blocks)
-    if key is None:
-        if blocks < hashed:  # behind the running hash: hash those tokens afresh
-            running, hashed = hashlib.blake2b(digest_size=16), 0
-        else:
-            memo[2] = blocks
-        running.update(_token_bytes(req, hashed * block_size, blocks * block_size))
-        key = keys[blocks] = running.digest()
-    return key
+    to the block's end (:class:`_BlockKeys`)."""
+    return _block_keys(req).key(blocks, block_size)
 
 
-def _token_bytes(req, start: int, stop: int):
-    """The request's tokens ``[start, stop)`` (prompt, then output) as int64 bytes."""
-    ids, n = req.origin_input_ids, len(req.origin_input_ids)
+def _token_bytes(origin, output, start: int, stop: int):
+    """Tokens ``[start, stop)`` of a request's prompt ``origin`` then its output, as int64 bytes."""
+    n = len(origin)
     if stop <= n:
-        tokens = ids[start:stop]
+        tokens = origin[start:stop]
     else:
-        tokens = array("q", ids[start:n]) if start < n else array("q")
-        tokens.extend(req.output_ids[max(0, start - n):stop - n])
+        tokens = array("q", origin[start:n]) if start < n else array("q")
+        tokens.extend(output[max(0, start - n):stop - n])
     return tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
 
 
@@ -418,25 +478,26 @@ class _RankShare:
 
 
 class _ToDevice:
-    """Host float32 vectors onto the model's device in one copy that does not block the host: a
+    """Host vectors (float32, or int64 indices) onto the model's device in one copy that does not block the host: a
     copy from pageable memory may synchronise the stream, so on CUDA it goes through a pinned buffer.
     One call per step and buffer: it is written again only after the step's own synchronisation
     (SGLang's, when it commits the step's tokens) has passed. On a CPU device no copy is made: the
     caller's array (a fresh one each call) becomes the tensor."""
 
-    def __init__(self, device, capacity: int):
+    def __init__(self, device, capacity: int, dtype: str = "float32"):
         import torch
 
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         on_host = self.device.type == "cpu"
-        self.host = None if on_host else torch.empty(capacity, dtype=torch.float32, pin_memory=self.pinned)
+        self.dtype = np.dtype(dtype)
+        self.host = None if on_host else torch.empty(capacity, dtype=getattr(torch, dtype), pin_memory=self.pinned)
 
     def __call__(self, values):
         import torch
 
         if self.host is None:
-            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            return torch.from_numpy(np.ascontiguousarray(values, dtype=self.dtype))
         n = len(values)
         self.host[:n].numpy()[:] = values
         if not self.pinned:
@@ -467,23 +528,29 @@ class _State:
         self.foreign: list = []  # requests SGLang's own path put in the dLLM queue this round (finished while waiting)
         self.batch = None  # the batch being run (SGLang's list of Reqs), and per row of it:
         self.batch_slots = self.batch_prompt = self.batch_ours = None  # policy slot (-1: not ours), prompt block, ours
+        self.batch_all_ours = False  # every row is ours (then batch_ours is None)
+        self.batch_slot_list: list = []  # batch_slots as a list
+        self.batch_prompt_at: list = []  # the batch rows of ours at a prompt block
         self.first: dict = {}  # rid -> (prompt tokens, budget, leftover prompt tokens to pool, own_last row or -1)
         #                        of the batch's first denoising forwards
         self.pooled2 = None  # (max_batch, 2, H) static, allocated at install, written inside the forward:
         self.pooled = None  # [:, 0], each row's mean over its block rows,
         self.leftover_pooled = None  # [:, 1], the weighted sum of its leftover prompt rows
         self.weights = None  # (max_batch, 2, block) static: 1/block (the mean), and the leftover weights
-        self.first_pooled = None  # (B, H) snapshot after a step's first forward
+        self.first_pooled = None  # (B, H) the step's first forward's rows (a view of pooled; copied if a second forward runs)
         self.signal_threshold = None  # for an algorithm without one of its own: set by check_decoding
-        # per policy slot (numpy, indexed like the policy's own arrays, grown with them in register):
-        self.expect_prefix = np.empty(0, dtype=np.int64)  # SGLang's prefix_len once its last prompt block ran as planned
-        self.own_row = np.empty(0, dtype=np.int64)  # its row of own_last (-1: none)
-        self.own_last = None  # (k*B + max_batch, H) device rows: each request's latest prompt-block row, until its first round
+        # per policy slot (Python lists, indexed like the policy's own arrays, grown with them in register:
+        # read and written for the few rows of a step at a prompt block or a first round, where a list
+        # index costs less than a numpy call)
+        self.expect_prefix: list = []  # SGLang's prefix_len once its last prompt block ran as planned
+        self.own_row: list = []  # its row of own_last (-1: none)
+        self.own_last = None  # (k*B, H) device rows: each request's latest prompt-block row, until its first round
+        self.kept_rows = None  # own_last's rows, then prompt_rows' (hold_rows)
         self.own_free: list = []  # rows of own_last no request holds
         self.prompt_rows = _PromptRows(prompt_cache)  # the same for recent blocks of any request, by tokens
         self.prompt_mean = None  # the bundle's training mean of prompt_last on the device (install)
         self.leftover_weights = None  # weights[:, 1]: 1/n on a row's n leftover prompt positions, zeros elsewhere
-        self.first_leftover = None  # (B, H) its snapshot after a step's first forward
+        self.first_leftover = None  # (B, H) the same of leftover_pooled (when the step has first-round rows)
         self.weights_set = False  # leftover_weights holds a nonzero row
         self.last_pooled = None  # (B, H) the pooled buffer after a step's last forward
         self.to_device = None  # _ToDevice, for the step's per-row inputs (install)
@@ -570,34 +637,36 @@ class _State:
         self.req_at[slot] = None
         req._dwise_slot = -1
         if self.own_row[slot] >= 0:
-            self.own_free.append(int(self.own_row[slot]))
+            self.own_free.append(self.own_row[slot])
             self.own_row[slot] = -1
 
-    def hold_own(self, slots: np.ndarray) -> np.ndarray:
-        """Rows of ``own_last`` of the requests in ``slots`` (unique policy slots): theirs, or free rows
-        taken now for those without one (the buffer doubles if every row is held: more requests than
-        the k*B resident ones it was sized for, which SGLang's queues should not allow)."""
-        rows = self.own_row[slots]
-        new = np.flatnonzero(rows < 0)
-        if len(new):
-            if len(new) > len(self.own_free):
+    def hold_own(self, slot: int) -> int:
+        """The row of ``own_last`` of the request in policy slot ``slot``: its own, or a free row taken
+        now (the buffer doubles if every row is held: more requests than the k*B resident ones it was
+        sized for, which SGLang's queues should not allow)."""
+        row = self.own_row[slot]
+        if row < 0:
+            if not self.own_free:
                 import torch
 
                 held = len(self.own_last)
-                self.own_last = torch.cat([self.own_last, torch.zeros_like(self.own_last)])
+                self.hold_rows(torch.cat([self.own_last, torch.zeros_like(self.own_last), self.prompt_rows.rows]), 2 * held)
                 self.own_free.extend(range(2 * held - 1, held - 1, -1))
-            rows[new] = self.own_free[-len(new):]
-            del self.own_free[-len(new):]
-            self.own_row[slots[new]] = rows[new]
-        return rows
+            row = self.own_row[slot] = self.own_free.pop()
+        return row
 
-    def release_own(self, slots: np.ndarray) -> None:
+    def hold_rows(self, rows, own: int) -> None:
+        """``rows``: the device rows kept across steps, ``own_last`` (its first ``own`` rows) then the
+        prompt-row cache's: one buffer, so a step keeps its rows of both in one device op."""
+        self.kept_rows, self.own_last, self.prompt_rows.rows = rows, rows[:own], rows[own:]
+
+    def release_own(self, slots) -> None:
         """The requests in ``slots`` no longer need their prompt-block rows (their first round ran)."""
-        rows = self.own_row[slots]
-        held = rows >= 0
-        if held.any():
-            self.own_free.extend(rows[held].tolist())
-            self.own_row[slots[held]] = -1
+        own_row = self.own_row
+        for slot in slots:
+            if own_row[slot] >= 0:
+                self.own_free.append(own_row[slot])
+                own_row[slot] = -1
 
     def check_decoding(self, config) -> None:
         """Hold the bundle and the recording to the decoding SGLang serves (``config``: its
@@ -656,12 +725,12 @@ class _State:
         if len(self.req_at) <= slots.max():
             more = max(len(self.req_at), slots.max() + 1)
             self.req_at = np.concatenate([self.req_at, np.empty(more, dtype=object)])
-            self.own_row = np.concatenate([self.own_row, np.full(more, -1, dtype=np.int64)])
-            self.expect_prefix = np.concatenate([self.expect_prefix, np.full(more, -1, dtype=np.int64)])
-        self.expect_prefix[slots] = -1  # (own_row is -1 already: forget released the slot's row)
+            self.own_row.extend([-1] * more)
+            self.expect_prefix.extend([-1] * more)
         for r, slot in zip(reqs, slots.tolist()):
             self.reqs[r.rid] = r
             self.req_at[slot] = r
+            self.expect_prefix[slot] = -1  # (own_row is -1 already: forget released the slot's row)
             r._dwise_slot = slot
         if self.recorder is not None:
             for r in reqs:
@@ -817,11 +886,9 @@ def install(
         state.weights[:, 0] = 1.0 / int(block_size)
         state.leftover_weights = state.weights[:, 1]
         state.to_device = _ToDevice(device, 5 * rows)
-        state.to_device_kept = _ToDevice(device, 4 * rows)  # its own buffer: the next step's copy may be in flight
-        if state.prompt_rows.capacity:
-            state.prompt_rows.allocate(int(width), device)
+        state.to_device_kept = _ToDevice(device, 4 * rows, "int64")  # its own buffer: the next step's copy may be in flight
         resident = int(math.floor(k * slots))  # a row is held from a request's first prompt block to its first round
-        state.own_last = torch.zeros((resident, int(width)), device=device)
+        state.hold_rows(torch.zeros((resident + state.prompt_rows.capacity, int(width)), device=device), resident)
         state.own_free = list(range(resident - 1, -1, -1))
         if bundle is not None:
             state.prompt_mean = torch.as_tensor(bundle.prompt_last_mean, dtype=torch.float32, device=device)
@@ -848,15 +915,17 @@ def install(
         if state.policy is None:
             state.bind(self)
         policy, reqs = state.policy, state.reqs
-        new = [r for r in self.waiting_queue if r.rid not in reqs]
+        queue = self.waiting_queue
+        # SGLang's waiting queue holds the policy's waiting requests and any new ones (one pass, in C)
+        new = [] if all(map(reqs.__contains__, map(_rid, queue))) else [r for r in queue if r.rid not in reqs]
         # the policy's waiting requests are in SGLang's waiting queue and its resident ones in the dLLM
         # manager's (SGLang's filter_finished_reqs has just dropped the finished): a count that differs
         # means SGLang aborted or queued again some of them, and only then are the queues walked
-        if len(self.waiting_queue) - len(new) != policy.n_waiting \
+        if len(queue) - len(new) != policy.n_waiting \
                 or len(self.dllm_manager.waiting_queue) != policy.n_resident:
             state.reconcile(self)
             new = [r for r in self.waiting_queue if r.rid not in reqs]
-        state.foreign = [r for r in new if r.finished()]
+        state.foreign = [r for r in new if r.finished()] if new else []
         if state.foreign:  # finished while waiting (SGLang's set_finish_with_abort): SGLang's own path
             done = {id(r) for r in state.foreign}
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in done]
@@ -880,7 +949,7 @@ def install(
 
     def stage(self, adder, running_batch, candidates) -> None:
         """Offer ``candidates`` (in rank order) to SGLang's own batch former, prompt blocks first."""
-        prompt = [r.dllm_phase in prefill_phases for r in candidates]  # is_dllm_prefill, inline: once per request and step
+        prompt = list(map(prefill_phases.__contains__, map(_phase, candidates)))  # is_dllm_prefill, in C
         self._process_batch_by_phase(adder, list(compress(candidates, prompt)), phase.STAGING_PREFILL,
                                      phase.INCOMING_PREFILL, running_batch)
         self._process_batch_by_phase(adder, list(compress(candidates, map(operator.not_, prompt))), phase.STAGING_DECODE,
@@ -921,44 +990,56 @@ def install(
         """What the batch's requests run, known only now (SGLang matched their prefixes while staging
         them): their phase, ``P`` after a prefix hit or a retraction, and the inputs of the rows whose
         first denoising forward this is. Kept per batch row for the step's result. Per request, two
-        attribute reads; the rest is array operations and work for the rows at a prompt block or a first
-        round."""
+        attribute reads (in C); the rest is a few array calls and Python for the rows at a prompt block
+        or a first round."""
         policy, bs, n = state.policy, state.block_size, len(staged)
         try:
-            slots = np.fromiter([r._dwise_slot for r in staged], dtype=np.int64, count=n)
+            slot_list = list(map(_slot, staged))
         except AttributeError:  # a request the hook has never seen (one SGLang's own path queued)
-            slots = np.fromiter([getattr(r, "_dwise_slot", -1) for r in staged], dtype=np.int64, count=n)
-        prompt = np.fromiter([r.dllm_phase in prefill_phases for r in staged], dtype=bool, count=n)
-        ours = slots >= 0  # the rest: SGLang's own (finished while waiting)
+            slot_list = [getattr(r, "_dwise_slot", -1) for r in staged]
+        prompt_list = list(map(prefill_phases.__contains__, map(_phase, staged)))
+        slots, prompt = np.array(slot_list, dtype=np.int64), np.array(prompt_list, dtype=bool)
+        all_ours = not slot_list or min(slot_list) >= 0
+        ours = None if all_ours else slots >= 0  # the rest: SGLang's own (finished while waiting)
+        prompt_at = list(compress(range(n), prompt_list))  # the rows at a prompt block
+        if not all_ours:
+            prompt_at = [i for i in prompt_at if slot_list[i] >= 0]
         state.batch, state.batch_slots, state.batch_prompt, state.batch_ours = staged, slots, prompt, ours
-        if ours.all():
-            P, rounds = policy.prompt_blocks(slots), policy.denoising_rounds(slots)
-        else:
-            P, rounds = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-            P[ours], rounds[ours] = policy.prompt_blocks(slots[ours]), policy.denoising_rounds(slots[ours])
+        state.batch_all_ours, state.batch_slot_list, state.batch_prompt_at = all_ours, slot_list, prompt_at
+        P = policy.prompt_blocks(slots)  # (a slot of -1, not ours, reads a value never used)
+        with_prompt = np.count_nonzero(P if all_ours else P[ours])
+        P, rounds = P.tolist(), policy.denoising_rounds(slots).tolist()
         # P follows what SGLang has left to encode (the prompt, and after a retraction the output) past
-        # its prefix: a request whose prefix grew by the block it ran last keeps the P the policy lowered
-        check = np.flatnonzero(ours & (prompt | (P > 0)))
-        if len(check):
-            at = check.tolist()
-            prefix = np.fromiter([staged[i].prefix_len for i in at], dtype=np.int64, count=len(at))
-            held = slots[check]
-            planned = prompt[check] & (state.expect_prefix[held] == prefix)
-            state.expect_prefix[held] = prefix + bs
-            for j in np.flatnonzero(~planned).tolist():
-                i, r = at[j], staged[at[j]]
-                left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), bs, int(prefix[j])) if prompt[i] else 0
+        # its prefix: a request whose prefix grew by the block it ran last keeps the P the policy lowered;
+        # a row SGLang runs as a prompt block is checked, and so is one the policy still counts prompt
+        # blocks for (P > 0) but SGLang runs as denoising (a prefix hit covered them): the policy's P > 0
+        # rows number the checked prompt rows that have P > 0 unless there is such a row
+        check = prompt_at
+        if sum(P[i] > 0 for i in prompt_at) != with_prompt:
+            check = [i for i in range(n) if slot_list[i] >= 0 and (prompt_list[i] or P[i] > 0)]
+        expect = state.expect_prefix
+        for i in check:
+            r, slot = staged[i], slot_list[i]
+            prefix = r.prefix_len
+            planned = prompt_list[i] and expect[slot] == prefix
+            expect[slot] = prefix + bs
+            if not planned:
+                left = prefill_rounds(len(r.origin_input_ids) + len(r.output_ids), bs, prefix) if prompt_list[i] else 0
                 if left != P[i]:
                     if left < P[i] and rounds[i] == 0:
-                        state.stats.prefix_blocks += int(P[i] - left)
+                        state.stats.prefix_blocks += P[i] - left
                     policy.set_prompt_blocks(r.rid, left)
         # the first denoising forwards: refinement and recording pool their rows; a softmax over the
         # vocabulary for every row of every step (their early signals) would cost more than the refinement
         state.first = {}
         if state.pooled is not None:
-            for i in np.flatnonzero(ours & ~prompt & (rounds == 0)).tolist():
+            # rows neither at a prompt block nor past a denoising round (`rounds or prompt`: 0 only there)
+            for i in compress(range(n), map(operator.not_, map(operator.or_, rounds, prompt_list))):
+                slot = slot_list[i]
+                if slot < 0:
+                    continue
                 r = staged[i]
-                own = int(state.own_row[slots[i]])  # its last prompt block's row; else its leftover prompt rows are pooled
+                own = state.own_row[slot]  # its last prompt block's row; else its leftover prompt rows are pooled
                 state.first[r.rid] = (len(r.origin_input_ids), r.sampling_params.max_new_tokens,
                                       0 if own >= 0 else len(r.origin_input_ids) % bs, own)
 
@@ -970,7 +1051,7 @@ def install(
             return
         if batch.reqs is not state.batch:  # not the batch the hook formed (SGLang's own former ran it)
             plan_batch(self, batch.reqs)
-        if state.batch_ours.any():
+        if state.batch_all_ours or state.batch_ours.any():
             advance(self)
         # the next batch names its own rows, and pools its own: a pass that does not go through the
         # wrapped DllmAlgorithm.run (Gemma4Renoise's context encoding) finds none, not this batch's
@@ -983,29 +1064,39 @@ def install(
         rows later requests or the recorder need."""
         policy, recorder, batch = state.policy, state.recorder, state.batch
         slots, ours, prompt = state.batch_slots, state.batch_ours, state.batch_prompt
-        n, all_ours = len(batch), ours.all()
+        n, all_ours, slot_list = len(batch), state.batch_all_ours, state.batch_slot_list
         steps = max(state.forwards, 1)
         first = state.rows  # the forward's rows are the batch's, in its order
         host = to_host(first) if first and state.first_pooled is not None else None
         refined = None
         if host is not None:
-            state.release_own(host["slots"])  # their first round took their prompt-block rows
+            state.release_own([slot_list[i] for i in first])  # their first round took their prompt-block rows
             if host["refined"] is not None:
                 refined = np.full(n, math.nan)
                 refined[first] = host["refined"]
-        finished = np.fromiter([r.finished() for r in batch], dtype=bool, count=n)
+        # which requests finished: in FDFO (one algorithm step) SGLang finishes a request only on the
+        # step that resolves its block (process_batch_result_dllm skips an unresolved one before any
+        # finish check), so only those rows are asked; a synchronous step commits every row
+        done = state.step_done[0][1] if len(state.step_done) == 1 and self.dllm_config.first_done_first_out_mode else None
+        asked = range(n) if done is None else list(compress(range(n), done))
+        finished_at = list(compress(asked, map(_finished, map(batch.__getitem__, asked))))
+        finished = None  # most steps finish no request
+        if finished_at:
+            finished = np.zeros(n, dtype=bool)
+            finished[finished_at] = True
         rounds = 1 if steps == 1 else np.where(prompt, 1, steps)
         if all_ours:  # the common case: no request of SGLang's own in the batch
             policy.complete_slots(slots, prompt, finished, refined, rounds)
         else:
-            rows = np.flatnonzero(ours)
-            policy.complete_slots(slots[rows], prompt[rows], finished[rows],
+            rows = ours.nonzero()[0]
+            policy.complete_slots(slots[rows], prompt[rows], None if finished is None else finished[rows],
                                   None if refined is None else refined[rows], rounds if steps == 1 else rounds[rows])
-        keep_rows(self, finished)
+            finished_at = [i for i in finished_at if slot_list[i] >= 0]
+        keep_rows(self, finished_at)
         if recorder is not None:
             at = dict(zip(first, range(len(first)))) if host is not None else {}
             done = row_forwards()
-            for i in np.flatnonzero(ours).tolist():
+            for i in (range(n) if all_ours else ours.nonzero()[0].tolist()):
                 r, j = batch[i], at.get(i)
                 own = int(done[i]) if done is not None else 0
                 if j is None:
@@ -1013,38 +1104,51 @@ def install(
                 else:
                     recorder.forward(r, False, host["pooled"][j], own or steps, host["signals"][j],
                                      host["prompt"][j] if host["has_prompt"][j] else None)
-        for i in np.flatnonzero(ours & finished).tolist():
+        for i in finished_at:
             r = batch[i]
             state.forget(r.rid, policy_too=False)  # the policy freed it in complete_slots
             state.stats.finished += 1
             if recorder is not None:
                 recorder.finished(r)
 
-    def keep_rows(self, finished) -> None:
-        """Copy the step's rows that later steps read into device rows, in one host-to-device copy of
-        their indices and one device op per buffer: each prompt block's row, the refinement's
+    def keep_rows(self, finished_at: list) -> None:
+        """Copy the step's rows that later steps read into device rows (``kept_rows``), in one
+        host-to-device copy of their indices, one gather and one copy (two of each after a step of
+        several forwards): each prompt block's row, the refinement's
         ``prompt_last`` once its first round comes (``own_last``); and for later requests whose prefix
         SGLang serves from its cache (:class:`_PromptRows`), every block reported done this step that a
         later prompt can end on: a prompt block (a shared system prompt, a repeated prompt) or a
-        finished request's last full block (the next turn of a chat)."""
-        pooled, last, done = state.first_pooled, state.last_pooled, row_forwards()
+        finished request's last full block (the next turn of a chat). ``finished_at``: the batch rows
+        of ours that finished. Python over those rows (a few dozen a step), no array call but the copy's."""
+        pooled, last = state.first_pooled, state.last_pooled
         if pooled is None:
             return
-        batch, slots, ours, prompt, bs = state.batch, state.batch_slots, state.batch_ours, state.batch_prompt, state.block_size
-        own = np.flatnonzero(ours & prompt)
-        own_into = state.hold_own(slots[own]) if len(own) else own
+        batch, prompt_at, slot_list, bs = state.batch, state.batch_prompt_at, state.batch_slot_list, state.block_size
+        hold_own = state.hold_own
+        own, own_into = prompt_at, [hold_own(slot_list[i]) for i in prompt_at]
         kept, into = [], []
-        if last is not None and done is not None and state.prompt_rows.capacity \
+        if last is not None and state.step_done and state.prompt_rows.capacity \
                 and not self.dllm_config.requires_separate_context_encoding:
-            for i in np.flatnonzero(ours & (done > 0) & (prompt | finished)).tolist():
+            done = state.step_done[0][1] if len(state.step_done) == 1 else row_forwards()  # truthy: block done
+            reserve = state.prompt_rows.reserve_tokens
+            prompt_list = state.batch_prompt.tolist() if finished_at else ()
+            for i in sorted(set(prompt_at).union(finished_at)) if finished_at else prompt_at:
+                if not done[i]:
+                    continue
                 r = batch[i]
                 end = r.extend_end  # SGLang's prefix ends on a block boundary and the forward ran the block after it
-                if prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
+                if not finished_at or prompt_list[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
                     kept.append(i)
-                    into.append(state.prompt_rows.reserve(block_key(r, end // bs, bs)))
-        if not len(own) and not kept:
+                    into.append(reserve(r, end // bs, bs))  # keyed when a lookup comes
+        if not own and not kept:
             return
-        index = state.to_device_kept(np.concatenate([own, own_into, kept, into]).astype(np.float32)).long()
+        if last is pooled or not kept:  # one forward this step (FDFO): one gather, one copy into kept_rows
+            base = len(state.own_last)
+            index = state.to_device_kept(np.array(own + kept + own_into + [base + j for j in into], dtype=np.int64))
+            a = len(own) + len(kept)
+            state.kept_rows.index_copy_(0, index[a:], pooled.index_select(0, index[:a]))
+            return
+        index = state.to_device_kept(np.array(own + own_into + kept + into, dtype=np.int64))
         a, b = len(own), 2 * len(own)
         if a:
             state.own_last.index_copy_(0, index[a:b], pooled.index_select(0, index[:a]))
@@ -1127,12 +1231,19 @@ def install(
 
     def counted_forward(*args, **kwargs):
         """``model_runner.forward`` while the hook's ``run`` runs: counts the step's forwards and, after
-        its first, snapshots the pooling buffer and computes the early signals of its first rounds."""
+        its first, takes the pooling buffer's rows and computes the early signals of its first rounds."""
         algo, model_runner, forward_batch, forward, _ = state.running
+        if state.forwards == 1 and state.first_pooled is not None:
+            # a second forward in the step (synchronous decoding) overwrites the buffer: copy the first's
+            # rows out first (device copies, no sync); an FDFO step runs one forward and copies nothing
+            state.first_pooled = state.first_pooled.clone()
+            if state.first_leftover is not None:
+                state.first_leftover = state.first_leftover.clone()
         out = forward(*args, **kwargs)
         if state.forwards == 0 and state.pooled is not None:
-            first = state.pooled2[:forward_batch.batch_size].clone()  # device copy, no sync
-            state.first_pooled, state.first_leftover = first[:, 0], first[:, 1]
+            size = forward_batch.batch_size  # views of the buffer, valid until the step's next forward
+            state.first_pooled = state.pooled[:size]
+            state.first_leftover = state.leftover_pooled[:size] if state.rows else None
             # the first forward's early signals, before the step fills masks: the refinement
             # graph's last input (and recorded). From the forward's output, after any graph replay;
             # an algorithm without a threshold of its own (Gemma4Renoise) counts over the one the
@@ -1157,7 +1268,11 @@ def install(
     def row_forwards():
         """int64 per batch row: the forwards until its block first reported done this step (0: not
         done), from the step's done lists in one array conversion; None without a step call."""
-        if state.row_forwards is None and state.step_done:
+        if state.row_forwards is None and len(state.step_done) == 1:  # FDFO: one step call
+            forwards, done = state.step_done[0]
+            marks = np.fromiter(done, dtype=np.int64, count=len(done))
+            state.row_forwards = marks if forwards == 1 else marks * forwards
+        elif state.row_forwards is None and state.step_done:
             marks = np.array([done for _, done in state.step_done], dtype=bool)  # (steps, rows)
             counts = np.array([forwards for forwards, _ in state.step_done], dtype=np.int64)
             state.row_forwards = np.where(marks.any(0), counts[marks.argmax(0)], 0)
@@ -1173,7 +1288,8 @@ def install(
         size = forward_batch.batch_size
         state.stats.idle += size == 0  # DP attention's IDLE batch: no rows, and no logits when eager
         if state.pooled is not None:
-            state.pooled.fill_(math.nan)  # what a replay that skipped the copy would leave: caught below
+            if not state.checked:  # what a replay that skipped the copy would leave: caught by the first refinement
+                state.pooled.fill_(math.nan)
             stage_rows(forward_batch)
         state.running = (self, model_runner, forward_batch, model_runner.forward, self.step)
         own = vars(model_runner).get("forward")
@@ -1182,12 +1298,11 @@ def install(
         self.step = state.counted_step
         try:
             out = original_run(self, model_runner, forward_batch, algo_states)
-            if state.pooled is not None and state.prompt_rows.capacity:  # no rows kept: no snapshot
+            if state.pooled is not None and state.prompt_rows.capacity:  # no rows kept: none needed
                 # a block SGLang emits ran its last forward over its final tokens: that forward writes
                 # the block's KV cache (LowConfidence reports done on a forward with no masks left;
                 # JointThresholdInDel keeps a block whose ids its step changed for one more forward)
-                state.last_pooled = (state.first_pooled if state.forwards == 1
-                                     else state.pooled[:size].clone())
+                state.last_pooled = state.first_pooled if state.forwards == 1 else state.pooled[:size]  # read this step
             return out
         finally:
             state.running = None
