@@ -25,6 +25,14 @@ def fast_config():
     return TrainConfig(**FAST_CONFIG)
 
 
+def fixed_config():
+    """``fast_config()`` with one refinement candidate, ridge, and no cross-validated choice (about 20
+    times quicker per fit): for tests of what is written, killed and resumed, not of what wins."""
+    import dataclasses
+
+    return dataclasses.replace(fast_config(), refine="ridge")
+
+
 def make_traces(n_requests: int = 320, seed: int = 1, **kwargs):
     kwargs.setdefault("categories", CATEGORIES)
     kwargs.setdefault("difficulty_scale", 1.5)

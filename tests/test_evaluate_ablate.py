@@ -17,7 +17,7 @@ from dwise_predict.evaluation.baselines import WITHOUT_FIRST_ROUND
 from dwise_predict.evaluation.pool import result_key
 from dwise_predict.metrics import rank_scores, stratified_indices
 from dwise_predict.training.select import CANDIDATES
-from evaluate_helpers import fast_config, make_traces, write
+from evaluate_helpers import fast_config, fixed_config, make_traces, write
 
 
 def test_paired_bootstrap_known_answers():
@@ -262,7 +262,7 @@ def _snapshot(folder) -> dict:
 def test_cli_across_writes_only_a_table_of_its_own(tmp_path, capsys):
     traces = write(make_traces(n_requests=160, seed=1), tmp_path / "a")
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    config.write_text(json.dumps({**fixed_config().to_dict(), "bootstrap": 50}))
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
@@ -294,7 +294,7 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
     from dwise_predict.evaluation import across
 
     paths = [write(make_traces(n_requests=160, seed=s), tmp_path / f"d{s}") for s in (1, 2)]
-    straight = across.across_sets(paths, fast_config(), jobs=1)
+    straight = across.across_sets(paths, fixed_config(), jobs=1)
     real_fit, fitted = across.fit_kept, []
 
     def fit_until(limit):
@@ -308,24 +308,24 @@ def test_an_interrupted_across_table_resumes_from_the_next_set(tmp_path, monkeyp
     kept = tmp_path / ".table.kept"
     monkeypatch.setattr(across, "fit_kept", fit_until(1))
     with pytest.raises(KeyboardInterrupt):  # stopped while training on the second set
-        across.across_sets(paths, fast_config(), jobs=1, finished=kept)
+        across.across_sets(paths, fixed_config(), jobs=1, finished=kept)
     assert len(list(kept.glob("*.json"))) == 1
     monkeypatch.setattr(across, "fit_kept", fit_until(None))
     logged = []
-    resumed = across.across_sets(paths, fast_config(), log=logged.append, jobs=1, finished=kept)
+    resumed = across.across_sets(paths, fixed_config(), log=logged.append, jobs=1, finished=kept)
     assert len(fitted) == 2  # the rerun trained on the second set only
     assert any(str(paths[0]) in line and "evaluated before the interruption" in line for line in logged)
     as_json = lambda result: json.dumps(result, sort_keys=True, default=lambda v: v.tolist())  # noqa: E731
     assert as_json(resumed) == as_json(straight)
     # another option, another row: nothing kept is reused for it
     ds = make_traces(seed=1)
-    key = result_key([ds], fast_config(), loco=False, min_requests=10)
-    assert key == result_key([make_traces(seed=1)], fast_config(), loco=False, min_requests=10)
-    assert key != result_key([ds], fast_config(), loco=True, min_requests=10)
-    assert key != result_key([ds], dataclasses.replace(fast_config(), seed=1), loco=False, min_requests=10)
-    assert key != result_key([make_traces(seed=2)], fast_config(), loco=False, min_requests=10)
+    key = result_key([ds], fixed_config(), loco=False, min_requests=10)
+    assert key == result_key([make_traces(seed=1)], fixed_config(), loco=False, min_requests=10)
+    assert key != result_key([ds], fixed_config(), loco=True, min_requests=10)
+    assert key != result_key([ds], dataclasses.replace(fixed_config(), seed=1), loco=False, min_requests=10)
+    assert key != result_key([make_traces(seed=2)], fixed_config(), loco=False, min_requests=10)
     censored = ds.requests.assign(censored=ds.requests.index % 7 == 0)  # an optional column counts too
-    assert key != result_key([dataclasses.replace(ds, requests=censored)], fast_config(), loco=False, min_requests=10)
+    assert key != result_key([dataclasses.replace(ds, requests=censored)], fixed_config(), loco=False, min_requests=10)
 
 
 def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, monkeypatch, capsys, loco_evaluation):
@@ -370,7 +370,7 @@ def test_an_evaluation_interrupted_after_its_own_fit_does_not_fit_again(tmp_path
     ds = make_traces(n_requests=160, seed=1)
     traces = write(ds, tmp_path / "t")
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    config.write_text(json.dumps({**fixed_config().to_dict(), "bootstrap": 50}))
     args = ["evaluate", str(traces), "--out", str(tmp_path / "eval"), "--config", str(config), "--jobs", "1"]
     assert main(args) == 0
     straight = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
