@@ -10,10 +10,10 @@ loadfile`` makes them, builds each module fixture once; :data:`UNITS` changes th
   built once.
 
 :data:`FIRST` starts the longest units first (the longest-processing-time rule): on two workers a
-long unit started last leaves the other worker idle at the end. The order comes from CPU seconds
-measured one file at a time on the 2-core machine (2026-12-03, under load: the order is what
-counts); a unit missing from it runs after them in file order, and a test or file renamed here
-only falls back to its file's unit, so nothing is ever left out.
+long unit started last leaves the other worker idle at the end. The order comes from the seconds
+each unit took in a whole run on the idle 2-core machine (2026-12-03: 890 s of tests over the two
+workers, 500 s in all); a unit missing from it runs after them in file order, and a test or file
+renamed here only falls back to its file's unit, so nothing is ever left out.
 
 The conftest applies both: :func:`scheduler` replaces xdist's ``loadfile`` scheduler (its units
 are files), and workers collect in :func:`rank` order. Why not ``--dist loadgroup`` with
@@ -31,10 +31,26 @@ UNITS = {
     "evaluate: ablations, across-set tables, LOCO": ("test_evaluate_ablate.py", "test_evaluate_loco.py"),
 }
 
-# units started first, longest first (CPU seconds of one run, measured as above)
+# units started first, longest first (wall seconds on an idle 2-core machine, both workers busy)
 FIRST = (
-    "evaluate: ablations, across-set tables, LOCO",  # ~125
-    "test_faults.py",  # ~110 (the tests left after the two cut out)
+    "test_faults.py",  # ~87 (the tests left after the two cut out)
+    "test_train_select.py",  # ~79
+    "evaluate: ablations, across-set tables, LOCO",  # ~78
+    "test_engine_conformance.py",  # ~62
+    "test_serving_sglang_adapter.py",  # ~50
+    "test_quickstart.py",  # ~48
+    "test_zoo.py",  # ~44
+    "test_export_verify.py",  # ~44
+    "test_collect_kill.py",  # ~32
+    "test_hostile_bundles.py",  # ~26
+    "faults: evaluate killed at renames",  # ~26
+    "test_bad_inputs.py",  # ~23
+    "test_evaluate_cli.py",  # ~23
+    "test_serving_lifecycle.py",  # ~22
+    "test_train_objective.py",  # ~20
+    "test_train_run.py",  # ~18
+    "faults: extending a collect",  # ~12
+)
     "faults: evaluate killed at renames",  # ~100
     "test_train_select.py",  # ~80
     "faults: extending a collect",  # ~75
