@@ -51,17 +51,6 @@ FIRST = (
     "test_train_run.py",  # ~18
     "faults: extending a collect",  # ~12
 )
-    "faults: evaluate killed at renames",  # ~100
-    "test_train_select.py",  # ~80
-    "faults: extending a collect",  # ~75
-    "test_engine_conformance.py",  # ~65
-    "test_quickstart.py",  # ~55
-    "test_export_verify.py",  # ~50
-    "test_serving_sglang_adapter.py",  # ~35
-    "test_collect_kill.py",  # ~35
-    "test_evaluate_cli.py",  # ~30
-    "test_bad_inputs.py",  # ~30
-)
 
 _MEMBER_OF = {member: unit for unit, members in UNITS.items() for member in members}
 
