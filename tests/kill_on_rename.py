@@ -10,6 +10,8 @@ LightGBM and the CLI, more than most commands killed here. The server runs no co
 OpenMP pool to inherit, ``OMP_NUM_THREADS=1`` for its children), so each child starts as a fresh
 process would, only without the imports. Its reply comes once every process holding the child's
 output pipes has exited (the child's own worker processes too), as ``subprocess.run`` waits.
+``stub`` names functions (``"module:name"``) the child replaces with one that does nothing and
+returns None, for work a test leaves to others (``publish``'s verification: it writes nothing).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ class KillServer:
         self._process = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          text=True, env=env)
 
-    def run(self, kill_at: int, argv: list, cwd: Path | None = None, timeout_s: float = 300):
+    def run(self, kill_at: int, argv: list, cwd: Path | None = None, stub: tuple[str, ...] = (),
+            timeout_s: float = 300):
         argv = [str(a) for a in argv]
-        request = {"kill_at": kill_at, "argv": argv, "cwd": None if cwd is None else str(cwd)}
+        request = {"kill_at": kill_at, "argv": argv, "cwd": None if cwd is None else str(cwd), "stub": list(stub)}
         self._process.stdin.write(json.dumps(request) + "\n")
         self._process.stdin.flush()
         with selectors.DefaultSelector() as selector:
@@ -73,10 +76,15 @@ def _run_killing_at(cli, kill_at: int, argv: list[str]) -> int:
     return code
 
 
-def _child(cli, kill_at: int, argv: list[str], cwd: str | None, out_w: int, err_w: int) -> None:
+def _child(cli, kill_at: int, argv: list[str], cwd: str | None, stub: list[str], out_w: int, err_w: int) -> None:
     """In the forked child: the command's stdio are the pipes, its directory ``cwd``; never returns."""
+    import importlib
+
     code = 1
     try:
+        for name in stub:
+            module, _, attribute = name.partition(":")
+            setattr(importlib.import_module(module), attribute, lambda *args, **kwargs: None)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's stdin carries requests, not input
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
@@ -96,7 +104,7 @@ def _child(cli, kill_at: int, argv: list[str], cwd: str | None, out_w: int, err_
         os._exit(code)
 
 
-def _run_one(cli, kill_at: int, argv: list[str], cwd: str | None) -> dict:
+def _run_one(cli, kill_at: int, argv: list[str], cwd: str | None, stub: list[str]) -> dict:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     sys.stdout.flush()
@@ -104,7 +112,7 @@ def _run_one(cli, kill_at: int, argv: list[str], cwd: str | None) -> dict:
     if pid == 0:
         os.close(out_r)
         os.close(err_r)
-        _child(cli, kill_at, argv, cwd, out_w, err_w)
+        _child(cli, kill_at, argv, cwd, stub, out_w, err_w)
     os.close(out_w)
     os.close(err_w)
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
@@ -143,7 +151,7 @@ def serve() -> None:
 
     for line in sys.stdin:
         request = json.loads(line)
-        reply = _run_one(cli, request["kill_at"], request["argv"], request["cwd"])
+        reply = _run_one(cli, request["kill_at"], request["argv"], request["cwd"], request["stub"])
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
