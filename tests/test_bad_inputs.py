@@ -23,7 +23,7 @@ import torch
 
 from collect_helpers import make_tiny_dir
 from dwise_predict.cli import main
-from evaluate_helpers import fast_config, make_traces, write
+from evaluate_helpers import fixed_config, make_traces, write
 
 CREATED = "2026-01-01T00:00:00+00:00"
 
@@ -37,7 +37,7 @@ def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("world")
     traces = write(make_traces(n_requests=160), root / "d" / "traces")
     run = root / "run"
-    train_run(traces, run, fast_config())
+    train_run(traces, run, fixed_config())
     bundle = export_bundle(run, root / "bundle", name="tiny", created=CREATED)
     zoo = root / "zoo"
     publish(bundle, zoo, verify=False)

@@ -8,7 +8,7 @@ import pytest
 
 from dwise_predict.cli import main
 from dwise_predict.traces import load_traces
-from evaluate_helpers import FAST_CONFIG, fast_config, make_traces, write
+from evaluate_helpers import fixed_config, make_traces, write
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("evalcli")
     traces = write(make_traces(), root / "traces")
     config = root / "config.json"
-    config.write_text(json.dumps(FAST_CONFIG))
+    config.write_text(json.dumps(fixed_config().to_dict()))  # what is written, not which candidate wins
     return root, traces, config
 
 
@@ -71,7 +71,7 @@ def test_run_directory_gives_the_run_metrics(setup, tmp_path, capsys):
 
     root, traces, _ = setup
     run = tmp_path / "run"
-    run_metrics = train_run(traces, run, fast_config())
+    run_metrics = train_run(traces, run, fixed_config())
     out = tmp_path / "eval"
     assert main(["evaluate", str(traces), "--run", str(run), "--out", str(out), "--jobs", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -86,7 +86,7 @@ def test_run_from_other_traces_is_one_line(setup, tmp_path, capsys):
 
     root, traces, _ = setup
     run = tmp_path / "run"
-    train_run(write(make_traces(seed=7), tmp_path / "other"), run, fast_config())
+    train_run(write(make_traces(seed=7), tmp_path / "other"), run, fixed_config())
     assert main(["evaluate", str(traces), "--run", str(run), "--out", str(tmp_path / "eval")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
@@ -153,7 +153,7 @@ def test_censored_requests_are_left_out_of_the_rank_tables(tmp_path):
     ds = make_traces()
     censored = (ds.requests["split"] == "eval").to_numpy() & (np.arange(len(ds)) % 5 == 0)
     ds.requests["censored"] = censored  # collection cut short: rounds are a lower bound only
-    result = evaluate([write(ds, tmp_path / "t")], jobs=1, config=fast_config()).result
+    result = evaluate([write(ds, tmp_path / "t")], jobs=1, config=fixed_config()).result
     n_eval = int((ds.requests["split"] == "eval").sum())
     assert result["traces"]["n_eval"] == n_eval
     assert result["traces"]["n_eval_finished"] == n_eval - int(censored.sum())

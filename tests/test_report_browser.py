@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dwise_predict.evaluation.evaluate import evaluate, write_evaluation
-from evaluate_helpers import fast_config, make_traces, write
+from evaluate_helpers import fixed_config, make_traces, write
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHECK = (
@@ -28,7 +28,7 @@ CHECK = (
 def test_report_renders_and_every_image_loads(tmp_path):
     traces = write(make_traces(), tmp_path / "traces")
     out = tmp_path / "eval"
-    written = write_evaluation(evaluate([traces], hold_out="mcq", jobs=1, config=fast_config()), out)
+    written = write_evaluation(evaluate([traces], hold_out="mcq", jobs=1, config=fixed_config()), out)
     html = written["report_html"].read_text()
     assert "<script" not in html  # the report itself is static
     page = tmp_path / "check.html"
