@@ -60,10 +60,18 @@ def test_worker_process_never_imports_the_training_stack(report):
         assert name not in modules
 
 
-def test_verify_cli_prints_table_and_exits_zero(bundle, capsys):
+def test_verify_cli_prints_table_and_exits_zero(bundle, report, capsys, monkeypatch):
+    """The command prints what verify_bundle found (the fixture's run of the worker: one fresh
+    process is enough; the flipped-byte tests below and test_train_select run the command whole)."""
+    from dwise_predict.exports import verify
+
+    monkeypatch.setattr(verify, "verify_bundle", lambda path: report if path == bundle else None)
     assert main(["verify", str(bundle), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["ok"] and len(out["rows"]) >= 15
+    assert out["ok"] and len(out["rows"]) >= 15 and out["rows"] == report.rows
+    assert main(["verify", str(bundle)]) == 0
+    table = capsys.readouterr().out
+    assert all(row["artifact"] in table for row in report.rows)
 
 
 @pytest.mark.parametrize("name", FILES)
