@@ -2,8 +2,9 @@
 concurrent writers, stale temporary files, and resuming after each.
 
 The kill-on-rename harness (``tests/kill_on_rename.py``: a server per test process that forks each
-command) SIGKILLs a command just before its N-th ``os.replace``; after each kill the output is either the old one or the new one, complete, once the
-next writer of that output has swept the debris, and rerunning the same command finishes.
+command) SIGKILLs a command just before its N-th ``os.replace``; after each kill the output is either
+the old one or the new one, complete, once the next writer of that output has swept the debris, and
+rerunning the same command finishes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _stop_the_kill_server():
         _server.pop().close()
 
 
-def _harness(kill_at: int, argv: list, cwd: Path | None = None, stub: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _harness(kill_at: int, argv: list, cwd: Path | None = None,
+             stub: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     if not _server:
         _server.append(KillServer())
     return _server[0].run(kill_at, argv, cwd, stub)
