@@ -1,7 +1,11 @@
 """verify: hashes first, then every artifact in a fresh process; tampering is refused, naming the file."""
 
 import json
+import os
 import shutil
+import signal
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -270,3 +274,82 @@ def test_a_bundle_without_the_raw_probe_is_held_to_the_output_alone(bundle, tmp_
     report = verify_bundle(older)
     assert report.ok, report.failures()
     assert RAW_PROBE in load_file(str(bundle / "probes.safetensors"))  # what export writes today
+
+
+# --- the probe server: one per process, each bundle in a child of its own ---------------------------
+
+def _server_pid() -> int:
+    from dwise_predict.exports.verify import _ProbeServer
+
+    return _ProbeServer.running.process.pid
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_later_verifications_fork_from_one_server_and_each_loads_in_a_child_of_its_own(bundle, report):
+    """The fixture's verification started the server; the next ones use it, each answered by a new
+    child (never by the server, which loads no bundle), and each answer equals the first."""
+    from dwise_predict.exports.verify import _probe
+
+    server = _server_pid()
+    answers = [json.loads(_probe(bundle.resolve(), 300)[1]) for _ in range(2)]
+    assert _server_pid() == server
+    assert len({answer["pid"] for answer in answers} | {server}) == 3
+    assert answers[0]["rows"] == answers[1]["rows"] == report.rows[-len(answers[0]["rows"]):]
+    again = verify_bundle(bundle)
+    assert again.rows == report.rows and again.ok
+    assert "torch" in again.modules and "lightgbm" not in again.modules
+    assert _children(server) == []  # the child that answered has exited; nothing is left under the server
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_dead_or_silent_server_is_one_failed_row_and_the_next_verification_starts_another(bundle, report):
+    """A server killed between verifications is replaced; one that does not answer in time is killed
+    with its child (one failed row naming the time), and the next verification passes."""
+    from dwise_predict.exports.verify import _ProbeServer
+
+    server = _server_pid()
+    os.kill(server, signal.SIGKILL)
+    _ProbeServer.running.process.wait()
+    died = verify_bundle(bundle)  # the request meets a dead server: its exit code, one row
+    assert [(r["artifact"], r["detail"].split(":")[0]) for r in died.failures()] == [("(fresh process)", "exit -9")]
+    assert verify_bundle(bundle).rows == report.rows  # a new server
+    replaced = _server_pid()
+    assert replaced != server
+    silent = verify_bundle(bundle, timeout_s=0.05)  # the child is still loading at 50 ms
+    assert [(r["artifact"], r["detail"]) for r in silent.failures()] == [("(fresh process)", "no answer within 0 s")]
+    assert _gone(replaced)  # killed, with its session
+    assert verify_bundle(bundle).rows == report.rows and _server_pid() != replaced
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the probe server forks")
+def test_a_forked_child_does_not_use_or_stop_its_parents_server(bundle, report):
+    server = _server_pid()
+    pid = os.fork()
+    if pid == 0:
+        from dwise_predict.exports.verify import _ProbeServer
+
+        os._exit(0 if _ProbeServer.running is None else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert not _gone(server) and verify_bundle(bundle).rows == report.rows and _server_pid() == server

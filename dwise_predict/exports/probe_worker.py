@@ -1,7 +1,9 @@
-"""Load every artifact of a bundle and compare it with the stored probes — in a fresh process.
+"""Load every artifact of a bundle and compare it with the stored probes — in a process of its own.
 
-Run as ``python -I -m dwise_predict.exports.probe_worker BUNDLE`` by ``verify``; prints one JSON
-object on stdout: ``{"rows": [...], "modules": [...]}``. It imports only numpy, safetensors,
+Run as ``python -I -m dwise_predict.exports.probe_worker BUNDLE``; prints one JSON object on stdout:
+``{"rows": [...], "modules": [...], "pid": ...}``. ``verify`` runs it as a server instead (``--serve``,
+:func:`serve`): one isolated interpreter that imports what loading needs once (about 4 s) and forks a
+child per bundle, which answers as that fresh run would and exits. It imports only numpy, safetensors,
 onnxruntime, torch, the stdlib manifest module and the torch-only ``survival/network.py`` — never
 lightgbm, scikit-learn, pandas or the training code — so a pass shows the bundle loads on a serving
 host without the training stack. Everything is checked here again before it is deserialised: each
@@ -11,8 +13,12 @@ file is read once, and its bytes are loaded only after their sha256 matches and 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +31,11 @@ TOLERANCE = 1e-4  # max relative error against the eager outputs, and against th
 FORBIDDEN_MODULES = ("lightgbm", "sklearn", "pandas", "xgboost", "dwise_predict.training", "dwise_predict.admission")
 BATCHES = (1, 7, None)  # None: all probes; 1 and 7 exercise the dynamic batch axis
 RAW_PROBE = "refine.raw_estimate"  # the eager raw estimate before calibration (absent from older bundles)
+# what an answer imports beyond this module's imports (onnx for the screen; sympy, networkx and
+# torch's tracer when torch.export deserialises): the server imports them once and every child
+# inherits them, about 2 s of a fresh run's 5
+SERVER_PRELOAD = ("onnx", "onnxruntime", "safetensors.numpy", "safetensors.torch", "dwise_predict.survival.network",
+                  "torch._export.serde.serialize", "torch.export._trace")
 
 
 def relative_error(expected: np.ndarray, got: np.ndarray) -> float:
@@ -180,14 +191,56 @@ def main(bundle: str) -> dict:
     loaded = [m for m in FORBIDDEN_MODULES if m in sys.modules]
     rows.append({"artifact": "(process)", "check": "loads without the training stack", "ok": not loaded,
                  "detail": f"imported {', '.join(loaded)}" if loaded else "no lightgbm, sklearn, pandas, training code"})
-    return {"rows": rows, "modules": sorted(sys.modules)}
+    return {"rows": rows, "modules": sorted(sys.modules), "pid": os.getpid()}
 
 
-if __name__ == "__main__":
+def answer(bundle: str) -> None:
+    """Print the JSON answer for ``bundle`` on stdout; a bundle refused in this process is an ``error``."""
     from dwise_predict.errors import DwiseError
 
     try:
-        result = main(sys.argv[1])
+        result = main(bundle)
     except DwiseError as err:
         result = {"error": str(err)}
     json.dump(result, sys.stdout)
+
+
+def serve() -> None:
+    """Answer requests from stdin until it closes, each in a child forked from this process.
+
+    A request is one line, the JSON list ``[bundle, out, err]``: the child writes what a fresh run
+    would write on stdout and stderr into the files ``out`` and ``err``, and the server writes the
+    child's exit code (negative: killed by that signal) as one line on stdout. The server itself loads
+    no bundle and runs nothing before the fork but :data:`SERVER_PRELOAD`'s imports (no OpenMP or
+    onnxruntime thread pool exists yet), so each child starts as a fresh run would, its imports done.
+    """
+    for name in SERVER_PRELOAD:
+        with contextlib.suppress(ImportError):  # a speed-up only: a child imports whatever is missing
+            importlib.import_module(name)
+    for line in sys.stdin:
+        bundle, out, err = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _answer_in_child(bundle, out, err)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+
+
+def _answer_in_child(bundle: str, out: str, err: str) -> None:
+    code = 1
+    try:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's requests are not the child's to read
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+        answer(bundle)
+        code = 0
+    except BaseException:  # as a fresh run would: the traceback on stderr, exit 1
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    serve() if sys.argv[1:] == ["--serve"] else answer(sys.argv[1])

@@ -5,8 +5,10 @@
    every listed file its sha256 and size; no unlisted files.
 2. Only when all hashes match: every file's content is screened without deserialising it
    (:func:`~dwise_predict.exports.screen.screen_bundle`: pickles, code, ONNX external data, declared
-   shapes; a hostile file is refused outright, in one line). Then a fresh interpreter (``python -I -m
-   dwise_predict.exports.probe_worker``) loads every artifact without the training stack and compares
+   shapes; a hostile file is refused outright, in one line). Then a process of its own, forked from an
+   isolated interpreter that has imported what loading needs and loaded nothing (``python -I -m
+   dwise_predict.exports.probe_worker --serve``, kept for this process's later verifications; a fresh
+   ``python -I`` run where there is no fork), loads every artifact without the training stack and compares
    TorchScript, torch.export and ONNX with the eager outputs stored in ``probes.safetensors``
    (inside the calibration of a raw estimate within 1e-4 of eager, see ``probe_worker.calibrated_band``),
    and ONNX admission with LightGBM.
@@ -15,8 +17,17 @@
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import selectors
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,20 +117,114 @@ def _lightgbm_row(bundle: Path, manifest: dict) -> dict:
 
 
 def _run_worker(bundle: Path, timeout_s: float) -> tuple[list[dict], list[str]]:
-    """Run the probe worker in a fresh isolated interpreter and read its JSON answer."""
-    command = [sys.executable, "-I", "-m", "dwise_predict.exports.probe_worker", str(bundle.resolve())]
+    """Load and compare every artifact in a process of its own and read its JSON answer."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+        returncode, stdout, stderr = _probe(bundle.resolve(), timeout_s)
+    except TimeoutError:
         return [_worker_failure(f"no answer within {timeout_s:.0f} s")], []
     try:
-        answer = loads_json(done.stdout, BundleError, "the probe worker's answer", allow_nan=True)  # NaN: a broken graph
+        answer = loads_json(stdout, BundleError, "the probe worker's answer", allow_nan=True)  # NaN: a broken graph
     except BundleError:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return [_worker_failure(f"exit {done.returncode}: {tail}")], []
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        return [_worker_failure(f"exit {returncode}: {tail}")], []
     if "error" in answer:
         return [_worker_failure(answer["error"])], []
     return answer["rows"], answer["modules"]
+
+
+WORKER = [sys.executable, "-I", "-m", "dwise_predict.exports.probe_worker"]
+
+
+def _probe(bundle: Path, timeout_s: float) -> tuple[int, str, str]:
+    """The probe worker's exit code, stdout and stderr for ``bundle``: from a child of this process's
+    probe server, or from a fresh run where there is no fork (Windows)."""
+    if not hasattr(os, "fork"):
+        try:
+            done = subprocess.run([*WORKER, str(bundle)], capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError from None
+        return done.returncode, done.stdout, done.stderr
+    with _ProbeServer.lock:
+        if _ProbeServer.running is None:
+            _ProbeServer.running = _ProbeServer()
+        return _ProbeServer.running.probe(bundle, timeout_s)
+
+
+class _ProbeServer:
+    """``probe_worker --serve`` (:func:`~dwise_predict.exports.probe_worker.serve`), started by this
+    process's first verification and kept for its later ones: each bundle is still loaded in a process
+    of its own, a child of the server, and a fresh run's imports (about 4 of its 5 s) are paid once.
+    A server that dies or does not answer in time is killed with its child and started again by the
+    next verification; it is stopped when this process exits, and ends by itself when its stdin closes."""
+
+    lock = threading.Lock()
+    running: _ProbeServer | None = None
+
+    def __init__(self):
+        # removed by stop() alone (not a TemporaryDirectory: a forked child dropping it would remove it)
+        self.scratch = Path(tempfile.mkdtemp(prefix="dwise-probe-"))
+        self.log = self.scratch / "server.err"
+        with open(self.log, "wb") as log:
+            # a session of its own: a kill reaches the child it is running too
+            self.process = subprocess.Popen([*WORKER, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=log, bufsize=0, start_new_session=True)
+
+    def probe(self, bundle: Path, timeout_s: float) -> tuple[int, str, str]:
+        out, err = self.scratch / "answer.out", self.scratch / "answer.err"
+        try:
+            self.process.stdin.write((json.dumps([str(bundle), str(out), str(err)]) + "\n").encode())
+            line = self._read_line(time.monotonic() + timeout_s)
+        except TimeoutError:
+            self.stop()
+            raise
+        except OSError:  # it died before the request (a broken pipe)
+            line = b""
+        if not line:  # it died: its own exit code and stderr
+            log = self.log.read_text(errors="replace")
+            self.stop()
+            return self.process.returncode, "", log
+        return int(line), out.read_text(errors="replace"), err.read_text(errors="replace")
+
+    def _read_line(self, deadline: float) -> bytes:
+        """The server's next line (b"" when it closed its stdout), or TimeoutError at ``deadline``."""
+        fd, line = self.process.stdout.fileno(), b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while not line.endswith(b"\n"):
+                if not selector.select(max(deadline - time.monotonic(), 0.0)):
+                    raise TimeoutError
+                chunk = os.read(fd, 64)
+                if not chunk:
+                    return b""
+                line += chunk
+        return line
+
+    def stop(self) -> None:
+        """Kill the server and the child it may be running; the next verification starts another."""
+        if _ProbeServer.running is self:
+            _ProbeServer.running = None
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.process.stdin.close()
+        self.process.stdout.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _stop_probe_server() -> None:
+    if _ProbeServer.running is not None:
+        _ProbeServer.running.stop()
+
+
+def _forget_probe_server() -> None:
+    """In a forked child: the server is the parent's to use and stop, not the child's."""
+    _ProbeServer.running = None
+    _ProbeServer.lock = threading.Lock()
+
+
+atexit.register(_stop_probe_server)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_probe_server)
 
 
 def _worker_failure(detail: str) -> dict:
