@@ -188,13 +188,19 @@ class RadixCache:
         limit = req._compute_max_prefix_len(len(ids))
         best = 0
         for end in range(self.block_size, limit + 1, self.block_size):
-            if tuple(ids[:end]) in self.prefixes:
-                best = end
+            if tuple(ids[:end]) not in self.prefixes:
+                break  # the set holds every shorter prefix of what it holds (insert)
+            best = end
         return best
 
     def insert(self, ids, end):
-        for stop in range(self.block_size, end // self.block_size * self.block_size + 1, self.block_size):
-            self.prefixes.add(tuple(ids[:stop]))
+        # longest first: once a prefix is held, so is every shorter one (a request inserts its
+        # committed tokens after each block, so each call adds a block or two, not the whole prompt)
+        for stop in range(end // self.block_size * self.block_size, 0, -self.block_size):
+            prefix = tuple(ids[:stop])
+            if prefix in self.prefixes:
+                break
+            self.prefixes.add(prefix)
 
     # what SGLang's PrefillAdder and PrefillBudget ask a tree cache
     disable = False
