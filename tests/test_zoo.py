@@ -288,26 +288,30 @@ def test_publish_of_a_bundle_with_a_unicode_line_separator_in_its_name_is_one_li
 
 
 PUBLISH = """
-import sys, time
+import sys
 import dwise_predict.exports.verify
 from dwise_predict.cli import main
 dwise_predict.exports.verify.require_verified = lambda bundle: None  # the lock is under test, not verify's worker
-start = float(sys.argv[3])
-time.sleep(max(0.0, start - time.time()))  # both processes reach the zoo together
-sys.exit(main(["publish", sys.argv[1], "--zoo", sys.argv[2], *sys.argv[4:]]))
+print("ready", flush=True)
+sys.stdin.readline()  # both processes reach the zoo together
+sys.exit(main(["publish", sys.argv[1], "--zoo", sys.argv[2], *sys.argv[3:]]))
 """
 
 
 def _publish_together(bundle, zoo, *extra):
-    """Two `dwise-predict publish` processes released at the same instant; (exit code, stderr) each."""
+    """Two `dwise-predict publish` processes released at the same instant, once both have imported the
+    package; (exit code, stderr) each."""
     import subprocess
     import sys
-    import time
 
-    start = str(time.time() + 6)  # after both have imported the package
-    procs = [subprocess.Popen([sys.executable, "-c", PUBLISH, str(bundle), str(zoo), start, *extra],
+    procs = [subprocess.Popen([sys.executable, "-c", PUBLISH, str(bundle), str(zoo), *extra], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    return [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert [p.stdout.readline() for p in procs] == ["ready\n"] * 2
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
 
 
 def test_concurrent_publishes_take_turns(bundle, tmp_path):
