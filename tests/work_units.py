@@ -28,14 +28,18 @@ UNITS = {
     "faults: evaluate killed at renames": ("test_faults.py::test_evaluate_killed_at_renames_leaves_a_whole_report",),
     "faults: extending a collect": (
         "test_faults.py::test_extending_a_finished_collect_reads_as_incomplete_until_it_finishes",),
-    "evaluate: ablations, across-set tables, LOCO": ("test_evaluate_ablate.py", "test_evaluate_loco.py"),
+    "evaluate: across-set tables, LOCO": ("test_evaluate_ablate.py", "test_evaluate_loco.py"),
+    "evaluate: ablations": (
+        "test_evaluate_ablate.py::test_train_size_and_seeds_ablations",
+        "test_evaluate_ablate.py::test_cli_ablate_inputs_finds_the_first_round_signal_and_names_the_winner"),
 }
 
 # units started first, longest first (wall seconds on an idle 2-core machine, both workers busy)
 FIRST = (
     "test_faults.py",  # ~87 (the tests left after the two cut out)
     "test_train_select.py",  # ~79
-    "evaluate: ablations, across-set tables, LOCO",  # ~78
+    "evaluate: across-set tables, LOCO",  # ~78
+    "evaluate: ablations",
     "test_engine_conformance.py",  # ~62
     "test_serving_sglang_adapter.py",  # ~50
     "test_quickstart.py",  # ~48
