@@ -516,13 +516,19 @@ def test_full_disk_at_train_and_export_is_one_line_and_leaves_nothing(small, sma
     assert _files(small["traces"]) | {f"run/{k}": v for k, v in _files(small["run"]).items()} == inputs
 
 
+@pytest.fixture(scope="module")
+def small_bundle(small, tmp_path_factory) -> Path:
+    """``small``'s run exported by the CLI (read only: the sizes of its files)."""
+    bundle = tmp_path_factory.mktemp("small-bundle") / "bundle"
+    assert main(["export", str(small["run"]), "--out", str(bundle)]) == 0
+    return bundle
+
+
 @pytest.mark.parametrize("fails_at", ["refine.pt", "refine.pt2", "refine.onnx"])
-def test_disk_full_inside_the_graph_writers_is_one_line(small, tmp_path, roomy_disk, fails_at, capsys):
+def test_disk_full_inside_the_graph_writers_is_one_line(small, small_bundle, roomy_disk, fails_at, capsys):
     """The disk fills up exactly while a serialised graph is written (TorchScript and torch.export
     write through C++, which would report a bare RuntimeError): still one line, nothing left behind."""
-    reference = tmp_path / "reference"
-    assert main(["export", str(small["run"]), "--out", str(reference)]) == 0
-    capsys.readouterr()
+    reference = small_bundle
     order = ["refine.safetensors", "calibration.json", "admission.txt", "admission.onnx", "refine.pt", "refine.pt2",
              "refine.onnx"]  # the order export writes them in
     page = os.statvfs(roomy_disk).f_frsize
