@@ -53,8 +53,8 @@ def synthetic_traces():
 def loco_evaluation(tmp_path_factory):
     """``evaluate --loco`` in this process (fast config) of ``evaluate_helpers.make_traces()``, written to a
     folder: ``(traces directory, Evaluation)``. Read, never changed, by test_evaluate_loco (its known
-    answers) and test_evaluate_ablate (the reference a resumed evaluation and an across-set table must
-    reproduce), so the ~7 retrainings run once per test process."""
+    answers) and test_evaluate_ablate (the reference a resumed evaluation must reproduce), so the
+    ~7 retrainings run once per test process."""
     from dwise_predict.evaluation.evaluate import evaluate
     from evaluate_helpers import fast_config, make_traces, write
 

@@ -218,12 +218,16 @@ def test_across_sets_the_shipped_predictor_against_every_baseline_paired_by_set(
     assert f"| {WITHOUT_FIRST_ROUND} | 0.573 ± " in text
 
 
-def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_path, capsys, loco_evaluation):
+def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_path, capsys):
     """Two draws of the synthetic workload: each row holds the mean of its per-category held-out ρ
-    (the same numbers `evaluate --loco` gives that set), the last row their mean ± sd."""
+    (the same numbers `evaluate --loco` gives that set), the last row their mean ± sd. One fixed
+    candidate (the table's plumbing is under test; the candidate search across sets is
+    test_cli_across_gives_one_row_per_trace_set_even_for_different_models)."""
+    from dwise_predict.evaluation.evaluate import evaluate
+
     sets = [make_traces(seed=s) for s in (1, 2)]
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**fast_config().to_dict(), "bootstrap": 50}))
+    config.write_text(json.dumps({**fixed_config().to_dict(), "bootstrap": 50}))
     out = tmp_path / "draws"
     args = ["evaluate"] + [str(write(ds, tmp_path / f"d{i}")) for i, ds in enumerate(sets)] + [
         "--across", "--loco", "--out", str(out), "--config", str(config), "--jobs", "1", "--json"]
@@ -236,8 +240,8 @@ def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_p
         assert len(held["categories"]) >= 3 and held["mean"] == pytest.approx(np.mean(defined))
         assert held["mean"] > 0.3  # the synthetic difficulty lives in h1 the same way in every category
         means.append(held["mean"])
-    # the first set is make_traces() itself, whose `evaluate --loco` (same config) the conftest holds
-    alone = loco_evaluation[1].result["loco"]
+    alone = evaluate([tmp_path / "d0"], loco=True, jobs=1, config=dataclasses.replace(fixed_config(), bootstrap=50))
+    alone = alone.result["loco"]
     assert result["rows"][0]["held_out"]["mean"] == pytest.approx(alone["mean"]["refined"]["held_out"])
     assert result["rows"][0]["held_out"]["categories"] == pytest.approx(
         {r["category"]: r["refined"]["held_out"] for r in alone["rows"]})
@@ -247,7 +251,7 @@ def test_cli_across_with_loco_gives_each_sets_held_out_mean_and_the_spread(tmp_p
     # --min-requests reaches the held-out columns: above every category's count, none is held out
     from dwise_predict.evaluation.across import across_sets
 
-    strict = across_sets([tmp_path / "d0"], fast_config(), loco=True, jobs=1, min_requests=10_000)
+    strict = across_sets([tmp_path / "d0"], fixed_config(), loco=True, jobs=1, min_requests=10_000)
     held = strict["rows"][0]["held_out"]
     assert held["mean"] is None and held["categories"] == {} and len(held["skipped"]) >= 3
 
