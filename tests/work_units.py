@@ -11,8 +11,8 @@ loadfile`` makes them, builds each module fixture once; :data:`UNITS` changes th
 
 :data:`FIRST` starts the longest units first (the longest-processing-time rule): on two workers a
 long unit started last leaves the other worker idle at the end. The order comes from the seconds
-each unit took in a whole run on the idle 2-core machine (2026-12-03: 890 s of tests over the two
-workers, 500 s in all); a unit missing from it runs after them in file order, and a test or file
+each unit took in a whole run on the idle 2-core machine (2026-12-03: 696 s of tests over the two
+workers, 380 s in all); a unit missing from it runs after them in file order, and a test or file
 renamed here only falls back to its file's unit, so nothing is ever left out.
 
 The conftest applies both: :func:`scheduler` replaces xdist's ``loadfile`` scheduler (its units
@@ -34,26 +34,28 @@ UNITS = {
         "test_evaluate_ablate.py::test_cli_ablate_inputs_finds_the_first_round_signal_and_names_the_winner"),
 }
 
-# units started first, longest first (wall seconds on an idle 2-core machine, both workers busy)
+# units started first, longest first (wall seconds in a whole run on the idle 2-core machine, both
+# workers busy; 2026-12-03, 380 s in all)
 FIRST = (
-    "test_faults.py",  # ~87 (the tests left after the two cut out)
-    "test_train_select.py",  # ~79
-    "evaluate: across-set tables, LOCO",  # ~78
-    "evaluate: ablations",
-    "test_engine_conformance.py",  # ~62
-    "test_serving_sglang_adapter.py",  # ~50
-    "test_quickstart.py",  # ~48
-    "test_zoo.py",  # ~44
-    "test_export_verify.py",  # ~44
-    "test_collect_kill.py",  # ~32
-    "test_hostile_bundles.py",  # ~26
-    "faults: evaluate killed at renames",  # ~26
-    "test_bad_inputs.py",  # ~23
-    "test_evaluate_cli.py",  # ~23
-    "test_serving_lifecycle.py",  # ~22
-    "test_train_objective.py",  # ~20
-    "test_train_run.py",  # ~18
-    "faults: extending a collect",  # ~12
+    "test_faults.py",  # ~72 (the tests left after the two cut out)
+    "test_train_select.py",  # ~62
+    "evaluate: across-set tables, LOCO",  # ~57
+    "test_engine_conformance.py",  # ~43
+    "test_quickstart.py",  # ~34
+    "faults: evaluate killed at renames",  # ~29
+    "test_collect_kill.py",  # ~29
+    "evaluate: ablations",  # ~26
+    "test_hostile_bundles.py",  # ~25
+    "test_bad_inputs.py",  # ~22
+    "test_train_objective.py",  # ~21
+    "test_zoo.py",  # ~21
+    "test_serving_sglang_adapter.py",  # ~20
+    "test_export_verify.py",  # ~19
+    "faults: extending a collect",  # ~18
+    "test_packaging.py",  # ~16
+    "test_train_run.py",  # ~13
+    "test_serving_plugin.py",  # ~12
+    "test_serving_lifecycle.py",  # ~12
 )
 
 _MEMBER_OF = {member: unit for unit, members in UNITS.items() for member in members}
