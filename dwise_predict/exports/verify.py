@@ -171,6 +171,8 @@ class _ProbeServer:
 
     def probe(self, bundle: Path, timeout_s: float) -> tuple[int, str, str]:
         out, err = self.scratch / "answer.out", self.scratch / "answer.err"
+        for path in (out, err):  # a child that cannot write its answer must not leave the last one's
+            path.unlink(missing_ok=True)
         try:
             self.process.stdin.write((json.dumps([str(bundle), str(out), str(err)]) + "\n").encode())
             line = self._read_line(time.monotonic() + timeout_s)
@@ -183,7 +185,7 @@ class _ProbeServer:
             log = self.log.read_text(errors="replace")
             self.stop()
             return self.process.returncode, "", log
-        return int(line), out.read_text(errors="replace"), err.read_text(errors="replace")
+        return int(line), *(path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
 
     def _read_line(self, deadline: float) -> bytes:
         """The server's next line (b"" when it closed its stdout), or TimeoutError at ``deadline``."""
