@@ -122,9 +122,9 @@ def oracle(seed: int, eos: int):
     """Input-dependent logits, the same function for SGLang's loop and ours: a stand-in model.
 
     Each (seed, context, block) picks one of :data:`ORACLE_POOL` blocks of :func:`random_logits`
-    (with the ``eos`` logit moved up or down by up to 1.5), drawn once per block width and ``eos``, by a hash of
-    the inputs (Python's hash of a tuple of ints is not salted: the same pick in every run), and hands
-    it out as a copy. Drawing a block per call took more time than both loops together."""
+    (with the ``eos`` logit moved up or down by up to 1.5), drawn once per block width and ``eos``,
+    by a hash of the inputs (Python's hash of a tuple of ints is not salted: the same pick in every
+    run), and hands it out as a copy. Drawing a block per call took more time than both loops."""
 
     def logits_for(block_ids: torch.Tensor, context: int) -> torch.Tensor:
         ids = block_ids.tolist()

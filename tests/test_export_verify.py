@@ -1,9 +1,8 @@
-"""verify: hashes first, then every artifact in a fresh process; tampering is refused, naming the file."""
+"""verify: hashes first, then every artifact in a process of its own; tampering is refused, naming the file."""
 
 import json
 import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -292,6 +291,20 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_later_verifications_fork_from_one_server_and_each_loads_in_a_child_of_its_own(bundle, report):
     """The fixture's verification started the server; the next ones use it, each answered by a new
@@ -307,20 +320,6 @@ def test_later_verifications_fork_from_one_server_and_each_loads_in_a_child_of_i
     assert again.rows == report.rows and again.ok
     assert "torch" in again.modules and "lightgbm" not in again.modules
     assert _children(server) == []  # the child that answered has exited; nothing is left under the server
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``, from /proc."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry.name))
-    return children
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the probe server forks")
