@@ -322,6 +322,40 @@ def test_later_verifications_fork_from_one_server_and_each_loads_in_a_child_of_i
     assert _children(server) == []  # the child that answered has exited; nothing is left under the server
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_server_has_one_thread_so_its_children_inherit_no_held_lock(bundle, report):
+    """A fork copies only the calling thread: a lock another thread held at that instant stays held in
+    the child forever. verify's server imports no thread pool (numpy's OpenBLAS is told so by its
+    environment; onnxruntime is imported in the child)."""
+    verify_bundle(bundle)
+    assert len(os.listdir(f"/proc/{_server_pid()}/task")) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_with_threads_answers_with_a_fresh_run_instead_of_a_fork(bundle, report, tmp_path):
+    """Started without SERVER_ENV (by hand, say), the server has OpenBLAS's thread and must not fork:
+    it answers each request with a fresh run, which gives the same rows."""
+    import subprocess
+    import time
+
+    from dwise_predict.exports.probe_worker import SERVER_ENV
+    from dwise_predict.exports.verify import WORKER
+
+    env = {**{k: v for k, v in os.environ.items() if k not in SERVER_ENV}, "OMP_NUM_THREADS": "2"}  # OpenBLAS reads both
+    server = subprocess.Popen([*WORKER, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = tmp_path / "out", tmp_path / "err"
+        server.stdin.write(json.dumps([str(bundle.resolve()), str(out), str(err)]) + "\n")
+        server.stdin.flush()
+        assert server.stdout.readline() == "0\n", err.read_text()
+        assert len(os.listdir(f"/proc/{server.pid}/task")) > 1  # OpenBLAS's second thread, started at numpy's import
+        answer = json.loads(out.read_text())
+        assert answer["rows"] == report.rows[-len(answer["rows"]):]
+    finally:
+        server.stdin.close()
+        assert server.wait(timeout=60) == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the probe server forks")
 def test_a_silent_or_dead_server_is_one_failed_row_and_the_next_verification_starts_another(bundle, report,
                                                                                              monkeypatch):

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import json
 import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -33,9 +34,13 @@ BATCHES = (1, 7, None)  # None: all probes; 1 and 7 exercise the dynamic batch a
 RAW_PROBE = "refine.raw_estimate"  # the eager raw estimate before calibration (absent from older bundles)
 # what an answer imports beyond this module's imports (onnx for the screen; sympy, networkx and
 # torch's tracer when torch.export deserialises): the server imports them once and every child
-# inherits them, about 2 s of a fresh run's 5
-SERVER_PRELOAD = ("onnx", "onnxruntime", "safetensors.numpy", "safetensors.torch", "dwise_predict.survival.network",
+# inherits them, about 2 s of a fresh run's 5. Not onnxruntime: its import starts a thread (32 ms
+# in the child instead).
+SERVER_PRELOAD = ("onnx", "safetensors.numpy", "safetensors.torch", "dwise_predict.survival.network",
                   "torch._export.serde.serialize", "torch.export._trace")
+# numpy's OpenBLAS starts its thread pool at import unless told otherwise: verify starts the server
+# with this in its environment so that it stays single-threaded and may fork
+SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1"}
 
 
 def relative_error(expected: np.ndarray, got: np.ndarray) -> float:
@@ -206,24 +211,41 @@ def answer(bundle: str) -> None:
 
 
 def serve() -> None:
-    """Answer requests from stdin until it closes, each in a child forked from this process.
+    """Answer requests from stdin until it closes, each in a process of its own.
 
-    A request is one line, the JSON list ``[bundle, out, err]``: the child writes what a fresh run
-    would write on stdout and stderr into the files ``out`` and ``err``, and the server writes the
-    child's exit code (negative: killed by that signal) as one line on stdout. The server itself loads
-    no bundle and runs nothing before the fork but :data:`SERVER_PRELOAD`'s imports (no OpenMP or
-    onnxruntime thread pool exists yet), so each child starts as a fresh run would, its imports done.
+    A request is one line, the JSON list ``[bundle, out, err]``: the process answering it writes what
+    a fresh run would write on stdout and stderr into the files ``out`` and ``err``, and the server
+    writes its exit code (negative: killed by that signal) as one line on stdout. The server itself
+    loads no bundle and runs nothing but :data:`SERVER_PRELOAD`'s imports, so a child forked from it
+    starts as a fresh run would, its imports done. It forks only while it has one thread: a child of
+    a process with other threads inherits whatever locks they held at that instant, never released
+    (a hang inside onnxruntime or OpenBLAS). Otherwise (started without :data:`SERVER_ENV`, or where
+    there is no /proc to tell), each request gets a fresh run.
     """
     for name in SERVER_PRELOAD:
         with contextlib.suppress(ImportError):  # a speed-up only: a child imports whatever is missing
             importlib.import_module(name)
     for line in sys.stdin:
         bundle, out, err = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _answer_in_child(bundle, out, err)
-        _, status = os.waitpid(pid, 0)
-        print(os.waitstatus_to_exitcode(status), flush=True)
+        if threads_running() == 1:
+            pid = os.fork()
+            if pid == 0:
+                _answer_in_child(bundle, out, err)
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        else:
+            with open(out, "wb") as stdout, open(err, "wb") as stderr:
+                code = subprocess.run([sys.executable, "-I", "-m", __spec__.name, bundle], stdin=subprocess.DEVNULL,
+                                      stdout=stdout, stderr=stderr).returncode
+        print(code, flush=True)
+
+
+def threads_running() -> int | None:
+    """This process's threads (all of them, not only Python's), or None where /proc cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def _answer_in_child(bundle: str, out: str, err: str) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from dwise_predict.errors import BundleError
 from dwise_predict.exports.manifest import read_bundle_manifest, unlisted_files
-from dwise_predict.exports.probe_worker import TOLERANCE, relative_error
+from dwise_predict.exports.probe_worker import SERVER_ENV, TOLERANCE, relative_error
 from dwise_predict.exports.screen import check_layout, read_checked, screen_bundle
 from dwise_predict.files import loads_json, sha256_file
 
@@ -167,7 +167,8 @@ class _ProbeServer:
         with open(self.log, "wb") as log:
             # a session of its own: a kill reaches the child it is running too
             self.process = subprocess.Popen([*WORKER, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, bufsize=0, start_new_session=True)
+                                            stderr=log, bufsize=0, start_new_session=True,
+                                            env={**os.environ, **SERVER_ENV})
 
     def probe(self, bundle: Path, timeout_s: float) -> tuple[int, str, str]:
         out, err = self.scratch / "answer.out", self.scratch / "answer.err"
