@@ -153,8 +153,8 @@ def serve(batch: int, mode: str, bundle, hidden: np.ndarray, out: Path) -> dict:
     from fakes import sglang_fake as fake
 
     from dwise_predict.collectors.live import LiveRecorder, live_manifest
-    from dwise_predict.serving import sglang_adapter
-    from dwise_predict.serving.sglang_adapter import install
+    from dwise_predict.serving.sglang import hook as hook_module
+    from dwise_predict.serving.sglang import install
 
     timed = TimedBundle(bundle) if mode in ("on", "record") else None
     recorder = None
@@ -183,7 +183,7 @@ def serve(batch: int, mode: str, bundle, hidden: np.ndarray, out: Path) -> dict:
         clock.wrap(fake.LogitsProcessor, "_get_dllm_logits", "pooling")
         # the early signals' tensor ops over the first-round rows (eager, after the forward): the hook's,
         # counted in its time, and also printed apart (here dispatch and compute; on a GPU, launches)
-        clock.wrap(sglang_adapter, "row_signals", "signals")
+        clock.wrap(hook_module, "row_signals", "signals")
     try:
         config = fake.config(BS, batch if mode in ("off", "floor") else K * batch)
         scheduler = fake.Scheduler(config, batch_capacity=K * batch, max_total_num_tokens=10**9)

@@ -28,7 +28,7 @@ def main() -> None:
 
     import torch
 
-    from dwise_predict.serving.sglang_adapter import row_signals
+    from dwise_predict.serving.sglang import row_signals
 
     torch.manual_seed(0)
     mask_id = 0

@@ -33,3 +33,20 @@ def identity(section: dict | None, keys: tuple[str, ...]) -> dict:
     """``{key: section.get(key)}`` for ``keys`` (missing keys as None)."""
     section = section or {}
     return {key: section.get(key) for key in keys}
+
+
+# what a loaded model config says about the loading, not the model: where it was read from
+# (``_name_or_path``: the same weights under another path, relative or copied, are the same model), the
+# library version, the dtype it was loaded in (a decoding setting, compared apart)
+LOAD_KEYS = ("_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype")
+
+
+def config_hash(config: dict) -> str:
+    """A model fingerprint's ``config_hash``: the sha256 of a model config (``PretrainedConfig.to_dict()``)
+    as canonical JSON, without :data:`LOAD_KEYS`. What ``collect`` records and what the launcher
+    compares a bundle's against, for the model it is about to serve."""
+    import hashlib
+    import json
+
+    kept = {key: value for key, value in config.items() if key not in LOAD_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()

@@ -52,7 +52,7 @@ from fakes import sglang_fake as fake  # noqa: E402
 from dwise_predict.collectors.live import LiveRecorder, live_manifest  # noqa: E402
 from dwise_predict.engine import prefill_rounds  # noqa: E402
 from dwise_predict.errors import ConfigError  # noqa: E402
-from dwise_predict.serving.sglang_adapter import UNWRITTEN, install  # noqa: E402
+from dwise_predict.serving.sglang import UNWRITTEN, install  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
 
 BS, H, V = 32, 256, 1024
@@ -185,7 +185,7 @@ class hook_syncs:
     def __exit__(self, *exc):
         if DEVICE != "cpu":
             torch.cuda.set_sync_debug_mode(0)
-        self.hook += [w for w in self.found if w.filename.endswith("sglang_adapter.py")]
+        self.hook += [w for w in self.found if "/serving/sglang/" in w.filename]
         self.caught.__exit__(*exc)
         return False
 

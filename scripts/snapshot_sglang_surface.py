@@ -1,4 +1,4 @@
-"""Write tests/fakes/sglang_surface.json: what the pinned SGLang source holds for the adapter's SURFACE.
+"""Write tests/fakes/sglang_surface.json: what the pinned SGLang source holds for the hook's SURFACE.
 
 Usage:
 
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from dwise_predict.serving.sglang_adapter import SGLANG_VERSION, read_surface, surface_problems
+from dwise_predict.serving.sglang import SGLANG_VERSION, read_surface, surface_problems
 
 SNAPSHOT = Path(__file__).resolve().parent.parent / "tests" / "fakes" / "sglang_surface.json"
 

@@ -16,7 +16,7 @@ def run_scheduler_process(server_args, port_args, gpu_id, tp_rank, pp_rank, dp_r
 
     from dwise_predict.serving import launcher
 
-    hooked = fake.SchedulerDllmMixin._fetch_waiting_reqs.__module__ == "dwise_predict.serving.sglang_adapter"
+    hooked = fake.SchedulerDllmMixin._fetch_waiting_reqs.__module__ == "dwise_predict.serving.sglang.install"
     config = fake.config(8, 4)
     scheduler = fake.Scheduler(config, batch_capacity=2, max_total_num_tokens=10**9)
     for i, n in enumerate([40, 8, 24]):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dwise_predict.serving.policy import DwisePolicy
+from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 
 
 class FullRanking(DwisePolicy):
@@ -21,6 +21,12 @@ class Counted(DwisePolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.short = 0
+        self.due = 0  # requests the wait cap admitted
+
+    def _admit_due(self, n_res):
+        admitted, blocked = super()._admit_due(n_res)
+        self.due += len(admitted)
+        return admitted, blocked
 
     def _replan(self, run, standby):
         plan = super()._replan(run, standby)
@@ -33,10 +39,10 @@ def assert_same_plan(a, b):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
-def drive(seed: int, ranking: str, aging: float, rounds: int = 400) -> int:
-    """Both policies through one random sequence; returns how many rounds took the short path."""
+def drive(seed: int, ranking: str, aging: float, rounds: int = 400, max_wait: int | None = MAX_WAIT) -> Counted:
+    """Both policies through one random sequence; returns the one with the short path (its counts)."""
     rng = np.random.default_rng(seed)
-    kwargs = dict(slots=6, k=3, kv_budget=400.0, ranking=ranking, aging=aging)
+    kwargs = dict(slots=6, k=3, kv_budget=400.0, ranking=ranking, aging=aging, max_wait=max_wait)
     fast, full = Counted(**kwargs), FullRanking(**kwargs)
     both = (fast, full)
     live, next_id = [], 0
@@ -88,13 +94,20 @@ def drive(seed: int, ranking: str, aging: float, rounds: int = 400) -> int:
     for rid in live:
         assert fast.fields(rid) == full.fields(rid)
     assert fast.n_waiting == full.n_waiting and fast.n_resident == full.n_resident
-    return fast.short
+    return fast
 
 
 @pytest.mark.parametrize("ranking,aging", [("remaining", 0.0), ("remaining", 0.25), ("arrival", 0.0)])
 def test_the_short_path_plans_what_the_full_ranking_plans(ranking, aging):
-    short = sum(drive(seed, ranking, aging) for seed in range(6))
+    short = sum(drive(seed, ranking, aging).short for seed in range(6))
     assert short > 600  # of 2,400 rounds: the short path is taken, and agrees every time
+
+
+@pytest.mark.parametrize("max_wait", [0, 6, 25])
+def test_the_short_path_plans_what_the_full_ranking_plans_while_the_wait_cap_acts(max_wait):
+    runs = [drive(seed, "remaining", 0.25, max_wait=max_wait) for seed in range(6)]
+    assert sum(run.due for run in runs) > 100  # the cap admitted requests, and both paths agreed on each
+    assert sum(run.short for run in runs) > 100
 
 
 def test_the_short_path_is_off_where_keys_can_rise_or_the_barrier_filters():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dwise_predict.serving.sglang_adapter import _PromptRows, block_key
+from dwise_predict.serving.sglang.buffers import _PromptRows, block_key
 
 
 class Req:

@@ -130,7 +130,7 @@ import sys, numpy as np
 import dwise_predict.serving
 from dwise_predict.serving.bundle import load_bundle
 from dwise_predict.serving.policy import DwisePolicy
-from dwise_predict.serving import sglang_adapter, launcher
+from dwise_predict.serving import sglang, launcher
 b = load_bundle({str(bundle_and_traces[0])!r}, backend="torch")
 b.admission(np.ones((2, 3), np.float32)); b.refine(np.zeros((2, {HIDDEN}), np.float32), np.zeros((2, {HIDDEN}), np.float32), [5, 6], [64, 64], np.zeros((2, 4), np.float32))
 heavy = [m for m in ("lightgbm", "sklearn", "xgboost", "pandas", "dwise_predict.training", "dwise_predict.evaluation") if m in sys.modules]

@@ -131,3 +131,52 @@ def test_raw_refinement_is_the_calibrated_one_before_its_isotonic_map(traces_and
     knots = json.loads((bundle_dir / "calibration.json").read_text())
     np.testing.assert_allclose(np.interp(raw, knots["x"], knots["y"]), bundle.refine(h, last, pt, bu, sig), rtol=1e-4,
                                atol=1e-3)
+
+
+def test_serve_check_reports_every_problem_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """``serve --check`` resolves SGLang's arguments as the server will and reports every check at once:
+    here a ``--hidden-size`` the model does not have and a ``k*B`` the scheduler cannot hold (each
+    refused by itself at launch, in one line; today both went through to a crash after the model
+    loaded), SGLang's scheduler surface, and what the hook would install once they are fixed. It
+    starts nothing; ``--dry-run`` refuses the same arguments in one line."""
+    import os
+    import sys
+
+    import sglang_reference
+
+    if not sglang_reference.available():
+        pytest.skip(sglang_reference.SKIP_REASON)
+    from fakes import sglang_launch
+
+    from dwise_predict.serving.plugin import engaged
+
+    sglang = sglang_launch.entrypoints(monkeypatch)
+    for name in [name for name in os.environ if engaged({name: ""})]:
+        monkeypatch.delenv(name)  # serve's flags only: the plugin is not asked
+    model = sglang.write_model(tmp_path / "sdar", hidden_size=64)  # SDAR: block 4
+    hook = ["serve", "--record", str(tmp_path / "t"), "--slots", "64", "--k", "4"]
+    server = ["--", "--model-path", str(model), "--dllm-algorithm", "LowConfidence", "--max-running-requests", "128"]
+    assert main([*hook, "--hidden-size", "32", "--check", *server]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["ok"] is False and report["surface"] == [] and report["plugin"] == {"asked": False}
+    assert report["serve"]["hook"] is None and report["serve"]["problems"] == [
+        "DWISE keeps up to k*B = 256 requests resident in each scheduler (--slots=64 x --k=4) but each scheduler "
+        "holds 128 (--max-running-requests 128): pass --max-running-requests 256, or lower --slots or --k",
+        f"--hidden-size=32 but the served model {model} has hidden size 64: leave --hidden-size out"]
+    assert captured.err.count("problem: ") == 2
+    assert main([*hook, "--hidden-size", "32", "--dry-run", *server]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: DWISE keeps up to k*B = 256") and len(err.splitlines()) == 1
+
+    fixed = server[:-1] + ["256"]
+    assert main([*hook, "--check", *fixed]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["serve"]["problems"] == []
+    assert (report["serve"]["hook"]["block_size"], report["serve"]["hook"]["hidden_size"]) == (4, 64)
+    assert report["serve"]["server"]["rows_per_scheduler"] == 256 and report["serve"]["server"]["block_size"] == 4
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.scheduler", None)  # SGLang's scheduler fails to import
+    assert main([*hook, "--check", *fixed]) == 1
+    surface, = json.loads(capsys.readouterr().out)["surface"]
+    assert surface.startswith("SGLang's scheduler module does not import here (ModuleNotFoundError")
+    assert not sglang.LAUNCHED

@@ -1,7 +1,9 @@
 """The launcher installs the hook inside a ``spawn``-started scheduler process, as SGLang starts them."""
 
+import logging
 import multiprocessing as mp
 import os
+import sys
 
 import pytest
 
@@ -45,13 +47,14 @@ def test_hook_config_is_checked_before_anything_starts(tmp_path):
         resolved(HookConfig(record=str(tmp_path / "t")))
 
 
-@pytest.mark.parametrize("max_running_requests,want", [(None, 256), (1024, 1024)])
+@pytest.mark.parametrize("max_running_requests,want", [(128, 256), (1024, 1024)])
 def test_the_pooling_buffer_holds_every_batch_the_server_can_run(tmp_path, max_running_requests, want):
     """The buffer must hold the largest batch SGLang captures a CUDA graph for (a capture with more
     rows than the buffer stops the server at start-up) and the largest eager batch. Those sizes are
     decisions of ``resolve_once``, recorded beside the raw flags: read through SGLang's own
-    ``resolved_view``. The decision here is the memory hook's default on an H200 at tp 1 (decode
-    graphs up to 256 requests: ``arg_groups/memory_hook.py``, ``cuda_graph_hook.py``)."""
+    ``resolved_view``. The decision here is the memory hook's on an H200 at tp 1 given
+    ``--cuda-graph-max-bs-decode 256`` (decode graphs up to 256 requests, beyond
+    ``--max-running-requests``: ``arg_groups/memory_hook.py``, ``cuda_graph_hook.py``)."""
     from types import SimpleNamespace
 
     from dwise_predict.serving.launcher import largest_forward
@@ -59,12 +62,12 @@ def test_the_pooling_buffer_holds_every_batch_the_server_can_run(tmp_path, max_r
     sgl = sglang_reference.load_server_config()
     h200 = sgl.PhaseConfig(backend=sgl.Backend.FULL, max_bs=256, bs=[1, 2, 4, 8, 12, *range(16, 257, 8)])
     raw = SimpleNamespace(cuda_graph_config=sgl.CudaGraphConfig(), max_running_requests=max_running_requests,
-                          tokenizer_path=None, model_path="m")
+                          tokenizer_path=None, model_path="m", dllm_algorithm="LowConfidence")
     raw._resolved_overrides = [("_handle_gpu_memory_settings", {"cuda_graph_config": sgl.CudaGraphConfig(decode=h200)})]
-    config = HookConfig(record=str(tmp_path / "t"), block_size=32, hidden_size=2048, slots=64, k=4)
+    config = HookConfig(record=str(tmp_path / "t"), block_size=32, hidden_size=2048, slots=32, k=4)
     assert resolved(config, sgl.resolved_view(raw)).max_batch == want
-    if max_running_requests is None:  # the raw flags alone would size the buffer short of the graphs
-        assert largest_forward(raw) == 0 and resolved(config, raw).max_batch == 64
+    if max_running_requests < 256:  # the raw flags alone would size the buffer short of the graphs
+        assert largest_forward(raw) == 128 and resolved(config, raw).max_batch == 128
 
 
 @pytest.fixture
@@ -75,13 +78,18 @@ def sglang_entrypoints(monkeypatch):
         pytest.skip(sglang_reference.SKIP_REASON)
     from fakes import sglang_launch
 
-    sglang_launch.install_entrypoints(monkeypatch.setitem)
-    for name in ("LAUNCHED", "KILLED", "SHUT_DOWN"):
-        monkeypatch.setattr(sglang_launch, name, [])
-    return sglang_launch
+    return sglang_launch.entrypoints(monkeypatch)
 
 
-def test_serve_dry_run_prints_what_the_server_will_use(tmp_path, capsys, sglang_entrypoints, monkeypatch):
+@pytest.fixture
+def llada2(tmp_path):
+    """A model directory as SGLang would serve LLaDA2-mini (its architecture: dLLM block 32; hidden 2048)."""
+    from fakes.sglang_launch import write_model
+
+    return write_model(tmp_path / "llada2", architecture="LLaDA2MoeModelLM", hidden_size=2048)
+
+
+def test_serve_dry_run_prints_what_the_server_will_use(tmp_path, capsys, sglang_entrypoints, monkeypatch, llada2):
     """``--dry-run`` resolves SGLang's arguments as the server will: the pooling buffer holds the decode
     graphs SGLang captures on this GPU (256 on an H200 at tp 1, beyond ``--slots``; all of
     ``--max-running-requests`` when that is larger) and admission reads the model's tokenizer, not
@@ -90,14 +98,15 @@ def test_serve_dry_run_prints_what_the_server_will_use(tmp_path, capsys, sglang_
     import sys
 
     from dwise_predict.cli.app import main
-    from dwise_predict.dllm import TINY_MODEL_DIR
 
+    server = ["--model-path", str(llada2), "--dllm-algorithm", "LowConfidence", "--dllm-fdfo", "--max-running-requests",
+              "256", "--cuda-graph-max-bs-decode", "256"]
     flags = ["serve", "--record", str(tmp_path / "t"), "--block-size", "32", "--hidden-size", "2048", "--slots", "64",
-             "--k", "4", "--prompt-cache", "256", "--dry-run", "--", "--model-path", str(TINY_MODEL_DIR), "--dllm-fdfo"]
+             "--k", "4", "--prompt-cache", "256", "--dry-run", "--", *server]
     assert main(flags) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["sglang_args"] == ["--model-path", str(TINY_MODEL_DIR), "--dllm-fdfo"]
-    assert out["hook"]["max_batch"] == 256 and out["hook"]["tokenizer"] == str(TINY_MODEL_DIR)
+    assert out["sglang_args"] == server
+    assert out["hook"]["max_batch"] == 256 and out["hook"]["tokenizer"] == str(llada2)
     assert out["hook"]["block_size"] == 32 and out["hook"]["k"] == 4 and out["hook"]["prompt_cache"] == 256
     assert main(flags + ["--max-running-requests", "1024"]) == 0
     assert json.loads(capsys.readouterr().out)["hook"]["max_batch"] == 1024
@@ -110,31 +119,31 @@ def test_serve_dry_run_prints_what_the_server_will_use(tmp_path, capsys, sglang_
     assert "--dry-run" in err and "needs sglang==0.5.23 installed" in err and len(err.splitlines()) == 1
 
 
-def test_the_offline_engine_gets_its_hook_config_from_the_servers_resolved_arguments(tmp_path, sglang_entrypoints):
+def test_the_offline_engine_gets_its_hook_config_from_the_servers_resolved_arguments(tmp_path, sglang_entrypoints,
+                                                                                    llada2):
     """``launcher.engine()`` builds SGLang's server arguments as ``Engine.__init__`` does and resolves
     them before configuring the hook: a buffer of ``slots`` rows (64) would stop the server while SGLang
     captures its decode graphs up to 256 on an H200, and admission without a tokenizer counts over ""."""
-    from dwise_predict.dllm import TINY_MODEL_DIR
     from dwise_predict.serving.launcher import engine
 
     config = HookConfig(record=str(tmp_path / "t"), block_size=32, hidden_size=2048, slots=64, k=4)
-    llm = engine(config, model_path=str(TINY_MODEL_DIR), dllm_algorithm="LowConfidence")
+    llm = engine(config, model_path=str(llada2), dllm_algorithm="LowConfidence", max_running_requests=256)
     (server_args, entry), = sglang_entrypoints.LAUNCHED
     assert isinstance(entry, SchedulerEntry) and server_args is llm.server_args
-    assert entry.config.max_batch == 256 and entry.config.tokenizer == str(TINY_MODEL_DIR)
+    assert entry.config.max_batch == 256 and entry.config.tokenizer == str(llada2)
     assert server_args.log_level == "error"  # Engine's own default, when it builds the arguments
     llm.shutdown()  # no recording process in this tree to stop; then SGLang's own shutdown
     assert sglang_entrypoints.SHUT_DOWN == [llm]
 
 
-def test_serve_kills_the_process_tree_on_exit_as_sglangs_launcher_does(tmp_path, sglang_entrypoints, monkeypatch):
+def test_serve_kills_the_process_tree_on_exit_as_sglangs_launcher_does(tmp_path, sglang_entrypoints, monkeypatch,
+                                                                       llada2):
     """SGLang's launcher (``sglang/launch_server.py``, ``sglang serve``) runs the server inside ``try``
     and kills what is left of its process tree in ``finally``, the launcher itself spared; ``serve``
     does the same, after a launch that returns and after one that fails."""
     import ast
     import sys
 
-    from dwise_predict.dllm import TINY_MODEL_DIR
     from dwise_predict.serving.launcher import serve
 
     for path in ("launch_server.py", "cli/serve.py"):
@@ -143,7 +152,8 @@ def test_serve_kills_the_process_tree_on_exit_as_sglangs_launcher_does(tmp_path,
                  for node in ast.walk(statement) if isinstance(node, ast.Call) and ast.unparse(node.func) == "kill_process_tree"]
         assert kills == ["kill_process_tree(os.getpid(), include_parent=False)"], path
     config = HookConfig(record=str(tmp_path / "t"), block_size=32, hidden_size=2048)
-    serve(config, ["--model-path", str(TINY_MODEL_DIR)])
+    server = ["--model-path", str(llada2), "--dllm-algorithm", "LowConfidence", "--max-running-requests", "1024"]
+    serve(config, server)
     assert sglang_entrypoints.KILLED == [{"parent_pid": os.getpid(), "include_parent": False}]
 
     def failed_launch(*args, **kwargs):
@@ -151,7 +161,7 @@ def test_serve_kills_the_process_tree_on_exit_as_sglangs_launcher_does(tmp_path,
 
     monkeypatch.setattr(sys.modules["sglang.srt.entrypoints.http_server"], "launch_server", failed_launch)
     with pytest.raises(RuntimeError):
-        serve(config, ["--model-path", str(TINY_MODEL_DIR)])
+        serve(config, server)
     assert len(sglang_entrypoints.KILLED) == 2
 
 
@@ -262,3 +272,190 @@ def test_served_admission_features_equal_the_collected_ones():
     ids = tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "two words"}],
                                         add_generation_prompt=True, tokenize=True, return_dict=False)
     assert features(SimpleNamespace(origin_input_ids=ids))[0] == count_words(tokenizer.decode(ids)) > 2
+
+
+# --- the hook checked against the served model and server before SGLang loads the model (issue 56) ---
+
+
+def _bundle(directory, hidden_size=2048, block_size=32, algorithm="LowConfidence", model=None):
+    """A bundle's ``bundle.json`` (what the launcher reads of a bundle before the model loads)."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model = {"name": "m", "hidden_size": hidden_size} if model is None else model
+    (directory / "bundle.json").write_text(json.dumps({
+        "model": model, "inputs": {"refine": {"hidden_size": hidden_size}},
+        "decoding": {"algorithm": algorithm, "algorithm_config": {"threshold": 0.95}, "block_size": block_size}}))
+    return str(directory)
+
+
+def _dllm(model, *extra):
+    return ["--model-path", str(model), "--dllm-algorithm", "LowConfidence", "--max-running-requests", "1024", *extra]
+
+
+def test_a_bundle_or_hidden_size_of_another_width_is_refused_before_the_model_loads(tmp_path, sglang_entrypoints,
+                                                                                   llada2):
+    """SGLang's warmup forward would die in the patched ``get_dllm_logits`` (size 32 vs 64) and the
+    launcher exit 137. The width is read from the model's ``config.json`` (its text config's for a
+    multimodal config such as DiffusionGemma's), and nothing starts."""
+    from dwise_predict.serving.launcher import serve
+
+    narrow = HookConfig(bundle=_bundle(tmp_path / "b", hidden_size=32), slots=16, k=4)
+    with pytest.raises(BundleError) as err:
+        serve(narrow, _dllm(llada2))
+    message = str(err.value)
+    assert "takes hidden states of width 32 but the served model" in message and "has hidden size 2048" in message
+    assert "\n" not in message
+    recording = HookConfig(record=str(tmp_path / "t"), hidden_size=32, slots=16, k=4)
+    with pytest.raises(ConfigError, match="--hidden-size=32 but the served model .* has hidden size 2048: leave "):
+        serve(recording, _dllm(llada2))
+    assert not sglang_entrypoints.LAUNCHED and len(sglang_entrypoints.KILLED) == 2
+    # the width the launcher reads otherwise: a recording needs no --hidden-size or --block-size
+    filled = resolved(HookConfig(record=str(tmp_path / "t"), slots=16, k=4),
+                      sglang_entrypoints.prepare_server_args(_dllm(llada2)))
+    assert (filled.hidden_size, filled.block_size) == (2048, 32)
+    from dwise_predict.serving.checks import hidden_size
+
+    gemma = {"architectures": ["DiffusionGemmaForBlockDiffusion"], "hidden_size": 5,
+             "text_config": {"hidden_size": 64, "canvas_length": 32}}
+    assert hidden_size(gemma) == 64 and hidden_size({"hidden_size": 2048}) == 2048
+    # a hub id is not fetched: no width to check before load, and the check says so
+    from dwise_predict.serving.preflight import checked
+
+    report = checked(narrow, sglang_entrypoints.prepare_server_args(_dllm("inclusionAI/LLaDA2.0-mini")))
+    assert report["problems"] == [] and "no local model directory (not fetched)" in report["notes"][0]
+
+
+BLOCK_CASES = [  # (architecture, --dllm-algorithm-config, the hook's block size, refused with)
+    ("SDARForCausalLM", None, None, "built for another decoding (decoding.block_size = 32"),
+    ("SDARForCausalLM", None, 32, "--block-size=32 but SGLang runs SDARForCausalLM with block size 4"),
+    ("TinyDllmForBlockDiffusion", None, None, "SGLang refuses this dLLM server: Unknown diffusion LLM"),
+    ("LLaDA2MoeModelLM", None, None, None),
+    ("SDARForCausalLM", "block_size: 32\n", None, None),  # SGLang's block size is the file's
+]
+
+
+def test_the_block_size_sglang_runs_for_the_model_is_checked_before_it_loads(tmp_path, sglang_entrypoints):
+    """The block size is SGLang's own ``DllmConfig.from_server_args`` (the wheel's, over the model's
+    config): 32 for LLaDA2, 4 for SDAR, ``--dllm-algorithm-config``'s ``block_size`` over either.
+    A bundle trained at 32 served on SDAR was refused only after the model loaded (exit 137)."""
+    from dwise_predict.errors import DwiseError
+    from dwise_predict.serving.launcher import serve
+
+    for i, (architecture, algorithm_config, hook_block, refused) in enumerate(BLOCK_CASES):
+        model = sglang_entrypoints.write_model(tmp_path / f"m{i}", architecture=architecture, hidden_size=2048)
+        extra = []
+        if algorithm_config is not None:
+            (tmp_path / "algorithm.yaml").write_text(algorithm_config)
+            extra = ["--dllm-algorithm-config", str(tmp_path / "algorithm.yaml")]
+        config = HookConfig(bundle=_bundle(tmp_path / "b", block_size=32), block_size=hook_block, slots=16, k=4)
+        launched = len(sglang_entrypoints.LAUNCHED)
+        if refused is None:
+            serve(config, _dllm(model, *extra))
+            assert sglang_entrypoints.LAUNCHED[-1][1].config.block_size == 32, architecture
+        else:
+            with pytest.raises(DwiseError) as err:
+                serve(config, _dllm(model, *extra))
+            assert refused in str(err.value) and "\n" not in str(err.value)
+            assert len(sglang_entrypoints.LAUNCHED) == launched
+
+
+def test_k_times_b_is_checked_against_the_rows_each_scheduler_gets(tmp_path, sglang_entrypoints, llada2):
+    """Under attention DP each worker gets ``--max-running-requests // attn_dp_size`` request rows
+    (SGLang's ``KVCacheConfigurator.resolve_max_num_reqs``, compiled from the wheel and compared here
+    over a grid), at most half its KV tokens; without the flag ``DllmConfig`` runs a dLLM one request
+    at a time. The hook checked ``k*B`` against the global flag, after the model loaded."""
+    import logging
+    from types import SimpleNamespace
+
+    from dwise_predict.serving.launcher import serve
+
+    config = HookConfig(record=str(tmp_path / "t"), slots=128, k=8)
+    dp = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+    with pytest.raises(ConfigError) as err:
+        serve(config, _dllm(llada2, *dp))
+    assert str(err.value) == (
+        "DWISE keeps up to k*B = 1024 requests resident in each scheduler (--slots=128 x --k=8) but each scheduler "
+        "holds 512 (--max-running-requests 1024 // 2 attention-DP workers): pass --max-running-requests 2048, or "
+        "lower --slots or --k")
+    from dwise_predict.serving.checks import scheduler_rows
+
+    schedule = SimpleNamespace(max_running_requests=None)
+    methods = sglang_reference.compile_members(
+        sglang_reference.source_root() / "sglang" / "srt" / "mem_cache" / "kv_cache_configurator.py",
+        "KVCacheConfigurator", ("resolve_max_num_reqs",),
+        namespace={"get_schedule": lambda: schedule, "logger": logging.getLogger("sglang")})["KVCacheConfiguratorMethods"]
+    for requested in (1, 7, 64, 1000, 1024):
+        for attn_dp in (1, 2, 4, 8):
+            for max_total_tokens in (None, 600, 10**5):
+                schedule.max_running_requests = requested
+                worker = SimpleNamespace(model_config=SimpleNamespace(context_len=4096), attn_dp_size=attn_dp,
+                                         mambaish_config=None)
+                sglang_rows = methods.resolve_max_num_reqs(worker, max_total_tokens or 10**7)  # profiled: plenty
+                view = SimpleNamespace(max_running_requests=requested, attn_dp_size=attn_dp,
+                                       max_total_tokens=max_total_tokens)
+                assert scheduler_rows(view)[0] == sglang_rows, (requested, attn_dp, max_total_tokens)
+    no_flag = sglang_entrypoints.prepare_server_args(["--model-path", str(llada2), "--dllm-algorithm", "LowConfidence"])
+    no_flag.resolve_once()
+    dllm = sys.modules["sglang.srt.dllm.config"].DllmConfig.from_server_args(no_flag)
+    assert scheduler_rows(no_flag)[0] == dllm.max_running_requests == 1
+    with pytest.raises(ConfigError, match="holds 1 \\(SGLang's dLLM default without --max-running-requests: one "
+                                          "request at a time\\): pass --max-running-requests 1024"):
+        serve(config, ["--model-path", str(llada2), "--dllm-algorithm", "LowConfidence"])
+    with pytest.raises(ConfigError, match="holds 300 \\(at most half of --max-total-tokens 600\\): raise "
+                                          "--max-total-tokens to at least 2048"):
+        serve(config, _dllm(llada2, "--max-total-tokens", "600"))
+    with pytest.raises(ConfigError, match="without a dLLM algorithm, where the hook never runs: pass --dllm-algorithm"):
+        serve(config, ["--model-path", str(llada2), "--max-running-requests", "1024"])
+    assert not sglang_entrypoints.LAUNCHED
+    serve(config, ["--model-path", str(llada2), "--dllm-algorithm", "LowConfidence", "--max-running-requests", "2048",
+                   *dp])
+    assert len(sglang_entrypoints.LAUNCHED) == 1
+
+
+def test_the_model_identity_is_checked_where_the_bundle_names_one(tmp_path, sglang_entrypoints, llada2):
+    """A bundle's ``model.config_hash`` (what ``collect`` recorded) against the served config's, hashed
+    the same way; a bundle trained on a live recording names no model: skipped, and said. The name is
+    no identity (the same weights under another directory name)."""
+    view = sglang_entrypoints.prepare_server_args(_dllm(llada2))
+    other = HookConfig(bundle=_bundle(tmp_path / "other", model={"name": "llada2-moe", "config_hash": "0" * 64}),
+                       slots=8)
+    with pytest.raises(BundleError, match="trained on another model \\('llada2-moe', config hash 000000000000\\) than "):
+        resolved(other, view)
+    from transformers import AutoConfig
+
+    from dwise_predict.identity import config_hash
+    from dwise_predict.serving.preflight import checked
+
+    served = config_hash(AutoConfig.from_pretrained(str(llada2)).to_dict())
+    same = HookConfig(bundle=_bundle(tmp_path / "same", model={"name": "elsewhere", "config_hash": served}), slots=8)
+    report = checked(same, view)
+    assert report["problems"] == [] and report["server"]["config_hash"] == served and report["hook"]["bundle"]
+    live = HookConfig(bundle=_bundle(tmp_path / "live", model={}), slots=8)
+    report = checked(live, view)
+    assert report["problems"] == [] and any("names no model config" in note for note in report["notes"])
+
+
+def test_each_scheduler_process_says_once_that_the_hook_engaged(tmp_path, caplog, monkeypatch):
+    """The start-up line names the bundle, B, k, the request rows each scheduler holds and where it
+    records; a scheduler process without it runs without the hook."""
+    from fakes import sglang_launch
+
+    from dwise_predict.serving import launcher
+
+    monkeypatch.setattr(launcher, "ACTIVE", None)
+    server_args = sglang_launch.ServerArgs(max_running_requests=1024, tp_size=2, dp_size=2, enable_dp_attention=True,
+                                           dllm_algorithm="LowConfidence")
+    server_args.resolve_once()
+    config = HookConfig(slots=16, k=4, block_size=4, prompt_cache=16, resolver="fakes.sglang_launch:resolve")
+    with caplog.at_level(logging.WARNING, logger="dwise_predict.serving.launcher"):
+        installed = launcher.install_in_this_process(config, server_args, tp_rank=1, dp_rank=1)
+    installed.uninstall()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dwise_predict.serving.launcher"]
+    assert len(lines) == 1 and lines[0] == (
+        f"DWISE hook engaged in scheduler process {os.getpid()} (TP rank 1, DP rank 1): no bundle (r_hat = 0), B = 16, "
+        "k = 4, k*B = 64 of 512 request rows per scheduler, block size 4; not recording")
+    recording = launcher.engaged_line(HookConfig(bundle="b/", record=str(tmp_path), slots=8, k=2, block_size=32),
+                                      None, 0, None, "dp0")
+    assert "bundle b/, B = 8, k = 2, k*B = 16 of ? request rows" in recording
+    assert recording.endswith(f"recording to {tmp_path / 'dp0'}")

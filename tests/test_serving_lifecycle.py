@@ -128,6 +128,34 @@ def test_a_killed_recording_loses_at_most_its_last_seconds_and_the_next_start_co
     try:
         traces = load_traces(rec)
         assert set(traces.requests["request_id"]) == finished(lines)
-        assert traces.manifest["counts"]["requests"] == 12
+        counts = traces.manifest["counts"]
+        assert counts["requests"] == 12  # and the manifest says they were recovered from a run that never closed
+        assert (counts["runs_unclosed"], counts["requests_recovered"]) == (1, 12)
     finally:
         recorder.close()
+
+
+@pytest.mark.slow
+def test_an_engine_shutdown_under_the_plugin_commits_and_consolidates_the_recording(tmp_path):
+    """``sglang.Engine`` with the plugin (``DWISE_RECORD`` set): SGLang's ``Engine.shutdown`` goes
+    straight to ``kill_process_tree``, a SIGKILL of every scheduler, and the recorder never closed
+    (no shard was due: ``record_every`` 1000, the timer at 60 s, so nothing at all was on disk).
+    The plugin wraps ``Engine.shutdown`` too: each recording scheduler commits and consolidates
+    first. Run with SGLang's own ``Engine.shutdown``, ``kill_process_tree`` and plugin loader
+    (``tests/engine_child.py``)."""
+    from dwise_predict.serving.plugin import VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    env.update(DWISE_RECORD=str(tmp_path / "rec"), DWISE_BLOCK_SIZE="8", DWISE_HIDDEN_SIZE="16", DWISE_SLOTS="4",
+               DWISE_K="2", DWISE_MAX_BATCH="4", DWISE_RECORD_EVERY="1000", DWISE_RECORD_FLUSH_S="60",
+               DWISE_RESOLVER="fakes.sglang_launch:resolve", PYTHONPATH=str(TESTS), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(TESTS / "engine_child.py")], capture_output=True, text=True, env=env,
+                         timeout=2 * START_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1] == "shut down" and len(finished(lines)) == 12, lines[-3:]
+    traces = load_traces(tmp_path / "rec" / "dp0")  # consolidated: requests.parquet is there
+    assert set(traces.requests["request_id"]) == finished(lines)
+    counts = traces.manifest["counts"]
+    assert (counts["requests"], counts["runs_unclosed"], counts["left_out_in_flight"]) == (12, 0, 0)
+    assert counts["dropped"] == counts["lost_to_write_error"] == 0

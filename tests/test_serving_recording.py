@@ -1,5 +1,8 @@
 """Recording mode: the hook writes contract-1 traces of live traffic (here: the fake SGLang server)."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +18,7 @@ from dwise_predict.engine import ENGINE, prefill_rounds  # noqa: E402
 from dwise_predict.engine.algorithms import served_decoding  # noqa: E402
 from dwise_predict.errors import ConfigError, StoreError  # noqa: E402
 from dwise_predict.identity import EARLY_SIGNALS  # noqa: E402
-from dwise_predict.serving.sglang_adapter import install  # noqa: E402
+from dwise_predict.serving.sglang import install  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
 from dwise_predict.traces.dataset import SCHEMA_VERSION  # noqa: E402
 from dwise_predict.training.config import TrainConfig  # noqa: E402
@@ -25,7 +28,7 @@ from fakes import sglang_fake as fake  # noqa: E402
 BS, H = 8, 16
 
 
-def workload(n_requests, seed, shared=0):
+def workload(n_requests, seed, shared=0, width=H):
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n_requests):
@@ -33,7 +36,7 @@ def workload(n_requests, seed, shared=0):
         ids = [1 + t % 50 for t in range(min(shared, n))] + [100 + 1000 * (i + 100 * seed) + t for t in range(n - min(shared, n))]
         forwards = [int(x) for x in rng.integers(2, 7, size=int(rng.integers(1, 4)))]
         forwards[0] = min(forwards[0], BS - n % BS + 1)  # at least one fill per step: r <= masked positions
-        out.append((f"s{seed}-r{i:03d}", ids, forwards, rng.normal(size=H).astype(np.float32)))
+        out.append((f"s{seed}-r{i:03d}", ids, forwards, rng.normal(size=width).astype(np.float32)))
     return out
 
 
@@ -283,7 +286,9 @@ def test_requests_not_ended_by_the_model_or_its_budget_are_left_out_and_counted(
     assert sorted(ds.requests["request_id"]) == ["budget", "client-lists-the-eos", "eos", "requeued-before-it-ran"]
     counts = {k: v for k, v in ds.manifest["counts"].items() if k.startswith("left_out_")}
     assert counts == {"left_out_client_stop": 3, "left_out_context_end": 1, "left_out_retracted": 1,
-                      "left_out_without_prompt_rows": 0, "left_out_warmup": 0, "left_out_health_check": 0}
+                      "left_out_without_prompt_rows": 0, "left_out_warmup": 0, "left_out_health_check": 0,
+                      "left_out_aborted": 0, "left_out_without_first_round": 0, "left_out_duplicate": 0,
+                      "left_out_in_flight": 0}
     assert ds.manifest["counts"]["dropped"] == 0
     rows = ds.requests.set_index("request_id")
     assert rows.loc["budget", "finish"] == "budget" and rows.loc["budget", "output_tokens"] == 16
@@ -434,7 +439,9 @@ def test_a_timer_commits_without_more_traffic_and_the_manifest_counts_every_run(
             time.sleep(0.05)
         assert counts == {"requests": 3, "left_out_client_stop": 1, "left_out_context_end": 0, "left_out_retracted": 0,
                           "left_out_without_prompt_rows": 0, "left_out_warmup": 0, "left_out_health_check": 0,
-                          "dropped": 0}
+                          "left_out_aborted": 0, "left_out_without_first_round": 0, "left_out_duplicate": 0,
+                          "left_out_in_flight": 0, "dropped": 0, "lost_to_write_error": 0, "write_errors": 0,
+                          "runs_unclosed": 0, "requests_recovered": 0, "requests_consolidated": 0}
     finally:
         recorder.close()
     recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=1000, manifest=MANIFEST)  # a restart
@@ -445,6 +452,7 @@ def test_a_timer_commits_without_more_traffic_and_the_manifest_counts_every_run(
         recorder.close()
     counts = load_traces(tmp_path / "t").manifest["counts"]
     assert counts["requests"] == 3 and counts["left_out_client_stop"] == 2
+    assert counts["left_out_duplicate"] == 1 and counts["requests_consolidated"] == 3  # r0 again: counted, not recorded
 
 
 class HostOnly:
@@ -558,3 +566,199 @@ def test_sglangs_own_requests_are_not_traces(tmp_path):
     ds = load_traces(tmp_path / "t")
     assert list(ds.requests["request_id"]) == ["user"]
     assert ds.manifest["counts"]["left_out_warmup"] == 2 and ds.manifest["counts"]["left_out_health_check"] == 1
+
+
+# --- issue 56: every request accounted for, a failed write that stops recording and not the server,
+# a run that never closed, the served model's identity
+
+
+def running(recorder, rid, first_round=True):
+    """A request the hook registered that ran its prompt block (and, by default, its first denoising
+    round) and is still running."""
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(rid=rid, origin_input_ids=list(range(10, 22)), output_ids=[],
+                          sampling_params=sglang_reference.SamplingParams(64), finished_reason=None, finished_len=None,
+                          eos_token_ids={2}, tokenizer=None, finished=lambda: False)
+    recorder.arrived(req, BS)
+    recorder.forward(req, True, np.ones(H, np.float32), 1)
+    if first_round:
+        recorder.forward(req, False, np.full(H, 2.0, np.float32), 1, signals=np.asarray([0.5, 0.6, 1.0, 0.1]))
+    return req
+
+
+def test_every_request_the_hook_reports_is_a_trace_or_counted_once(tmp_path):
+    """Requests SGLang aborted (the client went away) stayed in the recorder's open set with their host
+    rows, counted nowhere (10 of 10). Each way a request ends is now a trace or one count in the
+    manifest: aborted while running (gone from every queue: ``left_unfinished``; or finished with an
+    abort), aborted before the hook registered it (finished while waiting; refused by the hook),
+    finished without a pooled first round, a repeated request id, still running at close."""
+    from types import SimpleNamespace
+
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=100, manifest=MANIFEST)
+    try:
+        served(recorder, "kept")
+        gone = [running(recorder, f"gone-{i}") for i in range(10)]
+        for req in gone:  # SGLang's abort_request popped them from every queue: the hook's reconcile says so
+            recorder.left_unfinished(req, "aborted")
+        assert recorder.open == {}  # their host rows freed
+        recorder.left_unfinished("refused")  # the hook aborted it before registering it (KV over budget)
+        aborted_running = running(recorder, "aborted-running")
+        aborted_running.finished_reason = FINISH.FINISH_ABORT(message="client disconnected")
+        recorder.finished(aborted_running)
+        never_registered = SimpleNamespace(rid="aborted-waiting", finished_reason=FINISH.FINISH_ABORT())
+        recorder.finished(never_registered)  # SGLang finished it while it waited, before the hook registered it
+        no_round = running(recorder, "no-first-round", first_round=False)
+        no_round.output_ids, no_round.finished_len = [7] * 4, 4
+        no_round.finished_reason = FINISH.FINISH_MATCHED_TOKEN(matched=2)
+        recorder.finished(no_round)
+        served(recorder, "kept")  # a client reusing a recorded id
+        running(recorder, "still-running")
+        with pytest.raises(ValueError, match="no such reason 'gone'"):
+            recorder.left_unfinished("still-running", "gone")
+    finally:
+        recorder.close()
+    counts = load_traces(tmp_path / "t").manifest["counts"]
+    assert list(load_traces(tmp_path / "t").requests["request_id"]) == ["kept"]
+    assert (counts["left_out_aborted"], counts["left_out_without_first_round"], counts["left_out_duplicate"],
+            counts["left_out_in_flight"]) == (13, 1, 1, 1)
+    accounted = counts["requests"] + sum(v for k, v in counts.items() if k.startswith("left_out_")) \
+        + counts["dropped"] + counts["lost_to_write_error"]
+    assert accounted == 17  # kept, 10 gone, refused, 2 aborted, no-first-round, the repeat, still-running
+    assert recorder.summary().startswith(f"dwise recording {tmp_path / 't'}: 1 requests (1 committed by this run); "
+                                         "left out: aborted 13, without_first_round 1, duplicate 1, in_flight 1;")
+
+
+def full_disk(monkeypatch):
+    """Shard writes fail as on a full disk (ENOSPC, through the store's own error path); the manifest
+    still writes, as a few bytes may where a shard's megabytes do not."""
+    import errno
+
+    from dwise_predict.collectors import store
+
+    write = store.atomic_write_bytes
+
+    def no_space(path, *args, **kwargs):
+        if store.SHARDS_DIR in Path(path).parts:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write(path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "atomic_write_bytes", no_space)
+
+
+def test_a_failed_write_stops_recording_with_one_line_and_the_server_keeps_serving(tmp_path, monkeypatch, caplog):
+    """A full disk used to stop the writer and re-raise on the scheduler's thread at the next request,
+    killing the server. Now recording stops: one log line naming the directory and the error, a
+    counter; the hook's calls keep returning, the scheduler finishes every request, nothing is held
+    for requests that will never be written, and the manifest counts them."""
+    import logging
+    import time
+
+    full_disk(monkeypatch)
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=1, manifest=MANIFEST)
+    handle = install(None, slots=4, k=2, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu", hidden_size=H,
+                     recorder=recorder)
+    config = fake.config(BS, 8)
+    scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=10**9)
+    sp = type("SP", (), {"max_new_tokens": 64})()
+    reqs = [fake.Req(rid, ids, sp, config, forwards, hidden, None) for rid, ids, forwards, hidden in workload(20, 6)]
+    caplog.set_level(logging.INFO, logger="dwise_predict.collectors.live")
+    try:
+        scheduler.waiting_queue.extend(reqs[:10])
+        fake.serve(scheduler, fake.FillAlgorithm(config), fake.ModelRunner(BS, H, max_bs=4))
+        deadline = time.monotonic() + 20
+        while recorder.failure is None:
+            assert time.monotonic() < deadline, "the writer never tried to commit"
+            time.sleep(0.02)
+        scheduler.waiting_queue.extend(reqs[10:])  # traffic goes on after the failure
+        fake.serve(scheduler, fake.FillAlgorithm(config), fake.ModelRunner(BS, H, max_bs=4))
+        assert all(r.finished() for r in reqs) and recorder.open == {} and not recorder._queue
+        assert recorder.flush() is False
+    finally:
+        handle.uninstall()
+        recorder.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    line = errors[0].getMessage()
+    assert str(tmp_path / "t") in line and "the disk is full" in line and "\n" not in line
+    counts = json.loads((tmp_path / "t" / "manifest.json").read_text())["counts"]
+    assert (counts["requests"], counts["lost_to_write_error"], counts["write_errors"]) == (0, 20, 1)
+    assert not list((tmp_path / "t").glob("shards/*.parquet"))
+    assert recorder.summary().endswith("lost to a failed write 20; recording stopped by a failed write")
+
+
+def abandoned(recorder: LiveRecorder) -> None:
+    """What a SIGKILL leaves of a recorder: its shards and manifest as the writer left them, its lock
+    released by the process's death, no close."""
+    recorder.flush()
+    recorder._stopping = True
+    recorder._writer.join(10)
+    recorder.store.__exit__(None, None, None)
+
+
+def test_a_run_that_never_closed_is_consolidated_and_counted_by_the_next_start(tmp_path):
+    """A SIGKILL runs nothing: its committed shards stay unconsolidated. The next start consolidates
+    them and says so in the manifest: how many runs ended without closing and how many of the
+    requests were recovered from them, over the directory's whole life."""
+    first = LiveRecorder(tmp_path / "t", block_size=BS, every=100, manifest=MANIFEST)
+    served(first, "a0")
+    first.close()  # a clean run: 1 request consolidated
+    for run, rids in enumerate((["b0", "b1", "b2"], ["c0", "c1"])):
+        killed = LiveRecorder(tmp_path / "t", block_size=BS, every=100, manifest=MANIFEST)
+        for rid in rids:
+            served(killed, rid)
+        abandoned(killed)
+    assert not (tmp_path / "t" / "requests.parquet").exists()
+    last = LiveRecorder(tmp_path / "t", block_size=BS, every=100, manifest=MANIFEST)  # the next start
+    try:
+        counts = load_traces(tmp_path / "t").manifest["counts"]  # consolidated before it records anything
+        assert len(load_traces(tmp_path / "t")) == 6
+        # the second killed run found the first one's shards and consolidated them; this start, the second's
+        assert (counts["runs_unclosed"], counts["requests_recovered"], counts["requests_consolidated"]) == (2, 5, 6)
+        served(last, "d0")
+    finally:
+        last.close()
+    counts = load_traces(tmp_path / "t").manifest["counts"]
+    assert (counts["requests"], counts["runs_unclosed"], counts["requests_recovered"]) == (7, 2, 5)
+
+
+def test_a_live_recording_carries_the_served_models_identity_into_the_bundle(tmp_path, monkeypatch):
+    """A bundle trained on a live recording had an empty ``model`` section: no check of it against a
+    served model was possible. The launcher reads the served model from SGLang's arguments
+    (``--model-path``, here the built-in tiny dLLM's directory), the recording's manifest holds the
+    fingerprint ``collect`` records for that directory, and `train` + `export` carry it into the
+    bundle."""
+    from fakes import sglang_launch
+
+    from dwise_predict.collectors.backends.tiny import load_tiny_backend
+    from dwise_predict.dllm import TINY_MODEL_DIR
+    from dwise_predict.exports.bundle import export_bundle
+    from dwise_predict.identity import MODEL_KEYS
+    from dwise_predict.serving import launcher
+
+    collected = load_tiny_backend().fingerprint()  # what `collect` records for that directory
+    width = collected["hidden_size"]
+    monkeypatch.setattr(LiveRecorder, "close_on_exit", lambda self: None)  # no signal handlers in the test process
+    monkeypatch.setattr(launcher, "ACTIVE", None)
+    config = launcher.HookConfig(record=str(tmp_path / "rec"), block_size=BS, hidden_size=width, slots=4, k=2,
+                                 max_batch=4, resolver="fakes.sglang_launch:resolve")
+    handle = launcher.install_in_this_process(config, sglang_launch.ServerArgs(model_path=str(TINY_MODEL_DIR)))
+    recorder = handle.state.recorder
+    try:
+        dllm = fake.config(BS, 8)
+        scheduler = fake.Scheduler(dllm, batch_capacity=4, max_total_num_tokens=10**9)
+        sp = type("SP", (), {"max_new_tokens": 64})()
+        scheduler.waiting_queue.extend(fake.Req(rid, ids, sp, dllm, forwards, hidden, None)
+                                       for rid, ids, forwards, hidden in workload(60, seed=7, width=width))
+        fake.serve(scheduler, fake.FillAlgorithm(dllm), fake.ModelRunner(BS, width, max_bs=4))
+    finally:
+        handle.uninstall()
+        recorder.close()
+    recorded = load_traces(tmp_path / "rec" / "dp0").manifest["model"]
+    assert recorded == dict(collected, name=TINY_MODEL_DIR.name)  # the directory's name, as for any served model
+    config = TrainConfig(members=1, max_epochs=2, patience=1, width=16, bootstrap=10, admission_trees=5,
+                         admission_min_child_samples=2)
+    train_run(tmp_path / "rec" / "dp0", tmp_path / "run", config)
+    bundle = json.loads((export_bundle(tmp_path / "run", tmp_path / "bundle") / "bundle.json").read_text())
+    assert {k: bundle["model"][k] for k in MODEL_KEYS} == {k: collected[k] for k in MODEL_KEYS}
+    assert all(bundle["model"][k] for k in MODEL_KEYS) and bundle["model"]["path"] == str(TINY_MODEL_DIR)

@@ -28,7 +28,7 @@ from dwise_predict.serving.bundle import load_bundle  # noqa: E402
 from dwise_predict.serving.policy import DwisePolicy  # noqa: E402
 from dwise_predict.serving.simulator import SimConfig, SimRequests, simulate  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
-from dwise_predict.serving.sglang_adapter import UNWRITTEN, install  # noqa: E402
+from dwise_predict.serving.sglang import UNWRITTEN, install  # noqa: E402
 from fakes import sglang_fake as fake  # noqa: E402
 from fakes.serving_bundle import served_bundle  # noqa: E402
 
@@ -472,7 +472,8 @@ def test_one_device_to_host_copy_per_step_and_none_without_a_first_denoising_rou
     from dwise_predict.collectors.live import LiveRecorder, live_manifest
 
     copies = collections.Counter()
-    watched = ("sglang_adapter.py", "collectors/live.py")
+    watched = tuple(f"/serving/sglang/{part}.py" for part in ("hook", "step", "buffers", "requests", "signals", "surface",
+                                                               "install")) + ("collectors/live.py",)
 
     def counting(name):
         real = getattr(torch.Tensor, name)
@@ -662,7 +663,7 @@ def test_a_block_aligned_prompt_cached_whole_gets_a_kept_row_or_the_training_mea
 
 
 def test_prompt_rows_keep_the_most_recently_used_and_key_every_token_before_the_block_end():
-    from dwise_predict.serving.sglang_adapter import _PromptRows, block_key
+    from dwise_predict.serving.sglang.buffers import _PromptRows, block_key
 
     rows = _PromptRows(2)
     rows.allocate(1, "cpu")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sglang_reference
-from dwise_predict.serving.sglang_adapter import SGLANG_VERSION, SURFACE, read_surface, surface_problems
+from dwise_predict.serving.sglang import SGLANG_VERSION, SURFACE, read_surface, surface_problems
 from fetch_sglang import is_complete, source_root
 
 SNAPSHOT = json.loads((Path(__file__).parent / "fakes" / "sglang_surface.json").read_text())

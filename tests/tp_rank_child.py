@@ -46,7 +46,7 @@ def main(rank: int, store: str, bundle_path: str, out: str) -> None:
     from fakes import sglang_fake as fake
 
     from dwise_predict.serving.bundle import load_bundle
-    from dwise_predict.serving.sglang_adapter import install
+    from dwise_predict.serving.sglang import install
 
     bundle = RankEstimates(load_bundle(bundle_path, backend="torch"), rank)
     handle = install(bundle, slots=2, k=2, resolve=fake.resolve, features=lambda r: r.features, block_size=BS,

@@ -32,7 +32,8 @@ def serve_command(
     record_flush_s: Annotated[float, typer.Option("--record-flush-s", help="Seconds after which a finished request is committed whatever the traffic: the most a scheduler process killed outright loses.")] = _DEFAULT.record_flush_s,
     prompt_cache: Annotated[int, typer.Option(help="Block rows kept (H floats each, on the GPU) for requests a prefix-cache hit leaves without a prompt block of their own; 0: none.")] = _DEFAULT.prompt_cache,
     aging: Annotated[float, typer.Option(help="Starvation guard: rounds of remaining work one round in the server is worth, so a long request cannot wait forever behind a stream of shorter ones (0: off; default chosen in docs/serving.md).")] = _DEFAULT.aging,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, resolve SGLang's arguments as the server will (needs sglang), print the hook config it would run as JSON, start nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, resolve SGLang's arguments as the server will (needs sglang), print the hook config it would run as JSON, start nothing; refuses in one line what serve would refuse (see --check).")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Resolve SGLang's arguments as the server will (needs sglang) and run every check the hook can pass before the model loads: the bundle against the served model (hidden size, block size, algorithm, config hash), k*B against the request rows of each scheduler, SGLang's scheduler surface, and, with DWISE_* variables set, whether SGLang's plugin loader would engage the plugin. Prints every problem as JSON, starts nothing, exits 1 on any.")] = False,
 ) -> None:
     """Run SGLang's HTTP server with the DWISE hook installed in every scheduler process.
 
@@ -44,6 +45,8 @@ def serve_command(
         dwise-predict serve --bundle bundle/ -- --model-path inclusionAI/LLaDA2.0-mini --dllm-algorithm LowConfidence --dllm-fdfo --max-running-requests 1024
 
         dwise-predict serve --bundle bundle/ --record traces/live -- --model-path ... --dllm-fdfo --dp-size 4
+
+        dwise-predict serve --bundle bundle/ --check -- --model-path ... --dllm-algorithm LowConfidence --max-running-requests 1024
 
     With SGLang's own launcher instead, the same hook through its plugin (docs/serving.md):
 
@@ -57,13 +60,27 @@ def serve_command(
         hidden_size=hidden_size, tokenizer=tokenizer, record=None if record is None else str(record),
         record_every=record_every, record_flush_s=record_flush_s, prompt_cache=prompt_cache, aging=aging,
     )
-    problems = config.problems()
+    if check and dry_run:
+        raise ConfigError("--check and --dry-run conflict: --check resolves and prints as --dry-run does, and checks more")
+    asked = bundle is not None or record is not None
+    problems = config.problems() if asked or not check else []  # --check alone: the plugin's DWISE_* config
     if problems:
         raise ConfigError("; ".join(problems))
     if bundle is not None:  # a hostile or broken bundle is refused here, before SGLang starts
         from dwise_predict.exports.screen import open_bundle, screen_bundle
 
         screen_bundle(bundle, open_bundle(bundle))
+    if check:
+        from dwise_predict.serving.preflight import check as check_server
+        from dwise_predict.serving.preflight import report_problems
+
+        report = check_server(config if asked else None, list(sglang_args or []))
+        typer.echo(json.dumps(report, indent=2))
+        for problem in report_problems(report):
+            log(f"problem: {problem}")
+        if not report["ok"]:
+            raise typer.Exit(1)
+        return
     if dry_run:
         typer.echo(json.dumps(plan(config, list(sglang_args or [])), indent=2))
         return

@@ -1,6 +1,6 @@
 """Recording mode: contract-1 traces written by the serving hook from a live SGLang server.
 
-The SGLang hook (:mod:`dwise_predict.serving.sglang_adapter`) calls a :class:`LiveRecorder` from
+The SGLang hook (:mod:`dwise_predict.serving.sglang`) calls a :class:`LiveRecorder` from
 inside the scheduler process, on the scheduler's thread: ``arrived`` when a request is registered,
 ``forward`` after every step that ran it (with the pooled rows of the step's first forward and the
 early signals of that forward, host arrays), ``finished`` when SGLang finishes it. ``finished``
@@ -19,9 +19,14 @@ last run died before consolidating (shards, no ``requests.parquet``) is consolid
 run opens it. Each data-parallel rank records into its own directory; ``dwise-predict traces
 merge`` joins them.
 
-The manifest's ``counts`` (requests, ``left_out_<reason>``, ``dropped``) cover the directory's whole
-life, every run of the server that appended to it, and are rewritten with every shard, so a killed
-run leaves them as of its last shard.
+The manifest's ``counts`` (:meth:`LiveRecorder.counts`: requests, ``left_out_<reason>``, ``dropped``,
+what a failed write lost, the runs that never closed) cover the directory's whole life, every run of
+the server that appended to it, and are rewritten with every shard, so a killed run leaves them as of
+its last shard. Every request the hook reports is either a trace or counted once there.
+
+A failed write (a full disk, a directory gone read-only) stops recording, not the server: the writer
+logs one line naming the directory and the error, counts what it could not write, and from then on
+the hook's calls into the recorder do nothing but count (``lost_to_write_error``).
 
 Units are SGLang's own, because SGLang ran them: ``prompt_blocks`` is ``floor(n / block_size)``
 (the schema's definition, without a prefix cache); the prefill forwards that actually ran, after
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import logging
 import os
 import signal
 import threading
@@ -48,12 +54,13 @@ from dwise_predict.collectors.collect import contract_row
 from dwise_predict.collectors.store import ORDER_COLUMN, SHARDS_DIR, TraceStore
 from dwise_predict.engine import ENGINE, tokenizer_stop_ids
 from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, served_decoding
-from dwise_predict.errors import BundleError, StoreError
+from dwise_predict.errors import BundleError, ModelError, StoreError
 from dwise_predict.files import read_json_object
 from dwise_predict.traces.dataset import MANIFEST_FILE, REQUESTS_FILE
 from dwise_predict.versions import package_versions
 
 EVAL_FRACTION = 0.2
+logger = logging.getLogger(__name__)
 
 
 def live_split(request_id: str) -> str:
@@ -132,6 +139,39 @@ def live_manifest(model: dict, algorithm: str, algorithm_config: dict, block_siz
     }
 
 
+def served_model(model_path, revision: str | None = None, trust_remote_code: bool = False) -> dict:
+    """The model fingerprint of contract 1 for the model SGLang serves from ``model_path`` (its
+    ``--model-path``, ``--revision``, ``--trust-remote-code``), computed as ``collect`` computes it
+    (:func:`~dwise_predict.collectors.backends.base.directory_fingerprint` over the config
+    transformers loads), so that a recording, the traces ``collect`` writes from the same directory
+    and the bundles trained on either carry one identity.
+
+    A local directory gives name, path, ``weights_sha256`` (every ``*.safetensors`` file read once:
+    seconds per GB, at the recording scheduler's start), ``config_hash``, hidden and vocabulary size.
+    A hub id gives the repo id as ``path`` and its ``revision`` (the one asked for, else the commit
+    the config came from) instead of a weights hash: SGLang downloads the weights after the hook is
+    installed. Raises :class:`ModelError` when the config cannot be read."""
+    from transformers import AutoConfig
+
+    from dwise_predict.collectors.backends.base import directory_fingerprint
+    from dwise_predict.dllm import register
+
+    register()  # the built-in tiny dLLM's config class, as `collect` loads it
+    local = Path(model_path)
+    try:
+        config = AutoConfig.from_pretrained(str(model_path), revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelError(f"recording needs the served model's identity, but the config of {model_path} cannot be "
+                         f"read ({' '.join(str(err).split())}): check --model-path, --revision and "
+                         "--trust-remote-code") from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = directory_fingerprint(local if local.is_dir() else None, local.name if local.is_dir() else str(model_path),
+                                  config.to_dict(), int(text.hidden_size), int(text.vocab_size))
+    if not local.is_dir():
+        found.update(path=str(model_path), revision=revision or getattr(config, "_commit_hash", None))
+    return found
+
+
 # SGLang 0.5.23's own requests, which no client sent (read from its source; tests/test_serving_recording.py
 # runs that source): /health_generate's probes carry rids that start with this prefix
 # (sglang.srt.constants.HEALTH_CHECK_RID_PREFIX), and the HTTP server's start-up warmup
@@ -142,8 +182,14 @@ WARMUP_TEXT = "The capital city of France is"
 WARMUP_IDS = (10, 11, 12)
 WARMUP_MAX_NEW_TOKENS = 8
 
-# why a request is not in the traces (the manifest's counts say how many, as left_out_<reason>)
-LEFT_OUT_REASONS = ("client_stop", "context_end", "retracted", "without_prompt_rows", "warmup", "health_check")
+# why a request is not in the traces (the manifest's counts say how many, as left_out_<reason>;
+# LiveRecorder's docstring says what each means)
+LEFT_OUT_REASONS = ("client_stop", "context_end", "retracted", "without_prompt_rows", "warmup", "health_check",
+                    "aborted", "without_first_round", "duplicate", "in_flight")
+# the manifest's other counts beside ``requests`` and ``left_out_<reason>`` (LiveRecorder's attributes
+# of the same names)
+COUNTERS = ("dropped", "lost_to_write_error", "write_errors", "runs_unclosed", "requests_recovered",
+            "requests_consolidated")
 
 
 def warmup_inputs(tokenizer=None) -> set[tuple[int, ...]]:
@@ -203,8 +249,10 @@ class LiveRecorder:
     features : ``req -> (words, newlines, prompt_tokens)`` (the hook's admission features); the
         prompt text, when the features decoded it, is kept as ``req._dwise_text``.
     every : most finished requests per committed shard.
-    manifest : the recording's manifest (:func:`live_manifest`); by default built from ``bundle``'s
-        model fingerprint (a bundle directory) and ``decoding``.
+    manifest : the recording's manifest (:func:`live_manifest`); by default built from ``model``
+        (else ``bundle``'s model fingerprint, a bundle directory) and ``decoding``.
+    model : the served model's fingerprint (:func:`served_model`): what the manifest's ``model``
+        says, and what a restart into this directory is held to.
     decoding : the decoding the server runs (``algorithm``, ``algorithm_config`` with SGLang's
         defaults, ``block_size``: :func:`dwise_predict.serving.launcher.served_algorithm`); by default
         SGLang's default algorithm with its defaults. The hook compares it with the scheduler's
@@ -217,18 +265,31 @@ class LiveRecorder:
         (:func:`warmup_inputs`); without one only the warmup of ``--skip-tokenizer-init`` is.
 
     Some requests are not written, and ``left_out`` counts them by reason (:data:`LEFT_OUT_REASONS`):
-    ``health_check`` and ``warmup``, SGLang's own requests; ``without_prompt_rows``, a finished
+    ``health_check`` and ``warmup``, SGLang's own requests; ``aborted``, one SGLang aborted (the
+    client went away, ``abort_request``, a waiting timeout: finished with an abort, or gone from
+    every queue, :meth:`left_unfinished`) or the hook refused; ``without_first_round``, one that
+    finished though no forward of this process pooled its first denoising round;
+    ``without_prompt_rows``, a finished
     request whose prompt rows no forward of this process computed (a block-aligned prompt that
     SGLang's prefix cache matched whole, its last block no longer kept by the hook: ``prompt_last``
     would be made up); ``retracted``, one SGLang retracted and ran again (its output re-encoded as
-    prompt blocks, work `collect` never does); and those :func:`left_out_because` names.
+    prompt blocks, work `collect` never does); ``duplicate``, one whose request id the recording
+    already holds (a client reusing an id across a restart); ``in_flight``, one still running when
+    the recorder closed (an ``Engine.shutdown`` mid-traffic); and those :func:`left_out_because`
+    names. The other counts (:data:`COUNTERS`): ``dropped``, finished requests the writer was too far
+    behind for; ``lost_to_write_error``, finished requests a failed write left unrecorded (those of
+    the failed shard, those queued, and every one that finished after it); ``write_errors``, runs
+    whose recording a failed write stopped; ``runs_unclosed``, runs that ended without closing (a
+    SIGKILL, a crash, a disk that failed at close), whose shards a later start consolidated;
+    ``requests_recovered``, of ``requests``, those such runs committed; ``requests_consolidated``,
+    the requests of the last consolidation.
     """
 
     POLL_S = 0.02  # how often the writer looks at the queue (the scheduler never wakes it)
 
     def __init__(self, out, block_size: int, features=None, every: int = 64, manifest: dict | None = None,
                  bundle: str | None = None, decoding: dict | None = None, flush_s: float = 5.0,
-                 queue_size: int = 4096, tokenizer=None):
+                 queue_size: int = 4096, tokenizer=None, model: dict | None = None):
         self.out = Path(out)
         self.block_size = int(block_size)
         self.features = features
@@ -237,41 +298,52 @@ class LiveRecorder:
         self.queue_size = int(queue_size)
         self.warmup = warmup_inputs(tokenizer)
         if manifest is None:
-            model, trained = {}, {}
-            if bundle is not None:
-                spec = read_json_object(Path(bundle) / "bundle.json", BundleError, fix="re-export the bundle")
-                model, trained = spec.get("model") or {}, spec.get("decoding") or {}
-            decoding = decoding or served_decoding(DEFAULT_ALGORITHM, {}, self.block_size)
-            manifest = live_manifest(model, decoding["algorithm"], decoding["algorithm_config"],
-                                     decoding.get("block_size") or self.block_size, int(trained.get("budget") or 0),
-                                     trained.get("dtype") or "bfloat16")
+            manifest = self._default_manifest(model, bundle, decoding)
         self.manifest = {k: v for k, v in manifest.items() if k != "counts"}
-        # finished requests not written, by reason, and those dropped: every run of this directory's.
+        # finished requests not written, by reason, and the other counts: every run of this directory's.
         # All keys exist from the start: the writer reads them while the scheduler's thread counts.
         self.left_out: dict[str, int] = dict.fromkeys(LEFT_OUT_REASONS, 0)
-        self.dropped = 0
+        self.dropped = self.lost_to_write_error = self.write_errors = 0
+        self.runs_unclosed = self.requests_recovered = self.requests_consolidated = 0
         self.written = 0  # requests this run committed
+        self.failure: BaseException | None = None  # the write error that stopped recording (the writer sets it)
         self.store = TraceStore(self.out).__enter__()  # the lock first: a second server is refused here
         try:
             self._carry_counts()
             self.done = self.store.finished_ids()
             self._base = len(self.done)  # requests the shards held when this run opened them
+            unclosed = bool(self.done) and not (self.out / REQUESTS_FILE).is_file()
+            if unclosed:  # the last run died before it consolidated: its requests are recovered here
+                self.runs_unclosed += 1
+                self.requests_recovered += max(0, self._base - self.requests_consolidated)
+                self.requests_consolidated = self._base
             self.store.begin(dict(self.manifest, counts=self.counts()))  # refuses another model's directory
-            if self.done and not (self.out / REQUESTS_FILE).is_file():
-                self.store.consolidate(self.counts())  # the last run died before it consolidated
+            if unclosed:
+                self.store.consolidate(self.counts())
         except BaseException as err:
             self.store.__exit__(type(err), err, None)
             raise
         self.open: dict = {}
-        self._own: set = set()  # rids of SGLang's own requests (counted once, even if requeued)
+        self._skipped: dict = {}  # rid -> why, of requests counted when they arrived (SGLang's own, repeats)
         self.next_index = len(self.done)
         self._queue: deque = deque()  # (row, first_round, prompt_last): appended here, popped by the writer
         self._flush_wanted = self._flushed = 0  # flush requests and the last one the writer served
         self._stopping = self._closed = False
-        self._error: BaseException | None = None  # what stopped the writer, raised on the next event
         self._marked = False  # this run has made the consolidated files stale (store.mark_incomplete)
         self._writer = threading.Thread(target=self._write_loop, name=f"dwise-recorder {self.out}", daemon=True)
         self._writer.start()
+
+    def _default_manifest(self, model: dict | None, bundle: str | None, decoding: dict | None) -> dict:
+        """The manifest of a recording of the served ``model`` (else the model ``bundle`` was trained
+        for) under ``decoding`` (else SGLang's default algorithm)."""
+        trained = {}
+        if bundle is not None:
+            spec = read_json_object(Path(bundle) / "bundle.json", BundleError, fix="re-export the bundle")
+            model, trained = model or spec.get("model") or {}, spec.get("decoding") or {}
+        decoding = decoding or served_decoding(DEFAULT_ALGORITHM, {}, self.block_size)
+        return live_manifest(model or {}, decoding["algorithm"], decoding["algorithm_config"],
+                             decoding.get("block_size") or self.block_size, int(trained.get("budget") or 0),
+                             trained.get("dtype") or "bfloat16")
 
     @property
     def decoding(self) -> dict:
@@ -279,9 +351,20 @@ class LiveRecorder:
         return self.manifest["decoding"]
 
     def counts(self) -> dict:
-        """The manifest's counts: requests committed, requests left out by reason, requests dropped."""
-        return {"requests": self._base + self.written,
-                **{f"left_out_{why}": n for why, n in self.left_out.items()}, "dropped": self.dropped}
+        """The manifest's counts: requests committed, requests left out by reason, the other counters."""
+        return {"requests": self._base + self.written, **{f"left_out_{why}": n for why, n in self.left_out.items()},
+                **{name: getattr(self, name) for name in COUNTERS}}
+
+    def summary(self) -> str:
+        """One line: what this recording holds and everything it did not record, by reason."""
+        counts = self.counts()
+        left = ", ".join(f"{why} {n}" for why, n in self.left_out.items() if n) or "none"
+        line = (f"dwise recording {self.out}: {counts['requests']} requests ({self.written} committed by this run); "
+                f"left out: {left}; dropped (writer behind) {self.dropped}; lost to a failed write "
+                f"{self.lost_to_write_error}")
+        if self.runs_unclosed:
+            line += f"; {self.requests_recovered} requests of {self.runs_unclosed} unclosed runs recovered"
+        return line + ("; recording stopped by a failed write" if self.failure is not None else "")
 
     def _carry_counts(self) -> None:
         """Start from the counts of the runs before, when the directory already holds their traces."""
@@ -292,22 +375,25 @@ class LiveRecorder:
         before = read_json_object(path, StoreError, fix="that recording directory is damaged").get("counts") or {}
         for why in self.left_out:
             self.left_out[why] = int(before.get(f"left_out_{why}", 0))
-        self.dropped = int(before.get("dropped", 0))
+        for name in COUNTERS:
+            setattr(self, name, int(before.get(name, 0)))
 
     # --- events from the hook (the scheduler's thread) ----------------------------------------------
 
     def arrived(self, req, block_size: int) -> None:
-        self._raise_writer_error()
+        if self.failure is not None:
+            self._shed()
+            return
         rid = str(req.rid)
         if rid in self.open:  # registered again: SGLang retracted it (work lost only if it had run)
             self.open[rid].retracted = self.open[rid].started is not None
             return
-        if rid in self.done or rid in self._own:
+        if rid in self._skipped:
             return
-        own = sglang_own_request(req, self.warmup)
-        if own is not None:
-            self._own.add(rid)
-            self.left_out[own] += 1
+        why = "duplicate" if rid in self.done else sglang_own_request(req, self.warmup)
+        if why is not None:  # counted once, even if SGLang queues it again
+            self._skipped[rid] = why
+            self.left_out[why] += 1
             return
         features = self.features(req) if self.features is not None else (0, 0, len(req.origin_input_ids))
         self.open[rid] = _Open(self.next_index, features, block_size, len(req.origin_input_ids))
@@ -344,25 +430,26 @@ class LiveRecorder:
             entry.current, entry.outputs = 0, len(req.output_ids)
 
     def finished(self, req) -> None:
-        """SGLang finished ``req``: queue its row for the writer (never a disk write here)."""
-        self._raise_writer_error()
-        rid = str(req.rid)
-        self._own.discard(rid)
-        entry = self.open.pop(rid, None)
-        if entry is None or entry.first_round is None:
+        """SGLang finished ``req``: queue its row for the writer (never a disk write here), or count
+        why it is no trace. Also for a request SGLang finished before the hook registered it (aborted
+        while waiting): counted as ``aborted``."""
+        if self.failure is not None:
+            self._shed()
+            self.lost_to_write_error += 1
             return
+        rid = str(req.rid)
+        if self._skipped.pop(rid, None) is not None:
+            return  # counted when it arrived
+        entry = self.open.pop(rid, None)
         reason = req.finished_reason
         reason = getattr(reason, "to_json", lambda: {"type": reason})()
         kind = str(reason.get("type")).lower()
-        if "abort" in kind:
-            return  # an aborted request did not run to its end: not a trace
+        if entry is None:  # never registered: only an abort finishes a request before the hook saw it
+            if "abort" in kind:
+                self.left_out["aborted"] += 1
+            return
         output_tokens = received_tokens(req, reason)
-        if entry.prompt_last is None:
-            # a block-aligned prompt cached whole, whose rows no forward here computed: a made-up
-            # prompt_last would be a training row the model never produced
-            why = "without_prompt_rows"
-        else:
-            why = "retracted" if entry.retracted else left_out_because(req, reason, output_tokens)
+        why = _not_a_trace(entry, req, reason, kind, output_tokens)
         if why is not None:
             self.left_out[why] += 1
             return
@@ -387,9 +474,30 @@ class LiveRecorder:
         self.done.add(rid)
         self._queue.append((row, entry.first_round, entry.prompt_last))
 
-    def _raise_writer_error(self) -> None:
-        if self._error is not None:  # stays: a dead writer commits nothing more
-            raise self._error
+    def left_unfinished(self, req, reason: str = "aborted") -> None:
+        """``req`` (a request or its rid) left SGLang without finishing: ``abort_request`` popped it
+        from every queue, or the hook refused it before registering it (its KV reservation over the
+        budget). Free what the recorder held for it (its host rows) and count it as
+        ``left_out_<reason>`` (:data:`LEFT_OUT_REASONS`), unless it was counted when it arrived
+        (SGLang's own, a repeated id). Call it once per request, instead of :meth:`finished`."""
+        if reason not in self.left_out:
+            raise ValueError(f"no such reason {reason!r} to leave a request out: one of {', '.join(LEFT_OUT_REASONS)}")
+        if self.failure is not None:
+            self._shed()
+            return
+        rid = str(getattr(req, "rid", req))
+        if self._skipped.pop(rid, None) is None:
+            self.open.pop(rid, None)
+            self.left_out[reason] += 1
+
+    def _shed(self) -> None:
+        """Recording stopped (a failed write): free what the hook's requests held here, and count what
+        the writer, gone, left queued. The writer touches the queue no more once ``failure`` is set."""
+        while self._queue:
+            self._queue.popleft()
+            self.lost_to_write_error += 1
+        self.open.clear()
+        self._skipped.clear()
 
     # --- the writer thread --------------------------------------------------------------------------
 
@@ -408,19 +516,20 @@ class LiveRecorder:
                 urgent = stopping or wanted > self._flushed
                 if pending and (urgent or len(pending) >= self.every or now - oldest >= self.flush_s):
                     while pending:
-                        chunk, pending = pending[: self.every], pending[self.every:]
-                        self._commit(chunk)
+                        self._commit(pending[: self.every])
+                        del pending[: self.every]  # committed: no longer lost should the next write fail
+                        self._write_counts()  # the counts, as of this shard
                     oldest = None
                     counted, counts_at = self.counts(), now
                 elif self.counts() != counted and (urgent or now - counts_at >= self.flush_s):
-                    self.store.begin(dict(self.manifest, counts=self.counts()))  # left-outs without a new shard
+                    self._write_counts()  # left-outs without a new shard
                     counted, counts_at = self.counts(), now
                 self._flushed = wanted
                 if stopping and not self._queue:
                     return
                 time.sleep(self.POLL_S)
-        except BaseException as err:  # a full disk, a damaged directory: the scheduler's thread raises it
-            self._error = err
+        except Exception as err:  # a full disk, a damaged directory: recording stops, the server does not
+            self._stop_recording(err, len(pending))
 
     def _commit(self, chunk: list) -> None:
         if not self._marked:
@@ -429,39 +538,68 @@ class LiveRecorder:
         rows, first, last = zip(*chunk)
         self.store.write_shard(pd.DataFrame(list(rows)), np.stack(first), np.stack(last))
         self.written += len(rows)
-        self.store.begin(dict(self.manifest, counts=self.counts()))  # the counts, as of this shard
+
+    def _write_counts(self) -> None:
+        self.store.begin(dict(self.manifest, counts=self.counts()))
+
+    def _stop_recording(self, err: BaseException, unwritten: int) -> None:
+        """The writer's end on a write error: count what it held, then set ``failure`` (after which the
+        scheduler's thread counts the rest) and say so once."""
+        self.lost_to_write_error += unwritten
+        self.write_errors += 1
+        self.failure = err
+        logger.error("dwise: recording into %s stopped, the server keeps serving: %s (finished requests from now "
+                     "on are counted, not recorded: counts.lost_to_write_error)", self.out, " ".join(str(err).split()))
 
     # --- committing ---------------------------------------------------------------------------------
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Commit every finished request queued so far; wait up to ``timeout`` seconds for the writer.
         Safe inside a signal handler on the scheduler's thread (no lock is taken: the writer polls).
-        Returns whether the writer got there in time."""
-        if self._closed:
-            return True
+        Returns whether the writer got there in time (False once a failed write stopped recording)."""
+        if self._closed or self.failure is not None:
+            return self.failure is None
         self._flush_wanted += 1
         target, deadline = self._flush_wanted, time.monotonic() + timeout
-        while self._flushed < target and self._error is None and time.monotonic() < deadline:
+        while self._flushed < target and self.failure is None and time.monotonic() < deadline:
             time.sleep(self.POLL_S / 4)
-        self._raise_writer_error()
-        return self._flushed >= target
+        return self._flushed >= target and self.failure is None
 
     def close(self, timeout: float = 60.0) -> Path:
-        """Commit the rest, consolidate ``requests.parquet`` + ``hidden.safetensors``, release the
-        directory. A writer that does not finish within ``timeout`` seconds (a stalled disk) leaves
-        the consolidation to the next run that opens the directory."""
+        """Count the requests still in flight, commit the rest, consolidate ``requests.parquet`` +
+        ``hidden.safetensors``, release the directory, and log :meth:`summary`. A writer that does not
+        finish within ``timeout`` seconds (a stalled disk), or a consolidation that fails, leaves the
+        consolidation to the next run that opens the directory (counted there as ``runs_unclosed``)."""
         if self._closed:
             return self.out
         self._closed = True
+        if self.failure is None:
+            self.left_out["in_flight"] += len(self.open)  # before the writer's last pass writes the counts
+            self.open.clear()
         self._stopping = True
         try:
             self._writer.join(timeout)
-            self._raise_writer_error()
-            if not self._writer.is_alive() and (self.done or self._base):
-                self.store.consolidate(self.counts())
+            if self.failure is not None:
+                self._shed()
+            if not self._writer.is_alive():
+                self._consolidate()
         finally:
             self.store.__exit__(None, None, None)
+        logger.info(self.summary())
         return self.out
+
+    def _consolidate(self) -> None:
+        """The last write of a run: the consolidated files (or the counts alone, with no shards)."""
+        try:
+            if self._base or self.written:
+                counts = dict(self.counts(), requests_consolidated=self._base + self.written)
+                self.store.consolidate(counts)
+                self.requests_consolidated = counts["requests_consolidated"]
+            else:
+                self._write_counts()
+        except (StoreError, OSError) as err:
+            if self.failure is None:  # one line for the failure, as for a failed write while serving
+                self._stop_recording(err, 0)
 
     def close_on_exit(self) -> None:
         """Close at interpreter exit, and commit on SIGTERM and SIGINT, each chained to the handler
@@ -490,4 +628,17 @@ class LiveRecorder:
             previous(signum, frame)
 
 
-__all__ = ["LiveRecorder", "live_manifest", "live_split", "sglang_own_request", "warmup_inputs"]
+def _not_a_trace(entry: _Open, req, reason: dict, kind: str, output_tokens: int) -> str | None:
+    """Why a finished request the recorder followed is no trace (a :data:`LEFT_OUT_REASONS`), or None."""
+    if "abort" in kind:
+        return "aborted"  # it did not run to its end
+    if entry.first_round is None:
+        return "without_first_round"  # no pooled first round: the refinement input would be made up
+    if entry.prompt_last is None:
+        # a block-aligned prompt cached whole, whose rows no forward here computed: a made-up
+        # prompt_last would be a training row the model never produced
+        return "without_prompt_rows"
+    return "retracted" if entry.retracted else left_out_because(req, reason, output_tokens)
+
+
+__all__ = ["LiveRecorder", "live_manifest", "live_split", "served_model", "sglang_own_request", "warmup_inputs"]

@@ -1,1 +1,1 @@
-"""Prompt features (standard library only: the serving side computes them too)."""
+"""Prompt features (standard library and numpy: the serving side computes them too)."""

@@ -77,18 +77,28 @@ class PromptFeaturizer:
         """(words, newlines, prompt tokens) of one raw prompt."""
         return float(count_words(text)), float(count_newlines(text)), float(self.prompt_tokens(text))
 
-    def user_text(self, input_ids) -> str | None:
-        """The user's text inside ``input_ids``, a model input as a server holds it (the chat template
-        applied to one user message): the template's own ids stripped from both ends, the rest
-        decoded. ``collect`` counts words and newlines over the user's text, not over the template's
-        markup, so a server must too. None where the ids are not one user message in this template
+    def user_span(self, input_ids) -> tuple[int, int] | None:
+        """(start, stop) of the user's ids inside ``input_ids``, a model input as a server holds it
+        (the chat template applied to one user message): what is left when the template's own ids
+        are stripped from both ends. None where the ids are not one user message in this template
         (a system prompt, several turns) or there is no template to strip."""
         if self._wrapper is None:
             return None
-        ids, (prefix, suffix) = list(input_ids), self._wrapper
-        if len(ids) < len(prefix) + len(suffix) or ids[:len(prefix)] != prefix or ids[len(ids) - len(suffix):] != suffix:
+        (prefix, suffix), n = self._wrapper, len(input_ids)
+        if n < len(prefix) + len(suffix):
             return None
-        return self.tokenizer.decode(ids[len(prefix):len(ids) - len(suffix)])
+        if list(input_ids[:len(prefix)]) != prefix or list(input_ids[n - len(suffix):]) != suffix:
+            return None
+        return len(prefix), n - len(suffix)
+
+    def user_text(self, input_ids) -> str | None:
+        """The user's text inside ``input_ids`` (:meth:`user_span`), decoded. ``collect`` counts
+        words and newlines over the user's text, not over the template's markup, so a server must
+        too. None where there is no user message to strip the template from."""
+        span = self.user_span(input_ids)
+        if span is None:
+            return None
+        return self.tokenizer.decode(list(input_ids[span[0]:span[1]]))
 
 
 def load_tokenizer(model: dict):

@@ -5,7 +5,7 @@ SGLang 0.5.23 starts each scheduler (one per TP/PP/DP rank) as a ``spawn`` child
 entry points take the child's target as a parameter — ``http_server.launch_server(...,
 run_scheduler_process_func=...)`` and ``Engine.run_scheduler_process_func`` — so we hand them a
 :class:`SchedulerEntry`: a picklable callable that, in the child, loads the bundle on the rank's
-GPU, calls :func:`~dwise_predict.serving.sglang_adapter.install` (before the model runner exists,
+GPU, calls :func:`~dwise_predict.serving.sglang.install` (before the model runner exists,
 so before any CUDA graph is captured) and then runs SGLang's own ``run_scheduler_process``. The
 hook's config is resolved in the launching process against SGLang's resolved server arguments
 (:func:`resolved`: the pooling buffer's rows from the CUDA-graph batch sizes SGLang decided for
@@ -28,7 +28,13 @@ first of its attention group, :func:`recording_directory`) writes contract-1 sha
 it finished to ``traces/dp<rank>/``; ``dwise-predict traces merge`` joins them. What happens to a
 recording on each kind of shutdown is in ``docs/serving.md``.
 
-Besides what ``sglang_adapter.SURFACE`` lists, the launcher calls SGLang's ``load_plugins``,
+Before SGLang loads the model, :func:`resolved` checks the hook against the served model and server
+(:mod:`.checks`: hidden size, block size, model identity, the request rows of each scheduler) and the
+bundle's decoding (:func:`check_served_algorithm`), and refuses in one line; ``serve --check``
+(:mod:`.preflight`) reports every problem at once. Each scheduler process the hook went into logs one
+line saying so (:func:`engaged_line`).
+
+Besides what ``serving.sglang.SURFACE`` lists, the launcher calls SGLang's ``load_plugins``,
 ``prepare_server_args``, ``ServerArgs.resolve_once``, ``resolved_view``, ``launch_server``,
 ``kill_process_tree``, ``Engine``, ``resolve_spawn_dp_rank`` and ``compute_dp_attention_world_info``
 (each checked against the 0.5.23 wheel in ``tests/test_serving_launcher.py`` and
@@ -38,17 +44,21 @@ Besides what ``sglang_adapter.SURFACE`` lists, the launcher calls SGLang's ``loa
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.files import read_json
+from dwise_predict.serving.checks import Findings, bundle_hidden_size, scheduler_rows, server_findings
 
 RUN_SCHEDULER_PROCESS = "sglang.srt.managers.scheduler:run_scheduler_process"
+logger = logging.getLogger(__name__)
 ACTIVE = None  # the Installed handle of this process (set in a scheduler child)
 LOCK_FILE = ".lock"  # a recording directory's lock file, holding its writer's pid (collectors.store)
+FROM_SERVER = {"from_server": True}  # metadata of a HookConfig field that SGLang's arguments fill, not the user
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,7 @@ class HookConfig:
 
     bundle : predictor bundle directory, or None (rank by prompt blocks only: ``r̂ = 0``).
     slots, k : ``B`` and the resident-set multiplier (SGLang's ``--max-running-requests`` >= k*B).
-    kv_budget_tokens, kv_fraction, slack_blocks : KV reservations (see ``sglang_adapter.install``).
+    kv_budget_tokens, kv_fraction, slack_blocks : KV reservations (see ``serving.sglang.install``).
     block_size : SGLang's dLLM block size; default the bundle's.
     max_batch : the largest batch of one forward; default the larger of ``slots`` and what the
         server can run in one forward (:func:`largest_forward`: its largest CUDA-graph batch or
@@ -65,12 +75,16 @@ class HookConfig:
     hidden_size : the model's hidden size (recording without a bundle); default the bundle's.
     tokenizer : tokenizer directory or hub id for the admission features (prompt text); default
         the server's ``--tokenizer-path`` or ``--model-path``.
+    tokenizer_revision, trust_remote_code : how the tokenizer is loaded, as SGLang's scheduler loads
+        its own: the server's ``--revision`` (where ``tokenizer`` is the server's) and
+        ``--trust-remote-code``. Filled from SGLang's arguments by :func:`resolved`; no option of
+        ``serve`` or the plugin (:func:`option_fields`).
     record : directory for recording mode, or None.
     record_every : most requests per committed shard while recording.
     record_flush_s : seconds after which a finished request is committed whatever the traffic (the
         most a scheduler process killed outright loses: ``docs/serving.md``).
     prompt_cache : block rows the hook keeps for requests that a prefix-cache hit leaves without a
-        prompt block of their own (``sglang_adapter.install``; 0: none).
+        prompt block of their own (``serving.sglang.install``; 0: none).
     aging : the policy's starvation guard (``DwisePolicy(aging=)``: rounds of remaining work one round
         in the server is worth; 0: off). The default's choice: docs/serving.md, "Starvation guard".
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
@@ -87,6 +101,8 @@ class HookConfig:
     max_batch: int | None = None
     hidden_size: int | None = None
     tokenizer: str | None = None
+    tokenizer_revision: str | None = field(default=None, metadata=FROM_SERVER)
+    trust_remote_code: bool = field(default=False, metadata=FROM_SERVER)
     record: str | None = None
     record_every: int = 64
     record_flush_s: float = 5.0
@@ -115,6 +131,12 @@ class HookConfig:
         return out
 
 
+def option_fields() -> list:
+    """The :class:`HookConfig` fields a user sets (``serve``'s options, the plugin's ``DWISE_*``
+    variables): all but those filled from SGLang's own arguments."""
+    return [f for f in fields(HookConfig) if not f.metadata.get("from_server")]
+
+
 def _load(path: str):
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -133,30 +155,65 @@ def largest_forward(server_args) -> int:
 
 
 def resolved(config: HookConfig, server_args=None) -> HookConfig:
-    """Fill block size, hidden size, batch and tokenizer from the bundle and the server arguments
-    (``server_args``: SGLang's resolved view of them, see :func:`largest_forward`)."""
-    problems = config.problems()
-    if problems:
-        raise ConfigError("; ".join(problems))
-    block_size, hidden, tokenizer = config.block_size, config.hidden_size, config.tokenizer
+    """Fill block size, hidden size, batch and tokenizer from the bundle, the served model and the server
+    arguments (``server_args``: SGLang's resolved view of them, see :func:`largest_forward`), after
+    every check :func:`startup_findings` runs: one line naming every problem, before SGLang loads the
+    model."""
+    findings = startup_findings(config, server_args)
+    findings.raise_problems()
+    return filled_config(config, findings, server_args)
+
+
+def filled_config(config: HookConfig, findings: Findings, server_args) -> HookConfig:
+    """``config`` with what :func:`resolved` fills in, from checks that found no problem."""
+    block_size, hidden = findings.served["hook_block_size"], findings.served["hook_hidden_size"]
+    max_batch, tokenizer, revision = config.max_batch, config.tokenizer, config.tokenizer_revision
+    trust_remote_code = config.trust_remote_code
+    if server_args is not None:
+        max_batch = max_batch or max(config.slots, largest_forward(server_args))
+        if not tokenizer:  # the server's tokenizer, at the revision SGLang's scheduler loads it at
+            tokenizer = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
+            revision = getattr(server_args, "revision", None)
+        trust_remote_code = bool(getattr(server_args, "trust_remote_code", False))
+    return replace(config, block_size=int(block_size), hidden_size=int(hidden) if hidden else None,
+                   max_batch=int(max_batch or config.slots), tokenizer=tokenizer, tokenizer_revision=revision,
+                   trust_remote_code=trust_remote_code)
+
+
+def startup_findings(config: HookConfig, server_args=None) -> Findings:
+    """Every check of ``config`` that can run before SGLang loads the model: its own problems; with
+    ``server_args`` (SGLang's resolved view), the served model and server (:mod:`.checks`) and the
+    bundle's decoding (:func:`check_served_algorithm`, at SGLang's block size); then whether the
+    hook has a block size and (recording) a hidden size: given, the bundle's, or the served model's
+    (``served["hook_block_size"]``, ``served["hook_hidden_size"]``). A bundle whose ``bundle.json``
+    cannot be read raises at once."""
+    findings = Findings()
+    for problem in config.problems():
+        findings.refuse(ConfigError, problem)
+    if findings.problems:
+        return findings
+    manifest = None
     if config.bundle is not None:
         path = Path(config.bundle) / "bundle.json"  # bounded: deeply nested JSON is one line, not a RecursionError
         manifest = read_json(path, BundleError, str(path), "re-export the bundle")
-        block_size = block_size or (manifest.get("decoding") or {}).get("block_size")
-        hidden = hidden or (manifest.get("model") or {}).get("hidden_size")
-        if server_args is not None:
-            check_served_algorithm(manifest, config.bundle, server_args)
-    max_batch = config.max_batch
     if server_args is not None:
-        max_batch = max_batch or max(config.slots, largest_forward(server_args))
-        tokenizer = tokenizer or getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
+        findings = server_findings(config, manifest, server_args)
+        if manifest is not None:
+            try:
+                check_served_algorithm(manifest, config.bundle, server_args, findings.served.get("block_size"))
+            except BundleError as err:
+                findings.refuse(BundleError, str(err))
+    trained = {} if manifest is None else manifest
+    block_size = (config.block_size or (trained.get("decoding") or {}).get("block_size")
+                  or findings.served.get("block_size"))
+    hidden = config.hidden_size or (bundle_hidden_size(manifest) if manifest else None) or findings.served.get("hidden_size")
+    findings.served.update(hook_block_size=block_size, hook_hidden_size=hidden)
     missing = [flag for flag, value in (("--block-size", block_size), ("--hidden-size", hidden if config.record else 1))
                if not value]
     if missing:
-        raise ConfigError(f"the hook needs {' and '.join(missing)} (the model's dLLM block size and hidden size; "
-                          "a bundle carries both): pass them")
-    return replace(config, block_size=int(block_size), hidden_size=int(hidden) if hidden else None,
-                   max_batch=int(max_batch or config.slots), tokenizer=tokenizer)
+        findings.refuse(ConfigError, f"the hook needs {' and '.join(missing)} (the model's dLLM block size and hidden "
+                                     "size; a bundle carries both, a local --model-path gives both): pass them")
+    return findings
 
 
 def served_algorithm(server_args, block_size: int | None = None) -> dict | None:
@@ -175,14 +232,15 @@ def served_algorithm(server_args, block_size: int | None = None) -> dict | None:
                            or block_size)
 
 
-def check_served_algorithm(manifest: dict, bundle: str, server_args) -> None:
+def check_served_algorithm(manifest: dict, bundle: str, server_args, block_size: int | None = None) -> None:
     """Refuse, before SGLang loads the model, a bundle trained for another algorithm or parameters
-    (or the block size the algorithm config file names) than the server will run. The hook checks
-    again on its first step, against the scheduler's ``DllmConfig``, block size included."""
+    or block size (the algorithm config file's, else ``block_size``: SGLang's for the model, see
+    :func:`~.checks.served_block_size`) than the server will run. The hook checks again on its first
+    step, against the scheduler's ``DllmConfig``."""
     from dwise_predict.engine.algorithms import comparable_decoding
     from dwise_predict.serving.bundle import check_compatible
 
-    served = served_algorithm(server_args)
+    served = served_algorithm(server_args, block_size)
     if served is not None:
         check_compatible(manifest, None, comparable_decoding((manifest.get("decoding") or {}).get("algorithm"), served),
                          bundle)
@@ -253,7 +311,7 @@ def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 
     launcher's ``dp_rank``). A recorder commits on SIGTERM, SIGINT and at exit
     (:meth:`LiveRecorder.close_on_exit`): call this from the process's main thread."""
     global ACTIVE
-    from dwise_predict.serving.sglang_adapter import install
+    from dwise_predict.serving.sglang import install
 
     resolve = _load(config.resolver) if config.resolver else importlib.import_module
     device = _device(gpu_id)
@@ -263,23 +321,47 @@ def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 
 
         bundle = load_bundle(config.bundle, backend="torch", device=device)
     where = recording_directory(server_args, tp_rank, pp_rank, dp_rank, resolve) if config.record else None
-    tokenizer = _tokenizer(config.tokenizer) if bundle is not None or where is not None else None
-    features = _features(tokenizer) if bundle is not None or config.record else None
+    tokenizer = (_tokenizer(config.tokenizer, config.tokenizer_revision, config.trust_remote_code)
+                 if bundle is not None or where is not None else None)
+    features = _features(tokenizer, keep_text=where is not None) if bundle is not None or config.record else None
     recorder = None
     if where is not None:
         # recording is a collector: its writer lives in collectors/ (see tests/test_layering.py)
-        from dwise_predict.collectors.live import LiveRecorder
+        from dwise_predict.collectors.live import LiveRecorder, served_model
 
+        # the served model's identity, as `collect` records it (its weights read once, here, per recording rank)
+        model_path = getattr(server_args, "model_path", None)
+        model = served_model(model_path, getattr(server_args, "revision", None),
+                             bool(getattr(server_args, "trust_remote_code", False))) if model_path else None
         recorder = LiveRecorder(Path(config.record) / where, block_size=config.block_size, features=features,
                                 every=config.record_every, bundle=config.bundle, flush_s=config.record_flush_s,
-                                decoding=served_algorithm(server_args, config.block_size), tokenizer=tokenizer)
+                                decoding=served_algorithm(server_args, config.block_size), tokenizer=tokenizer,
+                                model=model)
         recorder.close_on_exit()
     ACTIVE = install(bundle, slots=config.slots, k=config.k, kv_budget_tokens=config.kv_budget_tokens,
                      kv_fraction=config.kv_fraction, slack_blocks=config.slack_blocks, features=features,
                      device=device if (bundle is not None or recorder is not None) else None, resolve=resolve,
                      block_size=config.block_size, max_batch=config.max_batch, hidden_size=config.hidden_size,
                      recorder=recorder, prompt_cache=config.prompt_cache, aging=config.aging)
+    # before SGLang configures logging in this process: Python's last-resort handler prints a warning
+    logger.warning(engaged_line(config, server_args, tp_rank, dp_rank, where, resolve))
     return ACTIVE
+
+
+def engaged_line(config: HookConfig, server_args, tp_rank: int, dp_rank: int | None, where: str | None,
+                 resolve=importlib.import_module) -> str:
+    """The start-up line of a scheduler process the hook went into: which bundle, ``B``, ``k``, the
+    request rows each scheduler holds (:func:`~.checks.scheduler_rows`, from SGLang's resolved
+    arguments), where it records. A scheduler process without it runs without the hook."""
+    rows = "?"
+    if server_args is not None:
+        rows = scheduler_rows(resolve("sglang.srt.arg_groups.model_override_base").resolved_view(server_args))[0]
+    bundle = f"bundle {config.bundle}" if config.bundle is not None else "no bundle (r_hat = 0)"
+    recording = (f"recording to {Path(config.record) / where}" if where is not None else
+                 "another process of its group records" if config.record is not None else "not recording")
+    return (f"DWISE hook engaged in scheduler process {os.getpid()} (TP rank {tp_rank}, DP rank {dp_rank}): {bundle}, "
+            f"B = {config.slots}, k = {config.k:g}, k*B = {config.slots * config.k:g} of {rows} request rows per "
+            f"scheduler, block size {config.block_size}; {recording}")
 
 
 def _device(gpu_id: int) -> str:
@@ -290,38 +372,59 @@ def _device(gpu_id: int) -> str:
     return f"cuda:{gpu_id}" if torch.cuda.is_available() else "cpu"
 
 
-def _tokenizer(path: str | None):
-    """The tokenizer at ``path`` (a directory or hub id), or None without one."""
+def _tokenizer(path: str | None, revision: str | None = None, trust_remote_code: bool = False):
+    """The tokenizer at ``path`` (a directory or hub id), at ``revision`` and with the server's
+    ``trust_remote_code`` (as SGLang's scheduler loads its own), or None without one."""
     if not path:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
 
 
-def _features(tokenizer):
-    """``req -> (words, newlines, prompt_tokens)``: SGLang's ``Req`` holds the chat-templated ids, so
-    the words and newlines are counted over the user's text inside them, as ``collect`` counts them
-    (:meth:`PromptFeaturizer.user_text`); over the whole decoded input where the template cannot be
-    stripped (a system prompt or several turns: the template's markup then counts too).
-    ``tokenizer``: a loaded tokenizer, a path to load one from, or None (no text: zero words)."""
-    from dwise_predict.features.prompt import PromptFeaturizer, count_newlines, count_words
+class RequestFeatures:
+    """``req -> (words, newlines, prompt_tokens)``, the admission features of an SGLang ``Req``, from its
+    token ids without decoding them (:class:`~dwise_predict.features.token_tables.TokenFeaturizer`:
+    tables built once, here, a few gathers per arrival on the scheduler thread). The ``Req`` holds
+    the chat-templated ids: the words and newlines are those of the user's text inside them, as
+    ``collect`` counts them (:meth:`~dwise_predict.features.prompt.PromptFeaturizer.user_span`); of
+    the whole input where the template cannot be stripped (a system prompt or several turns: the
+    template's markup then counts too). Kept on the request (``req._dwise_features``): the hook and
+    a recorder both ask.
+
+    Parameters
+    ----------
+    featurizer : a ``TokenFeaturizer``, or None (no tokenizer: zero words and newlines).
+    keep_text : also decode the prompt into ``req._dwise_text``, the traces' prompt column, for a
+        recorder (recording pays that decode, admission alone never does).
+    """
+
+    def __init__(self, featurizer, keep_text: bool = False):
+        self.featurizer, self.keep_text = featurizer, keep_text
+
+    def __call__(self, req) -> tuple[int, int, int]:
+        found = getattr(req, "_dwise_features", None)
+        if found is not None:
+            return found
+        ids = req.origin_input_ids
+        if self.featurizer is None:
+            found = (0, 0, len(ids))
+        else:
+            found = self.featurizer(ids)
+            if self.keep_text:
+                req._dwise_text = self.featurizer.text(ids)
+        req._dwise_features = found
+        return found
+
+
+def _features(tokenizer, keep_text: bool = False) -> RequestFeatures:
+    """The hook's :class:`RequestFeatures` for ``tokenizer``: a loaded tokenizer, a path to load one
+    from, or None (no text: zero words)."""
+    from dwise_predict.features.token_tables import TokenFeaturizer
 
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = _tokenizer(str(tokenizer))
-    featurizer = PromptFeaturizer(tokenizer) if tokenizer is not None else None
-
-    def features(req):
-        text = getattr(req, "_dwise_text", None)
-        if text is None:
-            ids = list(req.origin_input_ids)
-            text = "" if featurizer is None else featurizer.user_text(ids)
-            if text is None:
-                text = featurizer.tokenizer.decode(ids)
-            req._dwise_text = text
-        return (count_words(text), count_newlines(text), len(req.origin_input_ids))
-
-    return features
+    return RequestFeatures(TokenFeaturizer(tokenizer) if tokenizer is not None else None, keep_text)
 
 
 def _sglang(what: str, name: str):

@@ -10,9 +10,13 @@ offline ``sglang.Engine`` start their scheduler processes, so that the scheduler
 run by the launcher's :class:`~dwise_predict.serving.launcher.SchedulerEntry`, with the config read
 from the environment and resolved against SGLang's resolved server arguments: the same entry, the
 same config and the same patched methods as ``dwise-predict serve`` (which stays the one-command
-path; it passes its own entry, which the wrapper leaves alone).
+path; it passes its own entry, which the wrapper leaves alone). It also wraps ``Engine.shutdown``
+(:func:`shutdown_with_recordings`), which SGLang ends with a SIGKILL of every scheduler: with
+``DWISE_RECORD`` set, each recording scheduler commits and consolidates first, as under
+``launcher.engine()``.
 
-Environment: every :class:`~dwise_predict.serving.launcher.HookConfig` field is ``DWISE_`` + its
+Environment: every :class:`~dwise_predict.serving.launcher.HookConfig` option (all its fields but
+the two SGLang's own flags fill, ``launcher.option_fields``) is ``DWISE_`` + its
 name in capitals (:data:`VARIABLES`), read as ``dwise-predict serve`` reads the option of the same
 name: ``DWISE_BUNDLE``, ``DWISE_RECORD``, ``DWISE_SLOTS``, ``DWISE_K``, ``DWISE_KV_BUDGET_TOKENS``,
 ``DWISE_KV_FRACTION``, ``DWISE_SLACK_BLOCKS``, ``DWISE_BLOCK_SIZE``, ``DWISE_MAX_BATCH``,
@@ -34,19 +38,20 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import multiprocessing
 import os
 import re
 import sys
-from dataclasses import fields
-
-from dwise_predict.errors import ConfigError
-from dwise_predict.serving.launcher import HookConfig, SchedulerEntry, resolved
+from dwise_predict.errors import ConfigError, DwiseError
+from dwise_predict.serving.launcher import HookConfig, SchedulerEntry, option_fields, resolved, stop_recordings
 
 PREFIX = "DWISE_"
 ENGINE_MODULE = "sglang.srt.entrypoints.engine"
 TARGET = f"{ENGINE_MODULE}.Engine._launch_subprocesses"
-VARIABLES = {f"{PREFIX}{f.name.upper()}": f for f in fields(HookConfig)}  # DWISE_BUNDLE -> HookConfig.bundle
+SHUTDOWN = f"{ENGINE_MODULE}.Engine.shutdown"
+VARIABLES = {f"{PREFIX}{f.name.upper()}": f for f in option_fields()}  # DWISE_BUNDLE -> HookConfig.bundle
+logger = logging.getLogger(__name__)
 
 
 def _misspelt(environ) -> dict[str, str]:
@@ -85,12 +90,22 @@ def config_from_environ(environ=None) -> HookConfig | None:
         except ValueError:
             problems.append(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
     config = HookConfig(**values)  # the values that parsed: their problems are reported with the rest
-    # the config names its options as serve's flags: name them as the variables that set them here
-    problems += [re.sub(r"--([a-z][a-z-]*)", lambda m: PREFIX + m.group(1).replace("-", "_").upper(), problem)
-                 for problem in config.problems()]
+    problems += [as_variables(problem) for problem in config.problems()]
     if problems:
         raise ConfigError("DWISE plugin: " + "; ".join(problems))
     return config
+
+
+def as_variables(message: str) -> str:
+    """``message`` with each of serve's own flags (a :class:`HookConfig` field: ``--slots``,
+    ``--block-size`` ...) named as the variable that sets it here (``DWISE_SLOTS``,
+    ``DWISE_BLOCK_SIZE`` ...); SGLang's flags (``--max-running-requests``) stay flags."""
+    return re.sub(r"--([a-z][a-z-]*)", _variable, message)
+
+
+def _variable(flag: re.Match) -> str:
+    variable = PREFIX + flag.group(1).replace("-", "_").upper()
+    return variable if variable in VARIABLES else flag.group(0)
 
 
 def register() -> None:
@@ -103,6 +118,22 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, launch_with_hook, HookType.AROUND)
+    HookRegistry.register(SHUTDOWN, shutdown_with_recordings, HookType.AROUND)
+
+
+def shutdown_with_recordings(original, *args, **kwargs):
+    """``Engine.shutdown`` (which ``Engine`` also registers to run at exit) after every scheduler
+    process of this process that records under ``DWISE_RECORD`` committed and consolidated its
+    recording (:func:`~dwise_predict.serving.launcher.stop_recordings`: SIGTERM, then a wait of up
+    to 60 s): SGLang's own shutdown goes straight to ``kill_process_tree``, a SIGKILL no recorder
+    outlives. What still cannot be flushed is consolidated, and counted, by the next start."""
+    try:
+        config = config_from_environ()
+    except ConfigError:
+        config = None  # the launch refused these variables: no scheduler of ours records
+    if config is not None and config.record is not None:
+        stop_recordings(config.record)
+    return original(*args, **kwargs)
 
 
 def launch_with_hook(original, *args, **kwargs):
@@ -118,6 +149,11 @@ def launch_with_hook(original, *args, **kwargs):
 
             server_args = call.arguments["server_args"]
             server_args.resolve_once()  # what _launch_subprocesses does first; idempotent
-            call.arguments["run_scheduler_process_func"] = SchedulerEntry(
-                resolved(config, resolved_view(server_args)), target=target)
+            try:  # every check before SGLang loads the model, each naming the variable to change
+                hooked = resolved(config, resolved_view(server_args))
+            except DwiseError as err:
+                refusal = f"DWISE plugin: {as_variables(str(err))}"
+                logger.error(refusal)  # SGLang's launchers do not catch it: one log line above Python's traceback
+                raise type(err)(refusal) from None
+            call.arguments["run_scheduler_process_func"] = SchedulerEntry(hooked, target=target)
     return original(*call.args, **call.kwargs)

@@ -27,6 +27,24 @@ it, so its wait is bounded, and the key of a request that does not run never cha
 sorted waiting list stays sorted and a simulator may still skip ahead over rounds whose plan cannot
 change. ``a = 0`` is Algorithm 1 as published.
 
+Wait cap (``max_wait``): aging orders requests, but admission also needs the request's KV
+reservation to fit, and a large reservation that never fits is passed by smaller ones for as long
+as they keep the pool busy, whatever its rank. With ``max_wait = W`` a waiting request that has
+waited more than ``W`` rounds is *due*: due requests are admitted first, oldest arrival round
+first (then by rank), whatever their rank, and while the first of them does not fit (its
+reservation, or a row of the ``k * B``) nobody else is admitted, so the resident set only drains
+until it does. Draining takes at most ``D = (k + 1) * L`` rounds, ``L`` the most rounds of work
+(prompt blocks plus denoising rounds) one request holds: the at most ``k * B`` residents need at
+most ``k * B * L`` block slots, served ``B`` a round while ``B`` or more remain and all of them
+each round after that, at most ``L`` more rounds. So a request is admitted at most ``W + D``
+rounds after it arrives when no due request that arrived before it is waiting (the usual case:
+the cap only acts on a server that has starved someone), and ``W + (m + 1) * D`` with ``m`` such
+requests ahead of it. Once resident it runs by rank; aging bounds that part. Being due depends on
+time, so the policy checks the first request in the wait line every round (a heap by arrival
+round; a handful of operations) and a simulator stops skipping ahead at the round it falls due
+(:meth:`DwisePolicy.steady_limit`). ``None`` turns the cap off; ``0`` admits in arrival-round
+order, blocking (SGLang's admission, with DWISE's ranking inside one round's arrivals).
+
 The two FCFS baselines of the simulator are the same class with ``ranking="arrival"`` (rank by
 arrival sequence instead of ``R``) and, for SGLang's default, ``prefill_first=True`` (a round runs
 only prompt blocks while any resident request has one left). Keeping one implementation means the
@@ -40,6 +58,7 @@ waiting candidates kept in a sorted list.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -51,6 +70,7 @@ WAITING, RUNNING, PAUSED, FREE = 0, 1, 2, 3
 RANKINGS = ("remaining", "arrival")
 NONE = np.zeros(0, dtype=np.int64)  # an empty slot array, shared (read-only)
 NONE.flags.writeable = False
+MAX_WAIT = 4096  # the wait cap's default, in rounds (docs/serving.md, "Starvation guard": how it was chosen)
 
 
 @dataclass(frozen=True)
@@ -93,11 +113,14 @@ class DwisePolicy:
     aging : starvation guard, rounds of remaining work one round in the server is worth (``R`` ranks
         as ``R + aging · arrival round``; see the module docstring); 0 is off. Only the
         ``remaining`` ranking ages.
+    max_wait : wait cap in rounds: a request waiting longer is admitted first, and admission stops
+        behind it until its reservation fits (see the module docstring for the bound); None is off.
 
     Raises
     ------
     ConfigError
-        ``slots < 1``, ``k < 1``, a non-positive KV budget, an unknown ranking or a negative aging.
+        ``slots < 1``, ``k < 1``, a non-positive KV budget, an unknown ranking, a negative aging or a
+        wait cap that is not a whole number of rounds >= 0.
     """
 
     def __init__(
@@ -109,6 +132,7 @@ class DwisePolicy:
         prefill_first: bool = False,
         blocking_admission: bool = False,
         aging: float = 0.0,
+        max_wait: int | None = MAX_WAIT,
     ):
         problems = []
         if not isinstance(slots, (int, np.integer)) or slots < 1:
@@ -121,6 +145,8 @@ class DwisePolicy:
             problems.append(f"ranking must be one of {', '.join(RANKINGS)}, got {ranking!r}")
         if not (aging >= 0 and math.isfinite(aging)):
             problems.append(f"aging (starvation guard) must be a finite number >= 0, got {aging!r}")
+        if max_wait is not None and not (isinstance(max_wait, (int, np.integer)) and max_wait >= 0):
+            problems.append(f"max_wait (wait cap) must be a whole number of rounds >= 0 or None, got {max_wait!r}")
         if problems:
             raise ConfigError("; ".join(problems))
         self.slots = int(slots)
@@ -131,6 +157,7 @@ class DwisePolicy:
         self.prefill_first = bool(prefill_first)
         self.blocking_admission = bool(blocking_admission)
         self.aging = float(aging)
+        self.max_wait = None if max_wait is None else int(max_wait)
 
         self.rounds = 0  # rounds scheduled so far (the clock of the starvation guard)
         self.kv_used = 0.0
@@ -139,6 +166,9 @@ class DwisePolicy:
         self._slot_of: dict = {}
         self._free: list[int] = []
         self._waiting: list[tuple[float, int, int]] = []  # sorted (key, seq, slot)
+        # the wait cap's line: a heap of (arrival round, key, seq, slot) over the waiting requests, whose
+        # entries for requests no longer waiting under that key are dropped when they reach its front
+        self._wait_line: list[tuple[float, float, int, int]] = []
         self._resident = np.zeros(0, dtype=np.int64)
         self._kept = None  # (run, standby) of the last plan while only its runs have happened since (_replan)
         self._alloc(64)
@@ -248,7 +278,20 @@ class DwisePolicy:
                 bisect.insort(self._waiting, entry)
         else:
             self._waiting.extend(entries)
+        if self.max_wait is not None:
+            self._line_up(entries)
         return slots
+
+    def _line_up(self, entries: list) -> None:
+        """Put waiting-list entries in the wait cap's line (rebuilt from the waiting list when stale
+        entries outnumber the live ones, so it stays within twice the waiting list)."""
+        line = self._wait_line
+        if len(line) + len(entries) > 2 * len(self._waiting) + 64:
+            line[:] = [(float(self._born[slot]), key, seq, slot) for key, seq, slot in self._waiting]
+            heapq.heapify(line)
+            return
+        for key, seq, slot in entries:
+            heapq.heappush(line, (float(self._born[slot]), key, seq, slot))
 
     # --- the round -----------------------------------------------------------------------------
 
@@ -264,7 +307,8 @@ class DwisePolicy:
     def schedule(self) -> RoundPlan:
         """Admit waiting requests and pick this round's ``B`` requests (Algorithm 1, lines 2-9).
 
-        Ranks waiting ∪ resident by (key, arrival sequence). A waiting request is admitted when it
+        Requests past the wait cap are admitted first (see the module docstring). Then the rest are
+        ranked, waiting ∪ resident, by (key, arrival sequence). A waiting request is admitted when it
         ranks in the top ``B``, fewer than ``k * B`` requests are resident and its reservation fits
         the free KV budget (one that does not fit is passed over for the next, unless
         ``blocking_admission``: then admission stops there); then the ``B`` best-ranked resident
@@ -278,40 +322,15 @@ class DwisePolicy:
                 return plan
         res = self._resident
         keys = self._keys(res)
-        admitted: list[int] = []
+        admitted, blocked = self._admit_due(len(res))
+        if admitted:
+            res, keys = self._make_resident(res, keys, admitted)
         rank = None
-        if self._waiting and len(res) < self.max_resident and len(res) >= self.slots:
-            # the common case of a busy server: the best waiting request ranks below the B-th resident,
-            # so none is admitted (the waiting list is sorted: its head is its best)
-            rank = np.lexsort((self._seq[res], keys))
-            kth = rank[self.slots - 1]
-            if self._waiting[0] < (float(keys[kth]), int(self._seq[res[kth]]), math.inf):
-                rank = None
-        if rank is None and self._waiting and len(res) < self.max_resident:
-            head = self._waiting[: self.slots]
-            thr = self._threshold(keys, self._seq[res], head)
-            kept = []
-            n_res = len(res)
-            for pos, entry in enumerate(head):
-                if entry > thr or n_res >= self.max_resident:
-                    kept.extend(head[pos:])
-                    break
-                slot = entry[2]
-                if self.kv_used + self._kv[slot] <= self.kv_budget:
-                    admitted.append(slot)
-                    self.kv_used += self._kv[slot]
-                    n_res += 1
-                elif self.blocking_admission:
-                    kept.extend(head[pos:])
-                    break
-                else:
-                    kept.append(entry)
-            if admitted:
-                self._waiting[: len(head)] = kept
-                adm = np.asarray(admitted, dtype=np.int64)
-                res = np.concatenate([res, adm])
-                keys = np.concatenate([keys, self._keys(adm)])
-                self._resident = res
+        if not blocked:
+            rank, ranked_in = self._admit_ranked(res, keys)
+            if ranked_in:
+                res, keys = self._make_resident(res, keys, ranked_in)
+                admitted += ranked_in
         pool, pool_keys, held_back = res, keys, None
         if self.prefill_first:
             prefill = self._P[res] > 0
@@ -338,6 +357,92 @@ class DwisePolicy:
         return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
                          preempted, standby)
 
+    def _make_resident(self, res: np.ndarray, keys: np.ndarray, admitted: list) -> tuple[np.ndarray, np.ndarray]:
+        """The resident slots and their keys with ``admitted`` (just taken off the waiting list) added."""
+        adm = np.asarray(admitted, dtype=np.int64)
+        self._resident = np.concatenate([res, adm])
+        return self._resident, np.concatenate([keys, self._keys(adm)])
+
+    def _admit_ranked(self, res: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray | None, list]:
+        """Admit the waiting requests that rank in the top ``B`` and fit (Algorithm 1's admission);
+        returns (the ranking of ``res`` where it was computed and nobody was admitted, else None; the
+        slots admitted, taken off the waiting list, their KV counted)."""
+        if not self._waiting or len(res) >= self.max_resident:
+            return None, []
+        if len(res) >= self.slots:
+            # the common case of a busy server: the best waiting request ranks below the B-th resident,
+            # so none is admitted (the waiting list is sorted: its head is its best)
+            rank = np.lexsort((self._seq[res], keys))
+            kth = rank[self.slots - 1]
+            if not self._waiting[0] < (float(keys[kth]), int(self._seq[res[kth]]), math.inf):
+                return rank, []
+        head = self._waiting[: self.slots]
+        thr = self._threshold(keys, self._seq[res], head)
+        admitted, kept = [], []
+        n_res = len(res)
+        for pos, entry in enumerate(head):
+            if entry > thr or n_res >= self.max_resident:
+                kept.extend(head[pos:])
+                break
+            slot = entry[2]
+            if self.kv_used + self._kv[slot] <= self.kv_budget:
+                admitted.append(slot)
+                self.kv_used += self._kv[slot]
+                n_res += 1
+            elif self.blocking_admission:
+                kept.extend(head[pos:])
+                break
+            else:
+                kept.append(entry)
+        if admitted:
+            self._waiting[: len(head)] = kept
+        return None, admitted
+
+    def _due(self) -> tuple | None:
+        """The waiting-list entry (key, seq, slot) of the first request in the wait cap's line (the
+        oldest arrival round, then the best rank) if it has waited more than ``max_wait`` rounds,
+        else None. Drops the line's stale entries (admitted, removed or re-keyed requests) from its
+        front."""
+        if self.max_wait is None or not self._waiting:
+            return None
+        line, waiting = self._wait_line, self._waiting
+        while True:  # every waiting request is in the line, so a live entry comes before it runs out
+            born, key, seq, slot = line[0]
+            entry = (key, seq, slot)
+            i = bisect.bisect_left(waiting, entry)
+            if i < len(waiting) and waiting[i] == entry:
+                return entry if self.rounds - born > self.max_wait else None
+            heapq.heappop(line)
+
+    def _fits(self, slot: int, n_res: int) -> bool:
+        """Whether ``slot`` can be admitted beside ``n_res`` residents: a row free, its KV free."""
+        return n_res < self.max_resident and self.kv_used + self._kv[slot] <= self.kv_budget
+
+    def _admit_due(self, n_res: int) -> tuple[list, bool]:
+        """Admit the requests past the wait cap, first in line first, each whatever its rank, while
+        they fit; returns (the slots admitted, whether a due request does not fit: then nobody else
+        is admitted this round, so the KV and the row it waits for are its own once freed)."""
+        admitted = []
+        while (entry := self._due()) is not None:
+            slot = entry[2]
+            if not self._fits(slot, n_res):
+                return admitted, True
+            del self._waiting[bisect.bisect_left(self._waiting, entry)]
+            heapq.heappop(self._wait_line)  # the entry _due() just found at its front
+            self.kv_used += self._kv[slot]
+            admitted.append(slot)
+            n_res += 1
+        return admitted, False
+
+    def steady_limit(self, plan: RoundPlan) -> float:
+        """Rounds ``plan`` may repeat before the wait cap can change it: until the first request in
+        the wait line falls due (it is then admitted, or admission stops behind it); unbounded
+        without a cap, with nobody waiting or once the first is due (it stays first until it is
+        admitted, which takes a finish). A simulator that skips ahead stops there."""
+        if self.max_wait is None or not self._waiting or self._due() is not None:
+            return math.inf
+        return int(self._wait_line[0][0]) + self.max_wait + 1 - self.rounds
+
     def _replan(self, run: np.ndarray, standby: np.ndarray) -> RoundPlan | None:
         """This round's plan when only the last plan's runs have happened since it (no arrival, finish,
         refinement, override or change of ``P`` from outside): the same plan with its runs re-ordered,
@@ -352,7 +457,12 @@ class DwisePolicy:
         """
         keys, seq = self._keys(run), self._seq[run]
         order = np.lexsort((seq, keys))
-        if self._waiting and len(self._resident) < self.max_resident:
+        due = self._due()
+        if due is not None:
+            if self._fits(due[2], len(self._resident)):
+                return None  # admitted this round, whatever its rank
+            # else admission waits for it: nobody else is admitted
+        elif self._waiting and len(self._resident) < self.max_resident:
             if len(run) < self.slots:
                 return None
             worst = order[-1]  # the B-th best request: a waiting one ahead of it would be admitted
@@ -495,7 +605,10 @@ class DwisePolicy:
             old = next(e for e in self._waiting if e[2] == slot)
             self._waiting.remove(old)
             self._P[slot] = prompt_blocks
-            bisect.insort(self._waiting, (float(self._keys(np.array([slot]))[0]), old[1], slot))
+            entry = (float(self._keys(np.array([slot]))[0]), old[1], slot)
+            bisect.insort(self._waiting, entry)
+            if self.max_wait is not None:
+                self._line_up([entry])  # its old entry there no longer matches: dropped when met
         else:
             self._P[slot] = prompt_blocks
 

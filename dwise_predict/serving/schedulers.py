@@ -39,7 +39,6 @@ The differences between adjacent rows are what a comparison isolates: ``sglang-d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,14 +107,15 @@ class ScheduledPolicy(DwisePolicy):
     ``fixed``: the key is ``P + r̂`` as given at :meth:`add_many` (SSJF, LTR, S³), never updated.
     ``mlfq``: the key is the level ``floor(log2(1 + work / quantum))`` of the work done so far, where
     work starts at the prompt blocks (skip-join: a long prompt enters a lower level) and grows by one
-    per denoising round; quanta double per level.
+    per denoising round; quanta double per level. The baselines run as published: no wait cap by default.
     """
 
     def __init__(self, slots: int, k: float = 8, kv_budget: float | None = None, ranking: str = "remaining",
-                 prefill_first: bool = False, quantum: float = 8.0, blocking_admission: bool = False):
+                 prefill_first: bool = False, quantum: float = 8.0, blocking_admission: bool = False,
+                 max_wait: int | None = None):
         base = ranking if ranking in ("remaining", "arrival") else "remaining"
         super().__init__(slots, k, kv_budget, ranking=base, prefill_first=prefill_first,
-                         blocking_admission=blocking_admission)
+                         blocking_admission=blocking_admission, max_wait=max_wait)
         self.ranking = ranking
         self.quantum = float(quantum)
         self._fixed = np.zeros(len(self._P))
@@ -160,24 +160,29 @@ class ScheduledPolicy(DwisePolicy):
         return super()._keys(slots)
 
     def steady_limit(self, plan) -> int:
-        """Rounds ``plan`` may repeat before a runner's key changes (MLFQ demotions); else unbounded."""
+        """Rounds ``plan`` may repeat before a runner's key changes (MLFQ demotions) or the wait cap
+        acts (:meth:`DwisePolicy.steady_limit`); else unbounded."""
+        cap = super().steady_limit(plan)
         if self.ranking != "mlfq":
-            return math.inf
+            return cap
         dn = plan.run[~plan.prompt]
         if len(dn) == 0:
-            return math.inf
+            return cap
         work = self._work(dn).astype(np.float64)
         level = np.floor(np.log2(1.0 + work / self.quantum))
         next_work = self.quantum * (2.0 ** (level + 1) - 1.0)  # work at which the level goes up
-        return max(1, int(np.min(np.ceil(next_work - work))))
+        return min(cap, max(1, int(np.min(np.ceil(next_work - work)))))
 
 
-def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None, aging: float = 0.0) -> DwisePolicy:
-    """The policy object serving ``spec`` (the plain :class:`DwisePolicy` where it suffices); ``aging``,
-    the starvation guard of the DWISE schedulers (the ``dwise-*`` rows: what ``serve`` runs), leaves
-    the baselines as published."""
+def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None, aging: float = 0.0,
+                max_wait: int | None = None) -> DwisePolicy:
+    """The policy object serving ``spec`` (the plain :class:`DwisePolicy` where it suffices); ``aging``
+    and ``max_wait``, the starvation guard and the wait cap of the DWISE schedulers (the ``dwise-*``
+    rows: what ``serve`` runs), leave the baselines as published."""
     k_eff = k if spec.preemptive else 1
     options = dict(ranking=spec.ranking, prefill_first=spec.prefill_first, blocking_admission=spec.blocking_admission)
     if spec.ranking in ("remaining", "arrival"):
-        return DwisePolicy(slots, k_eff, kv_budget, aging=aging if spec.name.startswith("dwise-") else 0.0, **options)
+        dwise = spec.name.startswith("dwise-")
+        return DwisePolicy(slots, k_eff, kv_budget, aging=aging if dwise else 0.0, max_wait=max_wait if dwise else None,
+                           **options)
     return ScheduledPolicy(slots, k_eff, kv_budget, **options)

@@ -35,7 +35,7 @@ import numpy as np
 from dwise_predict.engine import block_layout
 from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.features.prompt import FEATURE_NAMES
-from dwise_predict.serving.policy import DwisePolicy
+from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 from dwise_predict.serving.round_cost import RoundCost, flat_round_cost
 from dwise_predict.serving.schedulers import NEEDS, SCHEDULERS, bucket, make_policy
 
@@ -58,6 +58,8 @@ class SimConfig:
     arrival : ``burst``, ``burst-poisson`` or ``poisson``; ``rate`` in req/s for the Poisson part.
     seed : arrival order and times.
     aging : the DWISE schedulers' starvation guard (``DwisePolicy(aging=)``; 0: Algorithm 1 as published).
+    max_wait : the DWISE schedulers' wait cap in rounds (``DwisePolicy(max_wait=)``; None: off). Its
+        default never acts on a load the server keeps up with (docs/serving.md, "Starvation guard").
     """
 
     slots: int = 128
@@ -71,6 +73,7 @@ class SimConfig:
     seed: int = 0
     round_cost: RoundCost | None = None
     aging: float = 0.0
+    max_wait: int | None = MAX_WAIT
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,6 +93,8 @@ class SimConfig:
             problems.append(f"{self.arrival} arrivals need a positive --rate (req/s), got {self.rate}")
         if not (self.aging >= 0 and math.isfinite(self.aging)):
             problems.append(f"--aging must be a finite number >= 0 (0: off), got {self.aging}")
+        if self.max_wait is not None and not (isinstance(self.max_wait, (int, np.integer)) and self.max_wait >= 0):
+            problems.append(f"--max-wait must be a whole number of rounds >= 0, got {self.max_wait}")
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -321,7 +326,7 @@ def simulate(
     if spec.bucket_key:
         estimate = bucket(estimate)
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
-    pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging)
+    pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging, config.max_wait)
     steady_limit = getattr(pol, "steady_limit", None)
     cost = config.cost
 

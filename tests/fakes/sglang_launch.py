@@ -9,8 +9,11 @@ imported where the module imports on a CPU):
 - ``managers/scheduler.resolve_spawn_dp_rank``: a scheduler's DP rank, ``SGLANG_DP_RANK`` for none;
 - ``arg_groups/model_override_base.resolved_view``: ``resolve_once``'s decisions over the raw flags;
 - ``arg_groups/cuda_graph_hook.generate_decode_cuda_graph_batch_sizes``: the decode graph sizes;
-- ``srt/plugins`` (``load_plugins``, ``HookRegistry``): the plugin loader, over the installed entry
-  points.
+- ``srt/plugins`` (``load_plugins``, ``load_plugins_by_group``, ``HookRegistry``): the plugin loader,
+  over the installed entry points;
+- ``dllm/config.DllmConfig.from_server_args``: the block size (and one-request default) SGLang runs a
+  dLLM with, reading the model through the :class:`ModelConfig` stand-in (a ``config.json`` written
+  by :func:`write_model`) and the arguments through the wheel's ``resolving_view``.
 
 :func:`resolve` hands these out (and the CPU fake's modules, ``sglang_fake.resolve``) to
 ``HookConfig(resolver="fakes.sglang_launch:resolve")``.
@@ -22,9 +25,10 @@ H200, what ``parallel_hook`` makes of ``--enable-dp-attention`` and ``serving_ho
 default), ``entrypoints.engine.Engine`` (its class attributes, ``__init__``'s order, and a
 ``_launch_subprocesses`` that records the scheduler function it would spawn in :data:`LAUNCHED`),
 ``entrypoints.http_server.launch_server`` (through ``Engine._launch_subprocesses``, as SGLang's does)
-and ``utils.kill_process_tree`` (recorded in :data:`KILLED`). :func:`spawn_schedulers` starts
-scheduler functions the way ``Engine._launch_scheduler_processes`` does; :func:`report_scheduler`,
-run there, reports what the hook installed in that process.
+and ``utils.kill_process_tree`` (recorded in :data:`KILLED`), and ``managers.scheduler`` (the CPU
+fake's ``Scheduler``, for ``serve --check``'s import). :func:`spawn_schedulers` starts scheduler
+functions the way ``Engine._launch_scheduler_processes`` does; :func:`report_scheduler`, run there,
+reports what the hook installed in that process. :func:`entrypoints` installs all of it for one test.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ import importlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
@@ -76,10 +82,14 @@ class ServerArgs:
 
     def __init__(self, model_path=None, tokenizer_path=None, max_running_requests=None, dllm_algorithm=None,
                  dllm_algorithm_config=None, tp_size=1, dp_size=1, attn_dp_size=1, attn_cp_size=1,
-                 enable_dp_attention=False, cuda_graph_max_bs_decode=None, log_level=None, gpu_memory_mb=143771):
+                 enable_dp_attention=False, cuda_graph_max_bs_decode=None, log_level=None, gpu_memory_mb=143771,
+                 max_total_tokens=None, dllm_fdfo=False, revision=None, trust_remote_code=False,
+                 json_model_override_args="{}"):
         self.model_path, self.tokenizer_path = model_path, tokenizer_path
         self.max_running_requests, self.log_level = max_running_requests, log_level
         self.dllm_algorithm, self.dllm_algorithm_config = dllm_algorithm, dllm_algorithm_config
+        self.max_total_tokens, self.dllm_fdfo, self.revision = max_total_tokens, dllm_fdfo, revision
+        self.trust_remote_code, self.json_model_override_args = trust_remote_code, json_model_override_args
         self.tp_size, self.dp_size, self.attn_dp_size, self.attn_cp_size = tp_size, dp_size, attn_dp_size, attn_cp_size
         self.enable_dp_attention, self.cuda_graph_max_bs_decode = enable_dp_attention, cuda_graph_max_bs_decode
         self.cuda_graph_config = _SERVER.CudaGraphConfig()
@@ -116,12 +126,44 @@ def prepare_server_args(argv: list[str]) -> ServerArgs:
     parser = argparse.ArgumentParser()
     for flag, kind in (("--model-path", str), ("--tokenizer-path", str), ("--max-running-requests", int),
                        ("--dllm-algorithm", str), ("--dllm-algorithm-config", str), ("--tp-size", int),
-                       ("--dp-size", int), ("--attn-dp-size", int), ("--cuda-graph-max-bs-decode", int)):
+                       ("--dp-size", int), ("--attn-dp-size", int), ("--cuda-graph-max-bs-decode", int),
+                       ("--max-total-tokens", int), ("--revision", str), ("--json-model-override-args", str)):
         parser.add_argument(flag, type=kind)
-    parser.add_argument("--enable-dp-attention", action="store_true")
-    parser.add_argument("--dllm-fdfo", action="store_true")
-    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None and k != "dllm_fdfo"}
+    for flag in ("--enable-dp-attention", "--dllm-fdfo", "--trust-remote-code"):
+        parser.add_argument(flag, action="store_true")
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     return ServerArgs(**given)
+
+
+class ModelConfig:
+    """``configs.model_config.ModelConfig``: what ``DllmConfig.from_server_args`` reads of it, the model's
+    ``config.json`` as ``hf_config`` (SGLang's loads it through transformers; sub-configs stay mappings)."""
+
+    def __init__(self, hf_config):
+        self.hf_config = hf_config
+        self.vocab_size = getattr(hf_config, "vocab_size", None)
+
+    @classmethod
+    def from_server_args(cls, server_args, model_path=None, model_revision=None, **kwargs):
+        config = json.loads((Path(model_path or server_args.model_path) / "config.json").read_text())
+        return cls(SimpleNamespace(**config))
+
+
+def write_model(directory, architecture="SDARForCausalLM", hidden_size=128, **config) -> Path:
+    """A model directory as the launcher reads one before SGLang loads it: a ``config.json`` (a
+    Qwen3 config, as SDAR's; ``config`` adds or replaces keys) and the tiny dLLM's tokenizer files
+    (what the hook's admission features load), no weights."""
+    from dwise_predict.dllm import TINY_MODEL_DIR
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TINY_MODEL_DIR / name, directory / name)
+    body = {"architectures": [architecture], "model_type": "qwen3", "vocab_size": 151680, "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096, **config}
+    (directory / "config.json").write_text(json.dumps(body))
+    return directory
 
 
 # --- entry points ---------------------------------------------------------------------------------
@@ -201,16 +243,32 @@ def install_entrypoints(put=None) -> None:
     ``monkeypatch.setitem`` in a test, a plain assignment in a process of its own); the plugin
     loader is SGLang's own."""
     put = put or (lambda modules, name, module: modules.__setitem__(name, module))
+    # SGLang's own DllmConfig (the wheel's dllm/config.py), reading the model through the ModelConfig
+    # stand-in and its arguments through the wheel's resolving view
+    dllm_config = vars(importlib.import_module("sglang.srt.dllm.config"))
+    put(dllm_config, "ModelConfig", ModelConfig)
+    put(dllm_config, "resolving_view", sys.modules["sglang.srt.arg_groups.model_override_base"].resolving_view)
     for name, attrs in {
         "sglang.srt.server_args": {"ServerArgs": ServerArgs, "prepare_server_args": prepare_server_args},
         "sglang.srt.entrypoints": {"__path__": []},
         "sglang.srt.entrypoints.engine": {"Engine": Engine},
         "sglang.srt.entrypoints.http_server": {"launch_server": launch_server},
         "sglang.srt.utils": {**vars(sys.modules["sglang.srt.utils"]), "kill_process_tree": kill_process_tree},
+        "sglang.srt.managers.scheduler": vars(MODULES["sglang.srt.managers.scheduler"]),
     }.items():
         module = types.ModuleType(name)
         module.__dict__.update({k: v for k, v in attrs.items() if k not in ("__name__", "__spec__", "__loader__")})
         put(sys.modules, name, module)
+
+
+def entrypoints(monkeypatch):
+    """The stand-ins installed for one test (:func:`install_entrypoints`), with empty records of what
+    was launched, killed and shut down; returns this module."""
+    module = sys.modules[__name__]
+    install_entrypoints(monkeypatch.setitem)
+    for name in ("LAUNCHED", "KILLED", "SHUT_DOWN"):
+        monkeypatch.setattr(module, name, [])
+    return module
 
 
 def spawn_schedulers(launches: list, timeout=180) -> list[dict]:

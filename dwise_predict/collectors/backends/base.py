@@ -19,7 +19,6 @@ own cache; the decoder never looks inside the model.
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from safetensors import SafetensorError
 
 from dwise_predict.errors import ModelError
 from dwise_predict.files import sha256_file
+from dwise_predict.identity import config_hash
 
 # What transformers' loaders raise for a damaged or hostile model directory: truncated, empty or
 # garbage weights, shapes that do not fit the config, a pickle refused by weights-only loading.
@@ -122,32 +122,24 @@ class BlockBackend(Protocol):
         """One batched forward: every row processes one chunk against its slot's cache."""
 
 
-# what a loaded config says about the loading, not the model: where it was read from
-# (``_name_or_path``: the same weights under another path, relative or copied, are the same model), the
-# library version, the dtype it was loaded in (a decoding setting, compared apart)
-LOAD_KEYS = ("_name_or_path", "_commit_hash", "transformers_version", "dtype", "torch_dtype")
-
-
 def directory_fingerprint(model_dir: Path | None, name: str, config: dict, hidden_size: int,
                           vocab_size: int) -> dict:
     """The model fingerprint of contract 1 for a model loaded from ``model_dir``.
 
     ``weights_sha256`` hashes the sha256 of every ``*.safetensors`` file in name order (one file: its
-    own sha256); ``config_hash`` is the sha256 of the config as canonical JSON, without
-    :data:`LOAD_KEYS`. Without a directory (an in-memory model) ``weights_sha256`` is None.
+    own sha256); ``config_hash`` is :func:`~dwise_predict.identity.config_hash` of the config. Without a
+    directory (an in-memory model) ``weights_sha256`` is None.
     """
-    config = {key: value for key, value in config.items() if key not in LOAD_KEYS}
     weights_sha256 = None
     if model_dir is not None:
         files = sorted(Path(model_dir).glob("*.safetensors"))
         digests = [sha256_file(f) for f in files]
         weights_sha256 = digests[0] if len(digests) == 1 else hashlib.sha256("".join(digests).encode()).hexdigest()
-    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
     return {
         "name": name,
         "path": None if model_dir is None else str(model_dir),
         "weights_sha256": weights_sha256,
-        "config_hash": config_hash,
+        "config_hash": config_hash(config),
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
     }

@@ -1,0 +1,113 @@
+"""Admission features per arrival on the scheduler thread: from token ids (token tables) vs decoding the
+prompt and counting, for prompts of 2k and 8k tokens. Target: <= 20 µs per arrival (issue 56).
+
+What the hook runs per arrival (``launcher._features``): SGLang's ``Req`` holds the chat-templated
+input as an ``array('q')`` of ids; the features are (words, newlines, prompt tokens) of the user's text
+inside it. ``tables`` is :class:`~dwise_predict.features.token_tables.TokenFeaturizer` on that list
+(the array viewed as numpy without a copy, a gather per table); ``decode`` is what the hook did before:
+``PromptFeaturizer.user_text`` (strip the template, ``tokenizer.decode``) and ``str.split``. Two
+tokenizers: the tiny dLLM's (607 words, a chat template) and a word-level one of SDAR's vocabulary
+size (151,680 ids, as the live tests serve), whose tables are as large as a real model's. Medians
+over repeated calls, one thread; the machine's load moves them, so both paths run in one process.
+
+    python benchmarks/admission_features.py [--repeats 300] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from array import array
+
+import numpy as np
+
+TARGET_US = 20.0
+LENGTHS = (2048, 8192)
+
+
+def median_us(fn, inputs: list, repeats: int) -> float:
+    from dwise_predict.admission.compare import median_time
+
+    return median_time(fn, inputs, repeats) * 1e6
+
+
+def decoded(prompt) -> callable:
+    """The hook's features before: decode the user's ids, count."""
+    from dwise_predict.features.prompt import count_newlines, count_words
+
+    def features(ids):
+        text = prompt.user_text(ids)
+        text = prompt.tokenizer.decode(ids) if text is None else text
+        return count_words(text), count_newlines(text), len(ids)
+
+    return features
+
+
+def sdar_sized_tokenizer(size: int):
+    """A word-level tokenizer of ``size`` ids (``w<i>`` is id ``i``), as ``tests/live/tiny_sdar.py``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {("<unk>" if i == 0 else f"w{i}"): i for i in range(size)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+
+
+def tiny_inputs(tokenizer, length: int, n: int) -> list[list[int]]:
+    """``n`` chat-templated inputs of about ``length`` ids: the tiny corpus's prompts, concatenated."""
+    from dwise_predict.dllm.corpus import CATEGORIES, generate_examples
+
+    prompts = [ex.prompt for c in CATEGORIES for ex in generate_examples(c, 40, seed=0)]
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        text, ids = "", []
+        while len(ids) < length:
+            text += " " + prompts[int(rng.integers(len(prompts)))] + "\n"
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False)
+        out.append(array("q", ids))  # what SGLang's Req holds
+    return out
+
+
+def run(name: str, tokenizer, inputs: dict[int, list], repeats: int) -> None:
+    from dwise_predict.features.prompt import PromptFeaturizer
+    from dwise_predict.features.token_tables import TokenFeaturizer
+
+    start = time.perf_counter()
+    tables = TokenFeaturizer(tokenizer)
+    built = time.perf_counter() - start
+    decode = decoded(PromptFeaturizer(tokenizer))
+    print(f"{name}: {len(tables.tables.counts_) - 1:,} ids, tables built in {built:.2f} s (once, at install)")
+    for length, batch in inputs.items():
+        assert all(tables(ids) == decode(ids) for ids in batch), "the tables disagree with decoding"
+        fast = median_us(tables, batch, repeats)
+        slow = median_us(decode, batch, max(repeats // 10, 5))
+        tokens = np.mean([len(ids) for ids in batch])
+        print(f"  {tokens:6.0f}-token prompt: tables {fast:8.1f} µs per arrival (target <= {TARGET_US:g} µs), decode {slow:8.1f} µs: {slow / fast:5.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--smoke", action="store_true", help="few repeats and prompts, a 16k vocabulary: a quick check")
+    args = parser.parse_args()
+    repeats = 10 if args.smoke else args.repeats
+    n = 2 if args.smoke else 8
+    from transformers import AutoTokenizer
+
+    from dwise_predict.dllm import TINY_MODEL_DIR
+
+    tiny = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
+    run("tiny dLLM tokenizer", tiny, {length: tiny_inputs(tiny, length, n) for length in LENGTHS}, repeats)
+    size = 16_384 if args.smoke else 151_680
+    big = sdar_sized_tokenizer(size)
+    rng = np.random.default_rng(1)
+    inputs = {length: [array("q", rng.integers(1, size, length).tolist()) for _ in range(n)] for length in LENGTHS}
+    run("word-level tokenizer of SDAR's vocabulary size", big, inputs, repeats)
+
+
+if __name__ == "__main__":
+    main()

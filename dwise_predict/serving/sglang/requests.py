@@ -1,0 +1,229 @@
+"""The hook's per-request table, the TP ranks' shared estimates and the hook's counters.
+
+The policy is first reconciled with SGLang's own queues when their sizes say something changed
+behind its back (requests SGLang aborted leave it; requests ``pause_generation(mode="retract")``
+queued again while leaving them in the dLLM manager stay resident, once); new requests are
+registered with a :class:`~dwise_predict.serving.policy.DwisePolicy` (``P`` = prompt blocks, ``r̂`` =
+the bundle's admission estimate, KV reservation = prompt + output budget + slack blocks; a request
+whose reservation exceeds the whole budget is aborted through SGLang's ``abort_request`` with a
+message).
+
+On a server with several TP ranks (each its own scheduler, CPU and GPU), the estimates that rank
+requests are the first rank's on every rank (:class:`_RankShare`, over the scheduler's
+``dp_tp_group``), so a last-bit difference between GPUs cannot build different batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from dwise_predict.engine import prefill_rounds
+
+
+@dataclass
+class HookStats:
+    """What the hook did, for logs and tests (all counts since install).
+
+    rounds : scheduler steps the policy planned.
+    admitted : requests the policy moved into SGLang's dLLM queue.
+    finished : requests that left the policy because SGLang finished them.
+    vanished : requests that left because SGLang dropped them from every queue (``abort_request``).
+    retracted : requests SGLang sent back to its waiting queue with their KV released
+        (``pause_generation(mode="retract")``, which leaves them in the dLLM manager's queues too:
+        they stay resident, the duplicate leaves the waiting queue, and ``P`` follows the prompt and
+        output blocks SGLang re-encodes).
+    oversized : requests aborted because their KV reservation exceeds the whole budget.
+    prefix_blocks : prompt blocks a prefix-cache hit removed from ``P``.
+    budget_overrides : policy picks that SGLang's batch budget (its ``PrefillAdder``: KV memory, the
+        input-token budget ``--max-prefill-tokens``, request limits) left out of a step; DWISE's
+        order yields to those budgets, and the policy records them as paused, not run.
+    backfilled : standby requests (ranked next) run in a step in the slots of picks the adder left
+        out, where the adder still took requests (its ``budget_state`` said CONTINUE).
+    idle : IDLE forwards (DP attention's MLP sync: no requests) that went through the hook.
+    host_transfers : device-to-host copies the hook made: one per step that ran a first denoising
+        round (refinement or recording), none in any other step.
+    refined : requests refined on their first denoising round.
+    prompt_from_cache : refined requests that ran no prompt block of their own after a prefix-cache
+        hit on every full block: their ``prompt_last`` input was the row an earlier request's forward
+        computed for the same last full block over the same tokens.
+    prompt_from_leftover : refined requests that ran no prompt block of their own and found no such
+        row (a prompt shorter than a block, or a hit whose block has left :class:`_PromptRows`): their
+        ``prompt_last`` input was the mean of their leftover prompt rows in the first denoising forward.
+    prompt_from_training_mean : refined requests whose prompt rows SGLang never computed in this
+        process: a block-aligned prompt cached whole (no leftover tokens) whose last block has left
+        :class:`_PromptRows` (or ``prompt_cache=0``). Their ``prompt_last`` input was the training
+        requests' mean (``LoadedBundle.prompt_last_mean``), which the graph standardises to zero.
+    """
+
+    rounds: int = 0
+    admitted: int = 0
+    finished: int = 0
+    vanished: int = 0
+    retracted: int = 0
+    oversized: int = 0
+    prefix_blocks: int = 0
+    budget_overrides: int = 0
+    backfilled: int = 0
+    idle: int = 0
+    host_transfers: int = 0
+    refined: int = 0
+    prompt_from_cache: int = 0
+    prompt_from_leftover: int = 0
+    prompt_from_training_mean: int = 0
+
+
+class _RankShare:
+    """Values every TP rank serving one batch must hold bit for bit, taken from the group's first
+    rank: the estimates that rank requests (admission at arrival, refinement at the first denoising
+    round). Each rank computes them on its own CPU and GPU, and a last-bit difference between ranks
+    in a tie would build different batches on different ranks, whose collectives then wait for
+    each other forever. Everything else the policy reads (token counts, prefix matches, SGLang's
+    queues) is the same on every rank by SGLang's own design: it broadcasts the requests to the TP
+    ranks (``broadcast_pyobj`` over the TP group's CPU group) before any rank schedules them.
+
+    ``group``: the scheduler's ``dp_tp_group`` (SGLang's ``GroupCoordinator`` of the ranks sharing
+    one waiting queue: the TP group, or the attention-TP group under DP attention); the values cross
+    its gloo ``cpu_group`` as one float64 tensor (no pickle), from ``ranks[0]``.
+    """
+
+    def __init__(self, group):
+        self.group, self.source = group.cpu_group, group.ranks[0]
+        self.is_source = group.rank_in_group == 0
+
+    def __call__(self, values, n: int):
+        """``values`` (n,) on the first rank (ignored elsewhere) -> the first rank's (n,) float64."""
+        import torch
+
+        if self.is_source:
+            buffer = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        else:
+            buffer = torch.empty(n, dtype=torch.float64)
+        torch.distributed.broadcast(buffer, src=self.source, group=self.group)
+        return buffer.numpy()
+
+
+class RequestTable:
+    """The requests the policy holds, by id and by policy slot, and what the hook keeps per slot.
+    Created with the policy, on the scheduler's first step.
+
+    policy : the :class:`~dwise_predict.serving.policy.DwisePolicy` (its slots index the lists here).
+    share : a :class:`_RankShare` when several TP ranks schedule one batch, else None.
+    block_size : SGLang's dLLM block size.
+    sglang : the :class:`~dwise_predict.serving.sglang.surface.ResolvedSglang` (its ``AbortReq``).
+    buffers : the :class:`~dwise_predict.serving.sglang.buffers.PoolingBuffers` (prompt-block rows
+        a request leaving frees), or None without pooling.
+    """
+
+    def __init__(self, policy, share, block_size: int, slack_blocks: int, bundle, features, recorder,
+                 stats: HookStats, sglang, buffers):
+        self.policy, self.share, self.block_size, self.slack_blocks = policy, share, block_size, slack_blocks
+        self.bundle, self.features, self.recorder, self.stats = bundle, features, recorder, stats
+        self.sglang, self.buffers = sglang, buffers
+        self.reqs: dict = {}  # rid -> Req, for requests the policy holds
+        self.req_at = np.empty(0, dtype=object)  # policy slot -> its Req (each also carries its _dwise_slot)
+        # per policy slot (Python lists, indexed like the policy's own arrays, grown with them in register:
+        # read and written for the few rows of a step at a prompt block or a first round, where a list
+        # index costs less than a numpy call)
+        self.expect_prefix: list = []  # SGLang's prefix_len once its last prompt block ran as planned
+        self.own_row: list = []  # its row of the buffers' own_last (-1: none)
+
+    def reconcile(self, scheduler) -> None:
+        """Drop what SGLang no longer holds; settle what it queued again.
+
+        SGLang's ``abort_request`` pops requests from its queues and ``filter_finished_reqs`` drops
+        finished ones without telling a custom policy. ``pause_generation(mode="retract")`` releases
+        the KV of the last batch's requests and appends them to the waiting queue, but leaves them in
+        the dLLM manager's queues (SGLang 0.5.23 never retracts a dLLM request otherwise: the running
+        batch is emptied every step): such a request stays resident here, and its duplicate leaves
+        the waiting queue (SGLang's own ``add_waiting_reqs`` would refuse it as redundant). One that
+        SGLang queued again without the manager is registered again with the work it has left.
+        """
+        manager = scheduler.dllm_manager
+        queued = {id(r) for r in scheduler.waiting_queue}
+        held = {id(r) for r in manager.waiting_queue} | {id(r) for r in manager.staging_queue}
+        duplicates = set()
+        for rid, req in list(self.reqs.items()):
+            in_queue, in_manager = id(req) in queued, id(req) in held
+            if req.finished() or not (in_queue or in_manager):
+                self.forget(rid)
+                if req.finished():
+                    self.stats.finished += 1
+                else:
+                    self.stats.vanished += 1
+            elif in_queue and in_manager:
+                duplicates.add(id(req))
+                self.stats.retracted += 1
+                if self.recorder is not None:
+                    self.recorder.arrived(req, self.block_size)  # marks it: its output is re-encoded
+            elif in_queue and self.policy.fields(rid)["state"] != "waiting":
+                self.forget(rid)  # registered again, with the work it has left
+                self.stats.retracted += 1
+        if duplicates:
+            scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in duplicates]
+
+    def forget(self, rid, policy_too: bool = True) -> None:
+        """The request leaves the hook (and the policy, unless it already freed its slot)."""
+        req = self.reqs.pop(rid)
+        if policy_too:
+            self.policy.remove(rid)
+        slot = req._dwise_slot
+        self.req_at[slot] = None
+        req._dwise_slot = -1
+        if self.own_row[slot] >= 0:
+            self.buffers.release_own(self.own_row, (slot,))
+
+    def register(self, scheduler, reqs: list) -> None:
+        """Add newly arrived requests to the policy, admission estimates in one batch (the first TP
+        rank's, on every rank).
+
+        A request whose worst-case KV reservation exceeds the whole budget could never be admitted:
+        it is aborted through SGLang's own ``abort_request`` with a message saying so, and the rest
+        of the batch is registered.
+        """
+        bs = self.block_size
+        # what is still to encode: the prompt, plus the output of a request queued again (re-encoded)
+        seen = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        kv = [(math.ceil((len(r.origin_input_ids) + r.sampling_params.max_new_tokens) / bs) + self.slack_blocks) * bs
+              for r in reqs]
+        fits = [k <= self.policy.kv_budget for k in kv]
+        for req, k, ok in zip(reqs, kv, fits):
+            if not ok:
+                self.abort(scheduler, req, f"dwise: request {req.rid} needs a worst-case KV reservation of {k:g} "
+                                          f"tokens (prompt + max_new_tokens + slack) but the DWISE KV budget is "
+                                          f"{self.policy.kv_budget:g}: lower max_new_tokens or raise the budget")
+        reqs = [r for r, ok in zip(reqs, fits) if ok]
+        if not reqs:
+            return
+        seen = [n for n, ok in zip(seen, fits) if ok]
+        kv = [k for k, ok in zip(kv, fits) if ok]
+        # no prefix is matched before SGLang stages the request; P follows the match from then on
+        P = [prefill_rounds(n, bs) for n in seen]
+        estimates = np.zeros(len(reqs))
+        if self.bundle is not None:
+            if self.share is None or self.share.is_source:
+                estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32))
+            if self.share is not None:
+                estimates = self.share(estimates, len(reqs))
+        slots = self.policy.add_many([r.rid for r in reqs], P, np.maximum(np.asarray(estimates, dtype=np.float64), 0.0), kv)
+        if len(self.req_at) <= slots.max():
+            more = max(len(self.req_at), slots.max() + 1)
+            self.req_at = np.concatenate([self.req_at, np.empty(more, dtype=object)])
+            self.own_row.extend([-1] * more)
+            self.expect_prefix.extend([-1] * more)
+        for r, slot in zip(reqs, slots.tolist()):
+            self.reqs[r.rid] = r
+            self.req_at[slot] = r
+            self.expect_prefix[slot] = -1  # (own_row is -1 already: forget released the slot's row)
+            r._dwise_slot = slot
+        if self.recorder is not None:
+            for r in reqs:
+                self.recorder.arrived(r, bs)
+
+    def abort(self, scheduler, req, message: str) -> None:
+        """Finish one request with an abort through SGLang's own path (the client gets ``message``)."""
+        abort_req = self.sglang.abort_req(req.rid, message)
+        scheduler.abort_request(abort_req)
+        self.stats.oversized += 1
