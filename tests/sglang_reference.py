@@ -323,6 +323,46 @@ def load_pause() -> types.SimpleNamespace:
                                  DisaggregationMode=disaggregation)
 
 
+class RowSizing:
+    """SGLang's ``KVCacheConfigurator.resolve_max_num_reqs`` for a worker without mamba layers:
+    ``rows(flag, attn_dp_size, token_capacity, context_len)``. The compiled method reads
+    ``--max-running-requests`` from ``get_schedule()``, which this object answers (as set for the call)."""
+
+    max_mamba_cache_size = None
+
+    def __init__(self, path: Path):
+        import logging
+
+        self.max_running_requests = None
+        self.method = compile_members(path, "KVCacheConfigurator", ("resolve_max_num_reqs",), (),
+                                      {"get_schedule": self.schedule, "logger": logging.getLogger("sglang")}
+                                      )["KVCacheConfiguratorMethods"].resolve_max_num_reqs
+
+    def schedule(self):
+        return self
+
+    def rows(self, max_running_requests, attn_dp_size, token_capacity, context_len) -> int:
+        self.max_running_requests = max_running_requests
+        worker = types.SimpleNamespace(attn_dp_size=attn_dp_size, mambaish_config=None,
+                                       model_config=types.SimpleNamespace(context_len=context_len))
+        return self.method(worker, token_capacity)
+
+
+def load_row_pool() -> types.SimpleNamespace:
+    """SGLang's request-row pool and its size, compiled from the wheel, unmodified:
+    ``ReqToTokenPool`` (``mem_cache/memory_pool.py``: ``available_size``, ``alloc``, ``alloc_rows``,
+    ``free``, ``free_rows``: a request takes a row when its first batch is prepared and gives it back
+    in ``release_kv_cache``) and ``KVCacheConfigurator.resolve_max_num_reqs``
+    (``mem_cache/kv_cache_configurator.py``: each attention-DP worker gets ``--max-running-requests //
+    attn_dp_size`` rows, at most half its KV token pool), as ``rows_per_worker(flag, attn_dp_size,
+    token_capacity, context_len)`` (:class:`RowSizing`)."""
+    root = source_root() / "sglang" / "srt" / "mem_cache"
+    pool = compile_members(root / "memory_pool.py", "ReqToTokenPool",
+                           ("available_size", "alloc", "alloc_rows", "free", "free_rows"))["ReqToTokenPoolMethods"]
+    return types.SimpleNamespace(ReqToTokenPoolMethods=pool,
+                                 rows_per_worker=RowSizing(root / "kv_cache_configurator.py").rows)
+
+
 def load_server_config() -> types.SimpleNamespace:
     """SGLang's resolved-arguments view (``arg_groups/model_override_base.py``: ``resolved_view``,
     what ``resolve_once`` decided laid over the raw arguments) and its CUDA-graph settings

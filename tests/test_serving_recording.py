@@ -41,18 +41,20 @@ def workload(n_requests, seed, shared=0, width=H):
 
 
 def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", algorithm_config=None, recorded=None,
-           runs=None, slots=4, model=None):
+           runs=None, slots=4, model=None, before_step=None, k=2):
     """Serve ``requests`` through the fake with SGLang's ``algorithm`` and ``algorithm_config`` (what its
     --dllm-algorithm-config file holds), recording what the launcher reads from those arguments, or the
     ``recorded`` decoding. ``runs``: the algorithm class that runs the steps (default ``fake.FillAlgorithm``);
-    ``slots``: the hook's B; ``model``: the model runner class (default ``fake.ModelRunner``)."""
-    config = fake.config(BS, 8, fdfo=fdfo, algorithm=algorithm, algorithm_config=algorithm_config)
+    ``slots``: the hook's B; ``model``: the model runner class (default ``fake.ModelRunner``);
+    ``before_step``: ``fake.serve``'s (arrivals, aborts); ``k``: the hook's (SGLang's
+    ``--max-running-requests`` is 8, or k*B above that)."""
+    config = fake.config(BS, max(8, slots * k), fdfo=fdfo, algorithm=algorithm, algorithm_config=algorithm_config)
     decoding = recorded or served_decoding(algorithm, algorithm_config or {}, BS)
     manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
                              decoding["algorithm"], decoding["algorithm_config"], BS, 64)
     recorder = LiveRecorder(out, block_size=BS, features=lambda r: (len(r.origin_input_ids) // 2, 1, len(r.origin_input_ids)),
                             every=7, manifest=manifest)
-    handle = install(None, slots=slots, k=2, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu",
+    handle = install(None, slots=slots, k=k, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu",
                      hidden_size=H, recorder=recorder)
     try:
         scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=10**9)
@@ -60,7 +62,7 @@ def record(out, requests, fdfo=True, graph=False, algorithm="LowConfidence", alg
         reqs = [fake.Req(rid, ids, sp, config, forwards, hidden, None) for rid, ids, forwards, hidden in requests]
         scheduler.waiting_queue.extend(reqs)
         fake.serve(scheduler, (runs or fake.FillAlgorithm)(config),
-                   (model or fake.ModelRunner)(BS, H, cuda_graph=graph, max_bs=4))
+                   (model or fake.ModelRunner)(BS, H, cuda_graph=graph, max_bs=4), before_step=before_step)
     finally:
         handle.uninstall()
         recorder.close()
@@ -318,6 +320,51 @@ def test_a_pass_around_the_hooked_run_leaves_no_rows_for_the_next_batch(tmp_path
     aligned = sum(len(ids) % BS == 0 for _, ids, _, _ in requests)  # no leftover prompt rows of their own
     assert aligned > 0 and len(ds) == len(requests) - aligned
     assert ds.manifest["counts"]["left_out_without_prompt_rows"] == aligned
+
+
+class ContextPass(fake.FillAlgorithm):
+    """Gemma4Renoise's ``run`` (``dllm/algorithm/gemma4_renoise.py``): a batch that is not ``DLLM_EXTEND``
+    (here: every row at a prompt block) is one ``model_runner.forward`` of its own, without
+    ``DllmAlgorithm.run`` (which the hook wraps); the rest is ``super().run``, the hook's."""
+
+    def run(self, model_runner, forward_batch, algo_states=None):
+        if all(r.is_dllm_prefill() for r in forward_batch.reqs):
+            out = model_runner.forward(forward_batch, pp_proxy_tensors=None)
+            blocks = forward_batch.input_ids.view(forward_batch.batch_size, BS).tolist()  # prompt blocks, kept
+            return out.logits_output, blocks, [1] * len(blocks), None, out.can_run_graph
+        return super().run(model_runner, forward_batch, algo_states)
+
+
+class ArriveAfter:
+    """``fake.serve``'s ``before_step``: once ``first`` finished, ``requests`` arrive (fake ``Req``s,
+    built with the scheduler's config)."""
+
+    def __init__(self, first: str, requests: list):
+        self.first, self.requests, self.arrived = first, requests, False
+
+    def __call__(self, step, scheduler):
+        batch = scheduler.last_batch
+        if self.arrived or batch is None or not any(r.rid == self.first and r.finished() for r in batch.reqs):
+            return
+        config, sp = scheduler.dllm_config, type("SP", (), {"max_new_tokens": 64})()
+        scheduler.waiting_queue.extend(fake.Req(rid, ids, sp, config, forwards, hidden, None)
+                                       for rid, ids, forwards, hidden in self.requests)
+        self.arrived = True
+
+
+def test_a_result_without_a_hooked_run_reads_one_forward_not_the_last_runs(tmp_path):
+    """A context-encoding pass (a result no wrapped ``run`` precedes) read the forwards and done lists of
+    the run before it, another batch's: one request ran alone, then four arrived and their prompt
+    blocks ran as one context pass, whose four rows were read from the one-row done list before it
+    (an index error in the recording scheduler). It ran one forward of each row."""
+    first = [("alone", [5, 6, 7], [2, 3], np.full(H, 9, np.float32))]  # a short prompt: denoising at once
+    later = [(f"r{i}", [100 * i + t for t in range(BS + 3)], [2, 3], np.full(H, i, np.float32)) for i in range(4)]
+    record(tmp_path / "t", first, runs=ContextPass, slots=4, before_step=ArriveAfter("alone", later))
+    ds = load_traces(tmp_path / "t")
+    rows = ds.requests.set_index("request_id")
+    assert sorted(rows.index) == ["alone", "r0", "r1", "r2", "r3"]
+    assert all(list(rows.loc[rid, "rounds_per_block"]) == [2, 3] for rid in rows.index)
+    assert (rows.loc[["r0", "r1", "r2", "r3"], "prefill_rounds"] == 1).all()  # one context pass each
 
 
 def test_an_algorithm_without_a_threshold_counts_over_the_collectors(tmp_path):
@@ -627,6 +674,41 @@ def test_every_request_the_hook_reports_is_a_trace_or_counted_once(tmp_path):
     assert accounted == 17  # kept, 10 gone, refused, 2 aborted, no-first-round, the repeat, still-running
     assert recorder.summary().startswith(f"dwise recording {tmp_path / 't'}: 1 requests (1 committed by this run); "
                                          "left out: aborted 13, without_first_round 1, duplicate 1, in_flight 1;")
+
+
+class AbortRunning:
+    """``fake.serve``'s ``before_step``: at ``step``, SGLang's ``abort_request`` (its client went away)
+    for ``n`` of the requests the hook made resident that ran (they hold KV), and a request arrives
+    that SGLang finished with an abort while it waited (the hook never registers it)."""
+
+    def __init__(self, step: int, n: int):
+        self.step, self.n, self.rids = step, n, []
+
+    def __call__(self, step, scheduler):
+        if step != self.step:
+            return
+        self.rids = [r.rid for r in scheduler.dllm_manager.waiting_queue if r.kv.holds_kv][: self.n]
+        for rid in self.rids:
+            scheduler.abort_request(fake.AbortReq(rid=rid))
+        config, sp = scheduler.dllm_config, type("SP", (), {"max_new_tokens": 64})()
+        waited = fake.Req("finished-waiting", [5, 6, 7], sp, config, [2], np.zeros(H, np.float32), None)
+        waited.finished_reason = FINISH.FINISH_ABORT(message="waited too long")
+        scheduler.waiting_queue.append(waited)
+
+
+def test_requests_sglang_aborts_while_running_leave_the_recorder_and_are_counted(tmp_path):
+    """Every request SGLang aborted (the client went away) stayed in the recorder's open set with its
+    host rows until the server stopped, then counted as in flight (10 of 10), and one SGLang finished
+    while it waited was counted nowhere. The hook's reconcile now tells the recorder when SGLang drops
+    a request it holds: its rows are freed at once and it is counted as aborted, once (``close``
+    counts what is still open as in flight: none is); the one finished while waiting is counted as
+    the hook hands it to SGLang's own path."""
+    abort = AbortRunning(step=5, n=10)
+    record(tmp_path / "t", workload(30, seed=8), slots=12, k=1, before_step=abort)
+    ds = load_traces(tmp_path / "t")
+    counts = ds.manifest["counts"]
+    assert len(abort.rids) == 10 and not set(abort.rids) & set(ds.requests["request_id"])
+    assert (counts["left_out_aborted"], counts["left_out_in_flight"], counts["requests"]) == (11, 0, 20)
 
 
 def full_disk(monkeypatch):

@@ -520,6 +520,124 @@ def test_an_oversized_request_is_aborted_with_a_message_and_its_batch_proceeds(s
     assert len(finished) == 39 and big.rid not in finished
 
 
+def test_an_oversized_request_is_aborted_alone_not_every_rid_it_prefixes(served):
+    """SGLang's ``abort_request`` aborts every request whose rid starts with the one given (the fake's
+    is that rule, as SGLang 0.5.23 writes it): the hook's abort of the oversized ``req-1`` also aborted
+    ``req-10``, which fits. The hook now refuses the one request as SGLang refuses a queued request
+    (``_abort_on_queued_limit``: out of the waiting queue, its client told why, HTTP 400)."""
+    config = fake.config(BS, 8)
+    handle = hooked(served[0], slots=4, k=2, kv_budget_tokens=300 * BS)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=10**9)
+        for i, rid in enumerate(("req-1", "req-10", "req-2")):
+            scheduler.waiting_queue.append(fake.Req(rid, prompt(i, 2 * BS), SP(10**6 if rid == "req-1" else BUDGET),
+                                                    config, [2, 2], served[5][i], (1, 0, 2 * BS),
+                                                    prompt_hidden=served[6][i]))
+        finished = fake.serve(scheduler, fake.FillAlgorithm(config), fake.ModelRunner(BS, served[5].shape[1]))
+        assert (handle.stats.oversized, handle.stats.vanished) == (1, 0)
+    finally:
+        handle.uninstall()
+    assert list(scheduler.aborted) == ["req-1"] and "worst-case KV reservation" in scheduler.aborted["req-1"]
+    assert sorted(finished) == ["req-10", "req-2"]
+
+
+class PessimisticRefinement(FixedAdmission):
+    """Admission: each request's first feature; refinement: far more rounds than admitted, so a request
+    that started falls behind every one that has not."""
+
+    def refine(self, pooled, prompt_last, tokens, budget, signals):
+        return torch.full((pooled.shape[0],), 1000.0)
+
+
+def rows_served(served, max_running, attn_dp_size, steps, n=16):
+    """``steps`` steps of one of ``attn_dp_size`` attention-DP workers of a server given
+    ``--max-running-requests max_running`` (its rows: SGLang's ``resolve_max_num_reqs``), while ``n``
+    one-block prompts arrive two a step, each admitted shorter than the one before. Returns the
+    scheduler, the requests and whether each step ran a batch."""
+    config = fake.config(BS, max_running)
+    scheduler = fake.Scheduler(config, batch_capacity=8, max_total_num_tokens=10**9, attn_dp_size=attn_dp_size)
+    reqs = [fake.Req(f"r{i}", prompt(i, BS), SP(), config, [2, 2], served[5][i], (100 - i, 0, BS),
+                     prompt_hidden=served[6][i]) for i in range(n)]
+    algorithm, runner = fake.FillAlgorithm(config), fake.ModelRunner(BS, served[5].shape[1])
+    ran = []
+    for step in range(steps):
+        scheduler.waiting_queue += reqs[2 * step:2 * step + 2]
+        ran.append(scheduler.step(algorithm, runner) is not None)
+    return scheduler, reqs, ran
+
+
+def test_a_resident_set_beyond_the_workers_request_rows_is_refused_not_stalled(served):
+    """Under attention DP SGLang gives each worker ``--max-running-requests // dp`` request rows; a
+    request holds one from its first forward to its end, and SGLang admits a request that has none only
+    into a free row (``get_num_allocatable_reqs``). The hook held k*B to the flag: 8 residents on a
+    worker of 4 rows. Once the 4 rows went to requests the policy then ranked behind ones that had not
+    started, SGLang refused every pick and every backfill, and no batch ran again (5 batches, then
+    empty steps, none of 16 finished). The first step now holds k*B to the worker's rows and says what
+    to change; with the flag raised as it says, the same requests all finish."""
+    handle = hooked(PessimisticRefinement(served[0]), slots=2, k=4)
+    try:
+        with pytest.raises(ConfigError, match=re.escape(
+                "DWISE keeps up to k*B = 8 requests resident but this scheduler holds 4 request rows (SGLang's "
+                "max_running_requests for this worker, from --max-running-requests 8): raise --max-running-requests "
+                "to 8 times the attention-DP size")):
+            scheduler, reqs, ran = rows_served(served, max_running=8, attn_dp_size=2, steps=400)
+            assert scheduler.max_running_requests == scheduler.req_to_token_pool.size == 4
+            pytest.fail(f"no refusal: {sum(ran)} batches ran, the last {ran[::-1].index(True)} steps empty; "
+                        f"{sum(r.finished() for r in reqs)} of 16 finished")
+    finally:
+        handle.uninstall()
+    handle = hooked(PessimisticRefinement(served[0]), slots=2, k=4)
+    try:
+        scheduler, reqs, ran = rows_served(served, max_running=16, attn_dp_size=2, steps=400)
+    finally:
+        handle.uninstall()
+    assert all(r.finished() for r in reqs) and scheduler.req_to_token_pool.available_size() == 8
+
+
+class CountedReconcile:
+    """``RequestTable.reconcile`` wrapped: the steps whose admission walked SGLang's queues."""
+
+    def __init__(self, reconcile):
+        self.reconcile, self.rounds = reconcile, []
+
+    def __call__(self, table, scheduler):
+        self.rounds.append(table.stats.rounds)
+        return self.reconcile(table, scheduler)
+
+
+def test_a_duplicate_request_id_is_refused_at_once_not_walked_every_step(served, monkeypatch):
+    """The hook keys requests by rid: a second request under an id it holds was never registered, and
+    the waiting queue's count differed from the policy's every step after it came, so every step walked
+    SGLang's queues (until the first one finished; then the second was registered and served under the
+    same id). It is now refused at once with an exact abort saying why, and the walks stop."""
+    from dwise_predict.serving.sglang.requests import RequestTable
+
+    config = fake.config(BS, 8)
+    handle = hooked(served[0], slots=2, k=2)
+    counted = CountedReconcile(RequestTable.reconcile)
+    monkeypatch.setattr(RequestTable, "reconcile", lambda table, scheduler: counted(table, scheduler))
+
+    def req(rid, i, blocks):
+        return fake.Req(rid, prompt(i, BS), SP(), config, [3] * blocks, served[5][i], (1, 0, BS),
+                        prompt_hidden=served[6][i])
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=10**9)
+        runner, algorithm = fake.ModelRunner(BS, served[5].shape[1]), fake.FillAlgorithm(config)
+        scheduler.waiting_queue += [req("a", 0, 8), req("b", 1, 2)]
+        for _ in range(3):
+            scheduler.step(algorithm, runner)
+        assert not counted.rounds
+        again = req("a", 2, 1)  # another client's request, under an id the hook holds
+        scheduler.waiting_queue.append(again)
+        finished = fake.serve(scheduler, algorithm, runner)
+    finally:
+        handle.uninstall()
+    assert len(counted.rounds) <= 1 and handle.stats.duplicates == 1
+    assert scheduler.aborted == {"a": "dwise: request id a is already held by another request: send it under an "
+                                      "id of its own"}
+    assert sorted(finished) == ["a", "b"] and not again.output_ids  # the first a, served; the second never ran
+
+
 def test_batch_budgets_that_override_dwise_order_are_counted(served):
     handle = hooked(served[0], slots=6, k=2)
     try:
@@ -695,7 +813,9 @@ def test_refusals_are_one_clear_line(served):
     handle = install(None, slots=8, k=8, resolve=fake.resolve)
     try:
         scheduler, algorithm, runner = make_server(served, slots=8, max_running=16)
-        with pytest.raises(ConfigError, match="--max-running-requests is 16: raise it to at least k\\*B"):
+        with pytest.raises(ConfigError, match="k\\*B = 64 requests resident but this scheduler holds 16 request rows "
+                                              "\\(SGLang's max_running_requests for this worker, from "
+                                              "--max-running-requests 16\\): raise --max-running-requests to 64 "):
             scheduler.get_new_batch_dllm(scheduler.running_batch)
     finally:
         handle.uninstall()
@@ -751,6 +871,32 @@ def test_logits_hook_pools_block_rows_into_the_buffer_allocated_at_install(serve
         torch.testing.assert_close(buffer[:2], rows.view(2, BS, 32).mean(dim=1))
         with pytest.raises(ConfigError, match="exceeds the pooling buffer's 2 rows"):
             fake.LogitsProcessor()._get_dllm_logits(torch.zeros(3 * BS, 32), None, None)
+    finally:
+        handle.uninstall()
+
+
+def test_pooling_accumulates_bf16_hidden_states_in_fp32(served):
+    """Issue 56: a bf16 model's block rows were pooled in bf16 (the weights cast to bf16, 1/3 among
+    them, and the product rounded to bf16: ~1e-3 off ``collect``'s fp32 mean). The block mean and the
+    mean of a request's 3 leftover prompt rows are now the fp32 means of the same bf16 values."""
+    from dwise_predict.serving.sglang.step import Step, StepRun
+
+    handle = hooked(served[0], slots=2, k=1)
+    try:
+        hook, width = handle.state, served[0].hidden_size
+        hook.step, hook.step_run = Step(), StepRun()
+        # (prompt tokens, budget, leftover prompt positions, own_last row): "short" pools its 3 leftover rows
+        hook.step.first = {"short": (3, BUDGET, 3, -1), "own": (2 * BS, BUDGET, 0, 0)}
+        hook.stage_rows(SimpleNamespace(rids=["short", "own"], batch_size=2))
+        noise = torch.randn(2 * BS, width, generator=torch.Generator().manual_seed(0))
+        hidden = (1.0 + 0.5 * noise).to(torch.bfloat16)  # away from zero: a relative error is an error
+        fake.LogitsProcessor()._get_dllm_logits(hidden, None, None)
+        exact = hidden.float().view(2, BS, width)
+        buffers = hook.buffers
+        assert buffers.pooled.dtype == torch.float32
+        torch.testing.assert_close(buffers.pooled[:2], exact.mean(1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(buffers.leftover_pooled[0], exact[0, :3].mean(0), rtol=1e-6, atol=1e-6)
+        assert not buffers.leftover_pooled[1].any()  # no leftover rows: nothing pooled
     finally:
         handle.uninstall()
 

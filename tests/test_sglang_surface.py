@@ -96,6 +96,7 @@ def test_fake_instances_have_the_snapshot_attributes(touch):
         "ForwardBatch": sglang_fake.ForwardBatch(sglang_fake.ScheduleBatch([req], sglang_fake.ForwardMode.DLLM_EXTEND)),
         "ModelRunner": sglang_fake.ModelRunner(8, 4),
         "ModelConfig": sglang_fake.ModelConfig({0}),
+        "ReqToTokenPool": scheduler.req_to_token_pool,
     }
     owner = instances.get(cls.__name__, cls)
     assert hasattr(owner, member), f"fake {cls.__name__} lacks {member}"

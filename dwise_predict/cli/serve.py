@@ -32,6 +32,7 @@ def serve_command(
     record_flush_s: Annotated[float, typer.Option("--record-flush-s", help="Seconds after which a finished request is committed whatever the traffic: the most a scheduler process killed outright loses.")] = _DEFAULT.record_flush_s,
     prompt_cache: Annotated[int, typer.Option(help="Block rows kept (H floats each, on the GPU) for requests a prefix-cache hit leaves without a prompt block of their own; 0: none.")] = _DEFAULT.prompt_cache,
     aging: Annotated[float, typer.Option(help="Starvation guard: rounds of remaining work one round in the server is worth, so a long request cannot wait forever behind a stream of shorter ones (0: off; default chosen in docs/serving.md).")] = _DEFAULT.aging,
+    max_wait: Annotated[int, typer.Option(help="Wait cap, in rounds: a request waiting longer for admission is admitted first, whatever its rank, and nobody else is admitted until it fits (0: off; default chosen in docs/serving.md). With SGLANG_REQ_WAITING_TIMEOUT set, requests waiting half that timeout are admitted first too.")] = _DEFAULT.max_wait,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the options, resolve SGLang's arguments as the server will (needs sglang), print the hook config it would run as JSON, start nothing; refuses in one line what serve would refuse (see --check).")] = False,
     check: Annotated[bool, typer.Option("--check", help="Resolve SGLang's arguments as the server will (needs sglang) and run every check the hook can pass before the model loads: the bundle against the served model (hidden size, block size, algorithm, config hash), k*B against the request rows of each scheduler, SGLang's scheduler surface, and, with DWISE_* variables set, whether SGLang's plugin loader would engage the plugin. Prints every problem as JSON, starts nothing, exits 1 on any.")] = False,
 ) -> None:
@@ -59,6 +60,7 @@ def serve_command(
         kv_fraction=kv_fraction, slack_blocks=slack_blocks, block_size=block_size, max_batch=max_batch,
         hidden_size=hidden_size, tokenizer=tokenizer, record=None if record is None else str(record),
         record_every=record_every, record_flush_s=record_flush_s, prompt_cache=prompt_cache, aging=aging,
+        max_wait=max_wait,
     )
     if check and dry_run:
         raise ConfigError("--check and --dry-run conflict: --check resolves and prints as --dry-run does, and checks more")

@@ -57,6 +57,7 @@ def simulate_command(
     slot_ms: Annotated[float, typer.Option(help="Extra cost per block in a round, ms.")] = _DEFAULT.slot_ms,
     round_profile: Annotated[Optional[Path], typer.Option(help="Round-cost profile JSON (`dwise-predict profile-rounds`, or your GPU's): replaces --round-ms/--slot-ms.")] = None,
     aging: Annotated[float, typer.Option(help="Starvation guard of the DWISE schedulers: rounds of remaining work one round in the server is worth (0: off, Algorithm 1 as published; `serve` runs with its --aging).")] = _DEFAULT.aging,
+    max_wait: Annotated[int, typer.Option(help="Wait cap of the DWISE schedulers, in rounds: a request waiting longer for admission is admitted first, and nobody else is admitted until it fits (0: off; the default is `serve`'s, chosen in docs/serving.md).")] = _DEFAULT.max_wait,
     requests: Annotated[int, typer.Option(help="Requests to replay, drawn with replacement from the split with --seed (0: the split as it is).")] = 4096,
     arrival_seeds: Annotated[int, typer.Option(help="Replay each arrival pattern under this many seeds; metrics get 95% bootstrap intervals.")] = 1,
     split: Annotated[Split, typer.Option(help="Which requests to replay.")] = Split.eval,
@@ -128,7 +129,7 @@ def simulate_command(
     if backend not in ("onnx", "torch"):
         problems.append(f"--backend must be onnx or torch, got {backend!r}")
     base = dict(slots=slots, k=k, kv_budget=kv_budget, kv_slack_blocks=kv_slack, round_ms=round_ms,
-                slot_ms=slot_ms, seed=seed, aging=aging)
+                slot_ms=slot_ms, seed=seed, aging=aging, max_wait=max_wait or None)  # --max-wait 0: off
     try:
         config = SimConfig(**base)
     except ConfigError as err:

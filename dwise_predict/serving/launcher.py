@@ -48,6 +48,7 @@ import logging
 import os
 import signal
 from dataclasses import asdict, dataclass, field, fields, replace
+from numbers import Integral
 from pathlib import Path
 
 from dwise_predict.errors import BundleError, ConfigError
@@ -87,6 +88,10 @@ class HookConfig:
         prompt block of their own (``serving.sglang.install``; 0: none).
     aging : the policy's starvation guard (``DwisePolicy(aging=)``: rounds of remaining work one round
         in the server is worth; 0: off). The default's choice: docs/serving.md, "Starvation guard".
+    max_wait : the policy's wait cap in rounds (``DwisePolicy(max_wait=)``: a request waiting longer is
+        admitted first; 0: off, as ``--aging 0`` is). Default the policy's, ``policy.MAX_WAIT``. Where
+        ``SGLANG_REQ_WAITING_TIMEOUT`` is set the hook lowers it to admit before that timeout
+        (``serving.sglang.timeout``), also where it is 0.
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
         imports SGLang.
     """
@@ -108,6 +113,7 @@ class HookConfig:
     record_flush_s: float = 5.0
     prompt_cache: int = 4096
     aging: float = 0.1
+    max_wait: int = 4096  # policy.MAX_WAIT (the policy module is not imported here: numpy, in every SGLang process)
     resolver: str | None = None
 
     def problems(self) -> list[str]:
@@ -128,6 +134,8 @@ class HookConfig:
             out.append(f"--prompt-cache must be 0 or more, got {self.prompt_cache}")
         if not 0 <= self.aging < float("inf"):
             out.append(f"--aging must be a finite number >= 0 (0: no starvation guard), got {self.aging}")
+        if not (isinstance(self.max_wait, Integral) and not isinstance(self.max_wait, bool) and self.max_wait >= 0):
+            out.append(f"--max-wait must be a whole number of rounds >= 0 (0: no wait cap), got {self.max_wait}")
         return out
 
 
@@ -342,7 +350,8 @@ def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 
                      kv_fraction=config.kv_fraction, slack_blocks=config.slack_blocks, features=features,
                      device=device if (bundle is not None or recorder is not None) else None, resolve=resolve,
                      block_size=config.block_size, max_batch=config.max_batch, hidden_size=config.hidden_size,
-                     recorder=recorder, prompt_cache=config.prompt_cache, aging=config.aging)
+                     recorder=recorder, prompt_cache=config.prompt_cache, aging=config.aging,
+                     max_wait=config.max_wait or None)  # 0: off
     # before SGLang configures logging in this process: Python's last-resort handler prints a warning
     logger.warning(engaged_line(config, server_args, tp_rank, dp_rank, where, resolve))
     return ACTIVE

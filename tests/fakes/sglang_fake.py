@@ -24,6 +24,10 @@ used unmodified:
   blocks as ``rem_dllm_tokens``, ``budget_state``) over ``srt/mem_cache/prefill_budget.py``'s
   ``PrefillBudget`` (KV memory: free tokens of the pool less this step's reservations, a request's
   prompt plus ``max_new_tokens`` at admission), and ``SchedulerDllmMixin.get_new_batch_dllm`` itself;
+- ``srt/mem_cache/memory_pool.py`` — ``ReqToTokenPool``'s rows (``alloc``, ``free``,
+  ``available_size``), sized per attention-DP worker by ``mem_cache/kv_cache_configurator.py``'s
+  ``resolve_max_num_reqs`` (``--max-running-requests // attn_dp_size``, at most half the KV pool):
+  a request takes a row when its first batch is prepared and keeps it until ``release_kv_cache``;
 - ``srt/managers/scheduler.py`` — ``Scheduler.pause_generation`` / ``continue_generation`` and
   ``schedule_batch.Req.reset_for_retract``: what a pause in ``retract`` mode does to a dLLM server
   (the last batch's requests lose their KV and are queued again, while they stay in the dLLM
@@ -47,7 +51,10 @@ Written here, for what needs a GPU or a real model (each mirrors the SGLang code
   blocks, or, given an EOS id, by SGLang's own ``Req.update_finish_state``), and ``_create_dllm_batch``
   (a plain batch; KV taken from the pool); ``resolve``
   hands it out as ``SchedulerDllmMixin``, so the adapter patches what SGLang's ``Scheduler`` inherits;
-- ``Scheduler``: ``abort_request`` (pops from both queues, as SGLang's does), the step order of
+- ``Scheduler``: ``get_num_allocatable_reqs`` (the free rows plus those the batch's requests hold,
+  at most ``max_running_requests``: SGLang's formula without pipeline stages or beams),
+  ``abort_request`` (pops from both queues every request whose rid starts with the given one, as
+  SGLang's does; the client's abort is ``send_abort_output``, kept in ``aborted``), the step order of
   ``get_next_batch_to_run`` (``filter_finished_reqs``, then ``finish_dllm_forward``, then
   ``get_new_batch_dllm``), ``idle_step`` (a DP-attention IDLE batch: no requests, forward mode
   ``IDLE``, run through ``DllmAlgorithm.run`` as ``tp_worker`` does and never handed to
@@ -81,6 +88,7 @@ import sglang_reference
 SGL = sglang_reference.load_scheduler()
 ADDER = sglang_reference.load_adder()
 PAUSE = sglang_reference.load_pause()
+ROWS = sglang_reference.load_row_pool()
 DllmConfig = SGL.DllmConfig
 DllmReqPhase = SGL.req.DllmReqPhase
 ReqDllmMixin = SGL.req.ReqDllmMixin
@@ -133,8 +141,10 @@ class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin, PAUSE.Req
         self.full_untruncated_fill_ids = array("q")
         self.inflight_middle_chunks = 0
         self.return_logprob, self.logprob_start_len = False, -1  # read by SGLang's _compute_max_prefix_len
-        self.kv = SimpleNamespace(holds_kv=False, holds_mamba=False, req_pool_idx=None)
+        self.kv = KVState()
         self.kv_tokens = 0  # fake-only: tokens this request holds in the TokenPool
+        # observability's RequestTimeStats, what the waiting timeout reads: set when queued (0: never, never aborted)
+        self.time_stats = SimpleNamespace(wait_queue_entry_time=0.0)
         # what PrefillAdder reads: no host, SWA or storage cache hits, never retracted so far
         self.last_node = self.lock = None
         self.host_hit_length = self.swa_host_hit_length = self.auxiliary_swa_host_hit_length = 0
@@ -173,6 +183,20 @@ class Req(ReqDllmMixin, SGL.finish.ReqFinishMixin, SGL.ReqPrefixMixin, PAUSE.Req
             return list(self.dllm_incomplete_ids)
         bs = self.dllm_config.block_size
         return list(self.full_untruncated_fill_ids[self.prefix_len:self.prefix_len + bs])
+
+
+class KVState:
+    """``schedule_batch``'s per-request KV record, the fields the dLLM path reads: a request holds KV
+    (``holds_kv``) while it holds a row of the ``ReqToTokenPool``."""
+
+    def __init__(self):
+        self.req_pool_idx = None
+        self.kv_allocated_len = 0
+        self.holds_mamba = False
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.req_pool_idx is not None
 
 
 class RadixCache:
@@ -219,12 +243,30 @@ class RadixCache:
         pass
 
 
+class ReqToTokenPool(ROWS.ReqToTokenPoolMethods):
+    """SGLang's request-row pool (``mem_cache/memory_pool.py``'s ``ReqToTokenPool``: its methods from
+    the wheel; this ``__init__`` leaves out the token table, which only the GPU reads): ``size`` rows
+    (row 0 is CUDA-graph padding), taken by ``alloc`` when a request's first batch is prepared and
+    given back by ``free`` in ``release_kv_cache``; ``available_size()`` is what
+    ``Scheduler.get_num_allocatable_reqs`` admits new requests against."""
+
+    _on_alloc_rows = None
+
+    def __init__(self, size):
+        self.size = int(size)
+        self.free_slots = list(range(1, self.size + 1))
+        self.req_generation = torch.zeros(self.size + 1, dtype=torch.int64)
+        self._aux_cache = None
+
+
 class TokenPool:
     """The KV token pool as SGLang's adder reads it (``token_to_kv_pool_allocator``): ``size`` tokens,
-    of which a request holds its committed tokens plus one block from its first forward on."""
+    of which a request holds its committed tokens plus one block from its first forward on; ``rows``
+    the scheduler's ``ReqToTokenPool``, whose row ``release`` gives back too (``release_kv_cache``)."""
 
-    def __init__(self, size, block_size, page_size=1):
+    def __init__(self, size, block_size, page_size=1, rows=None):
         self.size, self.block_size, self.page_size = int(size), block_size, page_size
+        self.rows = rows
         self.used = 0
 
     def available_size(self) -> int:
@@ -240,11 +282,14 @@ class TokenPool:
         """A forward allocated ``req``'s block: it holds what it committed plus that block."""
         held = len(req.origin_input_ids) + len(req.output_ids) + self.block_size
         self.used += held - req.kv_tokens
-        req.kv_tokens, req.kv.holds_kv = held, True
+        req.kv_tokens = req.kv.kv_allocated_len = held
 
     def release(self, req) -> None:
+        """``release_kv_cache``: the request's tokens and its row."""
         self.used -= req.kv_tokens
-        req.kv_tokens, req.kv.holds_kv = 0, False
+        req.kv_tokens = req.kv.kv_allocated_len = 0
+        if req.kv.holds_kv:
+            self.rows.free(req)
 
 
 class ScheduleBatch:
@@ -464,7 +509,10 @@ class FakeDllmMixin(SchedulerDllmMixin):
         return self._create_prefill_adder(running_batch)
 
     def _create_dllm_batch(self, can_run_list, forward_mode, adder, running_batch):
-        """``ScheduleBatch.init_new`` + ``prepare_for_extend``: the batch's blocks are allocated."""
+        """``ScheduleBatch.init_new`` + ``prepare_for_extend``: a row for each request without one
+        (``alloc_req_slots``, which fails as SGLang's does when the rows run out), and the blocks."""
+        if self.req_to_token_pool.alloc(can_run_list) is None:
+            raise RuntimeError("alloc_req_slots runs out of memory: the adder admitted more requests than free rows")
         for req in can_run_list:
             self.token_to_kv_pool_allocator.hold(req)
         return ScheduleBatch(can_run_list, forward_mode)
@@ -474,17 +522,24 @@ class Scheduler(FakeDllmMixin, PAUSE.SchedulerPause):
     """The scheduler state and the GPU-side methods SGLang's dLLM mixin calls."""
 
     def __init__(self, dllm_config, batch_capacity, max_total_num_tokens, max_prefill_tokens=10**9, tokenizer=None,
-                 chunked_prefill_size=8192, page_size=1):
+                 chunked_prefill_size=8192, page_size=1, attn_dp_size=1):
         """``batch_capacity``: SGLang's ``--prefill-max-requests`` (requests the adder admits from the
         incoming phase per step); ``max_total_num_tokens``: the KV pool; ``max_prefill_tokens``,
-        ``chunked_prefill_size`` (None: ``-1``, off) and ``page_size``: SGLang's flags of those names."""
+        ``chunked_prefill_size`` (None: ``-1``, off) and ``page_size``: SGLang's flags of those names;
+        ``attn_dp_size``: the attention-DP workers the server's ``--max-running-requests`` (the
+        config's) is divided among: this scheduler is one of them, with its share of request rows
+        (SGLang's ``resolve_max_num_reqs``) as its ``max_running_requests`` (``get_worker_info``)."""
         self.dllm_config = dllm_config
         self.tokenizer = tokenizer  # SGLang's, with additional_stop_token_ids attached; None: skip_tokenizer_init
         self.prefill_max_requests = batch_capacity
         self.max_prefill_tokens, self.chunked_prefill_size, self.page_size = max_prefill_tokens, chunked_prefill_size, page_size
         self.max_total_num_tokens = max_total_num_tokens
-        self.token_to_kv_pool_allocator = TokenPool(max_total_num_tokens, dllm_config.block_size, page_size)
-        self.req_to_token_pool = None
+        self.max_running_requests = ROWS.rows_per_worker(dllm_config.max_running_requests, attn_dp_size,
+                                                         max_total_num_tokens, max_total_num_tokens)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests)
+        self.token_to_kv_pool_allocator = TokenPool(max_total_num_tokens, dllm_config.block_size, page_size,
+                                                    self.req_to_token_pool)
+        self.beam_coordinator = BeamCoordinator()
         self.waiting_queue = []
         self.enable_priority_preemption = False
         self.truncation_align_size = None
@@ -506,7 +561,12 @@ class Scheduler(FakeDllmMixin, PAUSE.SchedulerPause):
 
     # what SGLang's mixin calls on the scheduler
     def get_num_allocatable_reqs(self, running_bs, num_held_rows=0):
-        return 10**9
+        """``Scheduler.get_num_allocatable_reqs``: requests a batch may take, at most the pipeline's
+        micro-batch (``max_running_requests // pp_size``, one stage here) less the running batch, and
+        the free rows plus those the counted requests already hold (no beam members)."""
+        pp_budget = self.max_running_requests - running_bs
+        row_budget = max(self.req_to_token_pool.available_size() + num_held_rows, 0)
+        return min(pp_budget, row_budget)
 
     def stash_chunked_request(self, req):
         """``checkpoint_kv_cache``: cache the request's committed tokens; ``prefix_len = extend_end``."""
@@ -518,18 +578,40 @@ class Scheduler(FakeDllmMixin, PAUSE.SchedulerPause):
         self.waiting_queue.append(req)
 
     def abort_request(self, recv_req):
-        """``Scheduler.abort_request``: pop from the waiting queue and from both dLLM queues, KV released."""
+        """``Scheduler.abort_request``: pop from the waiting queue and from both dLLM queues, KV released,
+        each request whose rid starts with the given one (SGLang's own rule: ``req-1`` takes ``req-10``)."""
         kept = []
         for req in self.waiting_queue:
             if recv_req.abort_all or req.rid.startswith(recv_req.rid):
-                self.aborted[req.rid] = (recv_req.finished_reason or {}).get("message", "aborted")
+                self._release_aborted_request(req)
+                self.send_abort_output(AbortReq(rid=req.rid, finished_reason=recv_req.finished_reason), req)
             else:
                 kept.append(req)
         self.waiting_queue = kept
         for req in self.dllm_manager.pop_aborted_reqs(recv_req.abort_all, recv_req.rid):
-            self.aborted[req.rid] = (recv_req.finished_reason or {}).get("message", "aborted")
+            self._release_aborted_request(req)
+            self.send_abort_output(AbortReq(rid=req.rid, finished_reason=recv_req.finished_reason), req)
             if req.kv.holds_kv:
                 self.token_to_kv_pool_allocator.release(req)
+
+    def _release_aborted_request(self, req):
+        """``Scheduler._release_aborted_request``: the cache-side state of a request (none here)."""
+
+    def send_abort_output(self, abort_req, req):
+        """``Scheduler.send_abort_output``: the client gets the abort (here: rid -> its message)."""
+        self.aborted[req.rid] = (abort_req.finished_reason or {}).get("message", "aborted")
+
+    def poll_timeout_aborts(self, now: float, timeout_s: float) -> None:
+        """``Scheduler._poll_timeout_aborts``, its ``SGLANG_REQ_WAITING_TIMEOUT`` part, at time ``now``
+        (``time.perf_counter``'s in SGLang): every request of the waiting queue queued before ``now -
+        timeout_s`` (``time_stats.wait_queue_entry_time``) is aborted with SGLang's message, through
+        ``abort_request`` (SGLang's loop hands it the ``AbortReq`` before the iteration's batch)."""
+        deadline = now - timeout_s
+        for req in list(self.waiting_queue):
+            if 0 < req.time_stats.wait_queue_entry_time < deadline:
+                self.abort_request(AbortReq(rid=req.rid, abort_message="Request waiting timeout reached.",
+                                            finished_reason={"type": "abort", "status_code": 503,
+                                                             "message": "Request waiting timeout reached."}))
 
     def step(self, algorithm, runner):
         """One scheduler iteration (``get_next_batch_to_run`` order); returns the batch or None."""
@@ -557,6 +639,13 @@ class Scheduler(FakeDllmMixin, PAUSE.SchedulerPause):
         return [getattr(req, "dllm_algo_state", None) for req in batch.reqs] if algorithm.fdfo else None
 
 
+class BeamCoordinator:
+    """``beam_search.coordinator.BeamCoordinator``: no beam groups (a dLLM request has none)."""
+
+    def retire_group(self, req):
+        assert getattr(req, "beam_group", None) is None
+
+
 class GroupCoordinator:
     """``distributed.parallel_state.GroupCoordinator``: the fields a scheduler's ``dp_tp_group`` has."""
 
@@ -580,6 +669,8 @@ MODULES = {
     "sglang.srt.model_executor.model_runner": SimpleNamespace(ModelRunner=ModelRunner),
     "sglang.srt.configs.model_config": SimpleNamespace(ModelConfig=ModelConfig),
     "sglang.srt.distributed.parallel_state": SimpleNamespace(GroupCoordinator=GroupCoordinator),
+    "sglang.srt.mem_cache.memory_pool": SimpleNamespace(ReqToTokenPool=ReqToTokenPool),
+    "sglang.srt.beam_search.coordinator": SimpleNamespace(BeamCoordinator=BeamCoordinator),
 }
 
 

@@ -15,6 +15,7 @@ before the model runner starts, so the pooling copy is captured in SGLang's CUDA
   the prompt-row cache;
 - :mod:`~dwise_predict.serving.sglang.step`: one step's state, made fresh each step;
 - :mod:`~dwise_predict.serving.sglang.signals`: the early signals of a first denoising forward;
+- :mod:`~dwise_predict.serving.sglang.timeout`: SGLang's waiting timeout as the policy's wait cap;
 - :mod:`~dwise_predict.serving.sglang.install`: checks the arguments, builds the hook, patches and
   uninstalls.
 

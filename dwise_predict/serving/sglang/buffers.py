@@ -7,9 +7,10 @@ every replay writes it. ``DllmAlgorithm.run`` (wrapped) fills it with NaN before
 first refinement has checked it: an unwritten buffer (a graph captured before install) is a
 one-line :class:`~dwise_predict.errors.ConfigError` (:data:`UNWRITTEN`), never silent zeros.
 Leftover prompt rows are pooled, like the block rows, into a second static buffer through per-row
-weights written before each step. The rows' own inputs (which rows, prompt tokens, budget, leftover
-positions) go to the device in one copy before the forward, through a pinned buffer
-(:class:`_ToDevice`).
+masks and ``1/n`` scales written before each step; both means sum in fp32 whatever the model's dtype
+(:meth:`PoolingBuffers.pool`), as ``collect`` pools. The rows' own inputs (which rows, prompt
+tokens, budget, leftover positions) go to the device in one copy before the forward, through a
+pinned buffer (:class:`_ToDevice`).
 
 The refinement's ``prompt_last`` input is the pooled row of the request's last prompt block, kept on
 the device (``own_last``). A request that runs no prompt block of its own after a prefix-cache hit
@@ -27,6 +28,7 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
+KEYS_PER_STEP = 256  # the most prompt-cache rows a scheduler step keys (_PromptRows: why it is bounded)
 UNWRITTEN = (
     "the first refinement read a pooling buffer the forward never wrote (CUDA-graph replays skip "
     "Python): install the hook in the scheduler process before start-up (`dwise-predict serve`, or "
@@ -55,17 +57,34 @@ class _PromptRows:
     device, allocated at install; 0 keeps none).
 
     The scheduler keeps rows every step but looks one up only for a request that ran no prompt block
-    of its own, so a kept row's key (a digest of its tokens, :func:`block_key`) is computed when the
-    next lookup comes (:meth:`reserve_tokens`, :meth:`get`), not on the step that keeps it: a server
+    of its own, so a kept row's key (a digest of its tokens, :func:`block_key`) is computed when a
+    lookup comes (:meth:`reserve_tokens`, :meth:`get`), not on the step that keeps it: a server
     whose requests all run their own prompt blocks hashes nothing. Rows kept since the last lookup
     count as more recently used than every keyed row (a keyed row read after they were kept may leave
     before them).
+
+    A scheduler step keys at most ``keys_per_step`` rows (:data:`KEYS_PER_STEP`), the newest first,
+    so the first lookup after a long run without one costs at most that many hashes (about 3 µs each
+    on a 2-core CPU), not one per row kept since (up to ``capacity``: 4,096, some 11 ms in one step).
+    The rows it passes over stay, unkeyed: the lookups of later steps key them, newest first, the
+    step's budget each, and once the cache is full they leave before any keyed row (a lookup
+    preferred newer rows to them, and none was ever read). Bounding the pending rows instead (dropping
+    the oldest unkeyed ones) would forget rows a later lookup could still find; keying them in the
+    steps between lookups would hash on servers that never look one up. The price: a lookup finds a
+    row kept before the newest ``keys_per_step`` unkeyed ones only once earlier lookups have keyed
+    it, so a server that looks up rarely and keeps more rows than that between lookups finds fewer
+    of its oldest rows than an unbounded lookup would; one that looks up at least once every
+    ``keys_per_step`` kept rows (2 B at B = 128: every step keeps at most one row per request it
+    runs) keys every row, as before.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, keys_per_step: int | None = None):
         self.capacity = max(0, int(capacity))
+        self.keys_per_step = KEYS_PER_STEP if keys_per_step is None else int(keys_per_step)
         self.slots: OrderedDict = OrderedDict()  # key -> row of ``rows``, least recently used first
         self.pending: deque = deque()  # (its request's _BlockKeys, blocks, block size, row): kept, not yet keyed
+        self.passed = 0  # the oldest rows of ``pending`` that a lookup passed over (its budget spent on newer ones)
+        self.step, self.budget = None, 0  # the step of the last lookup, and the rows it may still key
         self.rows = None  # (capacity, H) on the model's device (``PoolingBuffers.hold_rows``, or ``allocate``)
         self.free = list(range(self.capacity))
 
@@ -93,23 +112,41 @@ class _PromptRows:
     def _take(self) -> int:
         if self.free:
             return self.free.pop()
+        if self.passed:  # passed over by a lookup: older than every row it keyed, and never read
+            self.passed -= 1
+            return self.pending.popleft()[3]
         if self.slots:
             return self.slots.popitem(last=False)[1]
         return self.pending.popleft()[3]
 
-    def get(self, key: bytes):
-        while self.pending:  # key the rows kept since the last lookup, oldest first (a later one wins)
-            keys, blocks, block_size, slot = self.pending.popleft()
-            pending_key = keys.key(blocks, block_size)
-            old = self.slots.pop(pending_key, None)
-            if old is not None:
-                self.free.append(old)
-            self.slots[pending_key] = slot
+    def get(self, key: bytes, step=None):
+        """The row kept for ``key`` (:func:`block_key`), or None, after keying the newest unkeyed
+        rows, at most ``keys_per_step`` in the scheduler step ``step`` (any value that names the step;
+        None: a step of its own)."""
+        if self.pending:
+            if step is None or step != self.step:
+                self.step, self.budget = step, self.keys_per_step
+            if self.budget:
+                self._key_newest()
         slot = self.slots.get(key)
         if slot is None:
             return None
         self.slots.move_to_end(key)
         return self.rows[slot]
+
+    def _key_newest(self) -> None:
+        """Key the newest unkeyed rows, as many as the step's budget allows; the rest were passed over."""
+        pending, slots = self.pending, self.slots
+        n = min(self.budget, len(pending))
+        self.budget -= n
+        newest = [pending.pop() for _ in range(n)]
+        for keys, blocks, block_size, slot in reversed(newest):  # oldest first: a later row of the same tokens wins
+            pending_key = keys.key(blocks, block_size)
+            old = slots.pop(pending_key, None)
+            if old is not None:
+                self.free.append(old)
+            slots[pending_key] = slot
+        self.passed = len(pending)  # every row left is older than those keyed now
 
 
 class _BlockKeys:
@@ -211,11 +248,16 @@ class PoolingBuffers:
 
         self.pooled2 = torch.full((rows, 2, width), math.nan, device=device)  # (rows, 2, H) static, written inside
         self.pooled = self.pooled2[:, 0]  # the forward: [:, 0] each row's mean over its block rows,
-        self.leftover_pooled = self.pooled2[:, 1]  # [:, 1] the weighted sum of its leftover prompt rows
-        self.weights = torch.zeros((rows, 2, block_size), device=device)  # (rows, 2, block) static:
-        self.weights[:, 0] = 1.0 / block_size  # 1/block (the mean),
-        self.leftover_weights = self.weights[:, 1]  # and 1/n on a row's n leftover prompt positions, zeros elsewhere
-        self.weights_set = False  # leftover_weights holds a nonzero row
+        self.leftover_pooled = self.pooled2[:, 1]  # [:, 1] the mean of its leftover prompt rows
+        # static fp32 inputs of the pooling (pool): which rows each mean sums, 0/1 (exact in any dtype),
+        # and the 1/n it is scaled by, in fp32 (1/3 is not exact in bf16): 1/block over every block row,
+        # and 1/n over a row's n leftover prompt positions (mask zeros elsewhere)
+        self.mask = torch.zeros((rows, 2, block_size), device=device)
+        self.mask[:, 0] = 1.0
+        self.scale = torch.zeros((rows, 2, 1), device=device)
+        self.scale[:, 0] = 1.0 / block_size
+        self.leftover_mask, self.leftover_scale = self.mask[:, 1], self.scale[:, 1]
+        self.weights_set = False  # leftover_mask holds a nonzero row
         self.to_device = _ToDevice(device, 5 * rows)  # the step's per-row inputs
         self.to_device_kept = _ToDevice(device, 4 * rows, "int64")  # its own buffer: the next step's copy may be in flight
         self.prompt_rows = prompt_rows  # the same for recent blocks of any request, by tokens
@@ -228,6 +270,23 @@ class PoolingBuffers:
         self.prompt_mean = None  # the bundle's training mean of prompt_last on the device
         if prompt_mean is not None:
             self.prompt_mean = torch.as_tensor(prompt_mean, dtype=torch.float32, device=device)
+
+    def pool(self, blocks) -> None:
+        """Write the means of ``blocks`` (rows, block, H: each request's block rows, in the model's
+        dtype) into ``pooled2[:rows]`` in fp32, as ``collect`` pools (its fp32 mean): the 0/1 mask's
+        product, summed in fp32 with an fp32 result, then scaled by the fp32 ``1/n``. In place, on
+        static buffers, no host sync: what a CUDA graph captures. On CUDA a bf16/fp16 GEMM sums in
+        fp32 already, and ``out_dtype`` keeps its result in fp32 (no fp32 copy of the hidden states);
+        elsewhere the hidden states are read as fp32 (no copy when they are fp32)."""
+        import torch
+
+        rows = blocks.shape[0]
+        out, mask = self.pooled2[:rows], self.mask[:rows]
+        if blocks.is_cuda and blocks.dtype in (torch.bfloat16, torch.float16):
+            torch.bmm(mask.to(blocks.dtype), blocks, torch.float32, out=out)
+        else:
+            torch.bmm(mask, blocks.float(), out=out)
+        out.mul_(self.scale[:rows])
 
     def hold_own(self, own_row: list, slot: int) -> int:
         """The row of ``own_last`` of the request in policy slot ``slot`` (``own_row``: the request

@@ -4,6 +4,9 @@
   (:meth:`DwiseHook.fetch_waiting_reqs`): the request table is reconciled with SGLang's queues and
   new requests registered (:mod:`~dwise_predict.serving.sglang.requests`), the policy ranks waiting
   ∪ resident, and the admitted requests move into the dLLM manager's queue (SGLang's resident set);
+  where ``SGLANG_REQ_WAITING_TIMEOUT`` is set, the policy's wait cap first follows it, so a request
+  is admitted before SGLang's timeout would abort it in the waiting queue
+  (:mod:`~dwise_predict.serving.sglang.timeout`);
 - **batch formation** — ``SchedulerDllmMixin._process_dllm_batches`` is replaced
   (:meth:`DwiseHook.process_dllm_batches`): the ``B`` resident requests the policy picked go to
   SGLang's own ``_process_batch_by_phase``, prompt and denoising blocks in one ``DLLM_EXTEND`` batch
@@ -63,12 +66,13 @@ from dwise_predict.engine import prefill_rounds, tokenizer_stop_ids
 from dwise_predict.errors import ConfigError
 from dwise_predict.identity import EARLY_SIGNALS
 from dwise_predict.serving.bundle import check_compatible
-from dwise_predict.serving.policy import DwisePolicy
+from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 from dwise_predict.serving.sglang.buffers import UNWRITTEN, block_key
 from dwise_predict.serving.sglang.requests import HookStats, RequestTable, _RankShare
 from dwise_predict.serving.sglang.signals import row_signals
 from dwise_predict.serving.sglang.step import Step, StepRun
 from dwise_predict.serving.sglang.surface import stop_token_ids
+from dwise_predict.serving.sglang.timeout import WaitingTimeout, waiting_timeout
 
 # per-request reads of SGLang's Req objects as C-level callables: a pass over a batch through map() runs
 # no Python frame per request (a list comprehension costs about twice as much on the scheduler thread)
@@ -97,10 +101,11 @@ class DwiseHook:
     """
 
     def __init__(self, sglang, bundle, features, recorder, *, slots, k, kv_budget_tokens, kv_fraction, slack_blocks,
-                 aging, block_size, prompt_rows, buffers):
+                 aging, block_size, prompt_rows, buffers, max_wait=MAX_WAIT):
         self.sglang = sglang
         self.bundle, self.features, self.recorder = bundle, features, recorder
-        self.slots, self.k, self.aging = slots, k, aging
+        self.slots, self.k, self.aging, self.max_wait = slots, k, aging, max_wait
+        self.waiting_timeout = None  # SGLANG_REQ_WAITING_TIMEOUT as the policy's wait cap, where set (bind)
         self.kv_budget_tokens, self.kv_fraction, self.slack_blocks = kv_budget_tokens, kv_fraction, slack_blocks
         self.block_size = int(block_size or 0)
         self.prompt_rows, self.buffers = prompt_rows, buffers
@@ -135,20 +140,42 @@ class DwiseHook:
         self.block_size = int(config.block_size)
         if getattr(scheduler, "tokenizer", None) is not None:  # None under --skip-tokenizer-init
             self.tokenizer_stop_ids = tokenizer_stop_ids(scheduler.tokenizer)
-        if self.slots * self.k > config.max_running_requests:
-            raise ConfigError(
-                f"DWISE keeps up to k*B = {self.slots * self.k:g} requests resident but SGLang's "
-                f"--max-running-requests is {config.max_running_requests}: raise it to at least k*B"
-            )
+        self.check_rows(scheduler)
         group = getattr(scheduler, "dp_tp_group", None)
         if group is not None and group.world_size > 1:
             self.share = _RankShare(group)
         budget = self.kv_budget_tokens
         if budget is None:
             budget = self.kv_fraction * float(scheduler.max_total_num_tokens)
-        self.policy = DwisePolicy(self.slots, self.k, kv_budget=budget, aging=self.aging)
+        max_wait, timeout = self.max_wait, waiting_timeout()  # the timeout: SGLang's, read in this process
+        if timeout is not None:
+            self.waiting_timeout = WaitingTimeout(timeout, max_wait, self.share)
+            max_wait = self.waiting_timeout.initial
+        self.policy = DwisePolicy(self.slots, self.k, kv_budget=budget, aging=self.aging, max_wait=max_wait)
         self.table = RequestTable(self.policy, self.share, self.block_size, self.slack_blocks, self.bundle,
                                   self.features, self.recorder, self.stats, self.sglang, self.buffers)
+
+    def check_rows(self, scheduler) -> None:
+        """Hold ``k*B`` to the request rows this scheduler really has. A request holds a row from its
+        first forward to its end, and SGLang starts one that holds none only in a free row
+        (``get_num_allocatable_reqs``): with more residents than rows, residents the policy pauses can
+        hold every row while every pick and backfill is a request that has not started, and no batch
+        runs again. ``DllmConfig.max_running_requests`` is the server's flag; each attention-DP worker
+        gets its share (``resolve_max_num_reqs``: the flag // attention-DP size, at most half the KV
+        pool, lowered again by memory profiling), known only here: ``Scheduler.max_running_requests``
+        (``get_worker_info``; also the pipeline's micro-batch a step may take) and the
+        ``req_to_token_pool``'s rows. The launcher checks what the flags decide before the model loads
+        (:mod:`~dwise_predict.serving.checks`)."""
+        rows = min(int(scheduler.max_running_requests), int(scheduler.req_to_token_pool.size))
+        resident = self.slots * self.k
+        if resident > rows:
+            raise ConfigError(
+                f"DWISE keeps up to k*B = {resident:g} requests resident but this scheduler holds {rows} request rows "
+                f"(SGLang's max_running_requests for this worker, from --max-running-requests "
+                f"{scheduler.dllm_config.max_running_requests}): raise --max-running-requests to {math.ceil(resident)} "
+                "times the attention-DP size (and the KV memory where SGLang logs that it reduced "
+                "max_running_requests), or lower B or k"
+            )
 
     def check_decoding(self, config) -> None:
         """Hold the bundle and the recording to the decoding SGLang serves (``config``: its
@@ -189,15 +216,23 @@ class DwiseHook:
         if len(queue) - len(new) != policy.n_waiting \
                 or len(scheduler.dllm_manager.waiting_queue) != policy.n_resident:
             table.reconcile(scheduler)
+            # a request under an id the table holds for another is no new one, and would make the
+            # counts differ every step: refused now, once
+            table.refuse_held_ids(scheduler)
             new = [r for r in scheduler.waiting_queue if r.rid not in reqs]
         step.foreign = [r for r in new if r.finished()] if new else []
-        if step.foreign:  # finished while waiting (SGLang's set_finish_with_abort): SGLang's own path
+        if step.foreign:  # finished while waiting, never registered: SGLang's own path
             done = {id(r) for r in step.foreign}
             scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in done]
             scheduler.dllm_manager.add_waiting_reqs(step.foreign)
             new = [r for r in new if id(r) not in done]
+            if self.recorder is not None:
+                for r in step.foreign:
+                    self.recorder.finished(r)  # counted by its finish reason (an abort), once
         if new:
             table.register(scheduler, new)
+        if self.waiting_timeout is not None:  # admit before SGLang's waiting timeout would abort
+            self.waiting_timeout(policy)
         plan = step.plan = policy.schedule()
         self.stats.rounds += 1
         if len(plan.admitted):
@@ -323,10 +358,11 @@ class DwiseHook:
         step = self.step
         if step.batch_all_ours or step.batch_ours.any():
             self.advance(scheduler)
-        # the next batch names its own rows, and pools its own: a pass that does not go through the
-        # wrapped DllmAlgorithm.run (Gemma4Renoise's context encoding) finds none, not this batch's
+        # the next batch names its own rows, pools its own and counts its own forwards: a pass that does
+        # not go through the wrapped DllmAlgorithm.run (Gemma4Renoise's context encoding: one forward)
+        # finds no rows and no forwards (one, to the policy and the recorder), not this batch's
         self.step = Step()
-        self.step_run = self.step_run.spent()
+        self.step_run = StepRun()
 
     def advance(self, scheduler) -> None:
         """After SGLang committed the step: refine the first denoising rounds (one graph run), copy what
@@ -507,7 +543,7 @@ class DwiseHook:
             i = first[j]
             r = batch[i]
             blocks, rest = divmod(len(r.origin_input_ids), bs)
-            row = self.prompt_rows.get(block_key(r, blocks, bs)) if blocks else None
+            row = self.prompt_rows.get(block_key(r, blocks, bs), self.stats.rounds) if blocks else None
             from_cache += row is not None
             if row is None and rest:
                 row, leftover = run.first_leftover[i], leftover + 1
@@ -564,12 +600,13 @@ class DwiseHook:
     def stage_rows(self, forward_batch) -> None:
         """The batch rows of the step's first denoising forwards (``ForwardBatch.rids`` names each
         row's request) and their inputs, onto the device in one copy before the forward: row index,
-        prompt tokens, budget, the leftover prompt positions to pool (``1/n`` weights on the ``n``
-        leftover positions of a request without a prompt block of its own, written into the static
-        buffer the captured graphs read; zeros elsewhere) and its row of ``own_last``."""
+        prompt tokens, budget, the leftover prompt positions to pool (a mask of ones on the ``n``
+        leftover positions of a request without a prompt block of its own and its ``1/n`` in fp32,
+        written into the static buffers the captured graphs read; zeros elsewhere) and its row of
+        ``own_last``."""
         first, run, buffers = self.step.first, self.step_run, self.buffers
         if buffers.weights_set:
-            buffers.leftover_weights.zero_()
+            buffers.leftover_mask.zero_()  # a zero mask pools nothing, whatever its scale
             buffers.weights_set = False
         if not first:
             return
@@ -588,8 +625,8 @@ class DwiseHook:
             import torch
 
             positions = torch.arange(self.block_size, device=leftover.device)
-            weights = (positions[None, :] < leftover[:, None]).float() / leftover.clamp_min(1.0)[:, None]
-            buffers.leftover_weights.index_copy_(0, run.rows_dev, weights.to(buffers.leftover_weights.dtype))
+            buffers.leftover_mask.index_copy_(0, run.rows_dev, (positions[None, :] < leftover[:, None]).float())
+            buffers.leftover_scale.index_copy_(0, run.rows_dev, leftover.clamp_min(1.0).reciprocal()[:, None])
             buffers.weights_set = True
 
     def counted_forward(self, *args, **kwargs):
@@ -640,8 +677,7 @@ class DwiseHook:
             if rows > buffer.shape[0]:
                 raise ConfigError(f"a forward of {rows} requests exceeds the pooling buffer's {buffer.shape[0]} rows: "
                                   "install the hook with max_batch at least SGLang's largest CUDA-graph batch")
-            # mean of each request's block rows, and the weighted sum of its leftover prompt rows, in one
-            # batched product written in place: the addresses a CUDA graph captured
-            blocks = hidden_states.view(rows, bs, hidden_states.shape[-1])  # (rows, block, H)
-            buffers.pooled2[:rows].copy_(buffers.weights[:rows].to(blocks.dtype).bmm(blocks))  # (rows, 2, H)
+            # mean of each request's block rows, and of its leftover prompt rows, in one batched product
+            # written in place (the addresses a CUDA graph captured), summed in fp32 whatever the model's dtype
+            buffers.pool(hidden_states.view(rows, bs, hidden_states.shape[-1]))  # (rows, block, H) -> (rows, 2, H)
         return self.sglang.get_dllm_logits(processor, hidden_states, lm_head, logits_metadata)

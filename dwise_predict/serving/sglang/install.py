@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass
+from numbers import Integral
 from types import MethodType
 
 from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.serving.policy import MAX_WAIT
 from dwise_predict.serving.sglang.buffers import PoolingBuffers, _PromptRows
 from dwise_predict.serving.sglang.hook import DwiseHook
 from dwise_predict.serving.sglang.requests import HookStats
@@ -81,6 +83,7 @@ def install(
     recorder=None,
     prompt_cache: int = 4096,
     aging: float = 0.0,
+    max_wait: int | None = MAX_WAIT,
 ) -> Installed:
     """Patch SGLang's dLLM scheduler (classes, so every scheduler in the process) with DWISE.
 
@@ -116,9 +119,13 @@ def install(
         those requests get their leftover prompt rows' mean).
     aging : the policy's starvation guard (:class:`~dwise_predict.serving.policy.DwisePolicy`:
         rounds of remaining work a round in the server is worth; 0: off).
+    max_wait : the policy's wait cap in rounds (``DwisePolicy(max_wait=)``; None: off; 0: admission
+        in arrival order). Where SGLang's ``SGLANG_REQ_WAITING_TIMEOUT`` is set, the hook lowers it each
+        round so a request is admitted before that timeout would abort it
+        (:mod:`~dwise_predict.serving.sglang.timeout`), also where it is off.
     resolve : module resolver (tests pass a fake SGLang here).
     """
-    _check_arguments(bundle, features, recorder, block_size, device)
+    _check_arguments(bundle, features, recorder, block_size, device, max_wait)
     prompt_rows = _PromptRows(prompt_cache)
     buffers = None
     if bundle is not None or recorder is not None:
@@ -126,7 +133,7 @@ def install(
     sglang = ResolvedSglang(resolve)
     hook = DwiseHook(sglang, bundle, features, recorder, slots=slots, k=k, kv_budget_tokens=kv_budget_tokens,
                      kv_fraction=kv_fraction, slack_blocks=slack_blocks, aging=aging, block_size=block_size,
-                     prompt_rows=prompt_rows, buffers=buffers)
+                     prompt_rows=prompt_rows, buffers=buffers, max_wait=max_wait)
     originals = []
     for owner_name, name, method in PATCHES:
         owner = getattr(sglang, owner_name)
@@ -135,8 +142,11 @@ def install(
     return Installed(hook, originals)
 
 
-def _check_arguments(bundle, features, recorder, block_size, device) -> None:
+def _check_arguments(bundle, features, recorder, block_size, device, max_wait=None) -> None:
     """What install refuses before it allocates or patches anything."""
+    whole = isinstance(max_wait, Integral) and not isinstance(max_wait, bool)
+    if max_wait is not None and not (whole and max_wait >= 0):
+        raise ConfigError(f"max_wait (wait cap) must be a whole number of rounds >= 0 or None (off), got {max_wait!r}")
     if bundle is not None and features is None:
         raise ConfigError("the admission predictor needs prompt features: pass features=callable(req) -> (words, newlines, prompt_tokens)")
     if bundle is not None or recorder is not None:

@@ -4,9 +4,14 @@ The policy is first reconciled with SGLang's own queues when their sizes say som
 behind its back (requests SGLang aborted leave it; requests ``pause_generation(mode="retract")``
 queued again while leaving them in the dLLM manager stay resident, once); new requests are
 registered with a :class:`~dwise_predict.serving.policy.DwisePolicy` (``P`` = prompt blocks, ``r̂`` =
-the bundle's admission estimate, KV reservation = prompt + output budget + slack blocks; a request
-whose reservation exceeds the whole budget is aborted through SGLang's ``abort_request`` with a
-message).
+the bundle's admission estimate, KV reservation = prompt + output budget + slack blocks). A request
+whose reservation exceeds the whole budget, or that comes under a request id the table already holds
+for another request, is refused alone, as SGLang refuses a queued request (:meth:`RequestTable.refuse`),
+not through ``abort_request``, which aborts every request whose id starts with the one given.
+
+With a recorder, the table tells it when a request it registered leaves without the hook seeing it
+finish in a batch (``finished`` or ``left_unfinished``, once per request: ``forget`` alone is also
+the path of a request SGLang queued again, which stays recorded), and when it refuses one.
 
 On a server with several TP ranks (each its own scheduler, CPU and GPU), the estimates that rank
 requests are the first rank's on every rank (:class:`_RankShare`, over the scheduler's
@@ -35,7 +40,9 @@ class HookStats:
         (``pause_generation(mode="retract")``, which leaves them in the dLLM manager's queues too:
         they stay resident, the duplicate leaves the waiting queue, and ``P`` follows the prompt and
         output blocks SGLang re-encodes).
-    oversized : requests aborted because their KV reservation exceeds the whole budget.
+    oversized : requests refused because their KV reservation exceeds the whole budget.
+    duplicates : requests refused because they came under a request id the hook holds for another
+        request (the table, the policy and SGLang's dLLM queues are keyed by it).
     prefix_blocks : prompt blocks a prefix-cache hit removed from ``P``.
     budget_overrides : policy picks that SGLang's batch budget (its ``PrefillAdder``: KV memory, the
         input-token budget ``--max-prefill-tokens``, request limits) left out of a step; DWISE's
@@ -64,6 +71,7 @@ class HookStats:
     vanished: int = 0
     retracted: int = 0
     oversized: int = 0
+    duplicates: int = 0
     prefix_blocks: int = 0
     budget_overrides: int = 0
     backfilled: int = 0
@@ -145,14 +153,19 @@ class RequestTable:
         queued = {id(r) for r in scheduler.waiting_queue}
         held = {id(r) for r in manager.waiting_queue} | {id(r) for r in manager.staging_queue}
         duplicates = set()
+        recorder = self.recorder
         for rid, req in list(self.reqs.items()):
             in_queue, in_manager = id(req) in queued, id(req) in held
             if req.finished() or not (in_queue or in_manager):
                 self.forget(rid)
                 if req.finished():
                     self.stats.finished += 1
+                    if recorder is not None:
+                        recorder.finished(req)
                 else:
                     self.stats.vanished += 1
+                    if recorder is not None:
+                        recorder.left_unfinished(req, "aborted")  # its rows freed now, not at shutdown
             elif in_queue and in_manager:
                 duplicates.add(id(req))
                 self.stats.retracted += 1
@@ -179,21 +192,27 @@ class RequestTable:
         """Add newly arrived requests to the policy, admission estimates in one batch (the first TP
         rank's, on every rank).
 
-        A request whose worst-case KV reservation exceeds the whole budget could never be admitted:
-        it is aborted through SGLang's own ``abort_request`` with a message saying so, and the rest
-        of the batch is registered.
+        A request whose worst-case KV reservation exceeds the whole budget could never be admitted,
+        and a second request under one id cannot be told apart from the first: each is refused
+        (:meth:`refuse`) with a message saying why, and the rest of the batch is registered.
         """
         bs = self.block_size
+        if len({r.rid for r in reqs}) < len(reqs):  # two arrivals under one id: the first is kept
+            reqs = self.first_of_each_id(scheduler, reqs)
         # what is still to encode: the prompt, plus the output of a request queued again (re-encoded)
         seen = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
         kv = [(math.ceil((len(r.origin_input_ids) + r.sampling_params.max_new_tokens) / bs) + self.slack_blocks) * bs
               for r in reqs]
         fits = [k <= self.policy.kv_budget for k in kv]
-        for req, k, ok in zip(reqs, kv, fits):
-            if not ok:
-                self.abort(scheduler, req, f"dwise: request {req.rid} needs a worst-case KV reservation of {k:g} "
-                                          f"tokens (prompt + max_new_tokens + slack) but the DWISE KV budget is "
-                                          f"{self.policy.kv_budget:g}: lower max_new_tokens or raise the budget")
+        if not all(fits):
+            refused = [(req, f"dwise: request {req.rid} needs a worst-case KV reservation of {k:g} tokens (prompt + "
+                             f"max_new_tokens + slack) but the DWISE KV budget is {self.policy.kv_budget:g}: lower "
+                             "max_new_tokens or raise the budget") for req, k, ok in zip(reqs, kv, fits) if not ok]
+            self.refuse(scheduler, refused)
+            self.stats.oversized += len(refused)
+            if self.recorder is not None:
+                for req, _ in refused:
+                    self.recorder.left_unfinished(req, "aborted")  # never registered: counted here, once
         reqs = [r for r, ok in zip(reqs, fits) if ok]
         if not reqs:
             return
@@ -222,8 +241,38 @@ class RequestTable:
             for r in reqs:
                 self.recorder.arrived(r, bs)
 
-    def abort(self, scheduler, req, message: str) -> None:
-        """Finish one request with an abort through SGLang's own path (the client gets ``message``)."""
-        abort_req = self.sglang.abort_req(req.rid, message)
-        scheduler.abort_request(abort_req)
-        self.stats.oversized += 1
+    def refuse_held_ids(self, scheduler) -> None:
+        """Refuse each request in SGLang's waiting queue under an id the table holds for another request
+        (a walk of the queue: run with :meth:`reconcile`, whose counts such a request sets off)."""
+        held = self.reqs
+        self.refuse_duplicates(scheduler, [r for r in scheduler.waiting_queue if held.get(r.rid, r) is not r])
+
+    def first_of_each_id(self, scheduler, reqs: list) -> list:
+        """``reqs`` (arrivals) less each that came under the id of an earlier one, which is refused."""
+        first, kept, again = {}, [], []
+        for r in reqs:
+            (kept if first.setdefault(r.rid, r) is r else again).append(r)
+        self.refuse_duplicates(scheduler, again)
+        return kept
+
+    def refuse_duplicates(self, scheduler, duplicates: list) -> None:
+        """Refuse requests whose id another request holds. Never told to the recorder, which keys
+        requests by id too: the id is the other request's there."""
+        if duplicates:
+            self.refuse(scheduler, [(r, f"dwise: request id {r.rid} is already held by another request: send it "
+                                        "under an id of its own") for r in duplicates])
+            self.stats.duplicates += len(duplicates)
+
+    def refuse(self, scheduler, refused: list) -> None:
+        """End each ``(request, message)`` of ``refused``, requests in SGLang's waiting queue that no
+        batch ran, as SGLang ends a queued request it refuses (``Scheduler._abort_on_queued_limit``):
+        out of the waiting queue, its cache-side state released (``_release_aborted_request``), its
+        beam group retired, and its client sent the message, HTTP 400 (``send_abort_output``). Only
+        these requests: SGLang's ``abort_request`` would also abort every request whose id starts with
+        theirs (``req-1`` takes ``req-10``)."""
+        gone = {id(req) for req, _ in refused}
+        scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in gone]
+        for req, message in refused:
+            scheduler._release_aborted_request(req)
+            scheduler.beam_coordinator.retire_group(req)
+            scheduler.send_abort_output(self.sglang.abort_req(req.rid, message), req)

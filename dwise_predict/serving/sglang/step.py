@@ -8,10 +8,12 @@ in two objects, each made fresh instead of reset field by field:
 - :class:`Step`, made at admission and again once the batch's result is processed (the next
   batch names its own rows: a forward before the next admission, DP attention's IDLE batch, finds
   none);
-- :class:`StepRun`, made by each wrapped ``DllmAlgorithm.run``. It is not the step's: SGLang runs
-  an IDLE batch through ``run`` without a result, and Gemma4Renoise runs its context-encoding pass
-  straight through ``model_runner.forward`` (a result with no wrapped ``run``), where the hook
-  reads the last run's forward counts (:meth:`StepRun.spent`).
+- :class:`StepRun`, made by each wrapped ``DllmAlgorithm.run``, and again once the batch's result is
+  processed. It is not the step's: SGLang runs an IDLE batch through ``run`` without a result, and
+  Gemma4Renoise runs its context-encoding pass (one forward) straight through ``model_runner.forward``
+  (``gemma4_renoise.py``: a batch that is not ``DLLM_EXTEND`` never reaches ``DllmAlgorithm.run``),
+  whose result then finds an empty run: no rows, no forwards counted (read as one), not the run
+  before it (another batch's, whose done lists have that batch's rows).
 
 A scheduler step is one round only in FDFO mode (``--dllm-fdfo``, SGLang 0.5.23's default: one
 forward per step); with ``--no-dllm-fdfo`` SGLang runs every denoising round of a block inside one
@@ -65,18 +67,13 @@ class StepRun:
     __slots__ = ("forwards", "step_done", "_row_forwards", "rows", "row_rids", "rows_dev", "tokens_dev", "budget_dev",
                  "row_own", "own_dev", "first_pooled", "first_leftover", "first_signals", "last_pooled", "running")
 
-    def __init__(self, forwards: int = 0, step_done: list | None = None, row_forwards=None):
-        self.forwards = forwards
-        self.step_done: list = [] if step_done is None else step_done  # appended to by counted_step
-        self._row_forwards = row_forwards
+    def __init__(self):
+        self.forwards = 0
+        self.step_done: list = []  # appended to by counted_step
+        self._row_forwards = None
         self.rows = self.row_rids = ()  # replaced by stage_rows, never grown
         self.rows_dev = self.tokens_dev = self.budget_dev = self.row_own = self.own_dev = self.running = None
         self.first_pooled = self.first_leftover = self.first_signals = self.last_pooled = None
-
-    def spent(self) -> StepRun:
-        """What a result that no ``run`` of its own precedes reads once this run's result is processed:
-        no rows and no pooled rows, but this run's forward counts (as the hook has always read them)."""
-        return StepRun(self.forwards, self.step_done, self._row_forwards)
 
     def row_forwards(self):
         """int64 per batch row: the forwards until its block first reported done this step (0: not

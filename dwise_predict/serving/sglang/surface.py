@@ -73,10 +73,19 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.model_executor.forward_batch_info", "ForwardBatch.rids", "attribute"),
     Touch("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "call",
           ("self", "forward_batch", "skip_attn_backend_init", "pp_proxy_tensors")),
-    # lifecycle: reconcile with SGLang's queues, abort what can never fit, follow the prefix match
+    # lifecycle: reconcile with SGLang's queues, follow the prefix match, and refuse one queued request
+    # (it can never fit; its id is another's) as Scheduler._abort_on_queued_limit does, not through
+    # abort_request (it matches ids by prefix)
     Touch(_SCHED, "DllmManager.staging_queue", "attribute"),
-    Touch("sglang.srt.managers.scheduler", "Scheduler.abort_request", "call", ("self", "recv_req")),
+    Touch("sglang.srt.managers.scheduler", "Scheduler._release_aborted_request", "call", ("self", "req")),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.send_abort_output", "call", ("self", "abort_req", "req")),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.beam_coordinator", "attribute"),
+    Touch("sglang.srt.beam_search.coordinator", "BeamCoordinator.retire_group", "call", ("self", "req")),
     Touch("sglang.srt.managers.io_struct", "AbortReq.finished_reason", "attribute"),
+    # the request rows this scheduler (one attention-DP worker) really has: k*B is held to them
+    Touch("sglang.srt.managers.scheduler", "Scheduler.max_running_requests", "attribute"),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.req_to_token_pool", "attribute"),
+    Touch("sglang.srt.mem_cache.memory_pool", "ReqToTokenPool.size", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.output_ids", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.prefix_len", "attribute"),
     Touch("sglang.srt.managers.schedule_batch", "Req.extend_end", "attribute"),
@@ -174,7 +183,7 @@ _IO = "sglang.srt.managers.io_struct"
 
 class ResolvedSglang:
     """The SGLang classes and members the hook patches and calls, resolved once at install (before it
-    patches: the methods it wraps are SGLang's own), and the ``AbortReq`` it finishes a request with.
+    patches: the methods it wraps are SGLang's own), and the ``AbortReq`` it refuses a request with.
 
     ``resolve``: module name -> module (``importlib.import_module``; tests pass a fake SGLang)."""
 
