@@ -6,8 +6,12 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 OUT    ?= out/quickstart
+# SGLang's own environment, beside .venv: the live tests (tests/live/) start its real server on this CPU
+SGLANG_VENV ?= .venv-sglang
+SGLANG_BIN  := $(SGLANG_VENV)/bin
+SGLANG_REQS := tests/live/requirements-sglang-cpu.txt
 
-.PHONY: quickstart test install clean
+.PHONY: quickstart test install sglang-env clean
 
 $(BIN)/dwise-predict: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +21,20 @@ $(BIN)/dwise-predict: pyproject.toml
 	@touch $@
 
 install: $(BIN)/dwise-predict
+
+# SGLang 0.5.23 pins torch 2.14.1 and CUDA-only kernels: its wheel goes in without its requirements
+# (--no-deps), after what it imports to serve a dLLM on a CPU (SGLANG_REQS); then this project, with
+# SGLANG_REQS as constraints so that nothing there moves (torch, transformers, python-dateutil). About
+# 6 GB; `make test` skips the live tests without it (CI fails them instead: DWISE_REQUIRE_SGLANG=1).
+$(SGLANG_BIN)/dwise-predict: $(SGLANG_REQS) pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/pip install --quiet --upgrade pip
+	$(SGLANG_BIN)/pip install --quiet -r $(SGLANG_REQS)
+	$(SGLANG_BIN)/pip install --quiet --no-deps sglang==0.5.23
+	$(SGLANG_BIN)/pip install --quiet -e . -c $(SGLANG_REQS)
+	@touch $@
+
+sglang-env: $(SGLANG_BIN)/dwise-predict
 
 quickstart: install
 	$(BIN)/dwise-predict quickstart --out $(OUT)
@@ -28,4 +46,4 @@ test: install
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(SGLANG_VENV) out

@@ -1,265 +1,330 @@
-"""What the SGLang hook costs the scheduler per step, on the test fake: µs per step with the hook off
-(SGLang 0.5.23's own dLLM scheduling), on (DWISE with a bundle) and on with recording, at B = 1, 16
-and 128 requests per step, and the hook's own share of an "on" step. Target: the hook's own code
-takes at most 300 µs per step at B = 128 on 2 CPU cores, the refinement graph's own run excluded
-(timed separately and printed: on a GPU it is one small graph launch per step with a first
-denoising round).
+"""What the SGLang hook costs SGLang 0.5.23's real server on this CPU: the scheduler loop's period
+with the DWISE hook and with a pass-through hook at the same patch points, and the hook's own
+wall time per step, against the targets at B = 128 (hook p50 <= 0.5 ms, p99 <= 2 ms, <= 20 µs per
+arrival).
 
-The fake (``tests/fakes/sglang_fake.py``) runs SGLang's own scheduler mixin, ``PrefillAdder`` and
-``DllmAlgorithm`` loops from the wheel (``python scripts/fetch_sglang.py`` first), with a model runner
-whose forward costs next to nothing (block 8, hidden size 32): what is measured is the Python around
-the forward, which is what the scheduler thread pays between GPU forwards (device work, the pooling
-and early signals, is a few tensor operations here; on a GPU it is inside the captured graph or
-queued behind the forward).
+Both servers are SGLang's own HTTP server, launcher, scheduler and detokenizer processes, serving a
+tiny random SDAR model (``tests/live/tiny_sdar.py``: hidden 64, block 4, vocabulary 151,680) on the
+CPU as the live tests start it (``tests/live/live_server.py``: ``SGLANG_USE_CPU_ENGINE=1``, the
+``sgl_kernel`` stand-in, ``--device cpu --disable-cuda-graph --attention-backend torch_native
+--dtype float32``; here with one torch thread, :data:`TORCH_THREADS`), LowConfidence with FDFO
+(SGLang's default: one forward a step). The DWISE hook runs with a bundle built for that model
+(``tests/live/live_bundle.py``) and the admission features from token ids, as in production. The
+pass-through (``benchmarks/hook_timing.py``) calls SGLang's originals at the hook's patch points: the
+server runs SGLang's own scheduling. Both are timed inside the scheduler process by
+``benchmarks/hook_timing.py`` (how, and what "the hook's own time" is: its docstring). Per step
+(between two ends of ``process_batch_result_dllm``):
 
-A step runs from ``get_new_batch_dllm`` to the end of ``process_batch_result_dllm``; only steps with
-exactly B requests count (the steady state; the first and last steps run fewer), and the median is
-the typical step (the mean of the hook's time, also printed, spreads over them the steps that
-register arrivals and refine first rounds). "off", "on" and "record" are whole steps (the schedules differ: SGLang's runs prompt blocks first, DWISE mixes them,
-and the fake's own cost follows the mix). "hook" is measured inside the "on" and "record" runs: the
-time spent in the hook's patched functions, less the SGLang and fake functions they call, the
-refinement graph's run and the pooling product (``_get_dllm_logits``'s batched product: inside the
-captured decode graph on a GPU, where a replay runs no Python; printed apart as "pooling"). The
-early signals' tensor ops over the first-round rows run eagerly after the forward: they stay in
-"hook" and are also printed apart ("signals"; 0 in a median step that has no first denoising round,
-as most steady-state steps at B = 128 have none: a run's 512 first rounds refine in 15 calls, over
-53 such steps). Times are the scheduler thread's CPU time (``time.thread_time``; torch runs on that
-one thread here), which other processes on the machine inflate less than wall time (they still share
-its caches and cores: a loaded machine reads higher). Every figure is the least of ``--repeats``
-interleaved runs. With recording, the scheduler thread queues each finished request and the
-recorder's writer thread commits shards of 64 (that thread's time is not the scheduler's).
+- **period**: the scheduler loop's period, p50 and p99;
+- **hook**: the hook's own wall time (the arrivals with their features and admission estimate, the
+  policy, batch formation, the first rounds' early signals, pooling, refinement and its copy to the
+  host; the TP share where there is one), p50 and p99; for the pass-through the same figure is the
+  patching's and the timer's own cost, the floor of every hook figure. Printed apart: the hook less
+  its tensor work (the early signals' softmax over the vocabulary, the refinement graph, the pooling
+  product), which on a GPU server are kernels launched from the scheduler thread, not run on it;
+- **µs/arrival**: ``RequestTable.register``'s time (features from token ids, the admission model,
+  the policy's insert) over the requests it registered.
 
-"floor" is the same "hook" figure for a hook that does nothing (:class:`PassThrough`: the same
-functions patched, the same per-step swap of the model runner's ``forward`` and the algorithm's
-``step``) over SGLang's own scheduling: the part of "hook" that is the timer's wrappers and clock
-reads (about 14 a step, each a system call for the thread's CPU time) and the patching itself, not
-the hook's code. It is printed, not subtracted: "hook" is the figure the target is held to.
+The DWISE server runs B = 128 with k = 2 (``--max-running-requests`` k·B); the pass-through's
+``--max-running-requests`` is B, so neither runs more than B requests a forward. A closed loop of
+clients keeps ``rows`` requests in flight: prompts of 2 to 11 tokens (no shared prefix) and 4 new
+tokens, 5 to 10 forwards each on the random model; at B = 128, k·B + B/2 of them, more than the
+resident set, so that requests arrive, take their first rounds and finish in every step. A phase is
+measured for ``seconds`` after its first ``rows / 4`` replies; the phases run smallest first. The two
+servers start together (a start is mostly imports) and each is stopped (SIGSTOP) once healthy until
+its turn: an idle SGLang scheduler polls without sleeping and takes a core.
 
-Each request: 2 prompt blocks and 3 output blocks of 4 forwards; 4 B requests arrive at once, and
-the hook keeps up to k·B = 8 B resident.
+Reading the figures: the two servers run different schedules (SGLang's runs prompt blocks first,
+DWISE mixes them), so their periods differ by more than the hook's time; rows per step are printed
+beside them. On this CPU a step of B = 128 blocks (151,680 logits per token) costs half a second
+to a second, so a phase holds a few dozen steps and p99 is close to their maximum. Other processes on
+the 2 cores inflate every wall time: the load average is printed.
 
-Usage: python benchmarks/hook_overhead.py [--batches 1,16,128] [--repeats 3]
+The earlier mode on the test fake with precomputed features is gone: it timed paths the server does
+not run (no token-id features, the fake's own result processing) and this measures the ones it does.
+
+Usage: python benchmarks/hook_overhead.py [--smoke] [--work DIR] [--model DIR --bundle DIR]
+(needs ``.venv-sglang``, ``make sglang-env``. A full run is about 3 minutes on 2 idle cores, more on a
+busy machine; ``--smoke`` runs B = 4 through one 5-second phase, for the test that runs it:
+``tests/live/test_hook_overhead_benchmark.py``, about 2 minutes, nearly all of it the two starts.)
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import http.client
+import itertools
+import json
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+STARTED = time.monotonic()  # before the imports below (torch's among them): the wall time printed is the run's
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "scripts")]
+sys.path[:0] = [str(ROOT / "tests" / "live"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-TARGET_US = 300.0
-BS, K = 8, 8
+import hook_timing  # noqa: E402
+import live_server  # noqa: E402
+import tiny_sdar  # noqa: E402
+
+TARGET_P50_US, TARGET_P99_US, TARGET_ARRIVAL_US = 500.0, 2000.0, 20.0
+TARGET_B = 128
+K = 2
+MAX_TOTAL_TOKENS = 16384  # KV tokens: k·B requests of up to 6 blocks reserved, with room to spare
+PROMPT_TOKENS = (2, 3, 5, 6, 7, 9, 10, 11)  # shorter than a block (a first round at once) to 2 prompt blocks
+NEW_TOKENS = 4
+TIMING = ROOT / "benchmarks" / "hook_timing.py"
+MODES = ("pass-through", "dwise")  # measured in this order
+DUMP_TIMEOUT_S = 60.0
+# the hook's time per step by part, and SGLang's own for comparison (hook_timing's labels)
+HOOK_PARTS = ("fetch_waiting_reqs", "register", "process_dllm_batches", "run", "counted_forward", "row_signals",
+              "counted_step", "get_dllm_logits", "process_batch_result_dllm", "refine")
+SGLANG_PARTS = ("ModelRunner.forward", "LowConfidence.step", "LogitsProcessor._get_dllm_logits",
+                "SchedulerDllmMixin._process_batch_by_phase", "SchedulerDllmMixin.process_batch_result_dllm")
+# one torch thread in the scheduler: the client, SGLang's tokenizer and detokenizer processes and the
+# scheduler share 2 cores, and two OpenMP threads wait at every parallel region's barrier for a
+# descheduled sibling (a 2-row refinement call took 43 to 112 ms at load 5 with two)
+TORCH_THREADS = "1"
 
 
-class TimedBundle:
-    """The bundle, with the time its refinement graph runs (excluded from the hook's cost)."""
-
-    def __init__(self, bundle):
-        self.bundle, self.manifest, self.hidden_size = bundle, bundle.manifest, bundle.hidden_size
-        self.prompt_last_mean = bundle.prompt_last_mean
-        self.refine_s, self.refine_calls, self.refine_rows = 0.0, 0, 0
-
-    def admission(self, x):
-        return self.bundle.admission(x)
-
-    def refine(self, *inputs):
-        start = time.thread_time()
-        out = self.bundle.refine(*inputs)
-        self.refine_s += time.thread_time() - start
-        self.refine_calls += 1
-        self.refine_rows += len(out)
-        return out
+def note(message: str) -> None:
+    """Progress, to stderr (the table goes to stdout)."""
+    print(f"[{time.monotonic() - STARTED:5.0f} s] {message}", file=sys.stderr, flush=True)
 
 
-class ExclusiveTimer:
-    """Time spent in wrapped functions, each frame's own time less that of the wrapped frames it
-    calls, summed by kind ("hook", "sglang", "pooling" or "signals")."""
+@dataclass(frozen=True)
+class Phase:
+    """``rows`` requests kept in flight, measured for ``seconds`` after ``rows // 4`` replies (the ramp)."""
 
-    def __init__(self):
-        self.totals = {"hook": 0.0, "sglang": 0.0, "pooling": 0.0, "signals": 0.0}
-        self.stack: list = []
+    rows: int
+    seconds: float
 
-    def wrap(self, owner, name: str, kind: str) -> None:
-        real = getattr(owner, name)
-        timer = self
 
-        def timed(*args, **kwargs):
-            timer.stack.append(0.0)
-            start = time.thread_time()
+@dataclass(frozen=True)
+class Plan:
+    """``B`` and the phases each server runs, smallest first."""
+
+    slots: int
+    phases: tuple
+
+
+FULL = Plan(TARGET_B, (Phase(16, 10.0), Phase(K * TARGET_B + TARGET_B // 2, 30.0)))
+SMOKE = Plan(4, (Phase(K * 4 + 2, 5.0),))
+
+
+@dataclass
+class ClosedLoop:
+    """``concurrency`` client threads, each sending its next request when its last one returns."""
+
+    server: live_server.LiveServer
+    tag: str
+    concurrency: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    sent: itertools.count = field(default_factory=itertools.count)
+    replies: int = 0
+    threads: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> ClosedLoop:
+        self.threads = [threading.Thread(target=self.client, daemon=True) for _ in range(self.concurrency)]
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def client(self) -> None:
+        while not self.stop.is_set():
+            n = next(self.sent)
+            first = 1000 + (n * 16) % 150_000  # no two prompts share a first token: no prefix-cache hit
+            text = tiny_sdar.words(range(first, first + PROMPT_TOKENS[n % len(PROMPT_TOKENS)]))
             try:
-                return real(*args, **kwargs)
-            finally:
-                elapsed = time.thread_time() - start
-                children = timer.stack.pop()
-                timer.totals[kind] += elapsed - children
-                if timer.stack:
-                    timer.stack[-1] += elapsed
+                self.server.generate(text, NEW_TOKENS, f"{self.tag}-{n}")
+            except (OSError, ValueError, http.client.HTTPException, live_server.ServerFailed):
+                return  # the server was stopped under it
+            with self.lock:
+                self.replies += 1
 
-        setattr(owner, name, timed)
-        self.restore = getattr(self, "restore", []) + [(owner, name, real)]
-
-    def unwrap(self) -> None:
-        for owner, name, real in reversed(getattr(self, "restore", [])):
-            setattr(owner, name, real)
+    def finish(self, timeout: float) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(max(0.0, timeout))
 
 
-class PassThrough:
-    """A hook that does nothing, patched where the real one is (the same functions replaced, the same
-    per-step swap of the model runner's ``forward`` and the algorithm's ``step``), over SGLang's own
-    scheduling: what the timer reads as "hook" when the hook's own code is empty (its floor: the
-    wrappers' calls and clock reads, about 14 a step, and the pass-through calls themselves)."""
+def build(work: Path) -> tuple[Path, Path]:
+    """The tiny SDAR model and a bundle for it (reused when ``work`` already holds them)."""
+    import live_bundle
 
-    def __init__(self, fake):
-        mixin, algorithm = fake.FakeDllmMixin, fake.DllmAlgorithm
-        self.originals = [(mixin, name, getattr(mixin, name))
-                          for name in ("_fetch_waiting_reqs", "_process_dllm_batches", "process_batch_result_dllm")]
-        self.originals.append((algorithm, "run", algorithm.run))
-        fetch, batches, result, run = (real for _, _, real in self.originals)
-        self.running = None
-        self.counted_forward = lambda *args, **kwargs: self.running[0](*args, **kwargs)
-        self.counted_step = lambda *args: self.running[1](*args)
-        hook = self
-
-        def patched_run(algo, model_runner, forward_batch, algo_states=None):
-            hook.running = (model_runner.forward, algo.step)
-            model_runner.forward, algo.step = hook.counted_forward, hook.counted_step
-            try:
-                return run(algo, model_runner, forward_batch, algo_states)
-            finally:
-                del model_runner.forward, algo.step
-
-        for (owner, name, _), fn in zip(self.originals, (lambda sched: fetch(sched), lambda sched, *a, **k: batches(sched, *a, **k),
-                                                       lambda sched, *a: result(sched, *a), patched_run)):
-            setattr(owner, name, fn)
-        self.state = self
-
-    def uninstall(self) -> None:
-        for owner, name, real in reversed(self.originals):
-            setattr(owner, name, real)
+    model, bundle = work / "tiny-sdar", work / "bundle"
+    if not (model / "config.json").is_file():
+        tiny_sdar.write_model(model)
+    if not (bundle / "bundle.json").is_file():
+        live_bundle.write_bundle(bundle, model_dir=model, hidden=tiny_sdar.HIDDEN, block_size=tiny_sdar.BLOCK)
+    return model, bundle
 
 
-def serve(batch: int, mode: str, bundle, hidden: np.ndarray, out: Path) -> dict:
-    """One fake server run: seconds of each steady-state step (exactly ``batch`` requests), of the
-    hook's own code per such step, and the refinement graph's runs. ``mode``: off, on, record, or
-    floor (:class:`PassThrough` in place of the hook, over SGLang's own scheduling)."""
-    from fakes import sglang_fake as fake
+def server_argv(mode: str, model: Path, bundle: Path, port: int, out: Path, slots: int) -> list[str]:
+    """``hook_timing.py`` from SGLang's environment, with the hook's options and SGLang's own."""
+    rows = K * slots if mode == "dwise" else slots
+    hook = ["--bundle", str(bundle), "--slots", str(slots), "--k", str(K)] if mode == "dwise" else []
+    sglang = live_server.sglang_args(model, port, "--max-running-requests", str(rows),
+                                     "--max-total-tokens", str(MAX_TOTAL_TOKENS))  # the last one counts
+    return [str(live_server.VENV / "bin" / "python"), str(TIMING), "--mode", mode, "--out", str(out), *hook, "--",
+            *sglang]
 
-    from dwise_predict.collectors.live import LiveRecorder, live_manifest
-    from dwise_predict.serving.sglang import hook as hook_module
-    from dwise_predict.serving.sglang import install
 
-    timed = TimedBundle(bundle) if mode in ("on", "record") else None
-    recorder = None
-    if mode == "record":
-        manifest = live_manifest({"name": "fake", "hidden_size": hidden.shape[1]}, "LowConfidence", {}, BS, 256)
-        recorder = LiveRecorder(out, block_size=BS, features=lambda req: req.features, every=64, manifest=manifest)
-    clock = ExclusiveTimer()
-    handle = None
-    if mode != "off":
-        # what the hook calls of SGLang's (and the fake's), wrapped before install so the hook calls the wrappers
-        for owner, name in ((fake.FakeDllmMixin, "process_batch_result_dllm"), (fake.FakeDllmMixin, "_process_batch_by_phase"),
-                            (fake.DllmManager, "add_waiting_reqs"), (fake.FillAlgorithm, "step"),
-                            (fake.DllmAlgorithm, "_run_fdfo"), (fake.DllmAlgorithm, "_run_sync"),
-                            (fake.ModelRunner, "forward"), (fake.LogitsProcessor, "_get_dllm_logits")):
-            clock.wrap(owner, name, "sglang")
-        if mode == "floor":
-            handle = PassThrough(fake)
-        else:
-            handle = install(timed, slots=batch, k=K, resolve=fake.resolve, features=lambda req: req.features,
-                             block_size=BS, device="cpu", max_batch=batch, recorder=recorder)
-        for owner, name in ((fake.FakeDllmMixin, "_fetch_waiting_reqs"), (fake.FakeDllmMixin, "_process_dllm_batches"),
-                            (fake.FakeDllmMixin, "process_batch_result_dllm"), (fake.DllmAlgorithm, "run"),
-                            (handle.state, "counted_forward"), (handle.state, "counted_step")):
-            clock.wrap(owner, name, "hook")
-        # the pooling product: inside SGLang's captured decode graph on a GPU (replays run no Python)
-        clock.wrap(fake.LogitsProcessor, "_get_dllm_logits", "pooling")
-        # the early signals' tensor ops over the first-round rows (eager, after the forward): the hook's,
-        # counted in its time, and also printed apart (here dispatch and compute; on a GPU, launches)
-        clock.wrap(hook_module, "row_signals", "signals")
+def start(mode: str, plan: Plan, model: Path, bundle: Path, work: Path) -> tuple[live_server.LiveServer, Path]:
+    """One server (its steps will be written to the path returned)."""
+    port, out = live_server.free_port(), work / f"{mode}-steps.json"
+    out.unlink(missing_ok=True)  # collect() waits for the scheduler to write it
+    server = live_server.LiveServer(server_argv(mode, model, bundle, port, out, plan.slots),
+                                    live_server.server_env(OMP_NUM_THREADS=TORCH_THREADS), work / f"{mode}.log", port)
+    return server.start(), out
+
+
+def pause(server: live_server.LiveServer, sig: int) -> None:
+    """SIGSTOP or SIGCONT to the server's whole process group: an idle SGLang scheduler polls for
+    requests without sleeping and takes a core, so a server waiting its turn is stopped."""
+    os.killpg(server.process.pid, sig)
+
+
+def run_all(plan: Plan, model: Path, bundle: Path, work: Path) -> dict:
+    """Both servers, started together (a start is mostly imports: two at once take less wall time than
+    one after the other) and each stopped once healthy; then each in turn through every phase of
+    ``plan``: mode -> (its scheduler's steps, each phase's window)."""
+    servers = {mode: start(mode, plan, model, bundle, work) for mode in MODES}
     try:
-        config = fake.config(BS, batch if mode in ("off", "floor") else K * batch)
-        scheduler = fake.Scheduler(config, batch_capacity=K * batch, max_total_num_tokens=10**9)
-        sp = type("SP", (), {"max_new_tokens": 256})
-        for i in range(4 * batch):
-            n = 2 * BS + i % 5  # 2 prompt blocks, 0-4 leftover tokens
-            scheduler.waiting_queue.append(fake.Req(f"r{i}", [1 + (7 * i + t) % 900 for t in range(n)], sp(), config,
-                                                    [4, 4, 4], hidden[i % len(hidden)], (n // 2, 1, n)))
-        algorithm, runner = fake.FillAlgorithm(config), fake.ModelRunner(BS, hidden.shape[1], max_bs=K * batch)
-        steps, hook, pooling, signals = [], [], [], []
-        while scheduler.waiting_queue or not scheduler.dllm_manager.is_empty():
-            refine_before, hook_before = (timed.refine_s if timed else 0.0), clock.totals["hook"]
-            pooling_before, signals_before = clock.totals["pooling"], clock.totals["signals"]
-            start = time.thread_time()
-            run = scheduler.step(algorithm, runner)
-            refine = (timed.refine_s - refine_before) if timed else 0.0
-            if run is not None and run.batch_size() == batch:
-                steps.append(time.thread_time() - start - refine)
-                signals.append(clock.totals["signals"] - signals_before)
-                hook.append(clock.totals["hook"] - hook_before - refine + signals[-1])
-                pooling.append(clock.totals["pooling"] - pooling_before)
+        for mode, (server, _) in servers.items():
+            note(f"{mode}: healthy after {server.wait_healthy():.0f} s")
+            pause(server, signal.SIGSTOP)
+        runs = {}
+        for mode, (server, out) in servers.items():
+            pause(server, signal.SIGCONT)
+            windows = [measure(server, f"{mode}-{phase.rows}", phase, last=i == len(plan.phases) - 1)
+                       for i, phase in enumerate(plan.phases)]
+            runs[mode] = collect(server, out), windows
+            server.kill()
+        return runs
     finally:
-        if handle is not None:
-            clock.unwrap()
-            handle.uninstall()
-        if recorder is not None:
-            recorder.close()
-    on = mode != "off"
-    return {"step": statistics.median(steps), "hook": statistics.median(hook) if on else 0.0,
-            "hook_mean": statistics.mean(hook) if on else 0.0, "pooling": statistics.median(pooling) if on else 0.0,
-            "signals": statistics.median(signals) if on else 0.0, "bundle": timed}
+        for server, _ in servers.values():
+            server.kill()
 
 
-def main() -> None:
+def measure(server: live_server.LiveServer, tag: str, phase: Phase, last: bool) -> tuple[float, float]:
+    """Run one phase; its measured window (monotonic seconds, the scheduler's clock too). The last
+    phase leaves its requests in flight (the server is stopped under them); others drain first."""
+    clients = ClosedLoop(server, tag, phase.rows).start()
+    ramp = time.monotonic()
+    deadline = time.monotonic() + live_server.REQUEST_TIMEOUT_S
+    while clients.replies < phase.rows // 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    start = time.monotonic()
+    time.sleep(phase.seconds)
+    end = time.monotonic()
+    clients.finish(0.0 if last else live_server.REQUEST_TIMEOUT_S)
+    note(f"{tag}: measured {end - start:.0f} s after a ramp of {start - ramp:.0f} s, {clients.replies} replies")
+    return start, end
+
+
+def collect(server: live_server.LiveServer, out: Path) -> dict:
+    """SIGUSR1 to the scheduler process (``hook_timing`` writes its steps) and the steps it wrote."""
+    for pid in server.scheduler_pids():
+        os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + DUMP_TIMEOUT_S
+    while not out.is_file():
+        if time.monotonic() > deadline:
+            raise live_server.ServerFailed(f"the scheduler wrote no {out.name}:\n{server.log_tail()}")
+        time.sleep(0.2)
+    return json.loads(out.read_text())
+
+
+def summarize(dump: dict, window: tuple[float, float]) -> dict:
+    """The figures (``hook_timing.step_figures``) of the steps that ended in ``window``."""
+    t = np.array([step["t"] for step in dump["steps"]])
+    at = np.flatnonzero((t >= window[0]) & (t <= window[1]) & (np.arange(len(t)) > 0))
+    if not len(at):
+        raise live_server.ServerFailed(f"no scheduler step ended in the measured window {window}")
+    return hook_timing.step_figures(dump["steps"], at)
+
+
+HEADER = (f"{'rows':>5}  {'server':<12} {'steps':>5} {'rows/step':>9} {'arrivals/step':>13} {'first/step':>10} "
+          f"{'finished/step':>13} {'period p50 ms':>13} {'period p99 ms':>13} {'hook p50 µs':>11} {'hook p99 µs':>11} "
+          f"{'µs/arrival':>10}")
+
+
+def row(rows: int, mode: str, s: dict) -> str:
+    dwise = mode == "dwise"
+    arrivals = f"{s['arrivals']:13.1f}" if dwise else f"{'-':>13}"
+    first = f"{s['first_rounds']:10.1f}" if dwise else f"{'-':>10}"
+    per_arrival = f"{s['per_arrival']:10.1f}" if dwise else f"{'-':>10}"
+    return (f"{rows:>5}  {mode:<12} {s['steps']:>5} {s['rows']:>9.1f} {arrivals} {first} {s['finished']:>13.1f} "
+            f"{s['period_p50']:>13.1f} {s['period_p99']:>13.1f} {s['hook_p50']:>11.0f} {s['hook_p99']:>11.0f} "
+            f"{per_arrival}")
+
+
+def verdicts(slots: int, dwise: dict, passthrough: dict) -> list[str]:
+    """The target lines, the loop-period comparison and where the hook's time goes."""
+    at = f"B = {slots}" + ("" if slots == TARGET_B else f"; the targets are for B = {TARGET_B}")
+    lines = []
+    for name, figure, target in (("hook p50", dwise["hook_p50"], TARGET_P50_US),
+                                 ("hook p99", dwise["hook_p99"], TARGET_P99_US),
+                                 ("hook per arrival", dwise["per_arrival"], TARGET_ARRIVAL_US)):
+        lines.append(f"target {name} <= {target:g} µs ({at}): {figure:.1f} µs, {'met' if figure <= target else 'MISSED'}")
+    lines.append(f"the hook less its tensor work ({', '.join(hook_timing.TENSOR_LABELS)}: on a GPU, kernels launched, not run, "
+                 f"on the scheduler thread): p50 {dwise['host_p50']:.0f} µs, p99 {dwise['host_p99']:.0f} µs")
+    change = {key: 100.0 * (dwise[key] / passthrough[key] - 1.0) for key in ("period_p50", "period_p99", "period_mean")}
+    lines.append(f"loop period, dwise vs pass-through ({at}): p50 {change['period_p50']:+.1f} %, p99 "
+                 f"{change['period_p99']:+.1f} %, mean {change['period_mean']:+.1f} % (rows/step {dwise['rows']:.1f} vs "
+                 f"{passthrough['rows']:.1f}: the schedules differ)")
+    lines.append("the DWISE hook's own time, mean µs per step: " + ", ".join(
+        f"{label} {dwise['parts'].get(label, 0.0):.0f}" for label in HOOK_PARTS))
+    lines.append("SGLang's own time, mean µs per step, dwise | pass-through: " + ", ".join(
+        f"{label} {dwise['parts'].get('sglang.' + label, 0.0):.0f} | {passthrough['parts'].get('sglang.' + label, 0.0):.0f}"
+        for label in SGLANG_PARTS))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="1,16,128")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per cell; the best median counts")
-    args = parser.parse_args()
-
-    import sglang_reference
-
-    if not sglang_reference.available():
-        raise SystemExit(sglang_reference.SKIP_REASON)
-    import torch
-    from fakes.serving_bundle import served_bundle
-
-    from dwise_predict.serving.bundle import load_bundle
-
-    torch.set_num_threads(1)
-    path, traces = served_bundle()
-    bundle = load_bundle(path, backend="torch")
-    hidden = np.asarray(traces.first_round[:64], dtype=np.float32)
-    print(f"hook cost per scheduler step on the fake (block {BS}, hidden {hidden.shape[1]}, k = {K}): median over the "
-          f"steady-state steps (hook mean: with arrivals and first rounds spread over them), least of {args.repeats} runs; "
-          f"target: the hook's own code <= {TARGET_US:.0f} µs per step at B = 128 (refinement graph excluded)")
-    print(f"{'B':>5} {'off µs':>9} {'on µs':>9} {'record µs':>10} {'hook µs':>8} {'hook+rec':>9} {'hook mean':>10} "
-          f"{'signals µs':>11} {'pooling µs':>11} {'refine µs/call':>15} {'rows/call':>10} {'floor µs':>9}  target")
-    with tempfile.TemporaryDirectory() as tmp:
-        for batch in (int(b) for b in args.batches.split(",")):
-            best: dict = {}
-            refine = None
-            for repeat in range(args.repeats):  # interleaved: the machine's load moves all four alike
-                for mode in ("off", "on", "record", "floor"):
-                    run = serve(batch, mode, bundle, hidden, Path(tmp) / f"{batch}-{mode}-{repeat}")
-                    for key in ("step", "hook", "hook_mean", "pooling", "signals"):
-                        best[mode, key] = min(best.get((mode, key), float("inf")), run[key] * 1e6)
-                    if mode == "on" and (refine is None or run["bundle"].refine_calls):
-                        refine = run["bundle"]
-            hook, hook_rec = best["on", "hook"], best["record", "hook"]
-            per_call = refine.refine_s / max(refine.refine_calls, 1) * 1e6
-            verdict = f"{TARGET_US:.0f}: {'met' if hook <= TARGET_US else 'MISSED'}" if batch == 128 else ""
-            print(f"{batch:>5} {best['off', 'step']:>9.0f} {best['on', 'step']:>9.0f} {best['record', 'step']:>10.0f} "
-                  f"{hook:>8.0f} {hook_rec:>9.0f} {best['on', 'hook_mean']:>10.0f} {best['on', 'signals']:>11.0f} "
-                  f"{best['on', 'pooling']:>11.0f} "
-                  f"{per_call:>15.0f} {refine.refine_rows / max(refine.refine_calls, 1):>10.1f} "
-                  f"{best['floor', 'hook']:>9.0f}  {verdict}")
+    parser.add_argument("--smoke", action="store_true", help="B = 4, one short phase (the test's run)")
+    parser.add_argument("--work", type=Path, help="keep the model, bundle, logs and steps here (reused)")
+    parser.add_argument("--model", type=Path, help="a tiny SDAR model written by tests/live/tiny_sdar.py (else built)")
+    parser.add_argument("--bundle", type=Path, help="its bundle, written by tests/live/live_bundle.py (else built)")
+    args = parser.parse_args(argv)
+    if (args.model is None) != (args.bundle is None):
+        parser.error("pass --model and --bundle together (the bundle is built for the model)")
+    if not live_server.venv_ready():
+        raise SystemExit(live_server.MISSING)
+    plan = SMOKE if args.smoke else FULL
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="dwise-hook-overhead-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model, bundle = (args.model, args.bundle) if args.model else build(work)
+        note(f"model {model}, bundle {bundle}")
+        runs = run_all(plan, model, bundle, work)
+    results = {(phase.rows, mode): summarize(dump, windows[i])
+               for mode, (dump, windows) in runs.items() for i, phase in enumerate(plan.phases)}
+    print(f"the DWISE hook in SGLang {live_server.SGLANG_VERSION}'s real server on this CPU ({os.cpu_count()} cores): "
+          f"tiny random SDAR (hidden {tiny_sdar.HIDDEN}, block {tiny_sdar.BLOCK}, vocabulary {tiny_sdar.VOCAB:,}), "
+          f"LowConfidence, FDFO")
+    print(f"dwise: B = {plan.slots}, k = {K}, --max-running-requests {K * plan.slots}; pass-through: SGLang's own "
+          f"scheduling, --max-running-requests {plan.slots}; load average {load:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at end")
+    print(HEADER)
+    for phase in plan.phases:
+        for mode in MODES:
+            print(row(phase.rows, mode, results[phase.rows, mode]))
+    largest = plan.phases[-1].rows
+    for line in verdicts(plan.slots, results[largest, "dwise"], results[largest, "pass-through"]):
+        print(line)
+    print(f"wall time {time.monotonic() - STARTED:.0f} s")
 
 
 if __name__ == "__main__":

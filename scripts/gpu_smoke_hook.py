@@ -20,7 +20,24 @@ decode graph runner does) and a batch above the largest running eagerly; and che
    round (``torch.cuda.set_sync_debug_mode``: every synchronising call from the hook's own code);
 4. a graph captured *before* the hook is installed makes the first refinement fail loudly;
 5. a request aborted mid-run leaves the policy (and everything else still finishes);
-6. prompts sharing a prefix get P = prefill_rounds(n, block, cached prefix).
+6. prompts sharing a prefix get P = prefill_rounds(n, block, cached prefix);
+
+and prints the scheduler loop's period with the hook and with a pass-through hook at the same five
+patch points (``benchmarks/hook_timing.py``'s ``PassThroughHook``: SGLang's own scheduling), mean and
+p99, against the targets on a GPU (the hook's mean <= +1 %, p99 <= +3 % over the pass-through), with
+the hook's own time per step (:func:`compare_loop_periods`). ``benchmarks/hook_overhead.py`` makes that
+comparison in SGLang's real server on a CPU; SGLang cannot be installed on the GPU machine, so here it
+is made as far as the fake goes: SGLang's own scheduler mixin, adder and algorithm loop from the
+wheel around a random transformer of about 600 M parameters (:data:`PERIOD_LAYERS` layers of hidden
+:data:`PERIOD_H` in bf16, B = 128 blocks of 32 a forward, replayed from a CUDA graph: a step of
+milliseconds, not the tiny model's fraction of one; its forward time per step is printed, to scale
+the percentages to a served model's step), a closed loop of requests (each one finished is replaced:
+arrivals, first rounds and finishes every step), the hook recording (pooling, early signals, one
+copy to the host per step with a first round) with no bundle (no refinement launch: building a
+bundle needs the training stack, which this script does not assume), the fake's own result
+processing (no KV pool, no streaming) and its one-column logits (no softmax over a real
+vocabulary). The two schedules differ (SGLang's runs prompt blocks first), as in the real server;
+rows per step are printed beside the periods. Timing lines, not checks: they do not fail the run.
 
 Prints one line per check and exits 1 if any fails; a few minutes on one GPU (well under 10).
 ``--cpu`` runs the checks that need no GPU (eager pooling, padded batch sizes eagerly, abort,
@@ -29,6 +46,7 @@ prefix) on the CPU, to test the script itself (``tests/test_gpu_smoke_script.py`
 
 from __future__ import annotations
 
+import itertools
 import sys
 import tempfile
 import time
@@ -40,8 +58,9 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+import hook_timing  # noqa: E402
 import sglang_reference  # noqa: E402
 
 if not sglang_reference.available():
@@ -61,21 +80,28 @@ GRAPH_SIZES = (4, 8, 24, 136)
 PADDED_BATCHES = (3, 17, 130, GRAPH_SIZES[-1] + 1)  # replay 4, 24, 136 with padding; one above the largest: eager
 MAX_BATCH = GRAPH_SIZES[-1] + 1  # the hook's buffer holds the largest graph and the largest eager batch
 DEVICE = "cuda"
+# the loop-period comparison (compare_loop_periods): a random model of about 600 M parameters in bf16
+# (12 layers of hidden 2048), B = 128, k = 2, and the targets over the pass-through, in percent
+PERIOD_H, PERIOD_LAYERS, PERIOD_SLOTS, PERIOD_K = 2048, 12, 128, 2
+PERIOD_STEPS, PERIOD_WARMUP = 300, 50
+PERIOD_MEAN_TARGET, PERIOD_P99_TARGET = 1.0, 3.0
 
 
 class TinyModel(nn.Module):
-    """A random 2-layer bidirectional transformer: ids (B, bs) -> final hidden rows (B*bs, H)."""
+    """A random bidirectional transformer (2 layers of width H unless told): ids (B, bs) -> final
+    hidden rows (B*bs, hidden)."""
 
-    def __init__(self):
+    def __init__(self, hidden=H, layers=2):
         super().__init__()
-        self.embed = nn.Embedding(V, H)
-        layer = nn.TransformerEncoderLayer(H, 4, 4 * H, dropout=0.0, batch_first=True)
-        self.layers = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.hidden = hidden
+        self.embed = nn.Embedding(V, hidden)
+        layer = nn.TransformerEncoderLayer(hidden, 4, 4 * hidden, dropout=0.0, batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         if hasattr(torch.backends, "mha"):  # plain kernels: the fused fast path is not what we test
             torch.backends.mha.set_fastpath_enabled(False)
 
     def forward(self, ids):
-        return self.layers(self.embed(ids % V)).reshape(-1, H)  # (B*bs, H)
+        return self.layers(self.embed(ids % V)).reshape(-1, self.hidden)  # (B*bs, hidden)
 
 
 def padded_size(batch: int, sizes) -> int | None:
@@ -86,11 +112,12 @@ def padded_size(batch: int, sizes) -> int | None:
 
 class GpuRunner(fake.ModelRunner):
     """The fake's model runner with a real model; ``cuda_graph`` captures model + logits path once per
-    size of ``sizes`` (largest first, sharing one memory pool, as SGLang's graph runner does)."""
+    size of ``sizes`` (largest first, sharing one memory pool, as SGLang's graph runner does).
+    ``sync``: wait for the forward before returning, as SGLang's host reads of its output do."""
 
-    def __init__(self, model, cuda_graph, sizes=GRAPH_SIZES):
-        self.model = model
-        super().__init__(BS, H, cuda_graph=False, max_bs=max(sizes))
+    def __init__(self, model, cuda_graph, sizes=GRAPH_SIZES, sync=False):
+        self.model, self.sync = model, sync
+        super().__init__(BS, model.hidden, cuda_graph=False, max_bs=max(sizes))
         self.cuda_graph, self.graphs = cuda_graph, {}
         if cuda_graph:
             pool = torch.cuda.graph_pool_handle()
@@ -120,9 +147,15 @@ class GpuRunner(fake.ModelRunner):
             static_ids[: ids.shape[0]].copy_(ids)
             graph.replay()  # no Python hook runs here
             full = out.full_logits[: ids.shape[0] * BS]
+            self.wait()
             return fake.SimpleNamespace(logits_output=fake.SimpleNamespace(full_logits=full), can_run_graph=True)
         out = self.logits_processor._get_dllm_logits(self.model(ids), None, None)
+        self.wait()
         return fake.SimpleNamespace(logits_output=out, can_run_graph=False)
+
+    def wait(self):
+        if self.sync and DEVICE != "cpu":
+            torch.cuda.synchronize()
 
 
 def requests(n, shared=0, seed=0):
@@ -227,6 +260,73 @@ def expected_first_round(model, ids):
         return model(torch.tensor([block], device=DEVICE)).mean(dim=0).float().cpu().numpy()
 
 
+def period_request(n: int, config) -> fake.Req:
+    """The closed loop's ``n``-th request: one or two prompt blocks and up to 7 tokens more, ids of its
+    own (no shared prefix), two output blocks of 3 forwards each."""
+    ids = [100 + 1000 * n + t for t in range(BS + (7 * n) % (BS + 8))]
+    return fake.Req(f"p{n:05d}", ids, fake.SimpleNamespace(max_new_tokens=256), config, [3, 3], None, None)
+
+
+def period_run(model, mode: str, slots: int, steps: int, out: Path) -> list:
+    """``steps`` scheduler steps through the fake with the hook (``mode`` "dwise": recording, as
+    :func:`serve`, k = :data:`PERIOD_K`) or the pass-through (SGLang's own scheduling, ``slots``
+    resident), timed by ``hook_timing`` (each step's end, the hook's own time); a closed loop keeps
+    k·B + B/2 requests in the server. Returns the clock's steps."""
+    clock = hook_timing.StepClock()
+    hook_timing.time_sglang(clock, fake.resolve, also=((GpuRunner, "forward"), (fake.FillAlgorithm, "step")))
+    recorder = handle = None
+    try:
+        if mode == "dwise":
+            manifest = live_manifest({"name": "tiny-random", "hidden_size": model.hidden}, "LowConfidence", {}, BS, 256)
+            recorder = LiveRecorder(out, block_size=BS, every=64, manifest=manifest)
+            handle = install(None, slots=slots, k=PERIOD_K, resolve=fake.resolve, block_size=BS, max_batch=MAX_BATCH,
+                             device=DEVICE, hidden_size=model.hidden, recorder=recorder)
+        else:
+            handle = hook_timing.install_pass_through(fake.resolve)
+        hook_timing.time_hook(clock, handle)
+        runner = GpuRunner(model, DEVICE != "cpu", sync=True)  # captured after install, as at SGLang start-up
+        config = fake.config(BS, PERIOD_K * slots if mode == "dwise" else slots)
+        scheduler = fake.Scheduler(config, batch_capacity=PERIOD_K * slots, max_total_num_tokens=10**9)
+        algorithm, sent = fake.FillAlgorithm(config), itertools.count()
+        scheduler.waiting_queue.extend(period_request(next(sent), config) for _ in range(PERIOD_K * slots + slots // 2))
+        while len(clock.steps) < steps:
+            batch = scheduler.step(algorithm, runner)
+            done = sum(r.finished() for r in batch.reqs) if batch is not None else 0
+            scheduler.waiting_queue.extend(period_request(next(sent), config) for _ in range(done))
+        return clock.steps
+    finally:
+        if handle is not None:
+            handle.uninstall()
+        clock.undo()  # after uninstall: SGLang's own functions back in place
+        if recorder is not None:
+            recorder.close()
+
+
+def compare_loop_periods(model, tmp: Path, slots=PERIOD_SLOTS, steps=PERIOD_STEPS, warmup=PERIOD_WARMUP) -> list[str]:
+    """The loop period with the hook and with the pass-through (module docstring), ``steps`` steps
+    after ``warmup``, and the targets' lines: the lines to print."""
+    figures = {mode: hook_timing.step_figures(period_run(model, mode, slots, warmup + steps, tmp / f"period-{mode}"),
+                                              range(warmup, warmup + steps))
+               for mode in ("pass-through", "dwise")}
+    where = "cpu" if DEVICE == "cpu" else torch.cuda.get_device_name()
+    lines = [f"loop period, hook vs pass-through at the same patch points, on the fake with a random "
+             f"{len(model.layers.layers)}-layer transformer (hidden {model.hidden}, {next(model.parameters()).dtype}) "
+             f"on {where}{', CUDA graphs' if DEVICE != 'cpu' else ''}: B = {slots}, k = {PERIOD_K}, {steps} steps "
+             f"after {warmup}"]
+    for mode, f in figures.items():
+        first = f"{f['first_rounds']:5.1f}" if mode == "dwise" else f"{'-':>5}"  # the pass-through plans none
+        lines.append(f"  {mode:<12} rows/step {f['rows']:6.1f}  first rounds/step {first}  "
+                     f"period mean {f['period_mean']:8.3f} ms  p50 {f['period_p50']:8.3f} ms  p99 {f['period_p99']:8.3f} ms"
+                     f"  hook p50 {f['hook_p50']:7.0f} µs  p99 {f['hook_p99']:7.0f} µs  model forward "
+                     f"{f['parts'].get('sglang.GpuRunner.forward', 0.0) / 1e3:7.3f} ms/step")
+    hook, base = figures["dwise"], figures["pass-through"]
+    for name, key, target in (("mean", "period_mean", PERIOD_MEAN_TARGET), ("p99", "period_p99", PERIOD_P99_TARGET)):
+        change = 100.0 * (hook[key] / base[key] - 1.0)
+        lines.append(f"target loop period {name} <= +{target:g} % over the pass-through: {change:+.2f} %, "
+                     f"{'met' if change <= target else 'MISSED'}")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     global DEVICE
     cpu = "--cpu" in argv
@@ -294,6 +394,11 @@ def main(argv: list[str]) -> int:
     cold = [prefill_rounds(len(ids), BS) for _, ids, _ in shared]
     ok = sum(g == h for g, h in zip(got, hit)) == len(shared) - 1 and sum(g == c for g, c in zip(got, cold)) == 1
     check("prompts sharing a prefix get P from the cached prefix", ok, f"(P {got}; cached {hit}; cold {cold})")
+
+    if graphs:  # timing lines, not checks (module docstring); the --cpu run leaves them to the test
+        period_model = TinyModel(PERIOD_H, PERIOD_LAYERS).to(DEVICE, torch.bfloat16).eval()
+        for line in compare_loop_periods(period_model, tmp):
+            print(line)
 
     where = "cpu" if cpu else torch.cuda.get_device_name()
     print(f"{len(failures)} failed, {time.perf_counter() - started:.1f} s on {where}")

@@ -64,14 +64,15 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
 
     torch.manual_seed(seed)
     K = int(ds.requests["total_rounds"].max())
-    in_features = 2 * HIDDEN + 2 + len(EARLY_SIGNALS)  # h1, h_prompt, prompt tokens, budget, early signals
+    hidden = ds.first_round.shape[1]  # HIDDEN for make_traces(); the tests of a live server pass their model's
+    in_features = 2 * hidden + 2 + len(EARLY_SIGNALS)  # h1, h_prompt, prompt tokens, budget, early signals
     members = [HazardMLP(in_features, K, 256, 0.2).eval() for _ in range(3)]
     h, last, p, b, signals = refine_inputs(train)
     x = np.concatenate([h, last, p[:, None] / 100.0, b[:, None] / 256.0, signals], axis=1)
     mean, std = torch.tensor(x.mean(0)), torch.tensor(x.std(0) + 1e-3)
     state = refine_state(members, mean, std)
     save_file(state, str(path / "refine.safetensors"))
-    spec = {"hidden_size": HIDDEN, "early_signals": len(EARLY_SIGNALS), "in_features": in_features, "num_rounds": K, "width": 256, "dropout": 0.2,
+    spec = {"hidden_size": hidden, "early_signals": len(EARLY_SIGNALS), "in_features": in_features, "num_rounds": K, "width": 256, "dropout": 0.2,
             "members": 3, "seeds": [0, 1, 2], "prompt_norm": 100.0, "budget_norm": 256.0, "length_scale": LENGTH_SCALE,
             "hidden_states": list(HIDDEN_STATES),
             "target": "remaining_rounds = total_rounds - 1 (after the first denoising round)"}
@@ -101,7 +102,7 @@ def make_run(path: Path, seed: int = 0, traces=None) -> Path:
         "seed": seed,
         "versions": {"torch": torch.__version__},
         "traces": {"path": "synthetic", "fingerprint": ds.data_hash(), "model": ds.manifest["model"],
-                   "decoding": ds.manifest["decoding"], "hidden_size": HIDDEN},
+                   "decoding": ds.manifest["decoding"], "hidden_size": hidden},
     }
     (path / "config.json").write_text(json.dumps(config))
     return path

@@ -46,3 +46,26 @@ def test_the_padded_batch_check_pools_the_models_block_means_eagerly(smoke, tmp_
     with smoke.hook_syncs() as found:  # nothing synchronises on the CPU: the check counts CUDA calls only
         torch.ones(3).sum().item()
     assert found == []
+
+
+def test_the_loop_period_comparison_times_both_hooks_and_leaves_the_fake_as_it_found_it(smoke, tmp_path):
+    """The script's hook-vs-pass-through comparison on the CPU, small: a row per hook, the hook's
+    rows within B with first rounds in its steps, both targets with a verdict; afterwards every
+    function it timed or patched is the fake's own again (the script's other checks run on it)."""
+    import re
+
+    import torch
+
+    fake = smoke.fake
+    before = {(cls, name): vars(cls).get(name) for cls, name in (
+        (fake.FakeDllmMixin, "process_batch_result_dllm"), (fake.DllmAlgorithm, "run"),
+        (fake.LogitsProcessor, "_get_dllm_logits"), (fake.FillAlgorithm, "step"), (smoke.GpuRunner, "forward"))}
+    torch.manual_seed(0)
+    lines = smoke.compare_loop_periods(smoke.TinyModel().eval(), tmp_path, slots=4, steps=20, warmup=5)
+    assert [line.split()[0] for line in lines[1:3]] == ["pass-through", "dwise"], lines
+    number = r"(-?\d+(?:\.\d+)?)"
+    dwise = re.search(rf"rows/step\s+{number}\s+first rounds/step\s+{number}", lines[2])
+    assert 0 < float(dwise[1]) <= 4 and float(dwise[2]) > 0, lines[2]
+    assert re.fullmatch(rf"target loop period mean <= \+1 % over the pass-through: \+?{number} %, (met|MISSED)", lines[3])
+    assert re.fullmatch(rf"target loop period p99 <= \+3 % over the pass-through: \+?{number} %, (met|MISSED)", lines[4])
+    assert {key: vars(key[0]).get(key[1]) for key in before} == before

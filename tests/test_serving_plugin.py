@@ -17,6 +17,7 @@ import pytest
 import sglang_reference
 from dwise_predict.errors import ConfigError
 from dwise_predict.serving.launcher import RUN_SCHEDULER_PROCESS
+from dwise_predict.serving.sglang.install import PATCHES
 from dwise_predict.serving.plugin import VARIABLES, config_from_environ, engaged
 
 TESTS = Path(__file__).resolve().parent
@@ -64,7 +65,7 @@ def test_sglangs_plugin_loader_engages_the_hook_as_serve_does(tmp_path):
     assert plugin["config"]["max_batch"] == 64 and plugin["config"]["tokenizer"] == str(model)
     reports = plugin["report"], served["report"]
     assert all(r["hooked"] for r in reports) and reports[0]["pid"] != reports[1]["pid"]
-    assert len(reports[0]["patched"]) == 5 and all(p.endswith("=" + ADAPTER) for p in reports[0]["patched"])
+    assert len(reports[0]["patched"]) == len(PATCHES) and all(p.endswith("=" + ADAPTER) for p in reports[0]["patched"])
     for key in ("patched", "slots", "k", "block_size", "pooled_rows", "prompt_cache", "every", "flush_s"):
         assert reports[0][key] == reports[1][key], key
     assert reports[0]["pooled_rows"] == 64 and reports[0]["flush_s"] == 2.0

@@ -711,6 +711,53 @@ def test_requests_sglang_aborts_while_running_leave_the_recorder_and_are_counted
     assert (counts["left_out_aborted"], counts["left_out_in_flight"], counts["requests"]) == (11, 0, 20)
 
 
+class AbortAndLook:
+    """``fake.serve``'s ``before_step``: at ``step``, SGLang's ``abort_request`` for one resident
+    request, then a look, before any further step, at whether the hook and the recorder still hold it."""
+
+    def __init__(self, step: int, recorder):
+        self.step, self.recorder, self.held = step, recorder, None
+
+    def __call__(self, step, scheduler):
+        if step != self.step:
+            return
+        rid = next(r.rid for r in scheduler.dllm_manager.waiting_queue if r.kv.holds_kv)
+        scheduler.abort_request(fake.AbortReq(rid=rid))
+        self.held = (rid in self.recorder.open, rid in ACTIVE_HOOK[0].state.table.reqs)
+
+
+ACTIVE_HOOK: list = []
+
+
+def test_an_abort_leaves_the_hook_and_the_recorder_at_once_not_at_a_step_that_may_never_come(tmp_path):
+    """An abort was noticed only by the next step's count check: on a rank that runs no further step
+    (idle after its last client went away, or stopping) the aborted request stayed open in the recorder
+    and was counted as in flight at close, not as aborted (seen live: 2 of 3 disconnected clients
+    counted). The hook wraps ``Scheduler.abort_request``: the request leaves both at once."""
+    config = fake.config(BS, 8)
+    manifest = live_manifest({"name": "fake", "hidden_size": H, "config_hash": "x", "weights_sha256": "y"},
+                             "LowConfidence", {}, BS, 64)
+    recorder = LiveRecorder(tmp_path / "t", block_size=BS, every=7, manifest=manifest,
+                            features=lambda r: (1, 1, len(r.origin_input_ids)))
+    handle = install(None, slots=4, k=2, resolve=fake.resolve, block_size=BS, max_batch=4, device="cpu",
+                     hidden_size=H, recorder=recorder)
+    ACTIVE_HOOK[:] = [handle]
+    look = AbortAndLook(step=3, recorder=recorder)
+    try:
+        scheduler = fake.Scheduler(config, batch_capacity=4, max_total_num_tokens=10**9)
+        sp = type("SP", (), {"max_new_tokens": 64})()
+        scheduler.waiting_queue.extend(fake.Req(rid, ids, sp, config, forwards, hidden, None)
+                                       for rid, ids, forwards, hidden in workload(8, seed=3))
+        fake.serve(scheduler, fake.FillAlgorithm(config), fake.ModelRunner(BS, H, max_bs=4), before_step=look)
+    finally:
+        handle.uninstall()
+        ACTIVE_HOOK.clear()
+        recorder.close()
+    assert look.held == (False, False)
+    counts = load_traces(tmp_path / "t").manifest["counts"]
+    assert (counts["left_out_aborted"], counts["left_out_in_flight"], counts["requests"]) == (1, 0, 7)
+
+
 def full_disk(monkeypatch):
     """Shard writes fail as on a full disk (ENOSPC, through the store's own error path); the manifest
     still writes, as a few bytes may where a shard's megabytes do not."""

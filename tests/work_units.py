@@ -37,6 +37,12 @@ UNITS = {
 # units started first, longest first (wall seconds in a whole run on the idle 2-core machine, both
 # workers busy; 2026-12-03, 380 s in all)
 FIRST = (
+    # SGLang's real server (tests/live/, skipped without .venv-sglang): measured alone on the shared, busy
+    # 2-core machine on 2026-12-05, each a server start (~22 s idle, 30-100 s busy) and its requests
+    "test_live_plugin.py",  # ~120 (two DP ranks)
+    "test_live_serve.py",  # ~80
+    "test_live_refusals.py",  # ~75 (four starts, each refused before the model loads)
+    "test_live_engine.py",  # ~55
     "test_faults.py",  # ~72 (the tests left after the two cut out)
     "test_train_select.py",  # ~62
     "evaluate: across-set tables, LOCO",  # ~57

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import logging
 import multiprocessing
 import os
 import re
 import sys
+
 from dwise_predict.errors import ConfigError, DwiseError
 from dwise_predict.serving.launcher import HookConfig, SchedulerEntry, option_fields, resolved, stop_recordings
 
@@ -51,8 +51,8 @@ PREFIX = "DWISE_"
 ENGINE_MODULE = "sglang.srt.entrypoints.engine"
 TARGET = f"{ENGINE_MODULE}.Engine._launch_subprocesses"
 SHUTDOWN = f"{ENGINE_MODULE}.Engine.shutdown"
+HTTP_MODULE = "sglang.srt.entrypoints.http_server"
 VARIABLES = {f"{PREFIX}{f.name.upper()}": f for f in option_fields()}  # DWISE_BUNDLE -> HookConfig.bundle
-logger = logging.getLogger(__name__)
 
 
 def _misspelt(environ) -> dict[str, str]:
@@ -154,7 +154,21 @@ def launch_with_hook(original, *args, **kwargs):
                 hooked = resolved(config, resolved_view(server_args))
             except DwiseError as err:
                 refusal = f"DWISE plugin: {as_variables(str(err))}"
-                logger.error(refusal)  # SGLang's launchers do not catch it: one log line above Python's traceback
-                raise type(err)(refusal) from None
+                if _launched_from_the_command_line():
+                    raise SystemExit(f"error: {refusal}") from None  # one line on stderr, exit 1
+                raise type(err)(refusal) from None  # a Python caller's sglang.Engine: a typed error it can catch
             call.arguments["run_scheduler_process_func"] = SchedulerEntry(hooked, target=target)
     return original(*call.args, **call.kwargs)
+
+
+def _launched_from_the_command_line() -> bool:
+    """Whether this launch came through SGLang's HTTP launcher (``python -m sglang.launch_server``,
+    ``sglang serve``: a command line, where a refusal is one line and exit 1) rather than a Python
+    caller's ``sglang.Engine`` (where it is an exception the caller may catch). SGLang's launcher
+    calls ``Engine._launch_subprocesses`` from ``http_server.launch_server`` and catches nothing."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "launch_server" and frame.f_globals.get("__name__") == HTTP_MODULE:
+            return True
+        frame = frame.f_back
+    return False

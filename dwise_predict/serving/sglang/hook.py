@@ -346,6 +346,16 @@ class DwiseHook:
                 first[r.rid] = (len(r.origin_input_ids), r.sampling_params.max_new_tokens,
                                 0 if own >= 0 else len(r.origin_input_ids) % bs, own)
 
+    def abort_request(self, scheduler, recv_req):
+        """``Scheduler.abort_request``, wrapped: SGLang pops the aborted requests from its queues (a
+        client gone, its waiting timeout), then the request table lets them go at once, the recorder
+        with them. Left to the next step's count check they would stay where no step follows: an idle
+        rank, a server about to stop."""
+        out = self.sglang.abort_request(scheduler, recv_req)
+        if self.table is not None:
+            self.table.reconcile(scheduler)
+        return out
+
     # --- result processing (SchedulerDllmMixin) --------------------------------------------------------
 
     def process_batch_result_dllm(self, scheduler, batch, result) -> None:

@@ -27,6 +27,7 @@ PATCHES = (
     ("mixin", "process_batch_result_dllm", "process_batch_result_dllm"),
     ("algorithm", "run", "run"),
     ("logits", "_get_dllm_logits", "get_dllm_logits"),
+    ("scheduler", "abort_request", "abort_request"),
 )
 
 

@@ -77,6 +77,8 @@ SURFACE: tuple[Touch, ...] = (
     # (it can never fit; its id is another's) as Scheduler._abort_on_queued_limit does, not through
     # abort_request (it matches ids by prefix)
     Touch(_SCHED, "DllmManager.staging_queue", "attribute"),
+    # SGLang's own aborts (a client gone, its waiting timeout): the table settles them at once
+    Touch("sglang.srt.managers.scheduler", "Scheduler.abort_request", "patch", ("self", "recv_req")),
     Touch("sglang.srt.managers.scheduler", "Scheduler._release_aborted_request", "call", ("self", "req")),
     Touch("sglang.srt.managers.scheduler", "Scheduler.send_abort_output", "call", ("self", "abort_req", "req")),
     Touch("sglang.srt.managers.scheduler", "Scheduler.beam_coordinator", "attribute"),
@@ -194,6 +196,7 @@ class ResolvedSglang:
         self.continue_ = resolve("sglang.srt.managers.schedule_policy").AddReqResult.CONTINUE
         self.abort_req_class = resolve(_IO).AbortReq
         self.mixin = scheduler.SchedulerDllmMixin
+        self.scheduler = resolve("sglang.srt.managers.scheduler").Scheduler
         self.algorithm = resolve("sglang.srt.dllm.algorithm.base").DllmAlgorithm
         self.logits = resolve("sglang.srt.layers.logits_processor").LogitsProcessor
         self.phase = phase
@@ -203,6 +206,7 @@ class ResolvedSglang:
         # what the hook wraps, as SGLang defines it (read before install patches them)
         self.process_dllm_batches = self.mixin._process_dllm_batches
         self.process_batch_result_dllm = self.mixin.process_batch_result_dllm
+        self.abort_request = self.scheduler.abort_request
         self.run = self.algorithm.run
         self.get_dllm_logits = self.logits._get_dllm_logits
 
