@@ -25,13 +25,15 @@ install: $(BIN)/dwise-predict
 # SGLang 0.5.23 pins torch 2.14.1 and CUDA-only kernels: its wheel goes in without its requirements
 # (--no-deps), after what it imports to serve a dLLM on a CPU (SGLANG_REQS); then this project, with
 # SGLANG_REQS as constraints so that nothing there moves (torch, transformers, python-dateutil). About
-# 6 GB; `make test` skips the live tests without it (CI fails them instead: DWISE_REQUIRE_SGLANG=1).
+# 6 GB (--no-warn-conflicts: pip would list every CUDA package SGLang's metadata names and this
+# environment leaves out on purpose); `make test` skips the live tests without it (CI fails them
+# instead: DWISE_REQUIRE_SGLANG=1).
 $(SGLANG_BIN)/dwise-predict: $(SGLANG_REQS) pyproject.toml
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_BIN)/pip install --quiet --upgrade pip
 	$(SGLANG_BIN)/pip install --quiet -r $(SGLANG_REQS)
 	$(SGLANG_BIN)/pip install --quiet --no-deps sglang==0.5.23
-	$(SGLANG_BIN)/pip install --quiet -e . -c $(SGLANG_REQS)
+	$(SGLANG_BIN)/pip install --quiet --no-warn-conflicts -e . -c $(SGLANG_REQS)
 	@touch $@
 
 sglang-env: $(SGLANG_BIN)/dwise-predict
