@@ -585,7 +585,7 @@ class DwiseHook:
         run.running = (algorithm, model_runner, forward_batch, model_runner.forward, algorithm.step)
         own = vars(model_runner).get("forward")
         own_step = vars(algorithm).get("step")
-        # read here, each run: benchmarks/hook_overhead.py times them as the hook's
+        # read here, each run: benchmarks/hook_timing.py wraps them on the hook to time them
         model_runner.forward = self.counted_forward
         algorithm.step = self.counted_step
         try:
