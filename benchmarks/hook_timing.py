@@ -99,11 +99,12 @@ class StepClock:
         self.restore.append((owner, name, real))
         setattr(owner, name, (timer or Timed)(real, label, self))
 
-    def undo(self) -> None:
-        """Every wrap taken back, last first."""
-        for owner, name, real in reversed(self.restore):
+    def undo(self, since: int = 0) -> None:
+        """The wraps taken back, last first, down to the ``since``-th (``len(restore)`` when wrapping
+        began): a hook's wraps must go before the hook uninstalls, or they put its methods back."""
+        for owner, name, real in reversed(self.restore[since:]):
             setattr(owner, name, real)
-        self.restore.clear()
+        del self.restore[since:]
 
     def leave(self, label: str, elapsed: float) -> None:
         inner = self.stack.pop()

@@ -273,6 +273,7 @@ def period_run(model, mode: str, slots: int, steps: int, out: Path) -> list:
     resident), timed by ``hook_timing`` (each step's end, the hook's own time); a closed loop keeps
     k·B + B/2 requests in the server. Returns the clock's steps."""
     clock = hook_timing.StepClock()
+    hook_wraps = 0
     hook_timing.time_sglang(clock, fake.resolve, also=((GpuRunner, "forward"), (fake.FillAlgorithm, "step")))
     recorder = handle = None
     try:
@@ -283,6 +284,7 @@ def period_run(model, mode: str, slots: int, steps: int, out: Path) -> list:
                              device=DEVICE, hidden_size=model.hidden, recorder=recorder)
         else:
             handle = hook_timing.install_pass_through(fake.resolve)
+        hook_wraps = len(clock.restore)
         hook_timing.time_hook(clock, handle)
         runner = GpuRunner(model, DEVICE != "cpu", sync=True)  # captured after install, as at SGLang start-up
         config = fake.config(BS, PERIOD_K * slots if mode == "dwise" else slots)
@@ -295,9 +297,10 @@ def period_run(model, mode: str, slots: int, steps: int, out: Path) -> list:
             scheduler.waiting_queue.extend(period_request(next(sent), config) for _ in range(done))
         return clock.steps
     finally:
+        clock.undo(since=hook_wraps)  # the hook's wraps first, so uninstalling leaves none of its methods
         if handle is not None:
             handle.uninstall()
-        clock.undo()  # after uninstall: SGLang's own functions back in place
+        clock.undo()  # then SGLang's own functions back in place
         if recorder is not None:
             recorder.close()
 

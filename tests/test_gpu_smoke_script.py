@@ -56,10 +56,14 @@ def test_the_loop_period_comparison_times_both_hooks_and_leaves_the_fake_as_it_f
 
     import torch
 
+    from dwise_predict.serving.sglang.install import PATCHES
+    from dwise_predict.serving.sglang.surface import ResolvedSglang
+
     fake = smoke.fake
-    before = {(cls, name): vars(cls).get(name) for cls, name in (
-        (fake.FakeDllmMixin, "process_batch_result_dllm"), (fake.DllmAlgorithm, "run"),
-        (fake.LogitsProcessor, "_get_dllm_logits"), (fake.FillAlgorithm, "step"), (smoke.GpuRunner, "forward"))}
+    sglang = ResolvedSglang(fake.resolve)
+    patched = [(getattr(sglang, owner), name) for owner, name, _ in PATCHES]  # every patch point, abort_request too
+    timed = [(fake.FillAlgorithm, "step"), (smoke.GpuRunner, "forward")]
+    before = {(cls, name): vars(cls).get(name) for cls, name in patched + timed}
     torch.manual_seed(0)
     lines = smoke.compare_loop_periods(smoke.TinyModel().eval(), tmp_path, slots=4, steps=20, warmup=5)
     assert [line.split()[0] for line in lines[1:3]] == ["pass-through", "dwise"], lines
