@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from dwise_predict.serving.round_cost import load_round_cost
-from dwise_predict.serving.simulator import POLICIES, SimConfig, make_arrivals, service_rate, sim_requests_from_traces, simulate
+from dwise_predict.simulation.round_cost import load_round_cost
+from dwise_predict.simulation.simulator import POLICIES, SimConfig, make_arrivals, service_rate, sim_requests_from_traces, simulate
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 

@@ -85,9 +85,9 @@ def run_quickstart(
     from dwise_predict.evaluation.pool import kept_results_dir
     from dwise_predict.exports.bundle import export_bundle
     from dwise_predict.exports.verify import verify_bundle
-    from dwise_predict.serving.bundle import load_bundle
-    from dwise_predict.serving.report import write_outputs
-    from dwise_predict.serving.simulator import SimConfig, compare_arrivals, sim_requests_from_traces
+    from dwise_predict.bundles.load import load_bundle
+    from dwise_predict.simulation.report import write_outputs
+    from dwise_predict.simulation.simulator import SimConfig, compare_arrivals, sim_requests_from_traces
     from dwise_predict.traces import load_traces
     from dwise_predict.training import TrainConfig, train_run
 

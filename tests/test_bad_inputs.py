@@ -165,7 +165,7 @@ def zero_rows(w, tmp):
 
 def resealed_bundle(edit: Callable[[dict], None]):
     def setup(w, tmp):
-        from dwise_predict.exports.manifest import seal_manifest
+        from dwise_predict.bundles.manifest import seal_manifest
 
         bad = _copy(w["bundle"], tmp / "bad")
         manifest = json.loads((bad / "bundle.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 
 from dwise_predict.cli import main
 from dwise_predict.errors import InputError
-from dwise_predict.serving import batch_timeout as bt
+from dwise_predict.simulation import batch_timeout as bt
 
 PAPER = bt.paper_service_times()
 
@@ -115,8 +115,8 @@ def test_service_times_of_synchronized_batches_from_traces_and_a_round_cost():
     # a: P = 2, 3 rounds; b: P = 0, 1 round. Round = 10 ms + 1 ms per prefill row + 2 ms per decode row.
     # {b, b}: one decode round of 2 rows = 14 ms; {a, b}: 2 prefill rounds of 1 row (22 ms) + decode
     # rounds of 2, 1, 1 rows (14 + 12 + 12 ms) = 60 ms; {a, a}: 2 x 12 + 3 x 14 = 66 ms
-    from dwise_predict.serving.round_cost import RoundCost
-    from dwise_predict.serving.simulator import SimRequests, sync_batch_service_times
+    from dwise_predict.simulation.round_cost import RoundCost
+    from dwise_predict.simulation.simulator import SimRequests, sync_batch_service_times
 
     w = SimRequests(np.array(["a", "b"]), np.array([2, 0]), np.array([3, 1]), np.array([3, 1]), np.array([4, 4]))
     s = sync_batch_service_times(w, RoundCost(10, 1, 2, source="hand"), 2, n_batches=40, seed=0)

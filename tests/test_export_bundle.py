@@ -12,7 +12,7 @@ from dwise_predict.identity import EARLY_SIGNALS, LENGTH_SCALE
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
-from dwise_predict.exports.manifest import BUNDLE_SCHEMA_VERSION, read_bundle_manifest, sha256_file
+from dwise_predict.bundles.manifest import BUNDLE_SCHEMA_VERSION, read_bundle_manifest, sha256_file
 from dwise_predict.exports.refine_export import FusedRefineGraph
 from dwise_predict.survival.network import HazardMLP, build_refine_graph, refine_state
 

@@ -14,10 +14,10 @@ from safetensors.numpy import load_file
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError
 from dwise_predict.exports.bundle import export_bundle
-from dwise_predict.exports.manifest import read_bundle_manifest, seal_manifest, write_bundle_manifest
+from dwise_predict.bundles.manifest import read_bundle_manifest, seal_manifest, write_bundle_manifest
 from dwise_predict.exports.probe_worker import RAW_PROBE, calibrated_band, relative_error
 from dwise_predict.exports.verify import verify_bundle
-from dwise_predict.serving.bundle import load_bundle
+from dwise_predict.bundles.load import load_bundle
 
 FILES = ["README.md", "admission.onnx", "admission.txt", "bundle.json", "calibration.json", "probes.safetensors",
          "refine.int8.onnx", "refine.onnx", "refine.pt", "refine.pt2", "refine.safetensors"]
@@ -138,7 +138,7 @@ def test_newer_schema_version_is_refused_in_one_line(bundle, tmp_path, capsys):
 def test_edited_manifest_without_new_seal_is_refused(bundle, tmp_path):
     import shutil
 
-    from dwise_predict.exports.manifest import canonical_json
+    from dwise_predict.bundles.manifest import canonical_json
 
     forged = tmp_path / "forged"
     shutil.copytree(bundle, forged)

@@ -28,7 +28,7 @@ from fakes.serving_bundle import HIDDEN, served_bundle
 
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError
-from dwise_predict.exports.manifest import BUNDLE_ARTIFACTS, write_bundle_manifest
+from dwise_predict.bundles.manifest import BUNDLE_ARTIFACTS, write_bundle_manifest
 from dwise_predict.files import sha256_file
 
 
@@ -428,7 +428,7 @@ def test_every_reader_refuses_every_hostile_bundle(cases, traces, case, command,
     bundle, marker = cases(case)
     pattern = CASES[case][1]
     if command.startswith("load-"):
-        from dwise_predict.serving.bundle import load_bundle
+        from dwise_predict.bundles.load import load_bundle
 
         backend = "onnx" if command == "load-onnx" else "torch"
         with pytest.raises(BundleError) as refused:
@@ -497,7 +497,7 @@ def test_the_probe_worker_screens_what_it_loads(cases, tmp_path):
 
 def test_every_exported_artifact_is_known_to_the_screen():
     from dwise_predict.exports.bundle import ARTIFACTS
-    from dwise_predict.exports.manifest import REQUIRED_ARTIFACTS
+    from dwise_predict.bundles.manifest import REQUIRED_ARTIFACTS
 
     assert sorted(ARTIFACTS) == sorted(BUNDLE_ARTIFACTS)
     exported = {p.name for p in served_bundle()[0].iterdir()}
@@ -516,7 +516,7 @@ def test_export_refuses_an_empty_name(tmp_path, capsys):
 def test_an_archive_member_that_inflates_past_the_limit_is_refused(cases, tmp_path, monkeypatch, capsys):
     """A zip bomb in refine.pt: a code member deflated to a few kB that inflates past the limit on
     what is read of an archive (64 MB; 1 MB here, to keep the test small) is refused, not inflated."""
-    from dwise_predict.exports import screen
+    from dwise_predict.bundles import screen
 
     monkeypatch.setattr(screen, "MAX_READ", 1 << 20)
     bundle = shutil.copytree(served_bundle()[0], tmp_path / "bomb")
@@ -538,7 +538,7 @@ def test_stack_global_names_are_read_without_running_the_pickle():
     as literals; a name computed at load time (here: the result of a call) is refused outright."""
     import pickle
 
-    from dwise_predict.exports.screen import TENSOR_GLOBALS, check_pickle, pickle_globals
+    from dwise_predict.bundles.screen import TENSOR_GLOBALS, check_pickle, pickle_globals
 
     assert pickle_globals(pickle.dumps(os.system, protocol=4), "x") == ["posix system"]
     with pytest.raises(BundleError, match="would import 'posix system'"):

@@ -35,17 +35,23 @@ ALLOWED: dict[str, set[str]] = {
     "survival": BASE | {"identity"},
     "training": BASE | {"admission", "survival", "features", "traces", "metrics", "runs"},
     "evaluation": BASE | {"training", "admission", "survival", "features", "traces", "metrics", "runs", "identity"},
-    # exports read the run directory through `runs`, never through `training`; admission only for
-    # the check of a LightGBM text model (admission.model_text) before LightGBM parses a bundle's
-    "exports": BASE | {"runs", "survival", "features", "identity", "admission"},
-    # numpy + onnxruntime at serving time: features and identity are standard library; survival
-    # only for the optional torch backend; exports only for the bundle manifest
-    # collectors: recording mode (traces from a live server) is a collector; the launcher imports
-    # collectors.live lazily, only in a scheduler process started with --record
-    # traces, metrics: the offline simulator's --refine-every replay reads contract 1's per-round states and
-    # reports ρ of the r̂ it holds (both imported inside its functions, never on the hook's import path)
-    "serving": BASE | {"exports", "survival", "features", "identity", "engine", "collectors", "traces", "metrics"},
-    "quickstart": BASE | {"collectors", "traces", "training", "evaluation", "exports", "serving"},
+    # the bundle contract: the manifest, the screen and the one loader. admission only for the check
+    # of a LightGBM text model (admission.model_text) before LightGBM parses a bundle's; survival only
+    # for the optional torch backend
+    "bundles": BASE | {"admission", "survival", "features", "identity"},
+    # exports read the run directory through `runs`, never through `training`, and write bundles
+    # through `bundles`
+    "exports": BASE | {"bundles", "runs", "survival", "features", "identity", "admission"},
+    # the runtime, inside SGLang's scheduler: numpy + onnxruntime at serving time (features and identity are
+    # standard library; survival only for the optional torch backend). collectors: recording mode
+    # (traces from a live server) is a collector; the launcher imports collectors.live lazily, only in
+    # a scheduler process started with --record. Never exports (a bundle is read through `bundles`)
+    # nor the simulation lab.
+    "serving": BASE | {"bundles", "survival", "features", "identity", "engine", "collectors"},
+    # the scheduling lab replays traces under the policy the server runs (serving.policy); traces,
+    # metrics: the --refine-every replay reads contract 1's per-round states and reports ρ of the r̂ it holds
+    "simulation": BASE | {"serving", "bundles", "engine", "features", "identity", "traces", "metrics"},
+    "quickstart": BASE | {"collectors", "traces", "training", "evaluation", "exports", "bundles", "serving", "simulation"},
 }
 ALLOWED["cli"] = {ROOT, *ALLOWED} - {"cli"}  # the top: parses, calls any stage, prints
 
@@ -140,8 +146,8 @@ def test_no_cycle_between_packages():
 @pytest.mark.parametrize("source, module, arrow", [
     ("def f():\n    from dwise_predict.evaluation import report\n", "dwise_predict.training.run", "evaluation"),
     ("import dwise_predict.training.fit\n", "dwise_predict.exports.bundle", "training"),
-    ("from ..cli import app\n", "dwise_predict.serving.bundle", "cli"),
-    ("from dwise_predict import training\n", "dwise_predict.serving.simulator", "training"),
+    ("from ..cli import app\n", "dwise_predict.bundles.load", "cli"),
+    ("from dwise_predict import training\n", "dwise_predict.simulation.simulator", "training"),
 ])
 def test_an_upward_import_is_caught(source, module, arrow):
     unit = _unit(module)

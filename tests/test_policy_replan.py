@@ -111,7 +111,7 @@ def test_the_short_path_plans_what_the_full_ranking_plans_while_the_wait_cap_act
 
 
 def test_the_short_path_is_off_where_keys_can_rise_or_the_barrier_filters():
-    from dwise_predict.serving.schedulers import ScheduledPolicy
+    from dwise_predict.simulation.schedulers import ScheduledPolicy
 
     mlfq, barrier = ScheduledPolicy(2, 2, ranking="mlfq"), DwisePolicy(2, 2, prefill_first=True)
     for pol in (mlfq, barrier):

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from dwise_predict.errors import ConfigError, InputError
-from dwise_predict.serving.round_cost import RoundCost, fit_round_cost, load_round_cost
-from dwise_predict.serving.schedulers import SCHEDULERS, bucket
-from dwise_predict.serving.simulator import (
+from dwise_predict.simulation.round_cost import RoundCost, fit_round_cost, load_round_cost
+from dwise_predict.simulation.schedulers import SCHEDULERS, bucket
+from dwise_predict.simulation.simulator import (
     SimConfig,
     SimRequests,
     category_tails,
@@ -219,7 +219,7 @@ def test_every_scheduler_runs_and_the_oracle_leads(synthetic):
 
 
 def test_k_sweep_cap_blocks_admissions_at_small_k(synthetic):
-    from dwise_predict.serving.simulator import sweep_k
+    from dwise_predict.simulation.simulator import sweep_k
 
     rows = sweep_k(synthetic, SimConfig(slots=8, arrival="burst"), [1, 4], ["dwise-oracle"])
     by_k = {r["k"]: r for r in rows}
@@ -253,7 +253,7 @@ def test_sglang_admission_stops_at_the_first_request_whose_kv_does_not_fit(monke
     cannot add (``process_dllm_incoming_reqs`` breaks there), in both loops; a later, smaller request
     does not pass it. B = 4, KV budget 5 blocks, no slack; A and B reserve 4 blocks (P = 3, one output
     block of 2 rounds), C one (P = 0, one block of 1 round); all at t = 0 in that order."""
-    from dwise_predict.serving import simulator
+    from dwise_predict.simulation import simulator
 
     w = workload([3, 3, 0], [2, 2, 1], out_blocks=1)
     w.block_rounds = np.empty(3, dtype=object)
@@ -322,7 +322,7 @@ def test_admission_stops_where_sglangs_own_incoming_loop_stops(reservations):
 
 
 def test_gain_decomposition_multiplies_out():
-    from dwise_predict.serving.simulator import gain_decomposition
+    from dwise_predict.simulation.simulator import gain_decomposition
 
     means = {"sglang-default": 12.0, "fcfs-mixed": 6.0, "dwise-zero": 4.0, "dwise-admission": 3.0,
              "dwise-raw": 2.5, "dwise-refined": 2.0, "dwise-oracle": 1.6}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dwise_predict.errors import BundleError, InputError
-from dwise_predict.serving.bundle import load_bundle
+from dwise_predict.bundles.load import load_bundle
 from fakes.serving_bundle import HIDDEN, served_bundle
 
 
@@ -128,7 +128,7 @@ def test_serving_imports_without_the_training_stack(bundle_and_traces):
     code = f"""
 import sys, numpy as np
 import dwise_predict.serving
-from dwise_predict.serving.bundle import load_bundle
+from dwise_predict.bundles.load import load_bundle
 from dwise_predict.serving.policy import DwisePolicy
 from dwise_predict.serving import sglang, launcher
 b = load_bundle({str(bundle_and_traces[0])!r}, backend="torch")
@@ -144,7 +144,7 @@ print(",".join(heavy))
 def test_admission_from_prompt_text_needs_only_numpy_and_onnxruntime(bundle_and_traces):
     code = f"""
 import sys
-from dwise_predict.serving.bundle import load_bundle
+from dwise_predict.bundles.load import load_bundle
 b = load_bundle({str(bundle_and_traces[0])!r}, backend="onnx")
 est = b.admission(["two words", "a\\nthree line\\nprompt"], tokenizer=lambda text: text.split())
 assert est.shape == (2,), est.shape

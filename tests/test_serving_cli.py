@@ -119,7 +119,7 @@ def test_k_sweep_command(traces_and_bundle, tmp_path, capsys):
 
 
 def test_raw_refinement_is_the_calibrated_one_before_its_isotonic_map(traces_and_bundle):
-    from dwise_predict.serving.bundle import load_bundle
+    from dwise_predict.bundles.load import load_bundle
 
     _, bundle_dir, traces = traces_and_bundle
     bundle = load_bundle(bundle_dir)

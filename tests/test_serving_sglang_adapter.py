@@ -24,9 +24,9 @@ if not sglang_reference.available():
 
 from dwise_predict.engine import prefill_rounds  # noqa: E402
 from dwise_predict.errors import BundleError, ConfigError  # noqa: E402
-from dwise_predict.serving.bundle import load_bundle  # noqa: E402
+from dwise_predict.bundles.load import load_bundle  # noqa: E402
 from dwise_predict.serving.policy import DwisePolicy  # noqa: E402
-from dwise_predict.serving.simulator import SimConfig, SimRequests, simulate  # noqa: E402
+from dwise_predict.simulation.simulator import SimConfig, SimRequests, simulate  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
 from dwise_predict.serving.sglang import UNWRITTEN, install  # noqa: E402
 from fakes import sglang_fake as fake  # noqa: E402

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dwise_predict.errors import ConfigError, TraceError
-from dwise_predict.serving.simulator import (
+from dwise_predict.simulation.simulator import (
     SimConfig,
     SimRequests,
     compare,

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from dwise_predict.errors import ConfigError
-from dwise_predict.serving.refine_every import held_estimates, held_rho, rank_by_round, replay_refine_every
-from dwise_predict.serving.schedulers import SCHEDULERS
-from dwise_predict.serving.simulator import LaterRefinements, SimConfig, SimRequests, rhat_zero_share, simulate
+from dwise_predict.simulation.refine_every import held_estimates, held_rho, rank_by_round, replay_refine_every
+from dwise_predict.simulation.schedulers import SCHEDULERS
+from dwise_predict.simulation.simulator import LaterRefinements, SimConfig, SimRequests, rhat_zero_share, simulate
 
 CFG = SimConfig(slots=1, k=8, round_ms=1000.0, slot_ms=0.0)
 ADDED = {"refine_every", "refine_rounds", "refinements_per_request", "refining_rounds_pct", "mean_refine_batch"}

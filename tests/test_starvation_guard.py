@@ -10,7 +10,7 @@ from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError
 from dwise_predict.serving.launcher import HookConfig
 from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
-from dwise_predict.serving.simulator import SimConfig, SimRequests, make_arrivals, simulate
+from dwise_predict.simulation.simulator import SimConfig, SimRequests, make_arrivals, simulate
 
 
 def stream(n_short: int = 300) -> SimRequests:
@@ -39,7 +39,7 @@ def test_aging_keeps_the_simulators_fast_forward_exact():
     """A key that does not move while its request waits: skipping ahead over rounds whose plan cannot
     change gives the same schedule with the guard on."""
     from dwise_predict.traces.synthetic import make_synthetic_traces
-    from dwise_predict.serving.simulator import sim_requests_from_traces
+    from dwise_predict.simulation.simulator import sim_requests_from_traces
 
     w = sim_requests_from_traces(make_synthetic_traces(n_requests=300, hidden_size=8, seed=3, block_size=16), split=None)
     w.admission = w.total_rounds * np.exp(np.random.default_rng(0).normal(0, 0.7, len(w)))
@@ -148,7 +148,7 @@ def test_due_requests_go_first_oldest_first_and_block_admission_until_they_fit()
 def test_the_wait_cap_keeps_the_simulators_fast_forward_exact():
     """Falling due is the one event that depends on time alone: skipping ahead stops at it."""
     from dwise_predict.traces.synthetic import make_synthetic_traces
-    from dwise_predict.serving.simulator import sim_requests_from_traces
+    from dwise_predict.simulation.simulator import sim_requests_from_traces
 
     # B = 1, k = 2: "a" runs 100 rounds alone; "x" and "z" rank behind it. "x" falls due in round 11 and
     # takes the second row; from then on "z" waits with every row held, which the metrics count.
@@ -182,7 +182,7 @@ def test_the_wait_cap_is_checked_and_stays_out_of_the_baselines():
             DwisePolicy(slots=1, max_wait=bad)
         with pytest.raises(ConfigError, match="--max-wait must be a whole number of rounds >= 0"):
             SimConfig(max_wait=bad)
-    from dwise_predict.serving.schedulers import SCHEDULERS, make_policy
+    from dwise_predict.simulation.schedulers import SCHEDULERS, make_policy
 
     caps = {name: make_policy(spec, 4, 2, None, max_wait=7).max_wait for name, spec in SCHEDULERS.items()
             if not spec.sync}

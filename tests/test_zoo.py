@@ -11,7 +11,7 @@ from export_helpers import make_run
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
-from dwise_predict.exports.manifest import read_bundle_manifest
+from dwise_predict.bundles.manifest import read_bundle_manifest
 from dwise_predict.files import FileLock, sha256_file
 from dwise_predict.exports.zoo import find_entry, list_entries, publish, pull
 
@@ -275,7 +275,7 @@ def test_publish_of_a_bundle_with_a_unicode_line_separator_in_its_name_is_one_li
     """Issue 43: bundle.json names the bundle with U+2028, which splits lines (str.splitlines, terminals)."""
     import shutil
 
-    from dwise_predict.exports.manifest import write_bundle_manifest
+    from dwise_predict.bundles.manifest import write_bundle_manifest
 
     copy = shutil.copytree(bundle, tmp_path / "b")
     manifest = read_bundle_manifest(copy)

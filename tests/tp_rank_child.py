@@ -45,7 +45,7 @@ def main(rank: int, store: str, bundle_path: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     from fakes import sglang_fake as fake
 
-    from dwise_predict.serving.bundle import load_bundle
+    from dwise_predict.bundles.load import load_bundle
     from dwise_predict.serving.sglang import install
 
     bundle = RankEstimates(load_bundle(bundle_path, backend="torch"), rank)

@@ -1,4 +1,4 @@
-"""Typer command `batch-timeout` (thin: pick the service times, call serving.batch_timeout, print, write)."""
+"""Typer command `batch-timeout` (thin: pick the service times, call simulation.batch_timeout, print, write)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def batch_timeout_command(
     from contextlib import nullcontext
 
     from dwise_predict.files import claim_output
-    from dwise_predict.serving import batch_timeout as bt
+    from dwise_predict.simulation import batch_timeout as bt
 
     problems = []
     try:
@@ -80,8 +80,8 @@ def batch_timeout_command(
         if service_times is not None:
             service = bt.load_service_times(service_times, batch_size)
         elif traces is not None:
-            from dwise_predict.serving.round_cost import load_round_cost
-            from dwise_predict.serving.simulator import sim_requests_from_traces, sync_batch_service_times
+            from dwise_predict.simulation.round_cost import load_round_cost
+            from dwise_predict.simulation.simulator import sim_requests_from_traces, sync_batch_service_times
             from dwise_predict.traces import load_traces
 
             cost = load_round_cost(round_profile)
@@ -96,7 +96,7 @@ def batch_timeout_command(
                     "timeout_s": timeout}
         if out is not None:
             from dwise_predict.files import atomic_write_bytes, write_csv, write_errors
-            from dwise_predict.serving.report import batch_timeout_plot
+            from dwise_predict.simulation.report import batch_timeout_plot
 
             with write_errors(out, "free space or fix permissions and rerun the same command"):
                 out.mkdir(exist_ok=True)

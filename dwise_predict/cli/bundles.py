@@ -43,7 +43,7 @@ def export_command(
         dwise-predict export runs/llada --out bundles/llada --name llada2-mini --created 2026-01-01T00:00:00Z
     """
     from dwise_predict.exports.bundle import export_bundle
-    from dwise_predict.exports.manifest import read_bundle_manifest
+    from dwise_predict.bundles.manifest import read_bundle_manifest
 
     path = export_bundle(run, out, name=name, created=created, force=force, n_probes=probes)
     manifest = read_bundle_manifest(path)
@@ -155,7 +155,7 @@ def _cell(value) -> str:
     no Rich markup."""
     from rich.markup import escape
 
-    from dwise_predict.exports.manifest import printable
+    from dwise_predict.bundles.manifest import printable
 
     return escape(printable(value, limit=60, quoted=False) if isinstance(value, str) else fmt(value))
 

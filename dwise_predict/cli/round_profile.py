@@ -55,7 +55,7 @@ def profile_rounds_command(
     from dwise_predict.collectors.backends import TINY, load_backend
     from dwise_predict.collectors.round_profile import claim_profile_out, measure_round_profile
     from dwise_predict.files import atomic_write_bytes, write_errors
-    from dwise_predict.serving.round_cost import round_cost_from_profile
+    from dwise_predict.simulation.round_cost import round_cost_from_profile
 
     with claim_profile_out(out, [("--model", None if model == TINY else model)]):
         torch.set_num_threads(threads)
@@ -77,7 +77,7 @@ def profile_rounds_command(
 def _refuse_inside_an_output(out: Path) -> None:
     """A profile dropped into a trace dataset, a run or a bundle is not theirs: the next rewrite of
     that directory loses it, and a checker of its files may take it for damage."""
-    from dwise_predict.exports.manifest import BUNDLE_FILE
+    from dwise_predict.bundles.manifest import BUNDLE_FILE
     from dwise_predict.runs import RUN_MARKER
     from dwise_predict.traces.dataset import MANIFEST_FILE, REQUESTS_FILE
 

@@ -69,7 +69,7 @@ def serve_command(
     if problems:
         raise ConfigError("; ".join(problems))
     if bundle is not None:  # a hostile or broken bundle is refused here, before SGLang starts
-        from dwise_predict.exports.screen import open_bundle, screen_bundle
+        from dwise_predict.bundles.screen import open_bundle, screen_bundle
 
         screen_bundle(bundle, open_bundle(bundle))
     if check:

@@ -12,7 +12,7 @@ import typer
 
 from dwise_predict.cli.options import SEED_RANGE, JsonOption, console, log
 from dwise_predict.errors import ConfigError, StoreError
-from dwise_predict.serving.simulator import SimConfig
+from dwise_predict.simulation.simulator import SimConfig
 
 _DEFAULT = SimConfig()
 OUTPUT_JSONS = ("simulate.json", "sweep.json", "k_sweep.json")  # what a replay, a load sweep, a k sweep always write
@@ -90,8 +90,8 @@ def simulate_command(
     from dataclasses import asdict
 
     from dwise_predict.files import claim_output
-    from dwise_predict.serving.report import render_table, write_outputs
-    from dwise_predict.serving.simulator import POLICIES, replay, sim_requests_from_traces
+    from dwise_predict.simulation.report import render_table, write_outputs
+    from dwise_predict.simulation.simulator import POLICIES, replay, sim_requests_from_traces
     from dwise_predict.traces import load_traces
 
     problems = []
@@ -139,7 +139,7 @@ def simulate_command(
     if round_profile is not None:
         from dataclasses import replace
 
-        from dwise_predict.serving.round_cost import load_round_cost
+        from dwise_predict.simulation.round_cost import load_round_cost
 
         config = replace(config, round_cost=load_round_cost(round_profile))
     stem = "k_sweep" if ks else "sweep" if rates else "simulate"
@@ -150,12 +150,12 @@ def simulate_command(
         ds = load_traces(traces)
         loaded = None
         if bundle is not None:
-            from dwise_predict.serving.bundle import load_bundle
+            from dwise_predict.bundles.load import load_bundle
 
             loaded = load_bundle(bundle, backend=backend, expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
         sim = sim_requests_from_traces(ds, None if split is Split.all else split.value, loaded)
         if every:  # refused here, before any replay, when the traces hold no per-round states
-            from dwise_predict.serving.refine_every import round_estimates
+            from dwise_predict.simulation.refine_every import round_estimates
 
             sim.round_refined = round_estimates(ds, loaded, None if split is Split.all else split.value)
         if split is Split.eval and (chosen is None or "trail" in chosen):
@@ -169,7 +169,7 @@ def simulate_command(
                               tails=tails, ks=k_list)
         refine_table = None
         if every:
-            from dwise_predict.serving.refine_every import refine_call_us, replay_refine_every
+            from dwise_predict.simulation.refine_every import refine_call_us, replay_refine_every
 
             log(f"replaying refinement every {', '.join(map(str, every))} rounds (seed 000 Table 6)")
             refine_table = replay_refine_every(sim, config, every, patterns, rate, ranked,
@@ -199,19 +199,19 @@ def simulate_command(
     else:
         console(240).print(render_table(rows, title, first))
         if refine_table is not None:
-            from dwise_predict.serving.report import render_refine_table
+            from dwise_predict.simulation.report import render_refine_table
 
             for table in render_refine_table(refine_table, f"Refinement every n rounds (seed 000 Table 6), {len(sim)} "
                                              f"requests, refinements up to round {refine_table['rounds_hidden']}; "
                                              "ρ: mean over rounds 1..N of ρ(r̂ held, rounds left)"):
                 console(240).print(table)
         if not rates and not ks:
-            from dwise_predict.serving.simulator import gain_decomposition
+            from dwise_predict.simulation.simulator import gain_decomposition
 
             for g in gain_decomposition(rows):
                 typer.echo(f"{g['arrival']}: {g['step']} ({g['from']} → {g['to']}): {g['gain']:.2f}x")
         if rates:
-            from dwise_predict.serving.simulator import ranking_pays_from
+            from dwise_predict.simulation.simulator import ranking_pays_from
 
             start = ranking_pays_from(rows)
             typer.echo("ranking never beats fcfs-mixed by 5 % at these rates" if start is None else

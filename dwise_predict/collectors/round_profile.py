@@ -5,7 +5,7 @@ CPU, or a real dLLM on a GPU) through rounds of the shapes SGLang 0.5.23 runs: `
 (one full prompt block each, committed to the cache) and ``d`` denoising rows (one masked output
 block each, nothing committed), every row over a cached context of ``context_blocks`` blocks. Each
 shape is timed ``repeats`` times after ``warmup`` untimed runs and the median kept. The result is
-the profile JSON of :mod:`dwise_predict.serving.round_cost`.
+the profile JSON of :mod:`dwise_predict.simulation.round_cost`.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def measure_round_profile(backend, rows=DEFAULT_ROWS, context_blocks: int = 4, r
 
 def is_round_profile(path: str | os.PathLike) -> bool:
     """Whether the file at ``path`` holds a round profile: a JSON object with ``samples`` or with the
-    three coefficients (the two forms :mod:`dwise_predict.serving.round_cost` reads)."""
+    three coefficients (the two forms :mod:`dwise_predict.simulation.round_cost` reads)."""
     try:
         profile = read_json(path, InputError)
     except (OSError, InputError):

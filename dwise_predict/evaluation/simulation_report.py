@@ -20,7 +20,7 @@ COLUMNS = (
     ("idle_slots_pct", "idle slots %"), ("preemptions_per_request", "preempt/req"), ("rhat_zero_pct", "r̂=0 %"),
     ("cap_blocked_rounds_pct", "cap-blocked %"), ("speedup_vs_default", "speed-up"),
 )
-# which mechanism each scheduler adds over the row before it (kept in step with serving.schedulers)
+# which mechanism each scheduler adds over the row before it (kept in step with simulation.schedulers)
 ADDS = {"sglang-default": "baseline", "sglang-sync": "SGLang with --no-dllm-fdfo", "fcfs-mixed": "mixed batching", "mlfq": "work-done levels",
         "ssjf": "predicted length, admission only", "s3": "length buckets, sized KV",
         "ltr": "predicted order, preemptive", "trail": "probe refinement", "dwise-zero": "ordering by prompt work",

@@ -39,7 +39,7 @@ from dwise_predict.exports.admission_export import (
     load_booster,
     predict_total_rounds,
 )
-from dwise_predict.exports.manifest import (
+from dwise_predict.bundles.manifest import (
     BUNDLE_FILE,
     BUNDLE_SCHEMA_VERSION,
     NAME_PATTERN,
@@ -71,7 +71,7 @@ from dwise_predict.versions import package_versions
 # tolerance, leaving the other half to the runtimes that execute the fused graph (TorchScript, ONNX Runtime)
 EXPORT_TOLERANCE = TOLERANCE / 2
 # What each artifact is, for loaders choosing a path: pickle-bearing files load only after their hash
-# matches and their content passes exports/screen.py. Its names are manifest.BUNDLE_ARTIFACTS, the
+# matches and their content passes bundles/screen.py. Its names are manifest.BUNDLE_ARTIFACTS, the
 # only files a loader reads (tests/test_hostile_bundles.py holds the two together).
 ARTIFACTS = {
     "refine.safetensors": {"role": "refine weights", "format": "safetensors", "pickle": False},

@@ -123,7 +123,7 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "`refine.pt` (TorchScript) and `refine.pt2` (torch.export) are zip archives of Python pickles and code: "
         "`torch.jit.load` and `torch.export.load` run what a tampered archive holds, and the sealed hashes "
         "prove only that the files are the ones `bundle.json` names, not who wrote it. `dwise-predict verify` "
-        "and every dwise-predict loader screen them first (`dwise_predict.exports.screen`). Outside "
+        "and every dwise-predict loader screen them first (`dwise_predict.bundles.screen`). Outside "
         "dwise-predict, load them only from a source you trust; for bundles from others use ONNX or the "
         "safetensors weights.",
         "",

@@ -8,7 +8,7 @@ onnxruntime, torch, the stdlib manifest module and the torch-only ``survival/net
 lightgbm, scikit-learn, pandas or the training code — so a pass shows the bundle loads on a serving
 host without the training stack. Everything is checked here again before it is deserialised: each
 file is read once, and its bytes are loaded only after their sha256 matches and their content passes
-:mod:`dwise_predict.exports.screen` (TorchScript and torch.export archives hold pickles and code).
+:mod:`dwise_predict.bundles.screen` (TorchScript and torch.export archives hold pickles and code).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.exports.refine_export import INPUT_NAMES, INT8_MIN_SPEARMAN
-from dwise_predict.exports.screen import open_bundle, read_calibration, read_checked
+from dwise_predict.bundles.screen import open_bundle, read_calibration, read_checked
 
 TOLERANCE = 1e-4  # max relative error against the eager outputs, and against the eager raw estimate
 # modules whose presence would mean the bundle needs the training stack to load

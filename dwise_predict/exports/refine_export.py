@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dwise_predict.errors import BundleError
-from dwise_predict.exports.manifest import SIGNAL_COUNT
+from dwise_predict.bundles.manifest import SIGNAL_COUNT
 from dwise_predict.identity import HIDDEN_STATES
 from dwise_predict.survival.network import RefineGraph, isotonic_interp, refine_input
 

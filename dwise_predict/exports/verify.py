@@ -1,10 +1,10 @@
 """``dwise-predict verify``: check a bundle's hashes, then load and run every artifact.
 
 1. ``bundle.json`` must match its seal; the directory hold only the artifacts a bundle may hold, as
-   regular files (:func:`~dwise_predict.exports.screen.check_layout`: refused outright, in one line);
+   regular files (:func:`~dwise_predict.bundles.screen.check_layout`: refused outright, in one line);
    every listed file its sha256 and size; no unlisted files.
 2. Only when all hashes match: every file's content is screened without deserialising it
-   (:func:`~dwise_predict.exports.screen.screen_bundle`: pickles, code, ONNX external data, declared
+   (:func:`~dwise_predict.bundles.screen.screen_bundle`: pickles, code, ONNX external data, declared
    shapes; a hostile file is refused outright, in one line). Then a process of its own, forked from an
    isolated interpreter that has imported what loading needs and loaded nothing (``python -I -m
    dwise_predict.exports.probe_worker --serve``, kept for this process's later verifications; a fresh
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
-from dwise_predict.exports.manifest import read_bundle_manifest, unlisted_files
+from dwise_predict.bundles.manifest import read_bundle_manifest, unlisted_files
 from dwise_predict.exports.probe_worker import SERVER_ENV, TOLERANCE, relative_error
-from dwise_predict.exports.screen import check_layout, read_checked, screen_bundle
+from dwise_predict.bundles.screen import check_layout, read_checked, screen_bundle
 from dwise_predict.files import loads_json, sha256_file
 
 

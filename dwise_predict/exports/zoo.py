@@ -15,12 +15,12 @@ into place and only then replaces the index (temp file + rename), so an interrup
 the index as it was.
 
 An index and its tars may come from someone else: ``read_index`` accepts an entry only when its
-name and version are plain names (:data:`~dwise_predict.exports.manifest.NAME_PATTERN`: no ``/``,
+name and version are plain names (:data:`~dwise_predict.bundles.manifest.NAME_PATTERN`: no ``/``,
 no ``..``) and its file is exactly ``bundles/NAME/NAME-VERSION.tar``, so no entry leads outside the
 zoo and the default ``--out`` of ``pull`` (``./NAME-VERSION``) stays in the current directory.
 ``pull`` checks the tar's sha256 against the index, extracts only regular files named as bundle
 artifacts (no absolute paths, no ``..``, no links, devices, sparse or repeated members) into a
-temporary directory, checks and screens the bundle there (:mod:`dwise_predict.exports.screen`) and
+temporary directory, checks and screens the bundle there (:mod:`dwise_predict.bundles.screen`) and
 only then renames it into place.
 """
 
@@ -36,8 +36,8 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from dwise_predict.errors import BundleError, InputError, LockHeldError, StoreError
-from dwise_predict.exports.manifest import BUNDLE_ARTIFACTS, BUNDLE_FILE, NAME_PATTERN, printable, read_bundle_manifest
-from dwise_predict.exports.screen import open_bundle, screen_bundle
+from dwise_predict.bundles.manifest import BUNDLE_ARTIFACTS, BUNDLE_FILE, NAME_PATTERN, printable, read_bundle_manifest
+from dwise_predict.bundles.screen import open_bundle, screen_bundle
 from dwise_predict.files import (FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, read_json,
                                   refuse_aliasing, sha256_file, write_errors)
 

@@ -1,1 +1,1 @@
-"""Serving side: bundle loader, DWISE policy, SGLang adapter, simulator (no training stack)."""
+"""The runtime: the DWISE policy, the SGLang hook, its launcher and plugin (no training stack, no simulator)."""

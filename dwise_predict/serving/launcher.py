@@ -246,7 +246,7 @@ def check_served_algorithm(manifest: dict, bundle: str, server_args, block_size:
     :func:`~.checks.served_block_size`) than the server will run. The hook checks again on its first
     step, against the scheduler's ``DllmConfig``."""
     from dwise_predict.engine.algorithms import comparable_decoding
-    from dwise_predict.serving.bundle import check_compatible
+    from dwise_predict.bundles.load import check_compatible
 
     served = served_algorithm(server_args, block_size)
     if served is not None:
@@ -325,7 +325,7 @@ def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 
     device = _device(gpu_id)
     bundle = None
     if config.bundle is not None:
-        from dwise_predict.serving.bundle import load_bundle
+        from dwise_predict.bundles.load import load_bundle
 
         bundle = load_bundle(config.bundle, backend="torch", device=device)
     where = recording_directory(server_args, tp_rank, pp_rank, dp_rank, resolve) if config.record else None

@@ -61,7 +61,7 @@ def send_burst(server, tag: str, fillers: int) -> list[str]:
 def predicted_keys(bundle, lengths) -> np.ndarray:
     """The hook's rank key at arrival, ``R = P + r̂`` (prompt blocks plus the bundle's admission
     estimate of a prompt of ``n`` words ``w<i>``: words = tokens = n, no newline), per length."""
-    from dwise_predict.serving.bundle import load_bundle
+    from dwise_predict.bundles.load import load_bundle
 
     n = np.asarray(lengths, dtype=np.float32)
     estimate = load_bundle(bundle).admission(np.stack([n, np.zeros_like(n), n], axis=1))

@@ -65,7 +65,7 @@ import numpy as np
 from dwise_predict.engine import prefill_rounds, tokenizer_stop_ids
 from dwise_predict.errors import ConfigError
 from dwise_predict.identity import EARLY_SIGNALS
-from dwise_predict.serving.bundle import check_compatible
+from dwise_predict.bundles.load import check_compatible
 from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 from dwise_predict.serving.sglang.buffers import UNWRITTEN, block_key
 from dwise_predict.serving.sglang.requests import HookStats, RequestTable, _RankShare

@@ -95,7 +95,7 @@ def install(
 
     Parameters
     ----------
-    bundle : a :class:`~dwise_predict.serving.bundle.LoadedBundle` (torch backend on the model's
+    bundle : a :class:`~dwise_predict.bundles.load.LoadedBundle` (torch backend on the model's
         device) or None for ``r̂ = 0`` (rank by prompt blocks only).
     slots : ``B``, requests per round; match SGLang's batch capacity.
     k : resident-set multiplier; SGLang's ``--max-running-requests`` must be at least ``k * B``.

@@ -7,12 +7,12 @@ policy (:class:`~dwise_predict.serving.policy.DwisePolicy`, the class a server d
 admission and which requests run; the simulator only advances the true state and the clock, so the
 simulated policy is the served one, line for line.
 
-Schedulers (:data:`POLICIES`, defined in :mod:`~dwise_predict.serving.schedulers`): SGLang's
+Schedulers (:data:`POLICIES`, defined in :mod:`~dwise_predict.simulation.schedulers`): SGLang's
 default (FDFO, ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``, ``--no-dllm-fdfo``),
 FCFS-mixed, MLFQ, SSJF, S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission, raw and
 calibrated refinement, oracle), each a configuration of the one policy class.
 
-Round time comes from a :class:`~dwise_predict.serving.round_cost.RoundCost`: a model fitted to a
+Round time comes from a :class:`~dwise_predict.simulation.round_cost.RoundCost`: a model fitted to a
 measured profile (``--round-profile``), or the flat ``round_ms + slot_ms * blocks`` of the flags.
 Its ``source`` is recorded with every result.
 
@@ -36,8 +36,8 @@ from dwise_predict.engine import block_layout
 from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
-from dwise_predict.serving.round_cost import RoundCost, flat_round_cost
-from dwise_predict.serving.schedulers import NEEDS, SCHEDULERS, bucket, make_policy
+from dwise_predict.simulation.round_cost import RoundCost, flat_round_cost
+from dwise_predict.simulation.schedulers import NEEDS, SCHEDULERS, bucket, make_policy
 
 POLICIES = SCHEDULERS  # name -> SchedulerSpec
 ARRIVALS = ("burst", "burst-poisson", "poisson")
@@ -53,7 +53,7 @@ class SimConfig:
     kv_budget : KV pool in blocks (``None``: unlimited). A request reserves its worst case:
         prompt blocks + output blocks of its whole budget + ``kv_slack_blocks``.
     round_ms, slot_ms : without ``round_cost``, a round takes ``round_ms + slot_ms * blocks`` ms.
-    round_cost : the fitted round-time model (:mod:`~dwise_predict.serving.round_cost`); it wins
+    round_cost : the fitted round-time model (:mod:`~dwise_predict.simulation.round_cost`); it wins
         over ``round_ms`` / ``slot_ms``.
     arrival : ``burst``, ``burst-poisson`` or ``poisson``; ``rate`` in req/s for the Poisson part.
     seed : arrival order and times.
@@ -123,7 +123,7 @@ class SimRequests:
     categories : request family of each request (per-category tails), or None.
     round_refined : (n, N) calibrated refinement of the remaining rounds from the state of each of the
         first ``N`` denoising rounds (column k - 1: after round k; NaN where the request has no such
-        round), for ``simulate --refine-every`` (:mod:`~dwise_predict.serving.refine_every`), or None.
+        round), for ``simulate --refine-every`` (:mod:`~dwise_predict.simulation.refine_every`), or None.
     """
 
     request_ids: np.ndarray
@@ -204,7 +204,7 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
     ----------
     ds : TraceDataset.
     split : ``"eval"`` (default), ``"train"`` or None for every request.
-    bundle : a :class:`~dwise_predict.serving.bundle.LoadedBundle` or None. Admission estimates
+    bundle : a :class:`~dwise_predict.bundles.load.LoadedBundle` or None. Admission estimates
         come from its admission graph on the traces' (words, newlines, prompt_tokens); refined ones
         from its refinement graph on the ``first_round`` and ``prompt_last`` hidden states, prompt tokens and budget.
     """
@@ -919,9 +919,9 @@ def sync_batch_service_times(workload: SimRequests, cost: RoundCost, batch_size:
     A synchronized batch (seed 001 §IV-§V) prefills together — round ``t`` holds the members with at
     least ``t`` prompt blocks — then denoises together until its last member is done, round ``t``
     holding the members with at least ``t`` rounds; each round is timed by ``cost``. Returns a
-    :class:`~dwise_predict.serving.batch_timeout.ServiceTimes` for ``batch-timeout``.
+    :class:`~dwise_predict.simulation.batch_timeout.ServiceTimes` for ``batch-timeout``.
     """
-    from dwise_predict.serving.batch_timeout import ServiceTimes
+    from dwise_predict.simulation.batch_timeout import ServiceTimes
 
     if batch_size < 1 or n_batches < 1:
         raise ConfigError(f"need a positive batch size and batch count, got {batch_size}, {n_batches}")

@@ -10,7 +10,7 @@ Loading refuses, with a :class:`~dwise_predict.errors.BundleError` that names th
   decoding config (``algorithm``, ``algorithm_config``, ``block_size``, ``engine``) differs from what
   the caller serves;
 - any file listed in ``bundle.json`` that is missing or fails its size/sha256 check, and any
-  bundle or file that :mod:`dwise_predict.exports.screen` refuses (a link, a planted name, ONNX
+  bundle or file that :mod:`dwise_predict.bundles.screen` refuses (a link, a planted name, ONNX
   external data, declared shapes the files do not have, a hostile TorchScript archive). All of this
   runs before anything is deserialised, and each file is loaded from the very bytes that were checked.
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.errors import BundleError, InputError
-from dwise_predict.exports.manifest import SIGNAL_COUNT
-from dwise_predict.exports.screen import open_bundle, read_calibration, read_checked, screen_bundle
+from dwise_predict.bundles.manifest import SIGNAL_COUNT
+from dwise_predict.bundles.screen import open_bundle, read_calibration, read_checked, screen_bundle
 from dwise_predict.identity import BUNDLE_DECODING_KEYS, MODEL_KEYS
 
 BACKENDS = ("onnx", "torch")

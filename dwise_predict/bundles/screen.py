@@ -5,7 +5,7 @@ prove that the files are the ones the manifest names, not who wrote the manifest
 (``verify`` and its probe worker, ``publish``, ``zoo pull``, the serving loader, ``simulate
 --bundle``, ``serve``) goes through this module, and it refuses, naming the file and the reason:
 
-- any name but the known artifacts (:data:`~dwise_predict.exports.manifest.BUNDLE_ARTIFACTS`), a
+- any name but the known artifacts (:data:`~dwise_predict.bundles.manifest.BUNDLE_ARTIFACTS`), a
   symbolic link, a directory or a device (:func:`check_layout`, before a byte is read);
 - declared shapes that the artifacts do not have (``hidden_size``, ``in_features``, ``K``, the
   ONNX graphs' inputs, the safetensors tensors, the probes), NaN or non-monotone calibration knots,
@@ -40,7 +40,7 @@ import zipfile
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
-from dwise_predict.exports.manifest import (
+from dwise_predict.bundles.manifest import (
     BUNDLE_ARTIFACTS,
     BUNDLE_FILE,
     PROBES_FILE,

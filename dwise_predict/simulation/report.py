@@ -51,7 +51,7 @@ ROUND_RANK_COLUMNS = (
 
 def _cell(row: dict, key: str, fmt: str) -> str:
     if key == "adds":
-        from dwise_predict.serving.schedulers import SCHEDULERS
+        from dwise_predict.simulation.schedulers import SCHEDULERS
 
         spec = SCHEDULERS.get(row.get("policy"))
         return spec.gain if spec else ""
@@ -75,7 +75,7 @@ def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arriv
 
 
 def render_refine_table(table: dict, title: str):
-    """Seed 000 Table 6 replayed (:func:`~dwise_predict.serving.refine_every.replay_refine_every`):
+    """Seed 000 Table 6 replayed (:func:`~dwise_predict.simulation.refine_every.replay_refine_every`):
     the rich tables of the replay and of ρ per round."""
     from rich.table import Table
 
@@ -101,7 +101,7 @@ def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails:
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
     gains = []
     if rows and "arrival" in rows[0]:
-        from dwise_predict.serving.simulator import gain_decomposition
+        from dwise_predict.simulation.simulator import gain_decomposition
 
         gains = gain_decomposition(rows)
     with write_errors(out, "free space or fix permissions and rerun the same command"):

@@ -40,7 +40,7 @@ BUNDLE_FILE = "bundle.json"
 SEAL_KEY = "manifest_sha256"
 PROBES_FILE = "probes.safetensors"
 # Every file a bundle may hold besides bundle.json (exports/bundle.py ARTIFACTS says what each is).
-# Loaders refuse any other name (exports/screen.py), so nothing planted, a .pkl or an .npy, is read.
+# Loaders refuse any other name (bundles/screen.py), so nothing planted, a .pkl or an .npy, is read.
 BUNDLE_ARTIFACTS = ("refine.safetensors", "calibration.json", "refine.onnx", "refine.pt", "refine.pt2",
                     "refine.int8.onnx", "admission.txt", "admission.onnx", PROBES_FILE, "README.md")
 # what every export writes; TorchScript, torch.export and the int8 graph are optional
@@ -108,7 +108,7 @@ def read_bundle_manifest(bundle: str | Path) -> dict:
         )
     if SEAL_KEY not in manifest:
         raise BundleError(
-            f"{path} has no {SEAL_KEY} seal: write it with dwise_predict.exports.manifest.write_bundle_manifest "
+            f"{path} has no {SEAL_KEY} seal: write it with dwise_predict.bundles.manifest.write_bundle_manifest "
             "(or re-export the bundle)"
         )
     try:

@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from dwise_predict.errors import ConfigError
-from dwise_predict.serving.simulator import (
+from dwise_predict.simulation.simulator import (
     SimConfig,
     SimRequests,
     make_arrivals,
@@ -44,7 +44,7 @@ def round_estimates(ds, bundle, split: str | None = "eval") -> np.ndarray:
     Parameters
     ----------
     ds : a TraceDataset collected with ``--rounds-hidden N``.
-    bundle : a :class:`~dwise_predict.serving.bundle.LoadedBundle`.
+    bundle : a :class:`~dwise_predict.bundles.load.LoadedBundle`.
     split : the requests :func:`~.simulator.sim_requests_from_traces` replays (``eval``, ``train``, None: all).
 
     Returns

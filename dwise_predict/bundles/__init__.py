@@ -1,0 +1,12 @@
+"""Contract 2, the predictor bundle: what every writer and reader of a bundle shares.
+
+- ``manifest``: the sealed ``bundle.json``, read and written, and the sha256 checks (standard library
+  only: the serving hook imports it);
+- ``screen``: what every reader runs before deserialising anything (known names, regular files,
+  declared shapes, no pickle, code or path beyond what our exporter writes; standard library);
+- ``load``: ``load_bundle``, the one loader: hashes, the screen, the model/decoding fingerprint, then
+  ``admission`` and ``refine`` on numpy + onnxruntime (or the torch backend).
+
+:mod:`dwise_predict.exports` writes bundles through this package; :mod:`dwise_predict.serving` and
+:mod:`dwise_predict.simulation` read them through it, and neither imports ``exports``.
+"""
