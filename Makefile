@@ -11,7 +11,7 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_BIN  := $(SGLANG_VENV)/bin
 SGLANG_REQS := tests/live/requirements-sglang-cpu.txt
 
-.PHONY: quickstart test install sglang-env clean
+.PHONY: quickstart test install sglang-env bench clean
 
 $(BIN)/dwise-predict: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ quickstart: install
 # longest start first (collection order, hence --no-loadscope-reorder) so no worker idles at the end.
 test: install
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+
+# Every benchmark in full, one after another (benchmarks/run_all.py): one table, benchmarks/results.json,
+# rendered into docs/results.md. SMOKE=1 runs each on its smallest input instead, into out/bench-smoke/.
+bench: install
+	$(BIN)/python benchmarks/run_all.py $(if $(SMOKE),--smoke)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) out

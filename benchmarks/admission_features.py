@@ -10,7 +10,7 @@ tokenizers: the tiny dLLM's (607 words, a chat template) and a word-level one of
 size (151,680 ids, as the live tests serve), whose tables are as large as a real model's. Medians
 over repeated calls, one thread; the machine's load moves them, so both paths run in one process.
 
-    python benchmarks/admission_features.py [--repeats 300] [--smoke]
+    python benchmarks/admission_features.py [--repeats 300] [--smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from array import array
 
 import numpy as np
 
+from targets import Figure, add_options, report
+
 TARGET_US = 20.0
 LENGTHS = (2048, 8192)
+SMOKE_LENGTHS = (256, 1024)  # building 8k-token inputs alone re-templates a growing text for ~20 s
 
 
 def median_us(fn, inputs: list, repeats: int) -> float:
@@ -72,7 +75,8 @@ def tiny_inputs(tokenizer, length: int, n: int) -> list[list[int]]:
     return out
 
 
-def run(name: str, tokenizer, inputs: dict[int, list], repeats: int) -> None:
+def run(name: str, tokenizer, inputs: dict[int, list], repeats: int) -> float:
+    """Print both paths per prompt length; return the tables' slowest median (µs per arrival)."""
     from dwise_predict.features.prompt import PromptFeaturizer
     from dwise_predict.features.token_tables import TokenFeaturizer
 
@@ -81,32 +85,41 @@ def run(name: str, tokenizer, inputs: dict[int, list], repeats: int) -> None:
     built = time.perf_counter() - start
     decode = decoded(PromptFeaturizer(tokenizer))
     print(f"{name}: {len(tables.tables.counts_) - 1:,} ids, tables built in {built:.2f} s (once, at install)")
+    slowest = 0.0
     for length, batch in inputs.items():
         assert all(tables(ids) == decode(ids) for ids in batch), "the tables disagree with decoding"
         fast = median_us(tables, batch, repeats)
         slow = median_us(decode, batch, max(repeats // 10, 5))
         tokens = np.mean([len(ids) for ids in batch])
         print(f"  {tokens:6.0f}-token prompt: tables {fast:8.1f} µs per arrival (target <= {TARGET_US:g} µs), decode {slow:8.1f} µs: {slow / fast:5.1f}x")
+        slowest = max(slowest, fast)
+    return slowest
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=300)
-    parser.add_argument("--smoke", action="store_true", help="few repeats and prompts, a 16k vocabulary: a quick check")
-    args = parser.parse_args()
+    add_options(parser, "few repeats, 2 prompts of 256 and 1,024 tokens, a 16k vocabulary: a quick check")
+    args = parser.parse_args(argv)
     repeats = 10 if args.smoke else args.repeats
     n = 2 if args.smoke else 8
+    lengths = SMOKE_LENGTHS if args.smoke else LENGTHS
     from transformers import AutoTokenizer
 
     from dwise_predict.dllm import TINY_MODEL_DIR
 
     tiny = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
-    run("tiny dLLM tokenizer", tiny, {length: tiny_inputs(tiny, length, n) for length in LENGTHS}, repeats)
+    tiny_us = run("tiny dLLM tokenizer", tiny, {length: tiny_inputs(tiny, length, n) for length in lengths}, repeats)
     size = 16_384 if args.smoke else 151_680
     big = sdar_sized_tokenizer(size)
     rng = np.random.default_rng(1)
-    inputs = {length: [array("q", rng.integers(1, size, length).tolist()) for _ in range(n)] for length in LENGTHS}
-    run("word-level tokenizer of SDAR's vocabulary size", big, inputs, repeats)
+    inputs = {length: [array("q", rng.integers(1, size, length).tolist()) for _ in range(n)] for length in lengths}
+    big_us = run("word-level tokenizer of SDAR's vocabulary size", big, inputs, repeats)
+    longest = f"slowest of {' and '.join(f'{n:,}' for n in lengths)}-token prompts"
+    report("admission_features", [
+        Figure("token-table features per arrival, tiny tokenizer", tiny_us, "µs", TARGET_US, context=longest),
+        Figure(f"token-table features per arrival, {size:,}-id vocabulary", big_us, "µs", TARGET_US, context=longest),
+    ], args, repeats=repeats, prompts_per_length=n, vocabulary=size)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,12 @@ bfloat16 GEMMs (3-4x faster on AVX-512-BF16 cores) would lift it, but B=1 and B=
 on ~5 % of requests (fp32 gives identical tokens, the batch-invariance guarantee), so they are
 not used.
 
+Decoding follows SGLang's algorithms (``dwise_predict/engine/algorithms.py``): ``--algorithm``
+(default: the one SGLang serves the tiny model with, ``LowConfidence``) and ``--threshold`` (its
+``threshold`` parameter; default: SGLang's, 0.95 for ``LowConfidence``).
+
     .venv/bin/python benchmarks/decode_throughput.py --requests 192 --batch-size 16 --threads 2
+    .venv/bin/python benchmarks/decode_throughput.py --smoke      # 8 requests, B = 4: seconds
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +45,9 @@ from dwise_predict.collectors.backends.tiny import TinyBackend, load_tiny_backen
 from dwise_predict.collectors.decoder import decode
 from dwise_predict.collectors.records import DecodeRequest, DecodingConfig
 from dwise_predict.dllm import TINY_MODEL_DIR, TinyDllmConfig, TinyDllmForBlockDiffusion
+from targets import Figure, add_options, report
+
+TARGET_RATIO = 6.0  # B = 16 over B = 1, requests/s, on 2 cores
 
 
 def workload(n: int, budget: int, seed: int, model_dir: Path):
@@ -108,42 +117,52 @@ class CountedRounds:
         return ms
 
 
-def run_once(backend, requests, batch_size: int, threshold: float):
+def run_once(backend, requests, config: DecodingConfig):
     w = time.perf_counter()
-    results = list(decode(backend, requests, DecodingConfig(threshold=threshold, batch_size=batch_size)))
+    results = list(decode(backend, requests, config))
     return time.perf_counter() - w, results
 
 
-def measure(backend, requests, batch_size: int, threshold: float, repeats: int) -> dict:
-    """Best of ``repeats`` timed runs, then one run that profiles up to 200 steady-state rounds."""
+def measure(backend, requests, config: DecodingConfig, repeats: int, profiled_rounds: int = 200) -> dict:
+    """Best of ``repeats`` timed runs, then one run that profiles up to ``profiled_rounds`` steady-state rounds."""
     counted = CountedRounds(backend)
-    wall, results = min((run_once(counted, requests, batch_size, threshold) for _ in range(repeats)),
-                        key=lambda r: r[0])
+    wall, results = min((run_once(counted, requests, config) for _ in range(repeats)), key=lambda r: r[0])
     rounds = counted.rounds // repeats
-    window = max(1, min(200, rounds // 2))
+    window = max(1, min(profiled_rounds, rounds // 2))
     profiled = CountedRounds(backend, skip=max(1, window // 4), n=window)
-    run_once(profiled, requests, batch_size, threshold)
-    return {"B": batch_size, "wall_s": wall, "req_per_s": len(results) / wall, "rounds": rounds,
+    run_once(profiled, requests, config)
+    return {"B": config.batch_size, "wall_s": wall, "req_per_s": len(results) / wall, "rounds": rounds,
             "request_rounds": sum(r.prompt_blocks + r.total_rounds for r in results),
             "ms_per_round": 1e3 * wall / rounds, "ms": profiled.ms_per_round(),
             "tokens": sorted((r.request_id, r.output_ids) for r in results)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=192)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--budget", type=int, default=64)
-    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--algorithm", default=None, help="one of SGLang's dLLM algorithms (default: LowConfidence)")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="the algorithm's `threshold` parameter (default: SGLang's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the target is for 2 cores)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch size; the best counts")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=TINY_MODEL_DIR, help="model directory (default: shipped)")
-    args = ap.parse_args()
+    add_options(ap, "8 requests, budget 16, B = 1 and 4, one timed run each, 8 rounds profiled, one thread: "
+                    "a quick check")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        # one thread: two OpenMP threads on a busy machine wait at every barrier (195 ms a B=1 round at load 7)
+        args.requests, args.batch_size, args.budget, args.repeats, args.threads = 8, 4, 16, 1, 1
     torch.set_num_threads(args.threads)
     backend, requests = workload(args.requests, args.budget, args.seed, args.model)
-    list(decode(backend, requests[:4], DecodingConfig(threshold=args.threshold, batch_size=4)))  # warm-up
-    rows = [measure(backend, requests, b, args.threshold, args.repeats) for b in (1, args.batch_size)]
+    params = {} if args.threshold is None else {"threshold": args.threshold}
+    config = DecodingConfig(algorithm=args.algorithm, algorithm_config=params, batch_size=4)
+    list(decode(backend, requests[:4], config))  # warm-up
+    profiled = 8 if args.smoke else 200  # the profiler's events cost seconds to gather over dozens of rounds
+    rows = [measure(backend, requests, replace(config, batch_size=b), args.repeats, profiled)
+            for b in (1, args.batch_size)]
     print(f"{'B':>3} {'wall s':>7} {'req/s':>7} {'rounds':>7} {'req-rounds':>10} {'ms/round':>9}  "
           + " ".join(f"{g:>9}" for g in GROUPS) + "  (ms per round, profiled run)")
     for r in rows:
@@ -151,9 +170,15 @@ def main() -> None:
               f"{r['ms_per_round']:>9.2f}  " + " ".join(f"{r['ms'][g]:>9.2f}" for g in GROUPS))
     one, many = rows
     ratio = many["req_per_s"] / one["req_per_s"]
-    print(f"ratio B={many['B']} / B=1: {ratio:.2f}x (target >= 6x on 2 cores; threads={args.threads}, "
-          f"requests={len(requests)}, budget={args.budget}, threshold={args.threshold}); "
-          f"identical tokens: {one['tokens'] == many['tokens']}")
+    same = one["tokens"] == many["tokens"]
+    print(f"ratio B={many['B']} / B=1: {ratio:.2f}x (target >= {TARGET_RATIO:g}x on 2 cores; threads={args.threads}, "
+          f"requests={len(requests)}, budget={args.budget}, {config.algorithm or 'LowConfidence'} "
+          f"{config.algorithm_config or 'at its defaults'}); identical tokens: {same}")
+    report("decode_throughput", [
+        Figure(f"requests/s at B = {many['B']} over B = 1", ratio, "x", TARGET_RATIO, better="higher",
+               context=f"{args.threads} torch thread(s)" + ("" if many["B"] == 16 else "; the target is for B = 16")),
+    ], args, requests=len(requests), budget=args.budget, threads=args.threads, identical_tokens=same,
+        algorithm=config.algorithm, algorithm_config=config.algorithm_config)
 
 
 if __name__ == "__main__":

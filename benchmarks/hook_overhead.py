@@ -43,7 +43,7 @@ the 2 cores inflate every wall time: the load average is printed.
 The earlier mode on the test fake with precomputed features is gone: it timed paths the server does
 not run (no token-id features, the fake's own result processing) and this measures the ones it does.
 
-Usage: python benchmarks/hook_overhead.py [--smoke] [--work DIR] [--model DIR --bundle DIR]
+Usage: python benchmarks/hook_overhead.py [--smoke] [--json PATH] [--work DIR] [--model DIR --bundle DIR]
 (needs ``.venv-sglang``, ``make sglang-env``. A full run is about 3 minutes on 2 idle cores, more on a
 busy machine; ``--smoke`` runs B = 4 through one 5-second phase, for the test that runs it:
 ``tests/live/test_hook_overhead_benchmark.py``, about 2 minutes, nearly all of it the two starts.)
@@ -74,6 +74,7 @@ sys.path[:0] = [str(ROOT / "tests" / "live"), str(ROOT / "tests"), str(ROOT / "b
 import hook_timing  # noqa: E402
 import live_server  # noqa: E402
 import tiny_sdar  # noqa: E402
+from targets import Figure, add_options, report  # noqa: E402
 
 TARGET_P50_US, TARGET_P99_US, TARGET_ARRIVAL_US = 500.0, 2000.0, 20.0
 TARGET_B = 128
@@ -268,16 +269,19 @@ def row(rows: int, mode: str, s: dict) -> str:
             f"{per_arrival}")
 
 
-def verdicts(slots: int, dwise: dict, passthrough: dict) -> list[str]:
-    """The target lines, the loop-period comparison and where the hook's time goes."""
+def figures(slots: int, dwise: dict) -> list[Figure]:
+    """The hook's figures against their targets (printed by ``targets.report``, after :func:`verdicts`)."""
     at = f"B = {slots}" + ("" if slots == TARGET_B else f"; the targets are for B = {TARGET_B}")
-    lines = []
-    for name, figure, target in (("hook p50", dwise["hook_p50"], TARGET_P50_US),
-                                 ("hook p99", dwise["hook_p99"], TARGET_P99_US),
-                                 ("hook per arrival", dwise["per_arrival"], TARGET_ARRIVAL_US)):
-        lines.append(f"target {name} <= {target:g} µs ({at}): {figure:.1f} µs, {'met' if figure <= target else 'MISSED'}")
-    lines.append(f"the hook less its tensor work ({', '.join(hook_timing.TENSOR_LABELS)}: on a GPU, kernels launched, not run, "
-                 f"on the scheduler thread): p50 {dwise['host_p50']:.0f} µs, p99 {dwise['host_p99']:.0f} µs")
+    return [Figure(name, dwise[key], "µs", target, context=at)
+            for name, key, target in (("hook p50", "hook_p50", TARGET_P50_US), ("hook p99", "hook_p99", TARGET_P99_US),
+                                      ("hook per arrival", "per_arrival", TARGET_ARRIVAL_US))]
+
+
+def verdicts(slots: int, dwise: dict, passthrough: dict) -> list[str]:
+    """The loop-period comparison and where the hook's time goes."""
+    at = f"B = {slots}" + ("" if slots == TARGET_B else f"; the targets are for B = {TARGET_B}")
+    lines = [f"the hook less its tensor work ({', '.join(hook_timing.TENSOR_LABELS)}: on a GPU, kernels launched, "
+             f"not run, on the scheduler thread): p50 {dwise['host_p50']:.0f} µs, p99 {dwise['host_p99']:.0f} µs"]
     change = {key: 100.0 * (dwise[key] / passthrough[key] - 1.0) for key in ("period_p50", "period_p99", "period_mean")}
     lines.append(f"loop period, dwise vs pass-through ({at}): p50 {change['period_p50']:+.1f} %, p99 "
                  f"{change['period_p99']:+.1f} %, mean {change['period_mean']:+.1f} % (rows/step {dwise['rows']:.1f} vs "
@@ -292,7 +296,7 @@ def verdicts(slots: int, dwise: dict, passthrough: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="B = 4, one short phase (the test's run)")
+    add_options(parser, "B = 4, one short phase (the test's run)")
     parser.add_argument("--work", type=Path, help="keep the model, bundle, logs and steps here (reused)")
     parser.add_argument("--model", type=Path, help="a tiny SDAR model written by tests/live/tiny_sdar.py (else built)")
     parser.add_argument("--bundle", type=Path, help="its bundle, written by tests/live/live_bundle.py (else built)")
@@ -325,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     for line in verdicts(plan.slots, results[largest, "dwise"], results[largest, "pass-through"]):
         print(line)
     print(f"wall time {time.monotonic() - STARTED:.0f} s")
+    report("hook_overhead", figures(plan.slots, results[largest, "dwise"]), args, slots=plan.slots, k=K,
+           sglang=live_server.SGLANG_VERSION, load_at_start=load)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Rounds are timed by a round-cost model (--round-profile, else the flat default).
 time of each scheduler under each pattern, their total, and the mean-latency table.
 
     python benchmarks/simulate_speed.py [--requests 4096] [--block-size 8] [--slots 128] [--round-profile P]
+    python benchmarks/simulate_speed.py --smoke     # 128 requests, B = 16
 """
 
 from __future__ import annotations
@@ -18,16 +19,22 @@ import numpy as np
 from dwise_predict.simulation.round_cost import load_round_cost
 from dwise_predict.simulation.simulator import POLICIES, SimConfig, make_arrivals, service_rate, sim_requests_from_traces, simulate
 from dwise_predict.traces.synthetic import make_synthetic_traces
+from targets import Figure, add_options, report
+
+TARGET_S = 10.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--slots", type=int, default=128)
     parser.add_argument("--k", type=float, default=8)
     parser.add_argument("--round-profile", default=None)
-    args = parser.parse_args()
+    add_options(parser, "128 requests, B = 16: a quick check")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.slots = 128, 16
     cost = load_round_cost(args.round_profile) if args.round_profile else None
 
     ds = make_synthetic_traces(n_requests=args.requests, hidden_size=8, eval_fraction=1.0, block_size=args.block_size, seed=0)
@@ -60,7 +67,12 @@ def main() -> None:
                   f"idle {m['idle_slots_pct']:5.1f} %")
     cpu = time.process_time() - cpu_start
     print(f"\ntotal: {total:.2f} s wall ({cpu:.2f} s CPU of this process: the figure on a busy machine) "
-          f"for {2 * len(POLICIES)} simulations (target <= 10 s)")
+          f"for {2 * len(POLICIES)} simulations (target <= {TARGET_S:g} s)")
+    at = f"{len(workload)} requests, B = {args.slots}"
+    report("simulate_speed", [
+        Figure(f"simulator, {2 * len(POLICIES)} runs, wall time", total, "s", TARGET_S, context=at),
+        Figure(f"simulator, {2 * len(POLICIES)} runs, CPU time", cpu, "s", context=at),
+    ], args, requests=len(workload), slots=args.slots, k=args.k, round_cost=base.cost.source)
 
 
 if __name__ == "__main__":

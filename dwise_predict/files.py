@@ -302,11 +302,11 @@ def _fresh_tmp_dir(out: Path) -> Path:
 
 
 def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]],
-                    flag: str = "--out") -> None:
+                    param: str = "out") -> None:
     """Raise :class:`InputError` when ``out`` is, contains or lies inside one of ``inputs``.
 
-    ``inputs`` pairs how the message names an input (``"TRACES"``, ``"--run"``) with its path (None:
-    not given); ``flag`` is the option that names ``out``. Paths are compared after resolving links,
+    ``inputs`` pairs how the message names an input (``"TRACES"``, ``"`run`"``) with its path (None:
+    not given); ``param`` is the parameter that names ``out``. Paths are compared after resolving links,
     so ``d/..`` and a symlink alias too.
     """
     target = Path(out).resolve()
@@ -322,8 +322,8 @@ def refuse_aliasing(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os
             relation = "lies inside"
         else:
             continue
-        raise InputError(f"{flag} {out} {relation} the input {label} {path}: a command never writes over its "
-                         f"inputs; choose a {flag} outside them")
+        raise InputError(f"`{param}` {out} {relation} the input {label} {path}: a command never writes over its "
+                         f"inputs; choose a `{param}` outside them")
 
 
 def output_lock(out: str | os.PathLike) -> FileLock:
@@ -332,12 +332,12 @@ def output_lock(out: str | os.PathLike) -> FileLock:
     out = Path(out)
     return FileLock(out.parent / f".{out.name}.lock", lambda holder: (
         f"{out} is being written by another dwise-predict process (pid {holder}): wait for it to finish, "
-        "or choose another --out"), transient=True)
+        "or choose another `out`"), transient=True)
 
 
 @contextmanager
 def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.PathLike | None]], what: str, marker: str,
-                 replace: bool = False, flag: str | None = None, contents: Iterable[str] | None = None) -> Iterator[Path]:
+                 replace: bool = False, param: str | None = None, contents: Iterable[str] | None = None) -> Iterator[Path]:
     """Check ``out`` may be written and hold its lock (:func:`output_lock`) for the block.
 
     Refused: an ``out`` that aliases an input (:func:`refuse_aliasing`), a file, a dangling link,
@@ -345,7 +345,7 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
     ``marker``): a trace dataset or a foreign folder is never replaced. ``contents``: glob patterns
     of every name ``what`` holds; given, a directory holding anything else is refused too, marker or
     not (a command that adds its files beside earlier ones, like ``simulate``, must not write into a
-    folder of the user's that happens to hold one of its files). ``flag`` names the option
+    folder of the user's that happens to hold one of its files). ``param`` names the parameter
     that sets ``replace`` (None: the command always replaces its own kind of output); ``what`` is
     how messages call that kind (``"a run directory"``). An ``out`` that is a symbolic link stands
     for the directory it points to (:func:`output_path`); the block gets that directory. An
@@ -353,11 +353,11 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
     """
     out = Path(out)
     if os.path.islink(out) and not out.exists():
-        raise InputError(f"--out {out} is a link to {os.readlink(out)}, which does not exist: remove the link "
-                         "or choose another --out")
+        raise InputError(f"`out` {out} is a link to {os.readlink(out)}, which does not exist: remove the link "
+                         "or choose another `out`")
     refuse_aliasing(out, inputs)
     if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is a file: give a directory")
+        raise InputError(f"`out` {out} is a file: give a directory")
     named, out = out, output_path(out)
     with hold_output_lock(out):
         sweep_stale(out)
@@ -366,15 +366,15 @@ def claim_output(out: str | os.PathLike, inputs: Iterable[tuple[str, str | os.Pa
         if out.is_dir() and any(out.iterdir()):
             if not (out / marker).is_file():
                 raise StoreError(f"{named} holds files but is not {what} (no {marker}): it is never replaced; "
-                                 "choose a new or empty --out")
+                                 "choose a new or empty `out`")
             foreign = [] if contents is None else _foreign_entries(out, tuple(contents))
             if foreign:
                 shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
                 raise StoreError(f"{named} holds {shown}, which {what} never holds: a folder with files of yours is "
-                                 "never replaced or written into; move them out or choose a new or empty --out")
+                                 "never replaced or written into; move them out or choose a new or empty `out`")
             if not replace:
-                raise StoreError(f"{named} already exists: choose another --out"
-                                 + (f" or pass {flag} to replace it" if flag else ""))
+                raise StoreError(f"{named} already exists: choose another `out`"
+                                 + (f" or pass `{param}` to replace it" if param else ""))
         yield out
 
 
@@ -413,7 +413,7 @@ def hold_output_lock(out: str | os.PathLike) -> Iterator[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         lock = output_lock(out).__enter__()
     except OSError as err:
-        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another --out") from None
+        raise StoreError(f"cannot write next to {out} ({err.strerror}): choose another `out`") from None
     try:
         yield out
     finally:

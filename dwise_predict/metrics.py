@@ -131,6 +131,17 @@ def bootstrap_ci(pred, true, n_boot: int = 1000, seed: int = 0, level: float = 0
     return None if interval is None else (interval[0], interval[1])
 
 
+def bootstrap_mean_ci(values, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (e.g. one per arrival seed), values
+    resampled with replacement; ``(mean, mean)`` with fewer than two values."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size < 2:
+        return float(values.mean()), float(values.mean())
+    idx = np.random.default_rng(seed).integers(0, values.size, size=(n_boot, values.size))
+    lo, hi = percentile_interval(values[idx].mean(axis=1), level)
+    return lo, hi
+
+
 def stratified_indices(categories: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
     """(n_boot, n) resampled request indices, each category resampled within itself (every
     resample keeps the category mix)."""
@@ -322,6 +333,7 @@ def rank_summary(pred, true, categories, n_boot: int = 1000, seed: int = 0) -> d
 
 __all__ = [
     "bootstrap_ci",
+    "bootstrap_mean_ci",
     "percentile_interval",
     "rank_scores",
     "spearman_rows",

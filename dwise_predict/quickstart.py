@@ -81,26 +81,17 @@ def run_quickstart(
     from dwise_predict.collectors.collect import collect
     from dwise_predict.collectors.records import DecodingConfig
     from dwise_predict.collectors.store import mixed_sources_note
-    from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
-    from dwise_predict.evaluation.pool import kept_results_dir
-    from dwise_predict.exports.bundle import export_bundle
-    from dwise_predict.exports.verify import verify_bundle
-    from dwise_predict.bundles.load import load_bundle
-    from dwise_predict.simulation.report import write_outputs
-    from dwise_predict.simulation.simulator import SimConfig, compare_arrivals, sim_requests_from_traces
     from dwise_predict.traces import load_traces
-    from dwise_predict.training import TrainConfig, train_run
+    from dwise_predict.training import TrainConfig
 
     config = config or QuickstartConfig()
     log = log or (lambda line: None)
     out = Path(out)
     paths = stage_paths(out)
-    step = iter(f"[{i}/{len(STAGES)}] {name}" for i, name in enumerate(STAGES, 1))
 
-    log(f"{next(step)}: tiny dLLM on the tiny-default workload → {paths['traces']}")
+    log(f"{_label('collect')}: tiny dLLM on the tiny-default workload → {paths['traces']}")
     collect("tiny", "tiny-default", paths["traces"], DecodingConfig(), seed=config.seed, limit=config.limit,
             progress=collect_progress)
-
     ds = load_traces(paths["traces"])
     if note := mixed_sources_note(paths["traces"], ds.manifest):
         log(f"    {note}")
@@ -108,13 +99,44 @@ def run_quickstart(
 
     epochs = {} if config.max_epochs is None else {"max_epochs": config.max_epochs}
     train_config = TrainConfig(seed=config.seed, **epochs)
-    log(f"{next(step)}: admission LightGBM + refinement predictor (candidate chosen out of fold on the ranking of all requests) → {paths['run']}")
+    metrics = _train_stage(stages, ds, paths, train_config, log)
+    evaluation = _evaluate_stage(stages, paths, config, train_config, log)
+    verified = _export_stage(stages, paths, log)
+    rows, sim_config = _simulate_stage(ds, paths, config, log)
+
+    # no round-cost profile: a prompt block costs a round what a denoising block does, which favours
+    # mixing them most (an upper bound on the gain; docs/results.md)
+    simulated = {"slots": sim_config.slots, "k": sim_config.k, "round_ms": sim_config.round_ms,
+                 "slot_ms": sim_config.slot_ms}
+    summary = _summary(paths, metrics, evaluation, rows, verified, simulated)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _label(stage: str) -> str:
+    """``[i/N] stage``: the stage's place in :data:`STAGES`, as each stage's log line starts."""
+    return f"[{STAGES.index(stage) + 1}/{len(STAGES)}] {stage}"
+
+
+def _train_stage(stages: _Stages, ds, paths: dict[str, Path], train_config, log: Callable[[str], None]) -> dict:
+    """Train both predictors into ``run/`` unless a finished run of the same inputs is there; its metrics."""
+    from dwise_predict.training import train_run
+
+    log(f"{_label('train')}: admission LightGBM + refinement predictor (candidate chosen out of fold on the ranking of all requests) → {paths['run']}")
     if stages.redo("run"):
         train_run(ds, paths["run"], train_config, overwrite=True)
         stages.finished("run")
-    metrics = read_json_object(paths["run"] / "metrics.json", ConfigError, fix=f"delete {paths['run']} to redo it")
+    return read_json_object(paths["run"] / "metrics.json", ConfigError, fix=f"delete {paths['run']} to redo it")
 
-    log(f"{next(step)}: held-out categories, baselines, report → {paths['report']}")
+
+def _evaluate_stage(stages: _Stages, paths: dict[str, Path], config: QuickstartConfig, train_config,
+                    log: Callable[[str], None]) -> dict:
+    """Evaluate the run into ``report/`` unless a finished report of the same inputs is there; its
+    ``evaluation.json``."""
+    from dwise_predict.evaluation.evaluate import claim_evaluation_out, evaluate, write_evaluation
+    from dwise_predict.evaluation.pool import kept_results_dir
+
+    log(f"{_label('evaluate')}: held-out categories, baselines, report → {paths['report']}")
     if stages.redo("report"):
         with claim_evaluation_out(paths["report"], [paths["traces"]], paths["run"]):
             evaluation = evaluate([paths["traces"]], run=paths["run"], loco=config.loco, jobs=config.jobs,
@@ -122,33 +144,42 @@ def run_quickstart(
                                   kept=kept_results_dir(paths["report"]))
             write_evaluation(evaluation, paths["report"])
         stages.finished("report")
-    evaluation = read_json_object(paths["report"] / "evaluation.json", ConfigError,
-                                  fix=f"delete {paths['report']} to redo it")
+    return read_json_object(paths["report"] / "evaluation.json", ConfigError,
+                            fix=f"delete {paths['report']} to redo it")
 
-    log(f"{next(step)}: ONNX + TorchScript bundle → {paths['bundle']}")
+
+def _export_stage(stages: _Stages, paths: dict[str, Path], log: Callable[[str], None]) -> bool:
+    """Export the run into ``bundle/`` (unless a finished bundle of the same inputs is there), then
+    verify it in a fresh process, always; a bundle that fails stops the quickstart."""
+    from dwise_predict.exports.bundle import export_bundle
+    from dwise_predict.exports.verify import verify_bundle
+
+    log(f"{_label('export')}: ONNX + TorchScript bundle → {paths['bundle']}")
     if stages.redo("bundle"):
         export_bundle(paths["run"], paths["bundle"], force=True)
         stages.finished("bundle")
 
-    log(f"{next(step)}: hashes and parity in a fresh process")
+    log(f"{_label('verify')}: hashes and parity in a fresh process")
     report = verify_bundle(paths["bundle"])
     if not report.ok:
         raise BundleError(f"{paths['bundle']} failed verification ({report.failed_artifacts()}): "
                           f"run `dwise-predict verify {paths['bundle']}` for the table")
+    return report.ok
 
-    log(f"{next(step)}: replay the eval split under every scheduler → {paths['simulate']}")
+
+def _simulate_stage(ds, paths: dict[str, Path], config: QuickstartConfig, log: Callable[[str], None]):
+    """Replay the evaluation split under every scheduler into ``simulate/`` (always redone: it is
+    quick); the comparison rows and the simulated server."""
+    from dwise_predict.bundles.load import load_bundle
+    from dwise_predict.simulation.report import write_outputs
+    from dwise_predict.simulation.simulator import SimConfig, compare_arrivals, sim_requests_from_traces
+
+    log(f"{_label('simulate')}: replay the eval split under every scheduler → {paths['simulate']}")
     bundle = load_bundle(paths["bundle"], expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
     sim_config = SimConfig(slots=config.slots, k=config.k, seed=config.seed)
     rows = compare_arrivals(sim_requests_from_traces(ds, "eval", bundle), sim_config, ["burst", "burst-poisson"])
     write_outputs(rows, paths["simulate"], "simulate", {"slots": config.slots, "k": config.k, "seed": config.seed})
-
-    # no round-cost profile: a prompt block costs a round what a denoising block does, which favours
-    # mixing them most (an upper bound on the gain; docs/results.md)
-    simulated = {"slots": sim_config.slots, "k": sim_config.k, "round_ms": sim_config.round_ms,
-                 "slot_ms": sim_config.slot_ms}
-    summary = _summary(paths, metrics, evaluation, rows, report.ok, simulated)
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
-    return summary
+    return rows, sim_config
 
 
 def _done(paths: dict[str, Path], stage: str) -> bool:

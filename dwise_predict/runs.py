@@ -34,7 +34,7 @@ from pathlib import Path
 
 from dwise_predict.errors import InputError
 from dwise_predict.files import read_json_object
-from dwise_predict.identity import LENGTH_SCALE
+from dwise_predict.names import LENGTH_SCALE
 
 REQUIRED_FILES = (
     "config.json",

@@ -14,16 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES, LENGTH_SCALE
+from dwise_predict.names import EARLY_SIGNALS, HIDDEN_STATES, LENGTH_SCALE
+from dwise_predict.metrics import spearman
 from dwise_predict.traces.synthetic import make_synthetic_traces
 
 HIDDEN = 32
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(a, b).statistic)
 
 
 def make_traces():

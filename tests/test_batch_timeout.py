@@ -1,4 +1,4 @@
-"""Seed 001 §V's batch-timeout rule: closed form, the capped threshold, the Monte Carlo's divergence and U-shape."""
+"""Amin et al.'s batch-timeout rule (§V): closed form, the capped threshold, the Monte Carlo's divergence and U-shape."""
 
 import json
 import math
@@ -22,7 +22,7 @@ def test_closed_form_t_min_and_the_papers_lambda_t_at_rho_095():
     rate = 0.95 * 8 / 8.74  # ρ = λS/B
     t_min = bt.min_timeout(8.74, rate)
     assert t_min == pytest.approx(8.74 - 8.74 / 7.6)
-    assert rate * t_min == pytest.approx(6.6, abs=0.05)  # seed 001: "at ρ = 0.95, λT ≈ 6.6"
+    assert rate * t_min == pytest.approx(6.6, abs=0.05)  # Amin et al.: "at ρ = 0.95, λT ≈ 6.6"
     assert bt.min_timeout(2.0, 0.25) == -2.0  # arrivals sparser than one service: any timeout is safe
 
 
@@ -63,7 +63,7 @@ def test_u_shape_in_rho_on_the_papers_inputs():
     mean = [r["mean_s"] for r in rows]
     best = int(np.argmin(mean))
     assert 0 < best < len(mean) - 1  # falls, then rises: the minimum is inside the range
-    assert rows[best]["rho"] in (0.5, 0.7, 0.85)  # seed 001: lowest mean near ρ ≈ 0.70
+    assert rows[best]["rho"] in (0.5, 0.7, 0.85)  # Amin et al.: lowest mean near ρ ≈ 0.70
     assert mean[0] > mean[best] and mean[-1] > mean[best]
     assert not any(r["diverging"] for r in rows)  # ρ < 1 with full batches: stable everywhere
 

@@ -1,4 +1,4 @@
-"""`characterize`: seed 001's measurements, checked on hand-made and synthetic round counts."""
+"""`characterize`: Amin et al.'s measurements, checked on hand-made and synthetic round counts."""
 
 import json
 
@@ -23,9 +23,9 @@ def test_rounds_distribution_by_hand():
     assert rounds_distribution(np.array([0, 3]))["max_min_ratio"] is None
 
 
-def test_tiers_are_found_like_seed_001():
+def test_tiers_are_found_as_amin_et_al_found_them():
     rng = np.random.default_rng(0)
-    tiered = 178 + 29 * rng.integers(0, 11, 500)  # seed 001's 178 + 29k, k = 0..10
+    tiered = 178 + 29 * rng.integers(0, 11, 500)  # Amin et al.'s 178 + 29k, k = 0..10
     d = discreteness(tiered)
     assert d["distinct"] == 11 and d["dominant_spacing"] == 29 and d["spacing_share"] == 1.0
     assert d["tiered"] and d["tiers"] == "178 + 29k"

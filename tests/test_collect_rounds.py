@@ -147,9 +147,9 @@ def test_shards_merge_and_resume_carry_the_rounds(collections, tmp_path):
 
 
 def test_another_depth_is_refused_on_resume_and_merge(collections, tmp_path):
-    with pytest.raises(StoreError, match="holds --rounds-hidden 8, not --rounds-hidden 4: rerun with the"):
+    with pytest.raises(StoreError, match="holds `rounds_hidden` 8, not `rounds_hidden` 4: rerun with the"):
         _collect(collections["rounds"], rounds_hidden=4)
-    with pytest.raises(StoreError, match="holds no per-round states .*, not --rounds-hidden 8: merge only"):
+    with pytest.raises(StoreError, match="holds no per-round states .*, not `rounds_hidden` 8: merge only"):
         merge([collections["rounds"], collections["default"]], tmp_path / "m")
     assert not (tmp_path / "m").exists()
 

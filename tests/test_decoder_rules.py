@@ -207,7 +207,7 @@ def test_bad_input_is_one_clear_error():
            ({"algorithm": "LowConfidance"}, "unknown algorithm 'LowConfidance'"),
            ({"algorithm": "Gemma4Renoise"}, "separate context-encoding pass"),
            ({"algorithm": "JointThreshold", "algorithm_config": {"max_post_edit_steps": -1}}, "integer >= 0"),
-           ({"block_size": 0}, "--block-size"), ({"block_size": -4}, "--block-size")]
+           ({"block_size": 0}, "`block_size`"), ({"block_size": -4}, "`block_size`")]
     for kwargs, message in bad:
         with pytest.raises(ConfigError, match=message) as err:
             DecodingConfig(**kwargs)

@@ -119,7 +119,7 @@ def test_rounds_follow_the_work_the_prompt_asks_for(decoded):
 def test_instruction_rounds_do_not_follow_its_output_length(decoded):
     """Instruction prompts ask for a run of consecutive numbers: the longer runs come out longer but
     are filled many positions per step, so rounds barely follow the requested count (measured ρ 0.11
-    against 0.33 for output tokens). Output length misorders work here (seed 000, Table 12)."""
+    against 0.33 for output tokens). Output length misorders work here (the DWISE paper, Table 12)."""
     rounds, counts = _by_category(decoded, "rounds"), _by_category(decoded, "count")
     assert abs(spearmanr(counts["instruction"], rounds["instruction"])[0]) < 0.3
 

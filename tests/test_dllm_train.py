@@ -101,7 +101,7 @@ def test_schedule_gives_every_category_its_share():
 
 
 def test_bad_recipe_is_rejected_with_every_problem():
-    with pytest.raises(ConfigError, match="steps.*batch-size|batch-size.*steps"):
+    with pytest.raises(ConfigError, match="steps.*`batch_size`|`batch_size`.*steps"):
         TinyTrainConfig(steps=0, batch_size=0)
     with pytest.raises(ConfigError, match="categories"):
         TinyTrainConfig(categories=["poetry"])

@@ -16,7 +16,7 @@ from dwise_predict.evaluation.ablate import ablate, score_rows
 from dwise_predict.evaluation.baselines import WITHOUT_FIRST_ROUND
 from dwise_predict.evaluation.pool import result_key
 from dwise_predict.metrics import rank_scores, stratified_indices
-from dwise_predict.training.select import CANDIDATES
+from dwise_predict.training.candidates import NAMES as CANDIDATES
 from evaluate_helpers import fast_config, fixed_config, make_traces, write
 
 
@@ -79,7 +79,7 @@ def test_cli_ablate_inputs_finds_the_first_round_signal_and_names_the_winner(tmp
                  "--ablate", "inputs"]) == 0
     capsys.readouterr()
     table = json.loads((out / "ablation_inputs.json").read_text())
-    assert table["kind"] == "inputs" and len(table["rows"]) == 11  # 5 input sets x 2 candidates + seed 001's
+    assert table["kind"] == "inputs" and len(table["rows"]) == 11  # 5 input sets x 2 candidates + Amin et al.'s
     rows = {r["name"]: r for r in table["rows"]}
     assert table["reference"] == "survival, h1 + last prompt block + prompt tokens + budget + early signals"
     # the synthetic traces' work lives in the first-round state (the last prompt block holds the

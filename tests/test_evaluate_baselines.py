@@ -5,7 +5,7 @@ import pytest
 
 from dwise_predict.evaluation.baselines import (PROMPT_HIDDEN_TASK, WITHOUT_FIRST_ROUND_TASK, baseline_predictions,
                                                 baseline_table, remaining_rounds, table_tasks, trail_probe)
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.evaluation.characterize import output_vs_work
 from evaluate_helpers import make_traces
 
@@ -44,7 +44,7 @@ def test_hidden_state_rows_recover_the_latent_difficulty(rows):
 
 
 def test_early_signals_of_synthetic_traces_are_noise(rows):
-    # make_synthetic_traces draws them independently of the rounds: seed 001's finding, by construction
+    # make_synthetic_traces draws them independently of the rounds: Amin et al.'s finding, by construction
     for name in ("frac_over_threshold", "mean_confidence", "mean_entropy", "all four"):
         row = rows[f"early signal: {name}"]
         assert abs(row["spearman"]) < 0.25, name
@@ -60,7 +60,7 @@ def test_oracle_rows(rows, split):
 
 
 def test_the_prompt_state_baseline_sees_only_what_is_known_before_the_first_round(split):
-    """Seed 000's prompt-hidden-state baseline reads the prompt (last prompt block, prompt tokens,
+    """The DWISE paper's prompt-hidden-state baseline reads the prompt (last prompt block, prompt tokens,
     budget); the ablation is the shipped input less the first-round state, round-1 signals kept."""
     train, eval_ds = split
     tasks = {t.name: t for t in table_tasks(train, eval_ds, config=None)}

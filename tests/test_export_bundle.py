@@ -8,7 +8,7 @@ import pytest
 import torch
 from export_helpers import HIDDEN, make_run
 
-from dwise_predict.identity import EARLY_SIGNALS, LENGTH_SCALE
+from dwise_predict.names import EARLY_SIGNALS, LENGTH_SCALE
 from dwise_predict.cli import main
 from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
@@ -33,12 +33,12 @@ def bundle(run, tmp_path_factory):
 
 def test_bundle_holds_every_file_with_its_hash(bundle):
     manifest = read_bundle_manifest(bundle)
-    int8 = manifest["int8"]
+    int8 = manifest.int8
     assert int8["kept"] == (int8["probe_spearman"] >= int8["min_spearman"] == 0.999)
     expected = FILES | ({"refine.int8.onnx"} if int8["kept"] else set())
-    assert set(manifest["files"]) == expected == set(manifest["artifacts"])
+    assert set(manifest.files) == expected == set(manifest.artifacts)
     assert {p.name for p in bundle.iterdir()} == expected | {"bundle.json"}
-    for name, entry in manifest["files"].items():
+    for name, entry in manifest.files.items():
         assert entry["sha256"] == sha256_file(bundle / name)
         assert entry["bytes"] == (bundle / name).stat().st_size > 0
     assert not list(bundle.parent.glob(".bundle.*")), "temporary directory left behind"
@@ -59,11 +59,11 @@ def test_int8_weights_use_seven_bits_so_every_cpu_computes_them_exactly(bundle, 
     assert sum(w.size for w in weights) >= 3 * 256 * (2 * HIDDEN + 2 + len(EARLY_SIGNALS))  # the members' first layers
     largest = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
     assert 60 <= largest <= 64  # symmetric 7-bit range [-64, 64], used and not exceeded
-    assert read_bundle_manifest(bundle)["int8"]["kept"]
+    assert read_bundle_manifest(bundle).int8["kept"]
 
 
 def test_manifest_shape_follows_contract(bundle, run):
-    m = read_bundle_manifest(bundle)
+    m = read_bundle_manifest(bundle).raw  # bundle.json's keys, as contract 2 (docs/bundles.md) names them
     spec = json.loads((run / "refine.json").read_text())
     config = json.loads((run / "config.json").read_text())
     assert m["schema_version"] == BUNDLE_SCHEMA_VERSION and m["name"] == "tiny-run" and m["created"] == CREATED
@@ -89,6 +89,23 @@ def test_manifest_shape_follows_contract(bundle, run):
     # the weights and calibration are the run's, byte for byte
     for name in ("refine.safetensors", "calibration.json", "admission.txt"):
         assert (bundle / name).read_bytes() == (run / name).read_bytes()
+
+
+def test_the_typed_manifest_reads_what_bundle_json_holds(bundle, run):
+    """Readers use BundleManifest's attributes; they are bundle.json's values, and the keys a server
+    compares (names.MODEL_KEYS, BUNDLE_DECODING_KEYS) are attributes of its model and decoding."""
+    from dwise_predict.names import BUNDLE_DECODING_KEYS, MODEL_KEYS
+
+    m = read_bundle_manifest(bundle)
+    config = json.loads((run / "config.json").read_text())
+    assert (m.schema_version, m.name, m.created, m.hidden_size, m.K) == (BUNDLE_SCHEMA_VERSION, "tiny-run", CREATED,
+                                                                         HIDDEN, m.raw["inputs"]["refine"]["num_rounds"])
+    assert m.refine is m.raw["inputs"]["refine"] and m.files is m.raw["files"] and m.probes == "probes.safetensors"
+    assert m.identity.model.fields == config["traces"]["model"] and m.identity.hidden_size == HIDDEN
+    assert m.identity.decoding.fields == config["traces"]["decoding"]
+    for section, keys in ((m.identity.model, MODEL_KEYS), (m.identity.decoding, BUNDLE_DECODING_KEYS)):
+        assert {key: getattr(section, key) for key in keys} == {key: section.fields.get(key) for key in keys}
+    assert m.identity.decoding.block_size == config["traces"]["decoding"]["block_size"] > 0
 
 
 def test_onnx_signatures_have_dynamic_batch_and_contract_names(bundle):
@@ -154,7 +171,7 @@ def test_model_card_has_hugging_face_front_matter(bundle):
     assert "library_name: onnx" in front and 'base_model: "synthetic"' in front
     assert "- spearmanr" in front and "model-index:" in front
     m = read_bundle_manifest(bundle)
-    assert f"{m['metrics']['refined']['spearman']}" in front
+    assert f"{m.metrics['refined']['spearman']}" in front
     assert "pickle" in body and "refine.onnx" in body and "dwise-predict verify" in body
 
 

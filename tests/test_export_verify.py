@@ -114,7 +114,7 @@ def test_unlisted_file_fails_verify(bundle, tmp_path):
         extra.unlink()
     unlisted = tmp_path / "unlisted"
     shutil.copytree(bundle, unlisted)
-    manifest = read_bundle_manifest(unlisted)
+    manifest = read_bundle_manifest(unlisted).raw
     for key in ("files", "artifacts"):
         del manifest[key]["refine.pt2"]
     write_bundle_manifest(unlisted, manifest)
@@ -127,7 +127,7 @@ def test_newer_schema_version_is_refused_in_one_line(bundle, tmp_path, capsys):
 
     newer = tmp_path / "newer"
     shutil.copytree(bundle, newer)
-    manifest = read_bundle_manifest(newer)
+    manifest = read_bundle_manifest(newer).raw
     manifest["schema_version"] = 99
     write_bundle_manifest(newer, manifest)  # correctly sealed: only the version is wrong
     assert main(["verify", str(newer)]) == 1
@@ -142,7 +142,7 @@ def test_edited_manifest_without_new_seal_is_refused(bundle, tmp_path):
 
     forged = tmp_path / "forged"
     shutil.copytree(bundle, forged)
-    manifest = read_bundle_manifest(forged)
+    manifest = read_bundle_manifest(forged).raw
     assert (forged / "bundle.json").read_bytes() == seal_manifest(manifest)
     manifest["metrics"]["refined"]["spearman"] = 0.99  # a better-looking metric, old seal kept
     (forged / "bundle.json").write_bytes(canonical_json(manifest))
@@ -165,12 +165,13 @@ def test_a_tampered_torchscript_is_never_deserialised(bundle):
 
 def test_loader_refuses_a_bundle_for_another_model(bundle):
     manifest = read_bundle_manifest(bundle)
-    hidden = manifest["inputs"]["refine"]["hidden_size"]
+    hidden = manifest.hidden_size
+    assert hidden == manifest.raw["inputs"]["refine"]["hidden_size"] == 32
     with pytest.raises(BundleError, match="hidden_size"):
         load_bundle(bundle, expect_model={"hidden_size": hidden + 1})
     with pytest.raises(BundleError, match="config_hash"):
         load_bundle(bundle, expect_model={"config_hash": "another-model"})
-    loaded = load_bundle(bundle, expect_model={"hidden_size": hidden, "config_hash": manifest["model"]["config_hash"]})
+    loaded = load_bundle(bundle, expect_model={"hidden_size": hidden, "config_hash": manifest.identity.model.config_hash})
     assert loaded.hidden_size == hidden
 
 
@@ -208,7 +209,7 @@ def steep_bundle(bundle, tmp_path_factory):
     calibration = json.loads((run / "calibration.json").read_text())
     low, high = raw[0] * (1 - 1e-6), raw[-1] * (1 + 1e-3)
     slope = 2000.0 / (high - low)
-    top = float(read_bundle_manifest(bundle)["K"])
+    top = float(read_bundle_manifest(bundle).K)
     calibration["x"] = [0.0, low, high, max(top, high + 1.0)]
     calibration["y"] = [0.0, 1.0, 1.0 + slope * (high - low), 1.0 + slope * (high - low) + 1.0]
     (run / "calibration.json").write_text(json.dumps(calibration))
@@ -243,14 +244,14 @@ def test_an_exporter_bug_fails_even_under_a_steep_calibration(steep_bundle, tmp_
     shutil.copytree(steep_bundle, broken)
     manifest = read_bundle_manifest(broken)
     calibration = json.loads((broken / "calibration.json").read_text())
-    graph = build_refine_graph(load_tensors(str(broken / "refine.safetensors")), manifest["inputs"]["refine"], calibration)
+    graph = build_refine_graph(load_tensors(str(broken / "refine.safetensors")), manifest.refine, calibration)
     fused = FusedRefineGraph(graph).eval()
     with torch.no_grad():
         fused.calib_x.mul_(1 + 3e-4)
-    export_onnx(fused, int(manifest["inputs"]["refine"]["hidden_size"]), broken / "refine.onnx")
+    export_onnx(fused, manifest.hidden_size, broken / "refine.onnx")
     path = broken / "refine.onnx"
-    manifest["files"]["refine.onnx"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    write_bundle_manifest(broken, manifest)
+    manifest.raw["files"]["refine.onnx"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    write_bundle_manifest(broken, manifest.raw)
     failed = verify_bundle(broken).failures()
     assert [r["artifact"] for r in failed] == ["refine.onnx"]
     assert "OUTSIDE their band" in failed[0]["detail"]
@@ -267,7 +268,7 @@ def test_a_bundle_without_the_raw_probe_is_held_to_the_output_alone(bundle, tmp_
     path = older / "probes.safetensors"
     probes = {k: v for k, v in load_file(str(path)).items() if k != RAW_PROBE}
     path.write_bytes(save(probes))
-    manifest = read_bundle_manifest(older)
+    manifest = read_bundle_manifest(older).raw
     manifest["files"]["probes.safetensors"] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     write_bundle_manifest(older, manifest)
     report = verify_bundle(older)

@@ -401,7 +401,7 @@ def test_an_interrupted_swap_is_put_back_before_anything_else(tmp_path):
     aside = tmp_path / f".bundle{TMP_MARK}{_dead_pid()}-old"
     aside.mkdir()
     (aside / "bundle.json").write_text("old")
-    with claim_output(out, [], "a bundle", "bundle.json", replace=True, flag="--force"):
+    with claim_output(out, [], "a bundle", "bundle.json", replace=True, param="force"):
         assert (out / "bundle.json").read_text() == "old"
     assert not aside.exists()
 

@@ -27,7 +27,7 @@ BS = 8
 def test_the_wait_cap_is_an_option_of_the_hook_config_checked_and_read_from_the_plugins_variable():
     assert HookConfig().max_wait == MAX_WAIT  # the policy's default, as before the option existed
     for bad in (-1, 2.5, float("inf")):
-        assert f"--max-wait must be a whole number of rounds >= 0 (0: no wait cap), got {bad}" in \
+        assert f"`max_wait` must be a whole number of rounds >= 0 (0: no wait cap), got {bad}" in \
             HookConfig(record="t/", max_wait=bad).problems()
     assert not HookConfig(record="t/", max_wait=0).problems()
     assert config_from_environ({"DWISE_RECORD": "t/", "DWISE_MAX_WAIT": "0"}).max_wait == 0

@@ -90,7 +90,7 @@ def test_resume_with_another_spec_is_refused_and_keeps_the_files(collections, tm
     for other in (dict(layers="1,-1", pooling="mean,last,positions"), dict(layers="0,-1", pooling="mean"), {}):
         with pytest.raises(StoreError) as err:
             _collect(out, limit=9, **other)
-        assert "\n" not in str(err.value) and "--layers" in str(err.value), str(err.value)
+        assert "\n" not in str(err.value) and "`layers`" in str(err.value), str(err.value)
     assert _snapshot(out) == before
     assert load_traces(_collect(out, limit=6, layers="-1,0,4", pooling="positions,last,mean")).path == out  # same spec
 
@@ -104,17 +104,17 @@ def test_shards_carry_the_tensors_through_merge_and_mixed_specs_are_refused(coll
         np.testing.assert_array_equal(merged.extra_hidden[name], values)
     assert json.loads((tmp_path / "merged" / "manifest.json").read_text())["hidden_extra"]["layers"] == [0, FINAL]
     plain = _collect(tmp_path / "plain", shard="1/2")
-    with pytest.raises(StoreError, match="--layers"):
+    with pytest.raises(StoreError, match="`layers`"):
         merge([parts[0], plain], tmp_path / "mixed")
     assert not (tmp_path / "mixed" / "requests.parquet").exists()
 
 
 def test_layer_indices_are_checked_against_the_model(tmp_path):
-    with pytest.raises(ConfigError, match=r"--layers 99,-6: out of range; .* 0\.\.4"):
+    with pytest.raises(ConfigError, match=r"`layers` 99,-6: out of range; .* 0\.\.4"):
         _collect(tmp_path / "o", layers="99,-6,-5")
-    with pytest.raises(ConfigError, match="--pooling"):
+    with pytest.raises(ConfigError, match="`pooling`"):
         _collect(tmp_path / "o", layers="0", pooling="max")
-    with pytest.raises(ConfigError, match="--pooling needs --layers"):
+    with pytest.raises(ConfigError, match="`pooling` needs `layers`"):
         _collect(tmp_path / "o", pooling="mean")
 
 

@@ -59,6 +59,15 @@ def test_bootstrap_ci_brackets_rho_and_is_seeded():
     assert M.within_category_ci(pred, true, np.repeat(["a", "b"], 150), n_boot=0) is None
 
 
+def test_bootstrap_mean_ci_is_the_percentile_interval_of_resampled_means():
+    values = np.array([3.0, 5.0, 4.0, 10.0, 6.0])
+    lo, hi = M.bootstrap_mean_ci(values, n_boot=2000, seed=7)
+    idx = np.random.default_rng(7).integers(0, 5, size=(2000, 5))  # brute force on the same resamples
+    assert (lo, hi) == tuple(np.percentile(values[idx].mean(axis=1), [2.5, 97.5]))
+    assert 3.0 < lo < values.mean() < hi < 10.0
+    assert M.bootstrap_mean_ci([4.0]) == (4.0, 4.0)  # one arrival seed: no spread to resample
+
+
 def test_median_ratio_and_r2():
     assert M.median_ratio([2, 4, 6, 100], [1, 4, 3, 0]) == pytest.approx(2.0)  # ratios 2, 1, 2; actual 0 skipped
     assert M.median_ratio([1, 2], [0, 0]) is None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dwise_predict.identity import HIDDEN_STATES, LENGTH_SCALE
+from dwise_predict.names import HIDDEN_STATES, LENGTH_SCALE
 from dwise_predict.survival.network import (
     HazardMLP,
     build_refine_graph,

@@ -8,7 +8,7 @@ import pytest
 
 from dwise_predict.errors import ConfigError, InputError
 from dwise_predict.simulation.round_cost import RoundCost, fit_round_cost, load_round_cost
-from dwise_predict.simulation.schedulers import SCHEDULERS, bucket
+from dwise_predict.simulation.schedulers import GAIN_STEPS, SCHEDULERS, bucket
 from dwise_predict.simulation.simulator import (
     SimConfig,
     SimRequests,
@@ -44,6 +44,42 @@ ONE_SECOND = SimConfig(slots=1, k=8, round_ms=1000.0, slot_ms=0.0)
 def test_registry_names_every_scheduler_of_the_issue():
     assert set(SCHEDULERS) == {"sglang-default", "sglang-sync", "fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail", "dwise-zero",
                                "dwise-admission", "dwise-raw", "dwise-refined", "dwise-oracle"}
+
+
+def test_each_scheduler_says_what_it_models_and_its_steps_start_from_rows_above():
+    names = list(SCHEDULERS)
+    for spec in SCHEDULERS.values():
+        assert spec.about and spec.adds, spec.name
+        for step, before in spec.steps:
+            assert names.index(before) < names.index(spec.name), (step, before, spec.name)
+    assert GAIN_STEPS == (
+        ("mixed batching", "sglang-default", "fcfs-mixed"), ("ordering by prompt work", "fcfs-mixed", "dwise-zero"),
+        ("admission estimates", "dwise-zero", "dwise-admission"), ("refinement (raw)", "dwise-admission", "dwise-raw"),
+        ("calibration", "dwise-raw", "dwise-refined"), ("refinement (calibrated)", "dwise-admission", "dwise-refined"),
+        ("headroom to the oracle", "dwise-refined", "dwise-oracle"))
+
+
+def test_the_help_and_both_tables_read_the_registry():
+    """``simulate --help`` lists every scheduler with its ``about``; the console table and the report
+    print its ``adds`` and share one column list (the report leaves out mean rounds)."""
+    from rich.console import Console
+
+    from dwise_predict.cli.simulate import SCHEDULERS_HELP
+    from dwise_predict.simulation.report import render_table, scheduler_table
+
+    for name, spec in SCHEDULERS.items():
+        assert f"{name}: {spec.about}" in SCHEDULERS_HELP
+    rows = [{"arrival": "burst", "policy": "s3", "mean_latency_s": 1.5, "mean_latency_rounds": 12.0,
+             "speedup_vs_default": 2.0}]
+    report = scheduler_table(rows, "arrival")
+    assert report.columns[:3] == ["arrival", "scheduler", "mean s"] and report.columns[-2:] == ["speed-up", "adds"]
+    assert "mean rounds" not in report.columns
+    assert report.rows == [["burst", "s3", "1.50"] + ["n/a"] * 10 + ["2.00", "length buckets, sized KV"]]
+    console = Console(width=400, record=True)
+    console.print(render_table(rows, "t"))
+    printed = console.export_text()
+    assert "mean rounds" in printed and "speedup" in printed and "2.00x" in printed
+    assert "length buckets, sized KV" in printed and "12.0" in printed
 
 
 def test_srpt_oracle_is_shortest_first_on_a_burst():

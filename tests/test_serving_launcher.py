@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import sglang_reference
+from dwise_predict.cli.options import as_flags
 from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.serving.launcher import HookConfig, SchedulerEntry, resolved
 
@@ -38,12 +39,13 @@ def test_the_hook_is_active_in_a_spawned_scheduler_process():
 def test_hook_config_is_checked_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError) as err:
         resolved(HookConfig(bundle=str(tmp_path), slots=0, k=0.5))
-    message = str(err.value)
-    assert "--slots must be positive" in message and "--k must be at least 1" in message
+    message = str(err.value)  # the library names its parameters; `serve` names them as its flags
+    assert "`slots` must be positive" in message and "`k` must be at least 1" in message
+    assert "--slots must be positive" in as_flags(message) and "--k must be at least 1" in as_flags(message)
     assert "has no bundle.json" in message and "\n" not in message
     with pytest.raises(ConfigError, match="nothing to do"):
         resolved(HookConfig())
-    with pytest.raises(ConfigError, match="needs --block-size and --hidden-size"):
+    with pytest.raises(ConfigError, match="needs `block_size` and `hidden_size`"):
         resolved(HookConfig(record=str(tmp_path / "t")))
 
 
@@ -307,7 +309,7 @@ def test_a_bundle_or_hidden_size_of_another_width_is_refused_before_the_model_lo
     assert "takes hidden states of width 32 but the served model" in message and "has hidden size 2048" in message
     assert "\n" not in message
     recording = HookConfig(record=str(tmp_path / "t"), hidden_size=32, slots=16, k=4)
-    with pytest.raises(ConfigError, match="--hidden-size=32 but the served model .* has hidden size 2048: leave "):
+    with pytest.raises(ConfigError, match="`hidden_size`=32 but the served model .* has hidden size 2048: leave "):
         serve(recording, _dllm(llada2))
     assert not sglang_entrypoints.LAUNCHED and len(sglang_entrypoints.KILLED) == 2
     # the width the launcher reads otherwise: a recording needs no --hidden-size or --block-size
@@ -328,7 +330,7 @@ def test_a_bundle_or_hidden_size_of_another_width_is_refused_before_the_model_lo
 
 BLOCK_CASES = [  # (architecture, --dllm-algorithm-config, the hook's block size, refused with)
     ("SDARForCausalLM", None, None, "built for another decoding (decoding.block_size = 32"),
-    ("SDARForCausalLM", None, 32, "--block-size=32 but SGLang runs SDARForCausalLM with block size 4"),
+    ("SDARForCausalLM", None, 32, "`block_size`=32 but SGLang runs SDARForCausalLM with block size 4"),
     ("TinyDllmForBlockDiffusion", None, None, "SGLang refuses this dLLM server: Unknown diffusion LLM"),
     ("LLaDA2MoeModelLM", None, None, None),
     ("SDARForCausalLM", "block_size: 32\n", None, None),  # SGLang's block size is the file's
@@ -374,7 +376,7 @@ def test_k_times_b_is_checked_against_the_rows_each_scheduler_gets(tmp_path, sgl
     dp = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
     with pytest.raises(ConfigError) as err:
         serve(config, _dllm(llada2, *dp))
-    assert str(err.value) == (
+    assert as_flags(str(err.value)) == (  # as `serve` prints it
         "DWISE keeps up to k*B = 1024 requests resident in each scheduler (--slots=128 x --k=8) but each scheduler "
         "holds 512 (--max-running-requests 1024 // 2 attention-DP workers): pass --max-running-requests 2048, or "
         "lower --slots or --k")
@@ -424,7 +426,7 @@ def test_the_model_identity_is_checked_where_the_bundle_names_one(tmp_path, sgla
         resolved(other, view)
     from transformers import AutoConfig
 
-    from dwise_predict.identity import config_hash
+    from dwise_predict.names import config_hash
     from dwise_predict.serving.preflight import checked
 
     served = config_hash(AutoConfig.from_pretrained(str(llada2)).to_dict())

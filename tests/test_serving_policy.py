@@ -1,4 +1,4 @@
-"""DWISE policy (seed 000 Algorithm 1): one test per line of the algorithm, plus ties and bad input."""
+"""DWISE policy (the DWISE paper's Algorithm 1): one test per line of the algorithm, plus ties and bad input."""
 
 import numpy as np
 import pytest

@@ -17,7 +17,7 @@ from dwise_predict.collectors.store import merge  # noqa: E402
 from dwise_predict.engine import ENGINE, prefill_rounds  # noqa: E402
 from dwise_predict.engine.algorithms import served_decoding  # noqa: E402
 from dwise_predict.errors import ConfigError, StoreError  # noqa: E402
-from dwise_predict.identity import EARLY_SIGNALS  # noqa: E402
+from dwise_predict.names import EARLY_SIGNALS  # noqa: E402
 from dwise_predict.serving.sglang import install  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
 from dwise_predict.traces.dataset import SCHEMA_VERSION  # noqa: E402
@@ -862,7 +862,7 @@ def test_a_live_recording_carries_the_served_models_identity_into_the_bundle(tmp
     from dwise_predict.collectors.backends.tiny import load_tiny_backend
     from dwise_predict.dllm import TINY_MODEL_DIR
     from dwise_predict.exports.bundle import export_bundle
-    from dwise_predict.identity import MODEL_KEYS
+    from dwise_predict.names import MODEL_KEYS
     from dwise_predict.serving import launcher
 
     collected = load_tiny_backend().fingerprint()  # what `collect` records for that directory

@@ -25,6 +25,7 @@ if not sglang_reference.available():
 from dwise_predict.engine import prefill_rounds  # noqa: E402
 from dwise_predict.errors import BundleError, ConfigError  # noqa: E402
 from dwise_predict.bundles.load import load_bundle  # noqa: E402
+from dwise_predict.bundles.manifest import BundleManifest  # noqa: E402
 from dwise_predict.serving.policy import DwisePolicy  # noqa: E402
 from dwise_predict.simulation.simulator import SimConfig, SimRequests, simulate  # noqa: E402
 from dwise_predict.traces import load_traces  # noqa: E402
@@ -842,8 +843,9 @@ def test_a_bundle_is_held_to_the_decoding_sglang_serves(served, algorithm, param
     """Rounds of another algorithm or threshold are another unit: the hook compares the bundle's
     decoding with the server's ``DllmConfig`` before the first request is ranked."""
     bundle = RecordingBundle(served[0])
-    bundle.manifest = {**bundle.manifest, "decoding": {**bundle.manifest["decoding"], "algorithm": "LowConfidence",
-                                                        "algorithm_config": {"threshold": 0.95}}}
+    raw = bundle.manifest.raw
+    bundle.manifest = BundleManifest.from_dict({**raw, "decoding": {**raw["decoding"], "algorithm": "LowConfidence",
+                                                                    "algorithm_config": {"threshold": 0.95}}}, "bundle.json")
     handle = hooked(bundle, slots=2, k=1)
     try:
         config = fake.config(BS, 4, algorithm=algorithm, algorithm_config=params)

@@ -162,17 +162,17 @@ def test_rates_parse_multiples_of_the_default_service_rate(synthetic_workload):
     backlogged = simulate(synthetic_workload, "sglang-default", cfg).metrics["throughput_rps"]
     assert one == pytest.approx(backlogged) and two == pytest.approx(2 * one)
     assert parse_rates("3.5", synthetic_workload, cfg) == [3.5]
-    with pytest.raises(ConfigError, match="--rates item 'fast'"):
+    with pytest.raises(ConfigError, match="`rates` item 'fast'"):
         parse_rates("fast", synthetic_workload, cfg)
 
 
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(slots=0), "--slots \\(B\\) must be a positive integer, got 0"),
-        (dict(k=0.5), "--k must be at least 1"),
-        (dict(kv_budget=-1), "--kv-budget must be positive"),
-        (dict(arrival="burst-poisson"), "need a positive --rate"),
+        (dict(slots=0), "`slots` \\(B\\) must be a positive integer, got 0"),
+        (dict(k=0.5), "`k` must be at least 1"),
+        (dict(kv_budget=-1), "`kv_budget` must be positive"),
+        (dict(arrival="burst-poisson"), "need a positive `rate`"),
     ],
 )
 def test_bad_options_one_clear_line(kwargs, message):
@@ -183,7 +183,7 @@ def test_bad_options_one_clear_line(kwargs, message):
 
 def test_kv_budget_too_small_for_one_request():
     w = workload([3, 1], [2, 2], out_blocks=4)
-    with pytest.raises(ConfigError, match="--kv-budget 5 blocks cannot hold request A .*at least 9"):
+    with pytest.raises(ConfigError, match="`kv_budget` 5 blocks cannot hold request A .*at least 9"):
         simulate(w, "fcfs-mixed", SimConfig(slots=2, kv_budget=5))
 
 
@@ -196,5 +196,5 @@ def test_traces_without_prompt_blocks(synthetic_traces):
 
 def test_policy_needing_a_bundle_without_one(synthetic_traces):
     w = sim_requests_from_traces(synthetic_traces)
-    with pytest.raises(ConfigError, match="pass --bundle"):
+    with pytest.raises(ConfigError, match="pass `bundle`"):
         simulate(w, "dwise-refined", SimConfig(slots=4))

@@ -1,4 +1,4 @@
-"""`simulate --refine-every`: r̂ re-estimated every n denoising rounds (seed 000 Table 6) in the
+"""`simulate --refine-every`: r̂ re-estimated every n denoising rounds (the DWISE paper's Table 6) in the
 simulator, worked out by hand, against the refine-once path, and the ρ it reports."""
 
 import math
@@ -227,7 +227,7 @@ def test_command_prints_and_writes_the_table_beside_todays_figures(traces_and_bu
     assert json.loads((out / "simulate.json").read_text())["refine_every"]["rows"][2]["refine"] == 1
     assert main([*args[:-2], "--arrival", "burst"]) == 0
     text = capsys.readouterr().out
-    assert "Refinement every n rounds (seed 000 Table 6)" in text and "ρ(r̂, remaining)" in text
+    assert "Refinement every n rounds (the DWISE paper's Table 6)" in text and "ρ(r̂, remaining)" in text
     table_lines = [line for line in text.splitlines() if line.startswith("│ burst ")]
     settings = [line.split("│")[2].strip() for line in table_lines if "dwise" not in line]
     assert settings == ["never", "once", "1", "2", "4", "8"]

@@ -51,9 +51,9 @@ def test_aging_keeps_the_simulators_fast_forward_exact():
 
 
 def test_aging_is_checked_where_it_is_given():
-    with pytest.raises(ConfigError, match="--aging must be a finite number >= 0"):
+    with pytest.raises(ConfigError, match="`aging` must be a finite number >= 0"):
         SimConfig(aging=-0.1)
-    assert any("--aging must be a finite number >= 0" in p for p in HookConfig(record="t", aging=-1).problems())
+    assert any("`aging` must be a finite number >= 0" in p for p in HookConfig(record="t", aging=-1).problems())
     assert HookConfig().aging > 0  # serve guards by default
 
 
@@ -180,7 +180,7 @@ def test_the_wait_cap_is_checked_and_stays_out_of_the_baselines():
     for bad in (-1, 2.5):
         with pytest.raises(ConfigError, match="max_wait \\(wait cap\\) must be a whole number of rounds >= 0"):
             DwisePolicy(slots=1, max_wait=bad)
-        with pytest.raises(ConfigError, match="--max-wait must be a whole number of rounds >= 0"):
+        with pytest.raises(ConfigError, match="`max_wait` must be a whole number of rounds >= 0"):
             SimConfig(max_wait=bad)
     from dwise_predict.simulation.schedulers import SCHEDULERS, make_policy
 

@@ -20,12 +20,14 @@ import torch
 
 from dwise_predict import metrics as M
 from dwise_predict.evaluation.report import candidates_section
-from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import load_traces, write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
 from dwise_predict.training import Targets, TrainConfig, load_predictors, refine_inputs, train_run
-from dwise_predict.training.fit import torch_threads
-from dwise_predict.training.select import CANDIDATES, CLOSED_FORM, LEVEL_BAND, fit_candidate, grouped_folds
+from dwise_predict.training.candidates import NAMES as CANDIDATES, REGISTRY
+from dwise_predict.training.fit import torch_threads, training_split
+from dwise_predict.training.select import LEVEL_BAND
+
+CLOSED_FORM = [c.name for c in REGISTRY if c.closed_form]
 
 torch.set_num_threads(1)
 FAST = dict(width=16, members=2, max_epochs=8, patience=3, bootstrap=0, num_threads=1)
@@ -58,24 +60,14 @@ def _eval_rho_of_every_candidate(path) -> dict[str, tuple[float, float]]:
     ds = load_traces(path / "traces")
     train, ev = ds.split("train"), ds.split("eval")
     config, selection = TrainConfig(**FAST), json.loads((path / "run" / "candidates.json").read_text())
-    t, remaining = Targets.of(train), Targets.of(ev).remaining
+    split, remaining = training_split(train, Targets.of(train), config), Targets.of(ev).remaining
     categories = ev.requests["category"].to_numpy()
-
-    def make():
-        return SurvivalEnsemble(width=config.width, dropout=config.dropout, seeds=config.seeds,
-                                max_epochs=config.max_epochs, patience=config.patience, lr=config.lr,
-                                weight_decay=config.weight_decay, batch_size=config.batch_size,
-                                val_fraction=config.val_fraction, split_seed=config.seed)
-
     out = {}
     with torch_threads(1):
-        for name in CANDIDATES:
-            ensemble, _ = fit_candidate(name, refine_inputs(train), t.remaining, t.events, make,
-                                        groups=train.requests["category"].astype(str).to_numpy(),
-                                        fold=grouped_folds(train, config.cv_folds, config.seed),
-                                        blend_weight=selection.get("blend_weight"), seed=config.seed)
-            raw = ensemble.predict_raw(*refine_inputs(ev))
-            out[name] = (M.spearman(raw, remaining), M.within_category(raw, remaining, categories)[0])
+        for candidate in REGISTRY:
+            ensemble, _ = candidate.fit(split, blend_weight=selection.get("blend_weight"))
+            raw = ensemble.predict_raw(refine_inputs(ev))
+            out[candidate.name] = (M.spearman(raw, remaining), M.within_category(raw, remaining, categories)[0])
     return out
 
 

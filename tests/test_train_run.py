@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError, StoreError, TraceError
 from dwise_predict import metrics as M
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.survival.network import build_refine_graph
 from dwise_predict.training import (
     Targets,

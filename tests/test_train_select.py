@@ -17,7 +17,7 @@ from sklearn.linear_model import Ridge
 from dwise_predict import metrics as M
 from dwise_predict.cli import main
 from dwise_predict.errors import ConfigError
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.survival.linear import (
     DEFAULT_ALPHAS, RidgeHead, SignalFeatureHead, _ridge_loo, _ridge_two_stage, blend, blend_heads,
 )
@@ -25,9 +25,11 @@ from dwise_predict.survival.ensemble import SurvivalEnsemble
 from dwise_predict.traces import load_traces, write_traces
 from dwise_predict.traces.synthetic import make_synthetic_traces
 from dwise_predict.training import Targets, TrainConfig, load_predictors, refine_inputs, train_run
-from dwise_predict.training.select import (
-    BLEND_WEIGHTS, CANDIDATES, DEFAULT_BLEND_WEIGHT, LEVEL_BAND, choose_blend_weight, grouped_folds,
-)
+from dwise_predict.training.fit import training_split
+from dwise_predict.survival.inputs import RefineInputs
+from dwise_predict.training.candidates import NAMES as CANDIDATES
+from dwise_predict.training.select import LEVEL_BAND, grouped_folds
+from dwise_predict.training.within_heads import BLEND_WEIGHTS, DEFAULT_BLEND_WEIGHT, choose_blend_weight
 
 torch.set_num_threads(1)
 FAST = dict(width=16, members=2, max_epochs=8, patience=3, bootstrap=20, num_threads=1)
@@ -112,9 +114,9 @@ def test_gelu_pair_is_exactly_linear_so_the_ridge_member_ranks_like_the_ridge():
     assert torch.allclose(F.gelu(z) - F.gelu(-z), z, atol=1e-12)
     ds = make_synthetic_traces(500, 24, seed=5)
     train, ev = ds.split("train"), ds.split("eval")
-    ridge = RidgeHead().fit(*inputs(train), Targets.of(train).remaining)
-    score = ridge.score(*inputs(ev))
-    raw = ridge.ensemble().predict_raw(*inputs(ev))
+    ridge = RidgeHead().fit(inputs(train), Targets.of(train).remaining)
+    score = ridge.score(inputs(ev))
+    raw = ridge.ensemble().predict_raw(inputs(ev))
     assert M.spearman(score, raw) == pytest.approx(1.0, abs=1e-9)
     assert np.all(np.diff(raw[np.argsort(score)]) >= 0)  # raw is increasing in the ridge score
     # raw = E[min(Geometric, K)] with mean exp(z): close to exp(score) below the truncation
@@ -126,14 +128,30 @@ def test_gelu_pair_is_exactly_linear_so_the_ridge_member_ranks_like_the_ridge():
 def test_ridge_recovers_the_hidden_difficulty():
     ds = make_synthetic_traces(3000, 32, seed=1)
     train, ev = ds.split("train"), ds.split("eval")
-    ridge = RidgeHead().fit(*inputs(train), Targets.of(train).remaining)
+    ridge = RidgeHead().fit(inputs(train), Targets.of(train).remaining)
     remaining = Targets.of(ev).remaining
-    rho = M.spearman(ridge.ensemble().predict_raw(*inputs(ev)), remaining)
+    rho = M.spearman(ridge.ensemble().predict_raw(inputs(ev)), remaining)
     oracle = M.spearman(ev.requests["oracle_remaining"], remaining)
     assert rho >= oracle - 0.03
     # inside a category the score orders requests by the latent difficulty (the rest is category base)
-    within, _ = M.within_category(ridge.score(*inputs(ev)), ev.requests["difficulty"], ev.requests["category"])
+    within, _ = M.within_category(ridge.score(inputs(ev)), ev.requests["difficulty"], ev.requests["category"])
     assert within > 0.9
+
+
+def test_the_registry_holds_every_candidate_once_in_the_order_they_are_tried():
+    """The order is the choice's tie-break (the reference first); closed-form candidates calibrate on
+    their out-of-fold estimates; the ridge-within ones share the fold fits of the CV's other thread."""
+    from dwise_predict.training.candidates import REGISTRY, candidate
+
+    assert CANDIDATES == ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals")
+    assert [c.name for c in REGISTRY if c.closed_form] == ["ridge", "ridge-within", "ridge-within+signals"]
+    assert [c.name for c in REGISTRY if c.uses_within_heads] == ["ridge-within", "ridge-within+signals"]
+    assert candidate("survival-pca") is REGISTRY[4]
+    with pytest.raises(ConfigError, match="no refinement candidate 'lasso'; known: survival, ridge, survival"):
+        candidate("lasso")
+    with pytest.raises(ConfigError, match=r"must be one of auto, survival, ridge, survival\+ridge, ridge-within, "
+                                          r"survival-pca, ridge-within\+signals \(got 'lasso'\)"):
+        TrainConfig(refine="lasso").check()
 
 
 def test_grouped_folds_keep_prompts_whole_and_every_category_in_every_fold():
@@ -191,12 +209,10 @@ def test_well_trained_reference_can_win():
     remaining = np.minimum(np.random.default_rng(0).geometric(hazard) - 1, 255)
     # the CV reads only total_rounds (through Targets), the category and the prompt of the requests
     ds.requests = ds.requests.assign(total_rounds=remaining + 1, rounds_per_block=[[int(r) + 1] for r in remaining])
-    t = Targets.of(ds)
     # ~240 requests fit per fold: small batches so that 30 epochs are enough steps
-    make = lambda: SurvivalEnsemble(width=32, seeds=(0,), max_epochs=30, patience=30, lr=1e-2,  # noqa: E731
-                                    batch_size=32, split_seed=0)
+    config = TrainConfig(width=32, members=1, max_epochs=30, patience=30, lr=1e-2, batch_size=32, cv_folds=2)
     # the ridge first: a tie, or a choice of the first candidate whatever the scores, would pick it
-    out, _ = cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, candidates=("ridge", "survival"))
+    out, _ = cross_validate(training_split(ds, Targets.of(ds), config), 2, candidates=("ridge", "survival"))
     scores = {c: s["cv_spearman"] for c, s in out["candidates"].items()}
     assert out["chosen"] == "survival" and out["level_with_best"] == ["survival"]
     assert abs(scores["ridge"]) < 0.15  # z and -z are equally long: a linear direction ranks at chance
@@ -209,10 +225,8 @@ def test_cv_scores_and_choice_are_the_same_in_one_thread_and_in_two(traces):
     from dwise_predict.training.select import cross_validate
 
     ds = load_traces(traces).split("train")
-    t = Targets.of(ds)
-    make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), dropout=0.2, max_epochs=3, split_seed=0)  # noqa: E731
-    (one, one_oof), (two, two_oof) = (cross_validate(ds, inputs(ds), t.remaining, t.events, make, 2, 0, jobs=jobs)
-                                      for jobs in (1, 2))
+    split = training_split(ds, Targets.of(ds), TrainConfig(width=16, members=2, max_epochs=3, cv_folds=2))
+    (one, one_oof), (two, two_oof) = (cross_validate(split, 2, jobs=jobs) for jobs in (1, 2))
     assert set(one["candidates"]) == set(CANDIDATES) and "blend_cv" in one
     assert json.dumps(one, sort_keys=True) == json.dumps(two, sort_keys=True)
     for name in CANDIDATES:
@@ -223,14 +237,14 @@ def test_ridge_within_folds_draw_nothing_from_torchs_global_rng(traces):
     """What lets them run beside the survival fits: those seed the global RNG for their dropout, and
     a draw from another thread would change their masks (a run-to-run difference, seen before the
     closed-form members were built blank)."""
-    from dwise_predict.training.select import _head_scores
+    from dwise_predict.training.within_heads import head_scores
 
     ds = load_traces(traces).split("train")
     t, rows = Targets.of(ds), np.arange(len(ds)) % 3 != 0
-    fit_in, val_in = (tuple(a[r] for a in inputs(ds)) for r in (rows, ~rows))
+    fit_in, val_in = (inputs(ds).rows(r) for r in (rows, ~rows))
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    _head_scores(fit_in, val_in, t.remaining[rows], t.events[rows], ds.requests["category"].to_numpy()[rows], 0)
+    head_scores(fit_in, val_in, t.remaining[rows], t.events[rows], ds.requests["category"].to_numpy()[rows], 0)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -266,7 +280,7 @@ def test_every_candidate_exports_under_contract_2_with_parity(traces, tmp_path, 
     assert main(["verify", str(bundle)]) == 0
     capsys.readouterr()
     ev = load_traces(traces).split("eval")
-    _, tokens, budget, signals = inputs(ev)
+    tokens, budget, signals = inputs(ev).prompt_tokens, inputs(ev).budget, inputs(ev).early_signals
     expected = load_predictors(run).refined_remaining(ev)
     session = ort.InferenceSession(str(bundle / "refine.onnx"))
     assert [i.name for i in session.get_inputs()] == ["first_round", "prompt_last", "prompt_tokens", "budget",
@@ -304,19 +318,19 @@ def test_blend_is_one_graph_of_equal_width_members():
     ds = make_synthetic_traces(300, 16, seed=7)
     tr = ds.split("train")
     t = Targets.of(tr)
-    ens = SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=3).fit(*inputs(tr), t.remaining, t.events)
-    ridge = RidgeHead().fit(*inputs(tr), t.remaining, t.events, like=ens)
+    ens = SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=3).fit(inputs(tr), t.remaining, t.events)
+    ridge = RidgeHead().fit(inputs(tr), t.remaining, t.events, like=ens)
     both = blend(ens, ridge)
     assert both.spec()["members"] == 3 and both.spec()["width"] == 16 and both.candidate == "survival+ridge"
     ev = ds.split("eval")
-    expected = (2 * ens.predict_raw(*inputs(ev)) + ridge.ensemble().predict_raw(*inputs(ev))) / 3
-    np.testing.assert_allclose(both.predict_raw(*inputs(ev)), expected, rtol=1e-5)
+    expected = (2 * ens.predict_raw(inputs(ev)) + ridge.ensemble().predict_raw(inputs(ev))) / 3
+    np.testing.assert_allclose(both.predict_raw(inputs(ev)), expected, rtol=1e-5)
     with pytest.raises(Exception, match="like="):
-        blend(ens, RidgeHead().fit(*inputs(tr), t.remaining, t.events))
+        blend(ens, RidgeHead().fit(inputs(tr), t.remaining, t.events))
 
 
 def test_config_rejects_unknown_refine_and_too_few_folds():
-    with pytest.raises(ConfigError, match="refine must be one of auto.*cv_folds must be >= 2"):
+    with pytest.raises(ConfigError, match="`refine` must be one of auto.*cv_folds must be >= 2"):
         TrainConfig(refine="xgboost", cv_folds=1).check()
     assert TrainConfig.from_dict({"exclude": ["mcq"]}).exclude == ("mcq",)
     assert TrainConfig(exclude=["a", "b"]).to_dict()["exclude"] == ["a", "b"]
@@ -328,11 +342,11 @@ def test_ridge_within_transfers_to_a_held_out_category():
     seen = tr.subset(tr.requests["category"].to_numpy() != "mcq")
     held = ev.subset(ev.requests["category"].to_numpy() == "mcq")
     t = Targets.of(seen)
-    within = RidgeHead().fit(*inputs(seen), t.remaining, t.events, groups=seen.requests["category"].to_numpy())
-    plain = RidgeHead().fit(*inputs(seen), t.remaining, t.events)
+    within = RidgeHead().fit(inputs(seen), t.remaining, t.events, groups=seen.requests["category"].to_numpy())
+    plain = RidgeHead().fit(inputs(seen), t.remaining, t.events)
     truth = Targets.of(held).remaining
-    rho_within = M.spearman(within.ensemble().predict_raw(*inputs(held)), truth)
-    rho_plain = M.spearman(plain.ensemble().predict_raw(*inputs(held)), truth)
+    rho_within = M.spearman(within.ensemble().predict_raw(inputs(held)), truth)
+    rho_plain = M.spearman(plain.ensemble().predict_raw(inputs(held)), truth)
     assert rho_within > 0.6 and rho_within >= rho_plain - 0.05  # a category never seen in training
     assert within.ensemble().candidate == "ridge-within"
     assert set(within.record()["states"]) == {"first_round", "prompt_last"}  # one two-stage fit per state
@@ -396,13 +410,13 @@ def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
     tr, ev = ds.split("train"), ds.split("eval")
     t = Targets.of(tr)
     make = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=5, split_seed=0)  # noqa: E731
-    folded = fit_pca_survival(make, *inputs(tr), t.remaining, t.events, components=8)
+    folded = fit_pca_survival(make, inputs(tr), t.remaining, t.events, components=8)
     assert folded.candidate == "survival-pca" and folded.spec()["in_features"] == 2 * 48 + 2 + len(EARLY_SIGNALS)
-    x = folded.standardise(*inputs(ev)).double()
+    x = folded.standardise(inputs(ev)).double()
     z = (x @ folded.projection_).float().numpy()
     zeros = np.zeros(len(ev), np.float32)
-    np.testing.assert_allclose(folded.predict_raw(*inputs(ev)),
-                               folded.inner_.predict_raw(z, zeros, zeros, np.zeros((len(ev), 0), np.float32)),
+    np.testing.assert_allclose(folded.predict_raw(inputs(ev)),
+                               folded.inner_.predict_raw(RefineInputs(z, zeros, zeros, np.zeros((len(ev), 0), np.float32))),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -424,10 +438,10 @@ def test_signal_features_learn_what_a_linear_head_cannot_and_cv_prefers_their_sh
     ds = _signal_traces()
     tr, ev = ds.split("train"), ds.split("eval")
     t, truth, cats = Targets.of(tr), ev.requests["difficulty"], ev.requests["category"]
-    ridge = RidgeHead().fit(*inputs(tr), t.remaining, t.events, groups=tr.requests["category"].to_numpy())
-    features = SignalFeatureHead().fit(ridge.base_, *inputs(tr), t.remaining, t.events)
-    within_linear, _ = M.within_category(ridge.score(*inputs(ev)), truth, cats)
-    within_features, _ = M.within_category(features.score(*inputs(ev)), truth, cats)
+    ridge = RidgeHead().fit(inputs(tr), t.remaining, t.events, groups=tr.requests["category"].to_numpy())
+    features = SignalFeatureHead().fit(ridge.base_, inputs(tr), t.remaining, t.events)
+    within_linear, _ = M.within_category(ridge.score(inputs(ev)), truth, cats)
+    within_features, _ = M.within_category(features.score(inputs(ev)), truth, cats)
     assert abs(within_linear) < 0.2 and within_features > 0.7
     weight, scores, oof = choose_blend_weight(inputs(tr), t.remaining, t.events, tr.requests["category"].to_numpy(),
                                               grouped_folds(tr, 3, 0))
@@ -461,20 +475,20 @@ def test_blended_heads_are_one_member_that_ranks_exactly_like_the_blended_score(
     ds = make_synthetic_traces(400, 16, seed=6)
     tr, ev = ds.split("train"), ds.split("eval")
     t = Targets.of(tr)
-    ridge = RidgeHead().fit(*inputs(tr), t.remaining, t.events, groups=tr.requests["category"].to_numpy())
-    features = SignalFeatureHead(width=64).fit(ridge.base_, *inputs(tr), t.remaining, t.events)
+    ridge = RidgeHead().fit(inputs(tr), t.remaining, t.events, groups=tr.requests["category"].to_numpy())
+    features = SignalFeatureHead(width=64).fit(ridge.base_, inputs(tr), t.remaining, t.events)
     both = blend_heads(ridge, features, 0.4)
     assert both.spec()["members"] == 1 and both.candidate == "ridge-within+signals"
     # two units carry the ridge score; the bag's 8 x 64 random units read the short inputs only
     assert both.spec()["width"] == 2 and both.spec()["short_width"] == 8 * 64 == features.units
     assert both.spec()["short_features"] == 2 + len(EARLY_SIGNALS)
-    score = 0.4 * ridge.score(*inputs(ev)) + 0.6 * features.score(*inputs(ev))
-    raw = both.predict_raw(*inputs(ev))
+    score = 0.4 * ridge.score(inputs(ev)) + 0.6 * features.score(inputs(ev))
+    raw = both.predict_raw(inputs(ev))
     assert M.spearman(score, raw) > 0.9999
     small = score < 2.0  # below the horizon the geometric law's mean is exp(z)
     np.testing.assert_allclose(raw[small], np.exp(score[small]), rtol=5e-3)
     with pytest.raises(Exception, match="one prepared ensemble"):
-        blend_heads(RidgeHead().fit(*inputs(tr), t.remaining, t.events), features, 0.4)
+        blend_heads(RidgeHead().fit(inputs(tr), t.remaining, t.events), features, 0.4)
 
 
 def test_blend_weight_leaves_the_default_when_one_weight_is_clearly_better():

@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from dwise_predict.errors import InputError
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.metrics import median_ratio, spearman
 from dwise_predict.survival.calibration import TILT, IsotonicCalibrator, _pool_adjacent_violators
 from dwise_predict.survival.ensemble import SurvivalEnsemble
+from dwise_predict.survival.inputs import RefineInputs
 from dwise_predict.survival.labels import RemainingRoundsLabels, informative
 from dwise_predict.survival.loss import logistic_hazard_nll
 from dwise_predict.survival.network import isotonic_interp
@@ -122,35 +123,56 @@ def _no_signals(n):
 
 def test_ensemble_learns_ranking_and_rebuilds_from_state():
     hidden, tokens, budget, remaining, z = _toy()
-    ens = SurvivalEnsemble(width=32, seeds=(0, 1), max_epochs=40, patience=5, lr=3e-3).fit(
-        hidden, tokens, budget, _no_signals(len(z)), remaining
-    )
+    inputs = RefineInputs(hidden, tokens, budget, _no_signals(len(z)))
+    ens = SurvivalEnsemble(width=32, seeds=(0, 1), max_epochs=40, patience=5, lr=3e-3).fit(inputs, remaining)
     assert ens.num_rounds_ == remaining.max() and len(ens.members_) == 2
     assert ens.input_std_[-4] == 1.0  # constant budget column left unscaled
-    raw = ens.predict_raw(hidden, tokens, budget, _no_signals(len(z)))
+    raw = ens.predict_raw(inputs)
     assert spearman(raw, z) > 0.75  # z is one of 16 input columns; the other 15 are noise
-    surv = ens.predict_survival(hidden, tokens, budget, _no_signals(len(z)))
+    surv = ens.predict_survival(inputs)
     assert surv.shape == (len(z), ens.num_rounds_)
     assert (np.diff(surv, axis=1) <= 1e-7).all()
     np.testing.assert_allclose(surv.sum(axis=1), raw, rtol=1e-4)  # E[T] = sum_t S(t), same graph
     rebuilt = SurvivalEnsemble.from_state(ens.state(), ens.spec())
-    np.testing.assert_array_equal(rebuilt.predict_raw(hidden, tokens, budget, _no_signals(len(z))), raw)
+    np.testing.assert_array_equal(rebuilt.predict_raw(inputs), raw)
     with pytest.raises(InputError, match="size 14 but the model was trained on 16"):
-        ens.predict_raw(hidden[:, :14], tokens, budget, _no_signals(len(z)))
+        ens.predict_raw(RefineInputs(hidden[:, :14], tokens, budget, _no_signals(len(z))))
     with pytest.raises(InputError, match=r"\(N, 2H\) \(first_round and prompt_last side by side\), got \(800, 15\)"):
-        ens.predict_raw(hidden[:, :15], tokens, budget, _no_signals(len(z)))
+        RefineInputs(hidden[:, :15], tokens, budget, _no_signals(len(z)))
+    with pytest.raises(InputError, match="3 early signals per request but the model was trained on 4"):
+        ens.predict_raw(RefineInputs(hidden, tokens, budget, _no_signals(len(z))[:, :3]))
 
 
-def test_ensemble_bad_inputs():
+def test_refine_inputs_are_checked_once_when_made():
     hidden, tokens, budget, remaining, _ = _toy(40)
     with pytest.raises(InputError, match="40 hidden rows but 39 prompt lengths"):
-        SurvivalEnsemble().fit(hidden, tokens[:39], budget, _no_signals(40), remaining)
+        RefineInputs(hidden, tokens[:39], budget, _no_signals(40))
     bad = hidden.copy()
     bad[3, 2] = np.inf
     with pytest.raises(InputError, match="hidden states hold NaN or inf"):
-        SurvivalEnsemble().fit(bad, tokens, budget, _no_signals(40), remaining)
+        RefineInputs(bad, tokens, budget, _no_signals(40))
     with pytest.raises(InputError, match=r"early signals must have shape \(40, S\)"):
-        SurvivalEnsemble().fit(hidden, tokens, budget, _no_signals(39), remaining)
+        RefineInputs(hidden, tokens, budget, _no_signals(39))
+    with pytest.raises(InputError, match="40 hidden rows but 39 remaining-round counts"):
+        SurvivalEnsemble().fit(RefineInputs(hidden, tokens, budget, _no_signals(40)), remaining[:39])
+    inputs = RefineInputs(hidden.astype(np.float64), tokens, budget, _no_signals(40))
+    assert inputs.hidden.dtype == inputs.prompt_tokens.dtype == inputs.early_signals.dtype == np.float32
+    assert len(inputs) == 40 and inputs.hidden_size == 16 and inputs.signal_count == 4
+    part = inputs.rows(np.arange(40) < 10)
+    np.testing.assert_array_equal(part.hidden, hidden[:10])
+    np.testing.assert_array_equal(part.budget, budget[:10])
+
+
+def test_the_ensemble_and_the_training_config_share_their_defaults():
+    """One default per knob: what ``train`` passes (TrainConfig) is what SurvivalEnsemble() assumes."""
+    import inspect
+
+    from dwise_predict.training import TrainConfig
+
+    config, parameters = TrainConfig(), inspect.signature(SurvivalEnsemble).parameters
+    shared = ("width", "dropout", "max_epochs", "patience", "lr", "weight_decay", "batch_size", "val_fraction")
+    assert {k: parameters[k].default for k in shared} == {k: getattr(config, k) for k in shared}
+    assert parameters["weight_decay"].default == 1e-4
 
 
 def test_prompts_far_longer_than_any_in_training_keep_their_order():
@@ -166,9 +188,10 @@ def test_prompts_far_longer_than_any_in_training_keep_their_order():
     hidden = rng.standard_normal((n, 16)).astype(np.float32)
     remaining = np.maximum(0, np.round(2 + 0.5 * tokens + rng.normal(0, 1, n))).astype(np.int64)
     budget = np.full(n, 256.0, np.float32)
-    ridge = RidgeHead().fit(hidden, tokens, budget, _no_signals(n), remaining)
+    inputs = RefineInputs(hidden, tokens, budget, _no_signals(n))
+    ridge = RidgeHead().fit(inputs, remaining)
     ensemble = ridge.ensemble()
-    raw = ensemble.predict_raw(hidden, tokens, budget, _no_signals(n))
+    raw = ensemble.predict_raw(inputs)
     calibrator = IsotonicCalibrator().fit(raw, remaining, raw_range=(0.0, float(ensemble.num_rounds_)))
     graph = ensemble.graph(calibrator.to_json())
     long = torch.arange(100.0, 401.0, 25.0)  # (13,) prompt lengths never seen

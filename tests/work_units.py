@@ -47,6 +47,7 @@ FIRST = (
     "test_train_select.py",  # ~62
     "evaluate: across-set tables, LOCO",  # ~57
     "test_engine_conformance.py",  # ~43
+    "test_benchmarks.py",  # ~39 on the busy machine, 2026-12-05 (every benchmark's --smoke, one process)
     "test_quickstart.py",  # ~34
     "faults: evaluate killed at renames",  # ~29
     "test_collect_kill.py",  # ~29

@@ -1,4 +1,4 @@
-"""Regressor comparison for the admission predictor (seed 000's Table 9) on the user's traces.
+"""Regressor comparison for the admission predictor (the DWISE paper's Table 9) on the user's traces.
 
 Every candidate sees the same three prompt features and the target ``log1p(total rounds)``. Ranking
 quality is Spearman ρ between prediction and total rounds, averaged over K-fold cross-validation
@@ -124,7 +124,7 @@ def check_folds(n_train: int, folds: int) -> None:
     """Raise :class:`InputError` unless ``n_train`` requests fill ``folds`` folds: each held-out fold
     needs two requests (a rank correlation), each training fold :data:`MIN_FOLD_TRAIN`."""
     if folds < 2:
-        raise InputError(f"--folds must be >= 2, got {folds}")
+        raise InputError(f"`folds` must be >= 2, got {folds}")
     if n_train < folds * 2:
         raise InputError(f"{n_train} training requests cannot fill {folds} folds (need at least {folds * 2}): "
                          "use fewer folds")

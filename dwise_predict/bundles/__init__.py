@@ -1,6 +1,7 @@
 """Contract 2, the predictor bundle: what every writer and reader of a bundle shares.
 
-- ``manifest``: the sealed ``bundle.json``, read and written, and the sha256 checks (standard library
+- ``manifest``: the sealed ``bundle.json``, read and written, and the sha256 checks; readers get it
+  as a typed :class:`~dwise_predict.bundles.manifest.BundleManifest`, checked once (standard library
   only: the serving hook imports it);
 - ``screen``: what every reader runs before deserialising anything (known names, regular files,
   declared shapes, no pickle, code or path beyond what our exporter writes; standard library);

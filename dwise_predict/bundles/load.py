@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.errors import BundleError, InputError
-from dwise_predict.bundles.manifest import SIGNAL_COUNT
+from dwise_predict.bundles.manifest import SIGNAL_COUNT, BundleIdentity, BundleManifest
 from dwise_predict.bundles.screen import open_bundle, read_calibration, read_checked, screen_bundle
-from dwise_predict.identity import BUNDLE_DECODING_KEYS, MODEL_KEYS
+from dwise_predict.names import BUNDLE_DECODING_KEYS, MODEL_KEYS
 
 BACKENDS = ("onnx", "torch")
 
@@ -40,7 +40,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def check_compatible(manifest: dict, expect_model: dict | None, expect_decoding: dict | None, where: str) -> None:
+def check_compatible(identity: BundleIdentity, expect_model: dict | None, expect_decoding: dict | None,
+                     where: str) -> None:
     """Refuse a bundle trained for another model or decoding config.
 
     Only keys the caller gives (non-None) are compared, so a server that knows its config hash but
@@ -49,16 +50,15 @@ def check_compatible(manifest: dict, expect_model: dict | None, expect_decoding:
     for section, expected, keys in (("model", expect_model, MODEL_KEYS), ("decoding", expect_decoding, BUNDLE_DECODING_KEYS)):
         if not expected:
             continue
-        have = manifest.get(section) or {}
+        have = getattr(identity, section)  # its attributes are these keys
         for key in keys:
             want = expected.get(key)
             if want is None:
                 continue
-            if not _same(have.get(key), want):
-                name = (manifest.get("model") or {}).get("name", "?")
+            if not _same(getattr(have, key), want):
                 raise BundleError(
-                    f"bundle {where} was built for another {section} ({section}.{key} = {have.get(key)!r}, "
-                    f"model '{name}') but the served one has {key} = {want!r}: export a bundle for this "
+                    f"bundle {where} was built for another {section} ({section}.{key} = {getattr(have, key)!r}, "
+                    f"model '{identity.model.name}') but the served one has {key} = {want!r}: export a bundle for this "
                     f"model and decoding config (`dwise-predict export`)"
                 )
 
@@ -68,20 +68,19 @@ class LoadedBundle:
 
     Attributes
     ----------
-    manifest : the parsed ``bundle.json``.
+    manifest : the checked ``bundle.json`` (:class:`~dwise_predict.bundles.manifest.BundleManifest`).
     hidden_size : H, the width of ``first_round`` and of ``prompt_last`` that :meth:`refine` expects.
     prompt_last_mean : float32 (H,), the training requests' mean ``prompt_last`` (the graph's input
         standardisation, ``refine.safetensors``): what to pass for a request whose prompt rows the
         engine never computed (its standardised input is then zero, the training average).
     """
 
-    def __init__(self, path: Path, manifest: dict, device: str, backend: str, torchscript: bool):
+    def __init__(self, path: Path, manifest: BundleManifest, device: str, backend: str, torchscript: bool):
         self.path = path
         self.manifest = manifest
         self.device = device
         self.backend = backend
-        refine_spec = (manifest.get("inputs") or {}).get("refine") or {}
-        self.hidden_size = int(refine_spec.get("hidden_size") or (manifest.get("model") or {}).get("hidden_size") or 0)
+        self.hidden_size = manifest.hidden_size
         from safetensors.numpy import load
 
         weights = load(read_checked(path, manifest, "refine.safetensors"))  # input_mean: [first_round | prompt_last | short]
@@ -200,7 +199,7 @@ class LoadedBundle:
     def refine_raw(self, first_round, prompt_last, prompt_tokens, budget, early_signals) -> np.ndarray:
         """The ensemble's remaining-rounds estimate before the isotonic calibration, (B,) float32.
 
-        For comparing raw and calibrated refinement (seed 000 Table 5) offline, e.g. in the
+        For comparing raw and calibrated refinement (the DWISE paper's Table 5) offline, e.g. in the
         simulator; any backend (the torch graph is rebuilt from ``refine.safetensors`` on the CPU).
         NumPy in, NumPy out; ``first_round`` and ``prompt_last`` are (B, H) or (B, L, H).
         """
@@ -245,7 +244,7 @@ def _torch_inputs(first_round, prompt_last, prompt_tokens, budget, early_signals
     return h, last, pt, bu, signals
 
 
-def _ort_session(bundle: Path, manifest: dict, name: str, device: str):
+def _ort_session(bundle: Path, manifest: BundleManifest, name: str, device: str):
     """An onnxruntime session of one of the bundle's graphs, made from its checked bytes (so no path
     inside the graph resolves against the bundle's directory)."""
     path = bundle / name
@@ -268,7 +267,7 @@ def _ort_session(bundle: Path, manifest: dict, name: str, device: str):
         raise BundleError(f"{path} is not a loadable ONNX graph ({err}): re-export the bundle") from None
 
 
-def _torch_refine(path: Path, manifest: dict, device: str, torchscript: bool):
+def _torch_refine(path: Path, manifest: BundleManifest, device: str, torchscript: bool):
     import io
 
     import torch
@@ -280,11 +279,10 @@ def _torch_refine(path: Path, manifest: dict, device: str, torchscript: bool):
 
     from dwise_predict.survival.network import build_refine_graph
 
-    spec = (manifest.get("inputs") or {}).get("refine") or {}
     calibration = read_calibration(read_checked(path, manifest, "calibration.json"), str(path / "calibration.json"))
     try:
         weights = load(read_checked(path, manifest, "refine.safetensors"))
-        graph = build_refine_graph(weights, spec, calibration)
+        graph = build_refine_graph(weights, manifest.refine, calibration)
     except (KeyError, RuntimeError, ValueError) as err:
         raise BundleError(
             f"{path}: refine.safetensors, calibration.json and bundle.json inputs.refine do not fit together "
@@ -326,7 +324,7 @@ def load_bundle(
     path = Path(path)
     manifest = open_bundle(path)  # the layout and every listed file's hash
     screen_bundle(path, manifest)  # and content, also of the files not loaded here: a hostile bundle is refused whole
-    check_compatible(manifest, expect_model, expect_decoding, str(path))
-    if backend == "torch" and torchscript and "refine.pt" not in manifest["files"]:
+    check_compatible(manifest.identity, expect_model, expect_decoding, str(path))
+    if backend == "torch" and torchscript and "refine.pt" not in manifest.files:
         raise BundleError(f"{path} holds no refine.pt (TorchScript): load it with torchscript=False")
     return LoadedBundle(path, manifest, device, backend, torchscript)

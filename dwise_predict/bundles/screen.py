@@ -43,20 +43,18 @@ from dwise_predict.errors import BundleError
 from dwise_predict.bundles.manifest import (
     BUNDLE_ARTIFACTS,
     BUNDLE_FILE,
+    FIX,
     PROBES_FILE,
     REQUIRED_ARTIFACTS,
     SIGNAL_COUNT,
+    BundleManifest,
     check_files,
     printable,
     read_bundle_manifest,
 )
 from dwise_predict.files import loads_json
-from dwise_predict.identity import HIDDEN_STATES
+from dwise_predict.names import HIDDEN_STATES
 
-FIX = "re-export the bundle, or get it again from a source you trust"
-MAX_FILE_BYTES = 16 << 30  # a refinement graph at H = 8,192 with 3 members is some 300 MB
-MAX_HIDDEN = 1 << 17
-MAX_ROUNDS = 1 << 20
 MAX_KNOTS = 1 << 20
 MAX_PROBES = 100_000
 MAX_MEMBERS = 4096  # members of one zip archive (ours: ~20)
@@ -580,53 +578,19 @@ def read_calibration(data: bytes, where: str) -> dict:
 
 # --- the bundle ----------------------------------------------------------------------------------
 
-def declared_refine(manifest: dict, where: str) -> dict:
-    """``inputs.refine`` of a manifest, its sizes checked against each other and the manifest's
-    ``K``, ``model.hidden_size`` and ``tensors``: the spec every artifact is held to."""
-    inputs = manifest.get("inputs")
-    spec = inputs.get("refine") if isinstance(inputs, dict) else None
-    if not isinstance(spec, dict):
-        raise BundleError(f"{where} has no inputs.refine object: {FIX}")
-    hidden, rounds = spec.get("hidden_size"), spec.get("num_rounds")
-    if type(hidden) is not int or not 1 <= hidden <= MAX_HIDDEN:
-        raise BundleError(f"{where}: inputs.refine.hidden_size is {printable(hidden)}, not a size from 1 to "
-                          f"{MAX_HIDDEN:,}: {FIX}")
-    if type(rounds) is not int or not 1 <= rounds <= MAX_ROUNDS or manifest.get("K") != rounds:
-        raise BundleError(f"{where}: K ({printable(manifest.get('K'))}) and inputs.refine.num_rounds "
-                          f"({printable(rounds)}) must be one count of rounds from 1 to {MAX_ROUNDS:,}: {FIX}")
-    width = hidden * len(HIDDEN_STATES) + 2 + SIGNAL_COUNT
-    model = manifest.get("model") if isinstance(manifest.get("model"), dict) else {}
-    model_hidden = model.get("hidden_size")
-    tensors = {state: ["B", hidden] for state in HIDDEN_STATES}
-    tensors.update(prompt_tokens=["B"], budget=["B"], early_signals=["B", SIGNAL_COUNT])
-    for field, have, want in (("inputs.refine.in_features", spec.get("in_features"), width),
-                              ("inputs.refine.early_signals", spec.get("early_signals"), SIGNAL_COUNT),
-                              ("inputs.refine.tensors", spec.get("tensors"), tensors),
-                              ("model.hidden_size", model_hidden if model_hidden is not None else hidden, hidden)):
-        if have != want:
-            raise BundleError(f"{where}: {field} is {printable(have)}, but hidden size {hidden} makes it "
-                              f"{printable(want)}: the manifest contradicts itself; {FIX}")
-    return spec
-
-
-def check_layout(bundle: str | Path, manifest: dict) -> None:
+def check_layout(bundle: str | Path, manifest: BundleManifest) -> None:
     """What a bundle directory holds and what its manifest lists, before any byte of a file is read.
 
     Refused: a symbolic link (it can point anywhere: reading it would read outside the bundle), a
     directory, device or pipe (a FIFO blocks a reader, a device never ends), a name that is not one
-    of :data:`BUNDLE_ARTIFACTS` in the directory or in ``files`` (a planted ``.pkl``, ``.joblib``
-    or ``.npy`` is never read), a required artifact missing from ``files``, ``probes`` naming another
-    file, an ``int8`` record that contradicts the files, and declared sizes that contradict each other.
+    of :data:`BUNDLE_ARTIFACTS` in the directory (a planted ``.pkl``, ``.joblib`` or ``.npy`` is
+    never read), a required artifact missing from ``files``, ``probes`` naming another file, and an
+    ``int8`` record that contradicts the files. (The names, hashes and declared sizes in ``files``
+    and ``inputs.refine`` were checked when the manifest was read: :meth:`BundleManifest.from_dict`.)
     """
     bundle = Path(bundle)
     where = f"{bundle}/{BUNDLE_FILE}"
-    files = manifest["files"]
-    for name, entry in files.items():
-        if name not in BUNDLE_ARTIFACTS:
-            raise BundleError(f"{where} lists {printable(name)}, which is not a file a bundle holds "
-                              f"({', '.join(BUNDLE_ARTIFACTS)}): refusing to read the bundle; {FIX}")
-        if not re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) or not 0 <= entry["bytes"] <= MAX_FILE_BYTES:
-            raise BundleError(f"{where}: the entry of '{name}' has a malformed sha256 or a size out of range: {FIX}")
+    files = manifest.files
     unknown = []
     for entry in sorted(os.scandir(bundle), key=lambda e: e.name):
         path = bundle / entry.name
@@ -646,23 +610,21 @@ def check_layout(bundle: str | Path, manifest: dict) -> None:
     missing = [name for name in REQUIRED_ARTIFACTS if name not in files]
     if missing:
         raise BundleError(f"{where} lists no {', '.join(missing)}: the bundle is incomplete; {FIX}")
-    if manifest.get("probes") != PROBES_FILE:
-        raise BundleError(f"{where}: 'probes' is {printable(manifest.get('probes'))}, not '{PROBES_FILE}': {FIX}")
-    artifacts = manifest.get("artifacts")
+    if manifest.probes != PROBES_FILE:
+        raise BundleError(f"{where}: 'probes' is {printable(manifest.probes)}, not '{PROBES_FILE}': {FIX}")
+    artifacts = manifest.artifacts
     if not isinstance(artifacts, dict) or sorted(artifacts) != sorted(files):
         raise BundleError(f"{where}: 'artifacts' must describe exactly the files listed in 'files': {FIX}")
-    kept = (manifest.get("int8") or {}).get("kept") if isinstance(manifest.get("int8"), dict) else None
+    kept = manifest.int8.get("kept")
     if kept is not ("refine.int8.onnx" in files):
         raise BundleError(f"{where}: int8.kept is {printable(kept)}, but refine.int8.onnx is "
                           f"{'' if 'refine.int8.onnx' in files else 'not '}listed: {FIX}")
-    declared_refine(manifest, where)
 
 
-def screen_bytes(name: str, data: bytes, where: str, manifest: dict):
+def screen_bytes(name: str, data: bytes, where: str, manifest: BundleManifest):
     """Check one artifact's bytes against what it may hold (the module docstring); return what a
     loader needs from it: the parsed calibration for ``calibration.json``, else None."""
-    spec = declared_refine(manifest, where)
-    hidden = spec["hidden_size"]
+    spec, hidden = manifest.refine, manifest.hidden_size
     refine_io = ({**{state: [None, hidden] for state in HIDDEN_STATES}, "prompt_tokens": [None], "budget": [None],
                   "early_signals": [None, SIGNAL_COUNT]}, {"remaining_rounds": [None]})
     if name in ("refine.onnx", "refine.int8.onnx"):
@@ -686,11 +648,11 @@ def screen_bytes(name: str, data: bytes, where: str, manifest: dict):
     return None
 
 
-def read_checked(bundle: str | Path, manifest: dict, name: str) -> bytes:
+def read_checked(bundle: str | Path, manifest: BundleManifest, name: str) -> bytes:
     """The bytes of artifact ``name``, once its size and sha256 match the manifest and its content
     passes :func:`screen_bytes`: what a loader deserialises (never the path, which could change)."""
     path = Path(bundle) / name
-    entry = manifest["files"].get(name)
+    entry = manifest.files.get(name)
     if entry is None or name not in BUNDLE_ARTIFACTS:
         raise BundleError(f"{Path(bundle) / BUNDLE_FILE} lists no '{name}': the bundle is incomplete; {FIX}")
     if path.is_symlink() or not path.is_file():
@@ -706,7 +668,7 @@ def read_checked(bundle: str | Path, manifest: dict, name: str) -> bytes:
     return data
 
 
-def open_bundle(bundle: str | Path) -> dict:
+def open_bundle(bundle: str | Path) -> BundleManifest:
     """The sealed manifest of a bundle about to be loaded, its layout checked (:func:`check_layout`)
     and every listed file's size and sha256 matched. Load each file through :func:`read_checked`."""
     manifest = read_bundle_manifest(bundle)
@@ -715,9 +677,9 @@ def open_bundle(bundle: str | Path) -> dict:
     return manifest
 
 
-def screen_bundle(bundle: str | Path, manifest: dict) -> None:
+def screen_bundle(bundle: str | Path, manifest: BundleManifest) -> None:
     """Screen the content of every listed file (:func:`screen_bytes`); the model card, which no
     reader parses, only by its hash (:func:`open_bundle`)."""
-    for name in sorted(manifest["files"]):
+    for name in sorted(manifest.files):
         if name != "README.md":
             read_checked(bundle, manifest, name)

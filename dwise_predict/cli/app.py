@@ -18,10 +18,11 @@ from dwise_predict.cli.bundles import export_command, publish_command, verify_co
 from dwise_predict.cli.collect import collect_command, traces_app, workload_app
 from dwise_predict.cli.dllm import dllm_app
 from dwise_predict.cli.evaluate import characterize_command, evaluate_command
+from dwise_predict.cli.options import as_flags
 from dwise_predict.cli.quickstart import quickstart_command
 from dwise_predict.cli.round_profile import profile_rounds_command
 from dwise_predict.cli.serve import serve_command
-from dwise_predict.cli.simulate import simulate_command
+from dwise_predict.cli.simulate import SCHEDULERS_HELP, simulate_command
 from dwise_predict.cli.train import compare_regressors_command, train_command
 from dwise_predict.errors import DwiseError
 from typer.exceptions import TyperException
@@ -65,7 +66,7 @@ app.command("export")(export_command)
 app.command("verify")(verify_command)
 app.command("publish")(publish_command)
 app.add_typer(zoo_app, name="zoo")
-app.command("simulate")(simulate_command)
+app.command("simulate", epilog=SCHEDULERS_HELP)(simulate_command)
 app.command("profile-rounds")(profile_rounds_command)
 app.command("batch-timeout")(batch_timeout_command)
 # everything after `--` is SGLang's own server arguments
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     The one table of what a failure prints: a :class:`DwiseError` (ours) or a command-line usage
     error (typer's: unknown option or command, missing argument, bad value) is one line and exit 1
-    or 2; Ctrl-C is one line and 130; anything else is a bug and keeps its traceback.
+    or 2; Ctrl-C is one line and 130; anything else is a bug and keeps its traceback. Ours names
+    the library's parameters by their flags (:func:`~dwise_predict.cli.options.as_flags`).
     ``DWISE_DEBUG=1`` re-raises ours with the traceback.
     """
     try:
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except DwiseError as err:
         if os.environ.get("DWISE_DEBUG"):
             raise
-        typer.echo(f"error: {_one_line(str(err))}", err=True)
+        typer.echo(f"error: {_one_line(as_flags(str(err)))}", err=True)
         return 1
     except typer.Exit as exit_:
         return exit_.exit_code

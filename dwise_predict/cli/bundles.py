@@ -48,10 +48,10 @@ def export_command(
     path = export_bundle(run, out, name=name, created=created, force=force, n_probes=probes)
     manifest = read_bundle_manifest(path)
     if as_json:
-        typer.echo(json.dumps({"bundle": str(path), "name": manifest["name"], "files": manifest["files"]}, indent=2))
+        typer.echo(json.dumps({"bundle": str(path), "name": manifest.name, "files": manifest.files}, indent=2))
         return
     summary = table(f"bundle {path}", ("file", "bytes", "sha256"))
-    for file, entry in sorted(manifest["files"].items()):
+    for file, entry in sorted(manifest.files.items()):
         summary.add_row(file, f"{entry['bytes']:,}", entry["sha256"][:16] + "…")
     _print(summary)
     typer.echo(f"next: dwise-predict verify {path}")

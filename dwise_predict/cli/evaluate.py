@@ -18,7 +18,7 @@ def evaluate_command(
     traces: TracesArgument,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the report, JSON files and plots.")],
     run: Annotated[Optional[Path], typer.Option(help="Run directory from `dwise-predict train` (must be trained on TRACES); default: train here on the train split.")] = None,
-    loco: Annotated[bool, typer.Option("--loco", help="Leave each category out in turn and retrain (seed 000, Tables 7 and 17).")] = False,
+    loco: Annotated[bool, typer.Option("--loco", help="Leave each category out in turn and retrain (the DWISE paper, Tables 7 and 17).")] = False,
     hold_out: Annotated[Optional[str], typer.Option(help="Category whose all-request ρ with it held out is reported (default: mcq when present); alone, retrains only for it.")] = None,
     jobs: Annotated[Optional[int], typer.Option(help="Parallel retrainings (one core each; default: one per core).")] = None,
     min_requests: Annotated[int, typer.Option(help="Fewest train and eval requests of a category evaluated in LOCO.")] = 10,
@@ -159,7 +159,7 @@ def characterize_command(
 ) -> None:
     """Measure the workload in traces: rounds spread, tiers, wall time, truncation, budgets.
 
-    Seed 001's measurements on any model: p25/p50/p90/max of denoising rounds, max/min ratio and CV;
+    Amin et al.'s measurements on any model: p25/p50/p90/max of denoising rounds, max/min ratio and CV;
     distinct values and dominant spacing ("tiers"); round count vs wall time; share truncated by the
     output budget; per category too. Given traces at several budgets, CV and truncation per budget.
     And how each first-round early signal orders requests inside each category: where its direction

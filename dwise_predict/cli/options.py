@@ -5,9 +5,10 @@ Table cells are formatted by :func:`dwise_predict.evaluation.document.fmt`, as t
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Callable, TypeVar
 
 import typer
 
@@ -18,6 +19,43 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JS
 SeedOption = Annotated[int, typer.Option("--seed", **SEED_RANGE, help="Seed of every random choice.")]
 TracesArgument = Annotated[Path, typer.Argument(help="Trace directory from `dwise-predict collect`.")]
 ManyTracesArgument = Annotated[list[Path], typer.Argument(help="Trace directories (of one model); their requests are pooled.")]
+
+# The one table from a library parameter to the flag that sets it. Library messages name a parameter
+# as a Python caller passes it, in backticks ("`slots` (B) must be ..."); the CLI prints the flag.
+FLAGS = {name: "--" + name.replace("_", "-") for name in (
+    "ablate", "across", "aging", "algorithm", "algorithm_config", "arrival", "batch_size", "block_size", "budget",
+    "bundle", "config", "created", "device", "dtype", "exclude", "folds", "force", "hidden_size", "hold_out", "jobs",
+    "k", "kv_budget", "layers", "limit", "lr", "max_wait", "model", "n_heads", "n_layers", "name", "out",
+    "overwrite", "policies", "pooling", "precision", "prompt_cache", "rate", "rates", "record", "record_every",
+    "record_flush_s", "refine", "refine_every", "requests", "rhos",
+    "round_ms", "rounds_hidden", "run", "shard", "slot_ms", "slots", "split", "steps", "threads",
+    "trust_remote_code", "version", "workload", "zoo",
+)} | {"kv_slack_blocks": "--kv-slack", "max_minutes": "--minutes", "out_dir": "--out"}
+_PARAM = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+def as_flags(message: str) -> str:
+    """A library message as the CLI user reads it: each parameter named in backticks becomes its flag
+    (:data:`FLAGS`); other backticked words stay."""
+    return _PARAM.sub(lambda m: FLAGS.get(m.group(1), m.group(0)), message)
+
+
+T = TypeVar("T")
+
+
+def comma_list(text: str, item: Callable[[str], T], flag: str, what: str, problems: list[str],
+               valid: Callable[[T], bool] | None = None) -> list[T] | None:
+    """A comma-list option (``--rows 1,4,16``) as its items, empty ones skipped; None after noting the
+    problem ``"{flag} must be a comma list of {what}, got '...'"`` when an item does not parse, or,
+    with ``valid``, when no item is given or one is not valid."""
+    try:
+        values = [item(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = None
+    if values is None or valid is not None and not (values and all(valid(v) for v in values)):
+        problems.append(f"{flag} must be a comma list of {what}, got {text!r}")
+        return None
+    return values
 
 
 def log(message: str) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from dwise_predict.cli.options import JsonOption, log
+from dwise_predict.cli.options import JsonOption, comma_list, log
 from dwise_predict.errors import ConfigError, InputError
 
 
@@ -37,12 +37,9 @@ def profile_rounds_command(
         dwise-predict profile-rounds --model /models/sdar-1.7b --device cuda --dtype bfloat16 --out sdar_h200.json
     """
     problems = []
-    try:
-        row_list = [int(x) for x in rows.split(",") if x.strip()]
-        if not row_list or min(row_list) < 1:
-            problems.append(f"--rows must be positive integers, got {rows!r}")
-    except ValueError:
-        problems.append(f"--rows must be a comma list of integers, got {rows!r}")
+    row_list = comma_list(rows, int, "--rows", "integers", problems)
+    if row_list is not None and (not row_list or min(row_list) < 1):
+        problems.append(f"--rows must be positive integers, got {rows!r}")
     for flag, value, low in (("--context-blocks", context_blocks, 0), ("--repeats", repeats, 1), ("--threads", threads, 1)):
         if value < low:
             problems.append(f"{flag} must be >= {low}, got {value}")

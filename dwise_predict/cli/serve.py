@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import log
+from dwise_predict.cli.options import as_flags, log
 from dwise_predict.errors import ConfigError
 from dwise_predict.serving.launcher import HookConfig
 
@@ -77,6 +77,8 @@ def serve_command(
         from dwise_predict.serving.preflight import report_problems
 
         report = check_server(config if asked else None, list(sglang_args or []))
+        if report["serve"] is not None:  # serve's own problems name its parameters: as its flags here
+            report["serve"]["problems"] = [as_flags(problem) for problem in report["serve"]["problems"]]
         typer.echo(json.dumps(report, indent=2))
         for problem in report_problems(report):
             log(f"problem: {problem}")

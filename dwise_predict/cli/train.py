@@ -172,7 +172,7 @@ def compare_regressors_command(
     repeats: Annotated[int, typer.Option(help="Single-request timings per model (median reported).")] = 300,
     json_out: JsonOption = False,
 ) -> None:
-    """Compare admission regressors (seed 000, Table 9): K-fold CV ρ and single-request time.
+    """Compare admission regressors (the DWISE paper, Table 9): K-fold CV ρ and single-request time.
 
     Ridge, MLP (256-256), XGBoost (100, depth 6), LightGBM (500, 31), LightGBM (1,000, 63),
     ExtraTrees (100) and LightGBM (100, 15) on words, newlines and prompt tokens; time per request

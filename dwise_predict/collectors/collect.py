@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -67,10 +68,10 @@ def parse_shard(shard: str | tuple[int, int] | None) -> tuple[int, int] | None:
         try:
             i, n = (int(part) for part in str(shard).split("/"))
         except ValueError:
-            raise ConfigError(f"--shard must look like i/N (e.g. 0/4), got {shard!r}") from None
+            raise ConfigError(f"`shard` must look like i/N (e.g. 0/4), got {shard!r}") from None
         parsed = (i, n)
     if parsed is not None and not (parsed[1] >= 1 and 0 <= parsed[0] < parsed[1]):
-        raise ConfigError(f"--shard i/N needs 0 <= i < N, got {parsed[0]}/{parsed[1]}")
+        raise ConfigError(f"`shard` i/N needs 0 <= i < N, got {parsed[0]}/{parsed[1]}")
     return parsed
 
 
@@ -133,74 +134,104 @@ def collect(
     -------
     ``out`` as a :class:`Path`.
     """
-    from dwise_predict.collectors.backends import load_backend
     from dwise_predict.collectors.workloads import load_workload
 
     decoding = decoding or DecodingConfig()
-    refuse_aliasing(out, [(flag, path) for flag, path in (("--model", model), ("--workload", workload))
+    shard, layer_request, per_shard = _check_options(out, model, workload, decoding, shard, layers, pooling,
+                                                     requests_per_shard, rounds_hidden)
+    plan_workload = load_workload(workload, seed=seed, limit=limit, allow_missing=allow_missing)  # raises on an empty or broken workload
+    requests = plan_workload.requests
+    owned = plan_shards(len(requests), per_shard, shard)
+    planned = [requests[i] for run in owned for i in run]
+    source_types = {name: entry.get("type") for name, entry in plan_workload.sources.items()}
+    with TraceStore(out) as store:  # locked before the (possibly slow) model load
+        backend, decoding, hidden_extra = _ready_backend(model, decoding, layer_request, rounds_hidden,
+                                                         trust_remote_code, device)
+        manifest = _manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device, planned,
+                             hidden_extra, rounds_hidden)
+        done, state = _begin(store, out, manifest, planned, progress)
+        on_result = partial(_advance, progress, state)
+        for run in owned:
+            todo = [i for i in run if requests[i].request_id not in done]
+            if todo:
+                _decode_shard(store, backend, requests, todo, source_types, decoding, seed, on_result, hidden_extra,
+                              rounds_hidden or 0)
+        store.consolidate({"requests": state.total, "resumed": state.resumed})
+    return Path(out)
+
+
+def _check_options(out, model, workload, decoding: DecodingConfig, shard, layers, pooling,
+                   requests_per_shard: int | None, rounds_hidden: int | None):
+    """Refuse bad options before the workload and the model load: the parsed shard, layer request and
+    requests per shard."""
+    refuse_aliasing(out, [(label, path) for label, path in (("`model`", model), ("`workload`", workload))
                           if Path(path).exists()])
     if Path(out).exists() and not Path(out).is_dir():
-        raise InputError(f"--out {out} is a file: give a directory (new, empty, or a collection to resume)")
+        raise InputError(f"`out` {out} is a file: give a directory (new, empty, or a collection to resume)")
     shard = parse_shard(shard)
     layer_request = parse_layer_request(layers, pooling)
     per_shard = requests_per_shard or SHARD_REQUESTS_PER_SLOT * decoding.batch_size
     if per_shard <= 0:
         raise ConfigError(f"requests per shard must be positive, got {per_shard}")
     check_rounds_hidden(rounds_hidden)
+    return shard, layer_request, per_shard
 
-    plan_workload = load_workload(workload, seed=seed, limit=limit, allow_missing=allow_missing)  # raises on an empty or broken workload
-    requests = plan_workload.requests
-    owned = plan_shards(len(requests), per_shard, shard)
-    source_types = {name: entry.get("type") for name, entry in plan_workload.sources.items()}
-    with TraceStore(out) as store:  # locked before the (possibly slow) model load
-        backend = load_backend(model, trust_remote_code=trust_remote_code, dtype=decoding.dtype, device=device,
-                               block_size=decoding.block_size)
-        if getattr(backend, "tokenizer", None) is None:
-            raise ModelError(f"{model} has no tokenizer (tokenizer.json): collect needs its chat template")
-        decoding = resolve_decoding(backend, decoding)
-        hidden_extra = resolve_layers(layer_request, backend)
-        if rounds_hidden and getattr(backend, "runs_own_loop", False):
-            raise ConfigError(f"--rounds-hidden: this model decodes with its own loop ({backend.algorithm}), which the "
-                              "collector watches at its first round only: drop --rounds-hidden")
-        manifest = _manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device,
-                             [requests[i] for run in owned for i in run])
-        if hidden_extra is not None:  # absent otherwise: a default collection's manifest is unchanged
-            manifest[MANIFEST_KEY] = hidden_extra.to_manifest()
-        if rounds_hidden:
-            manifest[per_round.MANIFEST_KEY] = rounds_hidden
-        done = store.finished_ids()
-        _refuse_unplanned(out, done - {requests[i].request_id for run in owned for i in run})
-        store.begin(manifest)
-        state = CollectProgress(total=sum(len(run) for run in owned))
-        state.resumed = state.done = sum(requests[i].request_id in done for run in owned for i in run)
-        if state.done < state.total:
-            store.mark_incomplete()
-        _report(progress, state)
-        for run in owned:
-            todo = [i for i in run if requests[i].request_id not in done]
-            if not todo:
-                continue
-            decode_requests = [_decode_request(backend, requests[i], decoding) for i in todo]
-            results = _decode(backend, decode_requests, decoding, seed, lambda result: _advance(progress, state, result),
-                              hidden_extra, rounds_hidden or 0)
-            rows = [_row(backend, requests[i], i, d.budget, r, source_types.get(requests[i].source))
-                    for i, d, r in zip(todo, decode_requests, results)]
-            store.write_shard(
-                pd.DataFrame(rows),
-                np.stack([r.first_round_hidden for r in results]),
-                np.stack([r.prompt_last_hidden for r in results]),
-                {**{name: np.stack([r.first_round_layers[name] for r in results])
-                    for name in (hidden_extra.names() if hidden_extra else ())},
-                 **_round_tensors(results, rounds_hidden or 0)},
-            )
-        store.consolidate({"requests": state.total, "resumed": state.resumed})
-    return Path(out)
+
+def _ready_backend(model, decoding: DecodingConfig, layer_request, rounds_hidden: int | None,
+                   trust_remote_code: bool, device: str):
+    """The loaded backend, the decoding config as it will run (:func:`resolve_decoding`) and the
+    extra first-round tensors to keep (None: none); refuses what this model cannot collect."""
+    from dwise_predict.collectors.backends import load_backend
+
+    backend = load_backend(model, trust_remote_code=trust_remote_code, dtype=decoding.dtype, device=device,
+                           block_size=decoding.block_size)
+    if getattr(backend, "tokenizer", None) is None:
+        raise ModelError(f"{model} has no tokenizer (tokenizer.json): collect needs its chat template")
+    decoding = resolve_decoding(backend, decoding)
+    hidden_extra = resolve_layers(layer_request, backend)
+    if rounds_hidden and getattr(backend, "runs_own_loop", False):
+        raise ConfigError(f"`rounds_hidden`: this model decodes with its own loop ({backend.algorithm}), which the "
+                          "collector watches at its first round only: drop `rounds_hidden`")
+    return backend, decoding, hidden_extra
+
+
+def _begin(store: TraceStore, out, manifest: dict, planned: list, progress) -> tuple[set[str], CollectProgress]:
+    """Open (or resume) the collection in ``store``: the ids it already holds and the progress
+    reported so far. A resume may only grow the planned requests (:func:`_refuse_unplanned`)."""
+    done = store.finished_ids()
+    _refuse_unplanned(out, done - {r.request_id for r in planned})
+    store.begin(manifest)
+    state = CollectProgress(total=len(planned))
+    state.resumed = state.done = sum(r.request_id in done for r in planned)
+    if state.done < state.total:
+        store.mark_incomplete()
+    _report(progress, state)
+    return done, state
+
+
+def _decode_shard(store: TraceStore, backend, requests: list, todo: list[int], source_types: dict,
+                  decoding: DecodingConfig, seed: int, on_result: Callable[[DecodeResult], None],
+                  hidden_extra: HiddenExtra | None, rounds_hidden: int) -> None:
+    """Decode the unfinished requests ``todo`` (workload positions) of one shard and commit them as
+    one store shard."""
+    decode_requests = [_decode_request(backend, requests[i], decoding) for i in todo]
+    results = _decode(backend, decode_requests, decoding, seed, on_result, hidden_extra, rounds_hidden)
+    rows = [_row(backend, requests[i], i, d.budget, r, source_types.get(requests[i].source))
+            for i, d, r in zip(todo, decode_requests, results)]
+    store.write_shard(
+        pd.DataFrame(rows),
+        np.stack([r.first_round_hidden for r in results]),
+        np.stack([r.prompt_last_hidden for r in results]),
+        {**{name: np.stack([r.first_round_layers[name] for r in results])
+            for name in (hidden_extra.names() if hidden_extra else ())},
+         **_round_tensors(results, rounds_hidden)},
+    )
 
 
 def check_rounds_hidden(rounds_hidden: int | None) -> None:
     """``--rounds-hidden N`` needs ``N >= 1`` (leave it out to keep none)."""
     if rounds_hidden is not None and rounds_hidden < 1:
-        raise ConfigError(f"--rounds-hidden must be at least 1 (the first N denoising rounds), got {rounds_hidden}: "
+        raise ConfigError(f"`rounds_hidden` must be at least 1 (the first N denoising rounds), got {rounds_hidden}: "
                           "leave it out to keep the first round only")
 
 
@@ -224,8 +255,8 @@ def _refuse_unplanned(out, unplanned: set[str]) -> None:
     except (OSError, StoreError, AttributeError):
         started = None
     raise StoreError(f"{out} already holds {len(unplanned)} finished requests that this run's workload leaves out "
-                     f"(it was started with --limit {started}): rerun with that --limit or a larger one, or choose "
-                     "another --out")
+                     f"(it was started with `limit` {started}): rerun with that `limit` or a larger one, or choose "
+                     "another `out`")
 
 
 def resolve_decoding(backend, decoding: DecodingConfig) -> DecodingConfig:
@@ -233,7 +264,7 @@ def resolve_decoding(backend, decoding: DecodingConfig) -> DecodingConfig:
     none is given, and every algorithm parameter with its value (SGLang's defaults filled in)."""
     if getattr(backend, "runs_own_loop", False):
         if decoding.algorithm is not None:
-            raise ConfigError(f"this model decodes with its own loop ({backend.algorithm}): drop --algorithm")
+            raise ConfigError(f"this model decodes with its own loop ({backend.algorithm}): drop `algorithm`")
         return decoding
     algorithm = decoding.algorithm or default_algorithm(getattr(backend, "architecture", None))
     rule = make_rule(algorithm, backend.mask_token_id, decoding.algorithm_config)
@@ -324,12 +355,13 @@ def _report(progress, state: CollectProgress) -> None:
         progress(replace(state))
 
 
-def _manifest(backend, decoding, plan_workload, spec, limit, shard, per_shard, device, owned) -> dict:
+def _manifest(backend, decoding, plan_workload, spec, limit, shard, per_shard, device, owned,
+              hidden_extra: HiddenExtra | None, rounds_hidden: int | None) -> dict:
     composition: dict[str, dict[str, int]] = {}
     for r in owned:
         composition.setdefault(r.category, {}).setdefault(r.split, 0)
         composition[r.category][r.split] += 1
-    return {
+    manifest = {
         "model": backend.fingerprint(),
         "decoding": {
             **decoding.to_dict(),
@@ -351,3 +383,8 @@ def _manifest(backend, decoding, plan_workload, spec, limit, shard, per_shard, d
         "collection": {"requests_per_shard": per_shard, "device": device},
         "versions": package_versions(),
     }
+    if hidden_extra is not None:  # absent otherwise: a default collection's manifest is unchanged
+        manifest[MANIFEST_KEY] = hidden_extra.to_manifest()
+    if rounds_hidden:
+        manifest[per_round.MANIFEST_KEY] = rounds_hidden
+    return manifest

@@ -80,7 +80,7 @@ class _Active:
     finish: str = ""
     rounds_per_block: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
-    signals: tuple[float, ...] | None = None  # first round, in identity.EARLY_SIGNALS order
+    signals: tuple[float, ...] | None = None  # first round, in names.EARLY_SIGNALS order
     first_hidden: np.ndarray | None = None  # (H,)
     prompt_hidden: np.ndarray | None = None  # (H,)
     layer_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # `collect --layers` tensors
@@ -111,7 +111,7 @@ def _validate(requests: list[DecodeRequest], block: int, max_context: int) -> No
         parts = [f"{what}: {', '.join(ids[:3])}{' …' if len(ids) > 3 else ''} ({len(ids)} requests)"
                  for what, ids in problems.items()]
         raise InputError("cannot decode: " + "; ".join(parts)
-                         + ". Drop or shorten those requests, or lower --budget")
+                         + ". Drop or shorten those requests, or lower `budget`")
 
 
 def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: DecodingConfig,
@@ -141,9 +141,9 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     """
     block = config.block_size or backend.block_size  # DecodingConfig has checked its own size
     if block <= 0:
-        raise ConfigError(f"the model's block size must be positive, got {block}: pass --block-size")
+        raise ConfigError(f"the model's block size must be positive, got {block}: pass `block_size`")
     if rounds_hidden < 0:
-        raise ConfigError(f"--rounds-hidden must be >= 0, got {rounds_hidden}")
+        raise ConfigError(f"`rounds_hidden` must be >= 0, got {rounds_hidden}")
     rule = make_rule(config.algorithm or DEFAULT_ALGORITHM, backend.mask_token_id, config.algorithm_config)
     rule.bind(backend)
     requests = list(requests)

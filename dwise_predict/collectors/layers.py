@@ -33,20 +33,20 @@ def parse_layer_request(layers: str | Sequence[int] | None,
     :class:`LayerRequest`; None when no layers are asked for. Raises :class:`ConfigError` naming the flag."""
     if layers is None:
         if pooling is not None:
-            raise ConfigError("--pooling needs --layers (e.g. --layers 0,-1 --pooling mean,last)")
+            raise ConfigError("`pooling` needs `layers` (e.g. `layers` 0,-1 `pooling` mean,last)")
         return None
     items = [s.strip() for s in layers.split(",")] if isinstance(layers, str) else [str(i) for i in layers]
     try:
         indices = tuple(int(s) for s in items)
     except ValueError:
-        raise ConfigError(f"--layers takes comma-separated layer indices (e.g. 0,2,-1), got {layers!r}") from None
+        raise ConfigError(f"`layers` takes comma-separated layer indices (e.g. 0,2,-1), got {layers!r}") from None
     if not indices:
-        raise ConfigError("--layers needs at least one layer index (e.g. --layers -1)")
+        raise ConfigError("`layers` needs at least one layer index (e.g. `layers` -1)")
     names = DEFAULT_POOLING if pooling is None else (
         [s.strip() for s in pooling.split(",")] if isinstance(pooling, str) else list(pooling))
     unknown = [p for p in names if p not in POOLINGS]
     if unknown or not names:
-        raise ConfigError(f"--pooling {','.join(unknown) or pooling!r}: choose from {', '.join(POOLINGS)}")
+        raise ConfigError(f"`pooling` {','.join(unknown) or pooling!r}: choose from {', '.join(POOLINGS)}")
     return LayerRequest(indices, tuple(p for p in POOLINGS if p in names))
 
 
@@ -60,12 +60,12 @@ def resolve_layers(request: LayerRequest | None, backend) -> HiddenExtra | None:
         return None
     name = getattr(backend, "name", "the model")
     if getattr(backend, "runs_own_loop", False) or getattr(backend, "num_hidden_layers", None) is None:
-        raise ConfigError("--layers: this model decodes with its own loop, which exposes only the final layer of the "
-                          "first round: drop --layers")
+        raise ConfigError("`layers`: this model decodes with its own loop, which exposes only the final layer of the "
+                          "first round: drop `layers`")
     last = int(backend.num_hidden_layers)
     bad = [i for i in request.layers if not -(last + 1) <= i <= last]
     if bad:
-        raise ConfigError(f"--layers {','.join(map(str, bad))}: out of range; {name} has layers 0..{last} "
+        raise ConfigError(f"`layers` {','.join(map(str, bad))}: out of range; {name} has layers 0..{last} "
                           f"(0 = embedding output, {last} or -1 = the final hidden state the LM head reads)")
     layers = sorted({i % (last + 1) for i in request.layers})
     return HiddenExtra(tuple(layers), request.poolings, last)

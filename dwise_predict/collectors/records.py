@@ -34,17 +34,17 @@ class DecodingConfig:
     def __post_init__(self) -> None:
         problems = []
         if self.block_size is not None and self.block_size <= 0:
-            problems.append(f"--block-size must be positive, got {self.block_size}")
+            problems.append(f"`block_size` must be positive, got {self.block_size}")
         if self.budget <= 0:
-            problems.append(f"--budget must be positive, got {self.budget}")
+            problems.append(f"`budget` must be positive, got {self.budget}")
         if self.batch_size <= 0:
-            problems.append(f"--batch-size must be positive, got {self.batch_size}")
+            problems.append(f"`batch_size` must be positive, got {self.batch_size}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            problems.append(f"--dtype must be float32, bfloat16 or float16, got {self.dtype}")
+            problems.append(f"`dtype` must be float32, bfloat16 or float16, got {self.dtype}")
         try:  # the algorithm's name and parameters, checked before any model is loaded
             split = AlgorithmConfig.from_mapping(self.algorithm_config)
             if split.block_size is not None and self.block_size not in (None, split.block_size):
-                problems.append(f"--block-size {self.block_size} and the algorithm config's block_size "
+                problems.append(f"`block_size` {self.block_size} and the algorithm config's block_size "
                                 f"{split.block_size} disagree: give one")
             # frozen: the split is written once, here, so what the manifest records is what runs
             object.__setattr__(self, "algorithm_config", split.params)

@@ -118,9 +118,9 @@ def claim_profile_out(out: str | os.PathLike, inputs: Iterable[tuple[str, str | 
     out = Path(out)
     refuse_aliasing(out, inputs)
     if out.is_dir():
-        raise InputError(f"--out {out} is a directory: give the profile's file path, e.g. {out / 'round_profile.json'}")
+        raise InputError(f"`out` {out} is a directory: give the profile's file path, e.g. {out / 'round_profile.json'}")
     if out.exists() and not is_round_profile(out):
-        raise InputError(f"--out {out} exists and is not a round profile (a JSON object with samples or base_ms, "
-                         "prefill_block_ms and decode_block_ms): it is never replaced; choose a new --out")
+        raise InputError(f"`out` {out} exists and is not a round profile (a JSON object with samples or base_ms, "
+                         "prefill_block_ms and decode_block_ms): it is never replaced; choose a new `out`")
     with hold_output_lock(out):
         yield out

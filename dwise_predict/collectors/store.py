@@ -50,7 +50,7 @@ import pandas as pd
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
 from dwise_predict.files import FileLock, atomic_write_bytes, loads_json, read_json_object, refuse_aliasing, write_errors
-from dwise_predict.identity import DECODING_KEYS, MODEL_KEYS, identity
+from dwise_predict.names import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
 from dwise_predict.traces.round_states import MANIFEST_KEY as ROUNDS_HIDDEN_KEY
 from dwise_predict.traces.dataset import (
@@ -126,15 +126,15 @@ def check_same_rounds_hidden(theirs: dict, ours: dict, where: str, fix: str) -> 
     """Raise :class:`StoreError` when two manifests keep per-round states of different depths."""
     a, b = theirs.get(ROUNDS_HIDDEN_KEY), ours.get(ROUNDS_HIDDEN_KEY)
     if a != b:
-        label = lambda n: f"--rounds-hidden {n}" if n else "no per-round states (no --rounds-hidden)"  # noqa: E731
+        label = lambda n: f"`rounds_hidden` {n}" if n else "no per-round states (no `rounds_hidden`)"  # noqa: E731
         raise StoreError(f"{where} holds {label(a)}, not {label(b)}: {fix}")
 
 
 def _layers_label(manifest: dict) -> str:
     spec = manifest.get(HIDDEN_EXTRA_KEY)
     if not spec:
-        return "first_round only (no --layers)"
-    return f"--layers {','.join(map(str, spec['layers']))} --pooling {','.join(spec['pooling'])}"
+        return "first_round only (no `layers`)"
+    return f"`layers` {','.join(map(str, spec['layers']))} `pooling` {','.join(spec['pooling'])}"
 
 
 @dataclass
@@ -312,7 +312,7 @@ class TraceStore:
     def _lock(self) -> None:
         self._file_lock = FileLock(self.out / LOCK_FILE, lambda holder: (
             f"{self.out} is being written by another dwise-predict process (pid {holder}): wait for it to "
-            "finish, or give this run another --out"))
+            "finish, or give this run another `out`"))
         self._file_lock.__enter__()
 
     def _unlock(self) -> None:
@@ -327,27 +327,27 @@ class TraceStore:
             if has_shards:
                 raise StoreError(
                     f"{self.out} has shards but no {MANIFEST_FILE}: it was not written by this version of "
-                    "dwise-predict; choose another --out"
+                    "dwise-predict; choose another `out`"
                 )
             if any(not p.name.startswith(".") and p.name != SHARDS_DIR for p in self.out.iterdir()):  # lock, temp files
                 raise StoreError(f"{self.out} holds files but is not a trace collection (no {MANIFEST_FILE}): "
-                                 "traces are never written into another folder; choose a new or empty --out")
+                                 "traces are never written into another folder; choose a new or empty `out`")
             return
         if not has_shards and not (self.out / REQUESTS_FILE).is_file():
             return  # a run that stopped before its first shard binds nothing
-        theirs = read_json_object(path, StoreError, fix="choose another --out")
-        fix = "choose another --out (or delete that directory to start over)"
+        theirs = read_json_object(path, StoreError, fix="choose another `out`")
+        fix = "choose another `out` (or delete that directory to start over)"
         check_compatible(theirs, self.manifest, str(self.out), fix)
         check_same_hidden_extra(theirs, self.manifest, str(self.out),
-                                "rerun with the --layers and --pooling it was collected with, or " + fix)
+                                "rerun with the `layers` and `pooling` it was collected with, or " + fix)
         check_same_rounds_hidden(theirs, self.manifest, str(self.out),
-                                 "rerun with the --rounds-hidden it was collected with, or " + fix)
+                                 "rerun with the `rounds_hidden` it was collected with, or " + fix)
         for key in ("name", "seed", "shard"):
             a, b = theirs.get("workload", {}).get(key), self.manifest.get("workload", {}).get(key)
             if a != b:
                 raise StoreError(
                     f"{self.out} holds traces of workload {key} {a!r}, this run asks for {b!r}: {fix}"
-                    + ("; collect each --shard into its own --out and combine them with `dwise-predict traces merge`"
+                    + ("; collect each `shard` into its own `out` and combine them with `dwise-predict traces merge`"
                        if key == "shard" else "")
                 )
 
@@ -458,10 +458,10 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
     first_dir, first, _ = inputs[0]
     for d, manifest, _ in inputs:
         check_compatible(manifest, first, str(d), f"merge only directories collected with the same model and decoding config as {first_dir}")
-        check_same_hidden_extra(manifest, first, str(d), f"merge only directories collected with the same --layers and "
-                                                         f"--pooling as {first_dir}")
+        check_same_hidden_extra(manifest, first, str(d), f"merge only directories collected with the same `layers` and "
+                                                         f"`pooling` as {first_dir}")
         check_same_rounds_hidden(manifest, first, str(d),
-                                 f"merge only directories collected with the same --rounds-hidden as {first_dir}")
+                                 f"merge only directories collected with the same `rounds_hidden` as {first_dir}")
 
     # Collections of one workload interleave by workload order; different workloads follow input order.
     workloads: list[tuple] = []
@@ -486,7 +486,7 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
                            extra_hidden={name: values[keep] for name, values in extra.items()})
     out = Path(out)
     if any((out / SHARDS_DIR).glob("shard-*.parquet")):
-        raise StoreError(f"{out} holds shards of a collection: merge into a fresh --out")
+        raise StoreError(f"{out} holds shards of a collection: merge into a fresh `out`")
     with TraceStore(out, merged_manifest) as store:
         with _store_errors(out):
             write_traces(dataset, store.out)
@@ -518,7 +518,7 @@ def _unique_rows(requests: pd.DataFrame) -> np.ndarray:
         if first[rid] != res:
             raise StoreError(
                 f"request '{rid}' appears in more than one input with different results: "
-                "merge directories of disjoint --shard runs only"
+                "merge directories of disjoint `shard` runs only"
             )
     return ~dup
 
@@ -526,4 +526,4 @@ def _unique_rows(requests: pd.DataFrame) -> np.ndarray:
 def _store_errors(out: Path):
     """Turn an OSError while writing the store ``out`` into one clear :class:`StoreError` line."""
     return write_errors(out, "shards already written stay readable: free space or fix permissions and rerun the "
-                             "same command to resume, or choose another --out", every=True)
+                             "same command to resume, or choose another `out`", every=True)

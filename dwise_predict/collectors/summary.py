@@ -64,9 +64,9 @@ def read_for_summary(path: str | Path) -> tuple[pd.DataFrame, dict, bool]:
         ds = load_traces(path)
         return ds.requests, ds.manifest, True
     if path.exists() and not path.is_dir():
-        raise DwiseError(f"{path} is a file: give a trace directory (the --out of `dwise-predict collect`)")
+        raise DwiseError(f"{path} is a file: give a trace directory (the `out` of `dwise-predict collect`)")
     if path.is_dir() and not (path / MANIFEST_FILE).is_file() and any(path.iterdir()):
-        raise DwiseError(f"{path} is not a trace directory (no {MANIFEST_FILE}): give the --out of a "
+        raise DwiseError(f"{path} is not a trace directory (no {MANIFEST_FILE}): give the `out` of a "
                          "`dwise-predict collect`")
     shards = read_shards(path) if (path / MANIFEST_FILE).is_file() else []
     if not shards:

@@ -451,7 +451,7 @@ def load_workload(
     data, default_name, base = read_spec(spec)
     label = str(spec)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-        raise InputError(f"--limit must be a positive integer, got {limit!r}")
+        raise InputError(f"`limit` must be a positive integer, got {limit!r}")
     specs = parse_sources(data, label)
     network = bool(data.get("allow_network", False)) if allow_network is None else allow_network
 

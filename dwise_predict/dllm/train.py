@@ -111,15 +111,15 @@ class TinyTrainConfig:
         problems = []
         for name in ("steps", "batch_size", "hidden_size", "n_layers", "n_heads", "block_size", "threads"):
             if getattr(self, name) <= 0:
-                problems.append(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                problems.append(f"`{name}` must be positive, got {getattr(self, name)}")
         if self.hidden_size % max(self.n_heads, 1):
             problems.append(f"hidden size {self.hidden_size} is not divisible by {self.n_heads} heads")
         if self.lr <= 0:
-            problems.append(f"--lr must be positive, got {self.lr}")
+            problems.append(f"`lr` must be positive, got {self.lr}")
         if self.max_minutes is not None and self.max_minutes <= 0:
-            problems.append(f"--minutes must be positive, got {self.max_minutes}")
+            problems.append(f"`max_minutes` must be positive, got {self.max_minutes}")
         if self.precision not in ("float32", "bfloat16"):
-            problems.append(f"--precision must be float32 or bfloat16, got {self.precision!r}")
+            problems.append(f"`precision` must be float32 or bfloat16, got {self.precision!r}")
         if any(d not in DRILLS for d in self.drills):
             problems.append(f"drills must be a subset of {', '.join(DRILLS)}, got {self.drills}")
         if any(w < 1 for w in self.step_weights.values()) or set(self.step_weights) - {*CATEGORIES, *DRILLS}:
@@ -334,7 +334,7 @@ def _check_same_recipe(path: Path, progress: dict, cfg: TinyTrainConfig) -> None
     if differ:
         raise ConfigError(f"{path.parent} holds an interrupted run of another recipe (differs in "
                           f"{', '.join(differ)}): rerun with its options to resume it, delete {path} to "
-                          "start over, or choose another --out")
+                          "start over, or choose another `out_dir`")
 
 
 def load_checkpoint(path: Path, cfg: TinyTrainConfig, model, opt, gen: torch.Generator) -> dict:
@@ -389,14 +389,11 @@ def train_tiny(cfg: TinyTrainConfig, out_dir: str | Path,
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out {out_dir} is a file: give a directory for the model")
+        raise InputError(f"`out_dir` {out_dir} is a file: give a directory for the model")
     torch.set_num_threads(cfg.threads)
     model, tokenizer = build_model_and_tokenizer(cfg)  # seeds torch's global generator
     gen = torch.Generator().manual_seed(cfg.seed)  # masking; the corpus has its own seeded generators
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = _optimizer(model, cfg)
     checkpoint = out_dir / CHECKPOINT_NAME
     run = {"recipe": asdict(cfg), "steps_done": 0, "wall_s": 0.0,
            "loss_curve": [],  # [step, mean loss over the steps since the previous entry]
@@ -405,7 +402,6 @@ def train_tiny(cfg: TinyTrainConfig, out_dir: str | Path,
         run = {**run, **load_checkpoint(checkpoint, cfg, model, opt, gen), "recipe": asdict(cfg)}
     resumed_from = run["steps_done"]
     schedule = category_schedule(cfg.categories + cfg.drills, cfg.steps, cfg.seed, cfg.step_weights)
-    autocast_dtype = getattr(torch, cfg.precision)
     bs, mask_id, pad_id = cfg.block_size, tokenizer.mask_token_id, tokenizer.pad_token_id
     wall_before, t0 = run["wall_s"], time.perf_counter()
     model.train()
@@ -414,29 +410,58 @@ def train_tiny(cfg: TinyTrainConfig, out_dir: str | Path,
             break
         examples = generate_examples(schedule[step], cfg.batch_size, TRAIN_SEED_OFFSET * (cfg.seed + 1) + step)
         encoded = cap_batch([encode_example(tokenizer, e, bs) for e in examples], cfg.max_batch_tokens, bs)
-        batch = make_batch(encoded, bs, mask_id, pad_id, gen)
-        with torch.autocast("cpu", dtype=autocast_dtype, enabled=cfg.precision != "float32"):
-            logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                           prompt_lengths=batch["prompt_lengths"], noisy_ids=batch["noisy_ids"],
-                           noisy_mask=batch["noisy_valid"]).logits  # (B, R, V)
-        m = batch["loss_mask"]
-        loss = F.cross_entropy(logits[m].float(), batch["targets"][m])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        run["steps_done"] = step + 1
-        run["window"].append(loss.item())
-        if run["steps_done"] % 50 == 0 or run["steps_done"] == cfg.steps:
-            run["loss_curve"].append([run["steps_done"], sum(run["window"]) / len(run["window"])])
-            run["window"] = []
+        loss = _train_step(model, opt, make_batch(encoded, bs, mask_id, pad_id, gen), step, cfg)
+        _record_loss(run, step, loss, cfg.steps)
         run["wall_s"] = wall_before + time.perf_counter() - t0
         if run["steps_done"] % checkpoint_every == 0 and run["steps_done"] < cfg.steps:
             save_checkpoint(checkpoint, model, opt, gen, run)
         if progress is not None:
-            progress(run["steps_done"], cfg.steps, loss.item())
+            progress(run["steps_done"], cfg.steps, loss)
+    return _finish(model, tokenizer, opt, gen, run, cfg, out_dir, resumed_from)
+
+
+def _optimizer(model, cfg: TinyTrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only (biases, norms' gains and other vectors are not
+    decayed)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _train_step(model, opt, batch: dict[str, torch.Tensor], step: int, cfg: TinyTrainConfig) -> float:
+    """One optimiser step on ``batch`` (see :func:`make_batch`); returns its loss, the cross-entropy
+    on the masked positions."""
+    with torch.autocast("cpu", dtype=getattr(torch, cfg.precision), enabled=cfg.precision != "float32"):
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                       prompt_lengths=batch["prompt_lengths"], noisy_ids=batch["noisy_ids"],
+                       noisy_mask=batch["noisy_valid"]).logits  # (B, R, V)
+    m = batch["loss_mask"]
+    loss = F.cross_entropy(logits[m].float(), batch["targets"][m])
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    return loss.item()
+
+
+def _record_loss(run: dict, step: int, loss: float, steps: int) -> None:
+    """Count ``step`` as done in ``run`` and add its loss to the curve: one entry, the mean of the
+    window since the last, every 50 steps and at the last step."""
+    run["steps_done"] = step + 1
+    run["window"].append(loss)
+    if run["steps_done"] % 50 == 0 or run["steps_done"] == steps:
+        run["loss_curve"].append([run["steps_done"], sum(run["window"]) / len(run["window"])])
+        run["window"] = []
+
+
+def _finish(model, tokenizer, opt, gen: torch.Generator, run: dict, cfg: TinyTrainConfig, out_dir: Path,
+            resumed_from: int) -> TrainResult:
+    """Write the model directory with ``training.json``; keep a checkpoint while steps remain (a rerun
+    continues from it), delete it once all are done."""
+    checkpoint = out_dir / CHECKPOINT_NAME
     steps_done, wall = run["steps_done"], run["wall_s"]
     if steps_done < cfg.steps:  # stopped by the time cap: a rerun continues from here
         save_checkpoint(checkpoint, model, opt, gen, run)

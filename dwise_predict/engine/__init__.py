@@ -1,9 +1,10 @@
 """The serving engine's semantics: what a request costs in the units SGLang 0.5.23 runs.
 
-DESIGN.md makes the serving engine the source of truth. This package is the one place that says
-how SGLang's dLLM path lays out a request, what counts as a round, and how each decoding algorithm
-advances a block; the decoder (``collectors``), the simulator and the serving hook all read it from
-here, and ``tests/test_engine_conformance.py`` checks it against SGLang's own code from its wheel.
+The serving engine is the source of truth (docs/backends.md, "The engine's units"). This package
+is the one place that says how SGLang's dLLM path lays out a request, what counts as a round, and
+how each decoding algorithm advances a block; the decoder (``collectors``), the simulator and the
+serving hook all read it from here, and ``tests/test_engine_conformance.py`` checks it against
+SGLang's own code from its wheel.
 
 - :mod:`.layout` — block layout of a prompt (full prompt blocks, leftover tokens under the prompt
   mask in the first output block), prefill rounds with and without a cached prefix, the output

@@ -400,7 +400,7 @@ def make_rule(name: str, mask_id: int, params: dict | None = None) -> StepRule:
     if info.rule is None:
         raise ConfigError(info.unsupported)
     if params is not None and not isinstance(params, dict):
-        raise ConfigError(f"--algorithm-config must be a JSON object, got {type(params).__name__}")
+        raise ConfigError(f"`algorithm_config` must be a JSON object, got {type(params).__name__}")
     return info.rule(mask_id=mask_id, params=dict(params or {}))
 
 
@@ -425,7 +425,7 @@ class AlgorithmConfig:
     block_size: int | None = None
 
     @classmethod
-    def from_mapping(cls, mapping, where: str = "--algorithm-config") -> AlgorithmConfig:
+    def from_mapping(cls, mapping, where: str = "`algorithm_config`") -> AlgorithmConfig:
         if not isinstance(mapping, dict):
             raise ConfigError(f"{where} must be a mapping of parameters, got {type(mapping).__name__}")
         block = mapping.get("block_size")

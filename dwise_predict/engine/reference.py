@@ -31,7 +31,7 @@ def mirrored_problems(build: Callable[[str, int], object], mask_id: int = 0) -> 
     problems = []
     for name, attributes in ATTRIBUTES.items():
         if name not in ALGORITHMS:
-            problems.append(f"{name} is mirrored but not offered by --algorithm")
+            problems.append(f"{name} is mirrored but not offered by `algorithm`")
             continue
         ours = make_rule(name, mask_id)
         for block in BLOCK_SIZES:

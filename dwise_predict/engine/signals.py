@@ -2,7 +2,7 @@
 
 Per request, over the block's still-masked positions (a leftover prompt token is not masked): the
 fraction whose top-1 probability is above the algorithm's threshold, the mean top-1 probability and
-the mean predictive entropy in nats (seed 001's signals), and the probability that the block holds
+the mean predictive entropy in nats (Amin et al.'s signals), and the probability that the block holds
 an end-of-sequence token, ``1 - prod(1 - p_stop)`` over those positions with ``p_stop`` a position's
 probability of any stop id (our addition: the model's own guess that the answer ends in its first
 output block, where the engine would finish the request; zeros for a block without masks). The
@@ -27,7 +27,7 @@ SIGNAL_THRESHOLD = 0.9
 
 def early_signals(full_logits: torch.Tensor, input_ids: torch.Tensor, mask_id: int, block_size: int,
                   threshold: float, stop_ids: torch.Tensor) -> torch.Tensor:
-    """(B, 4) float32 signals of a forward over B blocks, columns in ``identity.EARLY_SIGNALS`` order:
+    """(B, 4) float32 signals of a forward over B blocks, columns in ``names.EARLY_SIGNALS`` order:
     ``full_logits`` (B * block, V), ``input_ids`` (B * block,), ``stop_ids`` (S,) int64 token ids that
     end a request (on the logits' device). Device tensor ops only, no host synchronisation."""
     batch = input_ids.numel() // block_size

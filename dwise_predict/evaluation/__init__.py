@@ -2,7 +2,7 @@
 
 - ``evaluate`` — one evaluation (main split, calibration, baselines, LOCO, output vs work) and its files;
 - ``loco`` — leave-one-category-out plan and table; ``pool`` — retraining in a process pool;
-- ``baselines`` — the comparison rows; ``characterize`` — seed 001's workload measurements and Table 12;
+- ``baselines`` — the comparison rows; ``characterize`` — Amin et al.'s workload measurements and Table 12;
 - ``inputs`` — loading several trace directories of one model;
 - ``plots`` (matplotlib, Agg), ``document`` (HTML + Markdown rendering), ``report`` (the two reports,
   and writing a characterization).

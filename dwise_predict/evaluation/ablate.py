@@ -11,13 +11,13 @@ a difference whose interval contains 0 is reported as inside the noise.
   the same without the early signals, with one hidden state only (``h1``, or the pooled last prompt
   block), and with neither; for
   the ``survival`` (the paper's recipe) and ``ridge-within+signals`` candidates. The row marked
-  "not in a bundle" (seed 001's LightGBM on its four early signals, prompt length among them:
+  "not in a bundle" (Amin et al.'s LightGBM on their four early signals, prompt length among them:
   :data:`.baselines.EARLY_SIGNALS`) is for comparison only: a
   tree ensemble is not a contract-2 graph.
 - ``train-size`` — 25 %, 50 % and 100 % of the training split (drawn per category with the seed),
   for the same two candidates; the shipped candidate's rows also give the mean held-out-category ρ
   at that size (does more data close the gap to an unseen category?).
-- ``seeds`` — five training seeds (``seed .. seed + 4``): per-seed values, mean ± sd (seed 000,
+- ``seeds`` — five training seeds (``seed .. seed + 4``): per-seed values, mean ± sd (the DWISE paper,
   Table 10), for ``survival``, ``ridge`` (deterministic: sd 0 is its honest answer) and ``auto``
   (the CV choice, recorded per seed).
 - ``layers`` — which layer of the first denoising forward carries the signal: the default
@@ -48,7 +48,7 @@ from dwise_predict.evaluation import loco
 from dwise_predict.evaluation.baselines import early_signal_predictions, keep_inputs
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval, fmt_pm
 from dwise_predict.evaluation.pool import RetrainTask, run_tasks
-from dwise_predict.identity import HIDDEN_STATES
+from dwise_predict.names import HIDDEN_STATES
 from dwise_predict.metrics import mean_sd, percentile_interval, rank_scores, spearman, stratified_indices
 from dwise_predict.traces import TraceDataset
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
@@ -140,17 +140,17 @@ def hidden_settings(kind: str, ds: TraceDataset) -> list[tuple[str, str]]:
     stored = {parsed: name for name in ds.extra_hidden if (parsed := parse_tensor_name(name)) is not None}
     if kind == "layers":
         rows = [(f"layer {layer}, mean", stored[layer, pooling]) for layer, pooling in sorted(stored) if pooling == "mean"]
-        need = "--layers 0,1,-1"  # mean is the default pooling
+        need = "`dwise-predict collect --layers 0,1,-1`"  # mean is the default pooling
     else:
         final = (ds.manifest.get(HIDDEN_EXTRA_KEY) or {}).get("final_layer")
         rows = [(f"layer {final}, {pooling}" + (" (flattened)" if pooling == "positions" else ""), stored[layer, pooling])
                 for layer, pooling in sorted(stored, key=lambda k: ("mean", "last", "positions").index(k[1]))
                 if layer == final]
-        need = "--layers -1 --pooling mean,last,positions"
+        need = "`dwise-predict collect --layers -1 --pooling mean,last,positions`"
     if not rows:
         where = f"traces in {ds.path}" if ds.path else "these traces"
-        raise InputError(f"--ablate {kind} needs first-round tensors that {where} lack (collected without them): "
-                         f"re-collect with `dwise-predict collect {need}`")
+        raise InputError(f"`ablate` {kind} needs first-round tensors that {where} lack (collected without them): "
+                         f"re-collect with {need}")
     return [(DEFAULT_HIDDEN, "first_round")] + rows
 
 
@@ -218,13 +218,44 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
         raise InputError(f"unknown ablation {kind!r}: choose from {', '.join(KINDS)}")
     true = eval_ds.requests["total_rounds"].to_numpy(float) - 1.0
     cats = eval_ds.requests["category"].astype(str).to_numpy()
-    # (row fields, its fit, its held-out fits: None where the row reports no held-out ρ)
-    planned: list[tuple[dict, RetrainTask, dict[str, RetrainTask] | None]] = []
+    planned = _plan(kind, train, eval_ds, config, min_requests)
+    tasks = [task for _, main, held in planned for task in (main, *(held or {}).values())]
+    log(f"  ablation {kind}: {len(tasks)} retrainings")
+    results = run_tasks(tasks, jobs, on_done=lambda name: log(f"  ablation {kind}: {name}"), kept=kept, log=log)
+    rows, preds, per_seed = _fitted_rows(kind, planned, results, true, cats)
+    extra: dict = {}
+    if kind == "inputs":
+        name = "early signals (all four), LightGBM"
+        rows.append({"name": name, "candidate": "-", "inputs": "Amin et al.'s four early signals", "bundle": False,
+                     "n_train": len(train)})
+        preds[name] = early_signal_predictions(train, eval_ds, config.seed)["all four"]
+    if kind == "seeds":
+        extra["summary"] = {c: _mean_sd(v) for c, v in per_seed.items()}
+    reference = {"inputs": REFERENCE, "train-size": "survival, 100% of train", "seeds": f"survival, seed {config.seed}",
+                 "layers": DEFAULT_HIDDEN, "pooling": DEFAULT_HIDDEN}[kind]
+    table = score_rows(rows, preds, true, cats, reference, n_boot, config.seed)
+    if kind == "seeds":
+        table["verdict"] = _seeds_verdict(extra["summary"])
+    elif kind in HIDDEN_KINDS:  # the question is which layer or pooling carries the signal, bundle or not
+        table["verdict"] = verdict(rows, reference, bundle_only=False)
+        table["verdict"]["text"] += " (a research finding: the serving hook pools only the final layer's mean)"
+    return {"kind": kind, "n_eval": int(len(eval_ds)), "n_train": int(len(train)), **table, **extra}
 
-    def plan(row: dict, train_v: TraceDataset, eval_v: TraceDataset, row_config, held_out: bool = False) -> None:
-        held = _held_out_tasks(row["name"], train_v, eval_v, row_config, min_requests) if held_out else None
-        planned.append((row, RetrainTask(row["name"], train_v, eval_v, row_config), held))
 
+# One row of an ablation before it is scored: its fields, its fit, and its held-out fits (None where
+# the row reports no held-out ρ).
+Planned = tuple[dict, RetrainTask, dict[str, RetrainTask] | None]
+
+
+def _planned(row: dict, train_v: TraceDataset, eval_v: TraceDataset, row_config, min_requests: int,
+             held_out: bool = False) -> Planned:
+    held = _held_out_tasks(row["name"], train_v, eval_v, row_config, min_requests) if held_out else None
+    return row, RetrainTask(row["name"], train_v, eval_v, row_config), held
+
+
+def _plan(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, min_requests: int) -> list[Planned]:
+    """The rows of ablation ``kind``, in table order, each with the retrainings it needs."""
+    planned: list[Planned] = []
     if kind == "inputs":
         settings = [("h1 + last prompt block + prompt tokens + budget + early signals", HIDDEN_STATES, True),
                     ("h1 + last prompt block + prompt tokens + budget", HIDDEN_STATES, False),
@@ -233,34 +264,41 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
                     ("prompt tokens + budget + early signals", (), True)]
         for candidate in INPUT_CANDIDATES:
             for label, states, signals in settings:
-                plan({"name": f"{candidate}, {label}", "candidate": candidate, "inputs": label, "bundle": True,
-                      "n_train": len(train)}, keep_inputs(train, states, signals), keep_inputs(eval_ds, states, signals),
-                     dataclasses.replace(config, refine=candidate))
+                row = {"name": f"{candidate}, {label}", "candidate": candidate, "inputs": label, "bundle": True,
+                       "n_train": len(train)}
+                planned.append(_planned(row, keep_inputs(train, states, signals), keep_inputs(eval_ds, states, signals),
+                                        dataclasses.replace(config, refine=candidate), min_requests))
     elif kind == "train-size":
         for fraction in TRAIN_FRACTIONS:
             sub = _subsample(train, fraction, config.seed)
             for candidate in INPUT_CANDIDATES:
-                plan({"name": f"{candidate}, {fraction:.0%} of train", "candidate": candidate,
-                      "inputs": f"{fraction:.0%} of the training split", "bundle": True, "n_train": len(sub)},
-                     sub, eval_ds, dataclasses.replace(config, refine=candidate),
-                     held_out=candidate == TRANSFER_CANDIDATE)
+                row = {"name": f"{candidate}, {fraction:.0%} of train", "candidate": candidate,
+                       "inputs": f"{fraction:.0%} of the training split", "bundle": True, "n_train": len(sub)}
+                planned.append(_planned(row, sub, eval_ds, dataclasses.replace(config, refine=candidate), min_requests,
+                                        held_out=candidate == TRANSFER_CANDIDATE))
     elif kind in HIDDEN_KINDS:
         ridge = dataclasses.replace(config, refine="ridge")
         for label, tensor in hidden_settings(kind, train):
             # only what first_round holds reaches a bundle: the serving hook pools the final layer
             bundle = tensor == "first_round" or np.array_equal(train.extra_hidden[tensor], train.first_round)
-            plan({"name": label, "candidate": "ridge", "inputs": f"{tensor} + prompt tokens, budget, early signals",
-                  "bundle": bundle, "n_train": len(train)},
-                 _with_hidden(train, tensor), _with_hidden(eval_ds, tensor), ridge, held_out=True)
+            row = {"name": label, "candidate": "ridge", "inputs": f"{tensor} + prompt tokens, budget, early signals",
+                   "bundle": bundle, "n_train": len(train)}
+            planned.append(_planned(row, _with_hidden(train, tensor), _with_hidden(eval_ds, tensor), ridge,
+                                    min_requests, held_out=True))
     else:  # seeds
         for candidate in ("survival", "ridge", "auto"):
             for s in range(config.seed, config.seed + N_SEEDS):
-                plan({"name": f"{candidate}, seed {s}", "candidate": candidate, "inputs": f"seed {s}", "bundle": True,
-                      "n_train": len(train)}, train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s))
+                row = {"name": f"{candidate}, seed {s}", "candidate": candidate, "inputs": f"seed {s}", "bundle": True,
+                       "n_train": len(train)}
+                planned.append(_planned(row, train, eval_ds, dataclasses.replace(config, refine=candidate, seed=s),
+                                        min_requests))
+    return planned
 
-    tasks = [task for _, main, held in planned for task in (main, *(held or {}).values())]
-    log(f"  ablation {kind}: {len(tasks)} retrainings")
-    results = run_tasks(tasks, jobs, on_done=lambda name: log(f"  ablation {kind}: {name}"), kept=kept, log=log)
+
+def _fitted_rows(kind: str, planned: list[Planned], results: dict, true: np.ndarray,
+                 cats: np.ndarray) -> tuple[list[dict], dict[str, np.ndarray], dict[str, list[dict]]]:
+    """The planned rows with their retrainings' results: the rows (with held-out ρ where planned),
+    each row's estimate by name and, for ``seeds``, each candidate's per-seed scores."""
     rows: list[dict] = []
     preds: dict[str, np.ndarray] = {}
     per_seed: dict[str, list[dict]] = {}
@@ -276,23 +314,7 @@ def ablate(kind: str, train: TraceDataset, eval_ds: TraceDataset, config, n_boot
             row["candidate"] = chosen
         rows.append(row)
         preds[row["name"]] = pred
-    extra: dict = {}
-    if kind == "inputs":
-        name = "early signals (all four), LightGBM"
-        rows.append({"name": name, "candidate": "-", "inputs": "seed 001's four early signals", "bundle": False,
-                     "n_train": len(train)})
-        preds[name] = early_signal_predictions(train, eval_ds, config.seed)["all four"]
-    if kind == "seeds":
-        extra["summary"] = {c: _mean_sd(v) for c, v in per_seed.items()}
-    reference = {"inputs": REFERENCE, "train-size": "survival, 100% of train", "seeds": f"survival, seed {config.seed}",
-                 "layers": DEFAULT_HIDDEN, "pooling": DEFAULT_HIDDEN}[kind]
-    table = score_rows(rows, preds, true, cats, reference, n_boot, config.seed)
-    if kind == "seeds":
-        table["verdict"] = _seeds_verdict(extra["summary"])
-    elif kind in HIDDEN_KINDS:  # the question is which layer or pooling carries the signal, bundle or not
-        table["verdict"] = verdict(rows, reference, bundle_only=False)
-        table["verdict"]["text"] += " (a research finding: the serving hook pools only the final layer's mean)"
-    return {"kind": kind, "n_eval": int(len(eval_ds)), "n_train": int(len(train)), **table, **extra}
+    return rows, preds, per_seed
 
 
 def _seeds_verdict(summary: dict) -> dict:
@@ -351,7 +373,7 @@ def ablation_document(results: list[dict]) -> Document:
             summary = Table(["candidate", "ρ mean ± sd", "within-category ρ mean ± sd", "chosen per seed"], [
                 [c, fmt_pm(s["spearman"]), fmt_pm(s["within_category_mean"]), ", ".join(str(x["chosen"]) for x in s["seeds"])]
                 for c, s in result["summary"].items()
-            ], "Over seeds (seed 000, Table 10 style)")
+            ], "Over seeds (the DWISE paper, Table 10 style)")
             blocks.append(summary)
         sections.append(Section(f"Ablation: {result['kind']}", "", blocks))
     return Document("dwise-predict: ablations", [], sections)

@@ -1,11 +1,11 @@
-"""One table over several trace sets (seed 000, Table 8 style): each set trained and scored on its own.
+"""One table over several trace sets (the DWISE paper, Table 8 style): each set trained and scored on its own.
 
 ``evaluate A B C --across`` trains both predictors on each set's training split (the same
 ``TrainConfig``, so the refinement candidate is chosen per set by its own cross-validation), scores
 them on that set's evaluation split, and scores every non-oracle baseline of ``evaluate`` on the
 same requests (:mod:`.baselines`; the prompt-hidden-state recipe and the ablation without the
 first-round state are two more retrainings per set);
-the per-set table shows the two simple ones (ridge on the first-round state; seed 001's four early
+the per-set table shows the two simple ones (ridge on the first-round state; Amin et al.'s four early
 signals together). The sets may come from different models: that is the point of the table. With
 ``--loco`` each set is also evaluated leave-one-category-out (its mean held-out-category refined ρ,
 see :mod:`.loco`).
@@ -85,7 +85,7 @@ def across_sets(paths: Sequence[str | os.PathLike], config, log: Callable[[str],
 
     log = log or (lambda message: None)
     if len(paths) < 1:
-        raise InputError("--across needs at least one TRACES path")
+        raise InputError("`across` needs at least one TRACES path")
     min_requests = loco_mod.MIN_REQUESTS if min_requests is None else min_requests
     rows = []
     for path in paths:

@@ -5,15 +5,15 @@ each evaluation request, from what it may see, and is scored by Spearman ρ, Ken
 rounds scale) and mean within-category ρ against the actual remaining rounds:
 
 - **admission LightGBM** — the shipped admission predictor (total estimate minus the first round);
-- **survival on the prompt hidden state** (seed 000's "prompt hidden state") — the full refinement
+- **survival on the prompt hidden state** (the DWISE paper's "prompt hidden state") — the full refinement
   recipe (candidate search included) retrained on what is known before the first denoising round:
   ``prompt_last`` (the pooled last prompt block), prompt tokens and budget, with the first-round state
   and the round-1 early signals blanked: does denoising add anything over what the model already read?;
-- **early signals** (seed 001) — fraction over threshold, mean confidence, mean entropy and prompt
-  length (:data:`EARLY_SIGNALS`: seed 001's four, not the bundle's four of
-  :data:`dwise_predict.identity.EARLY_SIGNALS`, which have ``end_probability`` where this set has
+- **early signals** (Amin et al.) — fraction over threshold, mean confidence, mean entropy and prompt
+  length (:data:`EARLY_SIGNALS`: Amin et al.'s four, not the bundle's four of
+  :data:`dwise_predict.names.EARLY_SIGNALS`, which have ``end_probability`` where this set has
   prompt length), each alone and all four together, through a small LightGBM (50 trees, 7 leaves)
-  on ``log1p(remaining)``; seed 001 found R² ≤ 0.15 for each;
+  on ``log1p(remaining)``; Amin et al. found R² ≤ 0.15 for each;
 - **TRAIL-style probe** — a multinomial logistic classifier over quantile bins of remaining rounds
   on the first-round hidden state (its top 64 principal components); estimate = expected bin mean under its
   probabilities (TRAIL refines output-length estimates from runtime embeddings this way);
@@ -39,12 +39,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dwise_predict import identity
+from dwise_predict import names
 from dwise_predict.evaluation.pool import RetrainTask
 from dwise_predict.metrics import kendall, r2, spearman, within_category
 from dwise_predict.traces import TraceDataset
 
-# column -> what it is (seed 001's four signals, available right after the first denoising round)
+# column -> what it is (Amin et al.'s four signals, available right after the first denoising round)
 EARLY_SIGNALS = {
     "frac_over_threshold": "round 1: share of masked positions over the threshold",
     "mean_confidence": "round 1: mean top-1 probability",
@@ -78,16 +78,16 @@ def remaining_rounds(ds: TraceDataset) -> np.ndarray:
     return ds.requests["total_rounds"].to_numpy(dtype=float) - 1.0
 
 
-def keep_inputs(ds: TraceDataset, states: tuple[str, ...] = identity.HIDDEN_STATES,
+def keep_inputs(ds: TraceDataset, states: tuple[str, ...] = names.HIDDEN_STATES,
                 signals: bool = True) -> TraceDataset:
-    """``ds`` with only the hidden ``states`` kept (of ``identity.HIDDEN_STATES``; the others become
+    """``ds`` with only the hidden ``states`` kept (of ``names.HIDDEN_STATES``; the others become
     zeros: a constant carries nothing); ``signals`` False makes the bundle's round-1 early signals
     constant too (prompt tokens and budget stay: they are known at admission)."""
     requests = ds.requests
     if not signals:
-        requests = requests.assign(**{name: 0.0 for name in identity.EARLY_SIGNALS})
+        requests = requests.assign(**{name: 0.0 for name in names.EARLY_SIGNALS})
     kept = {name: getattr(ds, name) if name in states else np.zeros_like(ds.first_round)
-            for name in identity.HIDDEN_STATES}
+            for name in names.HIDDEN_STATES}
     return TraceDataset(requests, kept["first_round"], kept["prompt_last"], ds.manifest, ds.path)
 
 

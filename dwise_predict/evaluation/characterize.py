@@ -1,18 +1,18 @@
-"""Workload characterization of trace datasets: the measurements of seed 001 on any model.
+"""Workload characterization of trace datasets: the measurements of Amin et al. on any model.
 
 For the denoising rounds of each request (the work a scheduler must rank) it reports
 
 - the spread: p25 / p50 / p90 / max, max-to-min ratio and coefficient of variation (CV = std / mean);
 - discreteness: how many distinct round counts occur and the dominant spacing between consecutive
-  distinct values. Seed 001 found counts on fixed "tiers" (``offset + spacing * k``); a dominant
+  distinct values. Amin et al. found counts on fixed "tiers" (``offset + spacing * k``); a dominant
   spacing above one shared by most gaps is that structure, a spacing of one means counts are dense;
-- round count versus wall time: Pearson r and Spearman rho (seed 001 found r > 0.99 on one GPU);
+- round count versus wall time: Pearson r and Spearman rho (Amin et al. found r > 0.99 on one GPU);
 - the share of requests truncated by the output budget (``finish == 'budget'``);
 - how each first-round early signal (and prompt length) orders requests inside each category, and
   whether that direction holds from one category to the next (:func:`signal_directions`);
 
 over all requests and per category. Given requests at several output budgets (one or more trace
-directories of the same model), it also tabulates CV and truncation per budget: seed 001 found that
+directories of the same model), it also tabulates CV and truncation per budget: Amin et al. found that
 short budgets hide the spread because truncated requests all look alike.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.evaluation.inputs import check_same_model, model_label
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.metrics import bootstrap_ci, spearman
 from dwise_predict.traces import TraceDataset
 
@@ -172,7 +172,7 @@ def signal_directions(requests: pd.DataFrame, columns: Sequence[str] = SIGNAL_CO
     """How each early signal orders requests by total rounds inside each category, and whether that
     direction carries from one category to another.
 
-    Seed 001 measured each first-round signal against rounds over all requests. A predictor learns a
+    Amin et al. measured each first-round signal against rounds over all requests. A predictor learns a
     signal's direction from the categories it is trained on; where the direction reverses from one
     category to another (in the tiny model's quickstart traces a confident first round means fewer
     rounds in code, instruction, math, MCQ and multilingual math, and more in chat), a category never
@@ -218,13 +218,14 @@ def signal_directions(requests: pd.DataFrame, columns: Sequence[str] = SIGNAL_CO
 
 
 def output_vs_work(requests: pd.DataFrame) -> dict:
-    """How output length and work diverge, overall and per category (seed 000, Table 12 and §11).
+    """How output length and work diverge, overall and per category (the DWISE paper, Table 12 and §11).
 
-    Work is ``prompt_blocks + total_rounds`` (DESIGN.md). Per group: requests and share of all work,
-    mean output tokens and rounds, Spearman ρ between output tokens and rounds (and work), rounds per
-    output token (mean, p10, p50, p90), the share that hit the budget and the p10-p90 of work among
-    those (same output length, different work: seed 000 found 38-184). Output-length rankers order
-    requests by tokens; where ρ(tokens, rounds) is low or categories swap order, they misorder work.
+    Work is ``prompt_blocks + total_rounds`` (the ``R = P + r̂`` the scheduler ranks: docs/serving.md).
+    Per group: requests and share of all work, mean output tokens and rounds, Spearman ρ between
+    output tokens and rounds (and work), rounds per output token (mean, p10, p50, p90), the share that
+    hit the budget and the p10-p90 of work among those (same output length, different work: the DWISE
+    paper found 38-184). Output-length rankers order requests by tokens; where ρ(tokens, rounds) is
+    low or categories swap order, they misorder work.
 
     Returns
     -------

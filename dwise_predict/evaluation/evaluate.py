@@ -4,10 +4,10 @@
 plus the prediction arrays the plots need); :func:`write_evaluation` writes it to a directory:
 
 - ``metrics.json`` — the predictors on the evaluation split (the run directory's metrics.json keys);
-- ``calibration.json`` — seed 000's Table 5: admission only, raw refinement, calibrated;
+- ``calibration.json`` — the DWISE paper's Table 5: admission only, raw refinement, calibrated;
 - ``baselines.json`` — every baseline's ρ, τ, R², within-category ρ (see :mod:`.baselines`);
 - ``loco.json`` — leave-one-category-out (when asked; see :mod:`.loco`);
-- ``output_vs_work.json`` — seed 000's Table 12 (see :func:`.characterize.output_vs_work`);
+- ``output_vs_work.json`` — the DWISE paper's Table 12 (see :func:`.characterize.output_vs_work`);
 - ``characterization.json`` — the workload's round statistics (see :mod:`.characterize`);
 - ``evaluation.json`` — all of the above with provenance (traces, fingerprint, run, versions);
 - ``predictions.parquet`` — per evaluation request: id, category, actual and predicted rounds;
@@ -79,7 +79,7 @@ def _check_run_matches(run_config: dict, ds: TraceDataset, run: Path) -> None:
         trained_on = run_config.get("traces", {}).get("path") or "other traces"
         raise InputError(
             f"run {run} was trained on {trained_on} (fingerprint {recorded[:12]}), not on these traces "
-            f"({ds.data_hash()[:12]}): pass the traces it was trained on, or drop --run to train here"
+            f"({ds.data_hash()[:12]}): pass the traces it was trained on, or drop `run` to train here"
         )
 
 
@@ -131,99 +131,31 @@ def evaluate(
     InputError
         mixed models, an empty split, an unknown category, or a run trained on other traces.
     """
-    from dwise_predict.training import Targets, TrainConfig, evaluate_predictors, load_predictors
+    from dwise_predict.training import Targets, evaluate_predictors
 
     log = log or (lambda message: None)
     started = time.monotonic()
     datasets = load_many(traces)
     ds = concat(datasets)
     train, eval_ds = ds.split("train"), ds.split("eval")
-    _fail_fast(ds, train, eval_ds)
-    if hold_out is not None:
-        loco_mod.check_categories(train, eval_ds, [hold_out])
-    from dwise_predict.evaluation import ablate as ablate_mod
-
-    unknown = [k for k in ablate if k not in ablate_mod.KINDS]
-    if unknown:
-        raise InputError(f"--ablate {', '.join(unknown)}: unknown; choose from {', '.join(ablate_mod.KINDS)}")
-    for kind in ablate:
-        if kind in ablate_mod.HIDDEN_KINDS:  # before any training: traces without `collect --layers` are refused
-            ablate_mod.hidden_settings(kind, ds)
-
-    if run is not None:
-        run_files = load_run(run)
-        _check_run_matches(run_files.config, ds, Path(run))
-        predictors = load_predictors(run_files)
-        config = config or TrainConfig.from_dict(run_files.config)
-        log(f"loaded predictors from {run}")
-    else:
-        config = config or TrainConfig()
-        log(f"training both predictors on {len(train)} requests")
-        predictors = fit_kept(train, config, kept, log)
+    _check_before_training(ds, train, eval_ds, hold_out, ablate)
+    predictors, config = _predictors(run, ds, train, config, kept, log)
 
     metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
     # Rank tables use finished requests, as metrics.json does: a request whose collection was cut
     # short (`censored`) has only a lower bound on its rounds. The retrainings still see all of them.
     scored = eval_ds.subset(Targets.of(eval_ds).events)
-    preds = {
-        "admission": np.asarray(predictors.admission_total(scored), dtype=float),
-        "refined": np.asarray(predictors.refined_remaining(scored), dtype=float),
-        "refined_raw": np.asarray(predictors.refined_raw(scored), dtype=float),
-    }
-
-    # Every retraining goes to one pool: LOCO categories, the prompt-hidden-state baseline and the
-    # ablation without the first-round state.
-    loco_tasks, skipped = [], []
-    if loco or hold_out is not None:
-        loco_tasks, skipped = loco_mod.plan(train, scored, config, None if loco else [hold_out], min_requests)
-        if not loco and skipped:
-            raise InputError(f"cannot hold out {hold_out!r}: {skipped[0]['reason']}")
-    tasks = loco_tasks + table_tasks(train, scored, config)
-    log(f"retraining {len(tasks)} times ({len(loco_tasks)} held-out categories + prompt-hidden-state baseline "
-        "+ the ablation without the first-round state)")
-    retrained = run_tasks(tasks, jobs, on_done=lambda name: log(f"  done: {TASK_WORDS.get(name, 'without ' + name)}"),
-                          kept=kept, log=log)
-
-    loco_result = None
-    if loco_tasks or skipped:
-        held = {t.name: retrained[t.name] for t in loco_tasks}
-        loco_result = loco_mod.table(scored, preds, held, skipped, hold_out, min_requests, config.bootstrap,
-                                     config.seed)
+    preds = _estimates(predictors, scored)
+    retrained, loco_result = _retrain(train, scored, preds, config, loco, hold_out, min_requests, jobs, kept, log)
 
     log("fitting baselines")
     finished_train = train.subset(Targets.of(train).events)
-    candidate = predictors.ensemble.candidate
-    predictions = baseline_predictions(finished_train, scored, preds["admission"], preds["refined"],
-                                       {name: retrained[name]["refined"] for name in TASK_WORDS}, config.seed, candidate)
-    baselines = baseline_table(scored, predictions)
-    winner = _winner(predictions, scored, candidate, config)
-
-    ablations = []
-    for kind in dict.fromkeys(ablate):
-        log(f"ablation: {kind}")
-        ablations.append(ablate_mod.ablate(kind, finished_train, scored, config, n_boot=_n_boot(config), log=log,
-                                            min_requests=min_requests, jobs=jobs, kept=kept))
-
-    arrays = {"eval_requests": scored.requests, "all_requests": ds.requests, **preds}
-    arrays["survival"] = survival_examples(
-        predictors.predict_survival(scored),
-        preds["refined"],
-        scored.requests["total_rounds"].to_numpy(dtype=float) - 1,
-        scored.requests["request_id"].to_numpy(),
-        SURVIVAL_EXAMPLES,
-    )
+    baselines, winner = _baselines(predictors, finished_train, scored, preds, retrained, config)
+    ablations = _ablations(ablate, finished_train, scored, config, min_requests, jobs, kept, log)
+    arrays = _plot_arrays(predictors, ds, scored, preds)
 
     result = {
-        "traces": {
-            "paths": [str(d.path) for d in datasets],
-            "fingerprint": ds.data_hash(),
-            "model": model_label(ds),
-            "decoding": ds.decoding,
-            "n_requests": len(ds),
-            "n_train": len(train),
-            "n_eval": len(eval_ds),
-            "n_eval_finished": len(scored),
-        },
+        "traces": _traces_record(datasets, ds, train, eval_ds, scored),
         "run": str(run) if run is not None else None,
         "config": config.to_dict(),
         "metrics": metrics,
@@ -241,12 +173,132 @@ def evaluate(
     return Evaluation(result, arrays)
 
 
+def _check_before_training(ds: TraceDataset, train: TraceDataset, eval_ds: TraceDataset, hold_out: str | None,
+                           ablate: Sequence[str]) -> None:
+    """Refuse what would fail only after minutes of training: a missing split, an unknown held-out
+    category or ablation, an ablation of hidden layers the traces were not collected with."""
+    from dwise_predict.evaluation import ablate as ablate_mod
+
+    _fail_fast(ds, train, eval_ds)
+    if hold_out is not None:
+        loco_mod.check_categories(train, eval_ds, [hold_out])
+    unknown = [k for k in ablate if k not in ablate_mod.KINDS]
+    if unknown:
+        raise InputError(f"`ablate` {', '.join(unknown)}: unknown; choose from {', '.join(ablate_mod.KINDS)}")
+    for kind in ablate:
+        if kind in ablate_mod.HIDDEN_KINDS:  # traces without `collect --layers` are refused here
+            ablate_mod.hidden_settings(kind, ds)
+
+
+def _predictors(run: str | os.PathLike | None, ds: TraceDataset, train: TraceDataset, config, kept, log):
+    """The predictors evaluated and the config of every retraining: a run's (when it was trained on
+    these traces), else both predictors fitted here on the training split."""
+    from dwise_predict.training import TrainConfig, load_predictors
+
+    if run is not None:
+        run_files = load_run(run)
+        _check_run_matches(run_files.config, ds, Path(run))
+        predictors = load_predictors(run_files)
+        config = config or TrainConfig.from_dict(run_files.config)
+        log(f"loaded predictors from {run}")
+    else:
+        config = config or TrainConfig()
+        log(f"training both predictors on {len(train)} requests")
+        predictors = fit_kept(train, config, kept, log)
+    return predictors, config
+
+
+def _retrain(train: TraceDataset, scored: TraceDataset, preds: dict, config, loco: bool, hold_out: str | None,
+             min_requests: int, jobs: int | None, kept, log) -> tuple[dict, dict | None]:
+    """Every retraining in one pool (LOCO categories, the prompt-hidden-state baseline and the
+    ablation without the first-round state); returns their results by task name and the LOCO table
+    (None when no category is held out)."""
+    loco_tasks, skipped = [], []
+    if loco or hold_out is not None:
+        loco_tasks, skipped = loco_mod.plan(train, scored, config, None if loco else [hold_out], min_requests)
+        if not loco and skipped:
+            raise InputError(f"cannot hold out {hold_out!r}: {skipped[0]['reason']}")
+    tasks = loco_tasks + table_tasks(train, scored, config)
+    log(f"retraining {len(tasks)} times ({len(loco_tasks)} held-out categories + prompt-hidden-state baseline "
+        "+ the ablation without the first-round state)")
+    retrained = run_tasks(tasks, jobs, on_done=lambda name: log(f"  done: {TASK_WORDS.get(name, 'without ' + name)}"),
+                          kept=kept, log=log)
+
+    loco_result = None
+    if loco_tasks or skipped:
+        held = {t.name: retrained[t.name] for t in loco_tasks}
+        loco_result = loco_mod.table(scored, preds, held, skipped, hold_out, min_requests, config.bootstrap,
+                                     config.seed)
+    return retrained, loco_result
+
+
+def _estimates(predictors, scored: TraceDataset) -> dict[str, np.ndarray]:
+    """The predictors' estimates on the scored requests: admission total rounds, calibrated and raw
+    refined remaining rounds."""
+    return {
+        "admission": np.asarray(predictors.admission_total(scored), dtype=float),
+        "refined": np.asarray(predictors.refined_remaining(scored), dtype=float),
+        "refined_raw": np.asarray(predictors.refined_raw(scored), dtype=float),
+    }
+
+
+def _baselines(predictors, finished_train: TraceDataset, scored: TraceDataset, preds: dict, retrained: dict,
+               config) -> tuple[list[dict], dict]:
+    """The baseline table (see :mod:`.baselines`) and which predictor won (see :func:`_winner`)."""
+    candidate = predictors.ensemble.candidate
+    predictions = baseline_predictions(finished_train, scored, preds["admission"], preds["refined"],
+                                       {name: retrained[name]["refined"] for name in TASK_WORDS}, config.seed, candidate)
+    return baseline_table(scored, predictions), _winner(predictions, scored, candidate, config)
+
+
+def _plot_arrays(predictors, ds: TraceDataset, scored: TraceDataset, preds: dict) -> dict:
+    """What the report's plots draw beside the result: the requests, the estimates and a few
+    requests' survival curves spread over the estimate's range."""
+    arrays = {"eval_requests": scored.requests, "all_requests": ds.requests, **preds}
+    arrays["survival"] = survival_examples(
+        predictors.predict_survival(scored),
+        preds["refined"],
+        scored.requests["total_rounds"].to_numpy(dtype=float) - 1,
+        scored.requests["request_id"].to_numpy(),
+        SURVIVAL_EXAMPLES,
+    )
+    return arrays
+
+
+def _ablations(ablate: Sequence[str], finished_train: TraceDataset, scored: TraceDataset, config, min_requests: int,
+               jobs: int | None, kept, log) -> list[dict]:
+    """Each ablation asked for, once, in the order first asked (see :func:`.ablate.ablate`)."""
+    from dwise_predict.evaluation import ablate as ablate_mod
+
+    ablations = []
+    for kind in dict.fromkeys(ablate):
+        log(f"ablation: {kind}")
+        ablations.append(ablate_mod.ablate(kind, finished_train, scored, config, n_boot=_n_boot(config), log=log,
+                                            min_requests=min_requests, jobs=jobs, kept=kept))
+    return ablations
+
+
+def _traces_record(datasets: list[TraceDataset], ds: TraceDataset, train: TraceDataset, eval_ds: TraceDataset,
+                   scored: TraceDataset) -> dict:
+    """What was evaluated: the trace directories, their pooled fingerprint, model, decoding and sizes."""
+    return {
+        "paths": [str(d.path) for d in datasets],
+        "fingerprint": ds.data_hash(),
+        "model": model_label(ds),
+        "decoding": ds.decoding,
+        "n_requests": len(ds),
+        "n_train": len(train),
+        "n_eval": len(eval_ds),
+        "n_eval_finished": len(scored),
+    }
+
+
 def claim_evaluation_out(out: str | os.PathLike, traces: Sequence[str | os.PathLike],
                          run: str | os.PathLike | None = None):
     """Check ``out`` can take an evaluation and lock it for the ``with`` block (see
     :func:`dwise_predict.files.claim_output`): an earlier evaluation there is replaced, the traces,
     the run or a foreign folder never are."""
-    inputs = [*(("TRACES", path) for path in traces), ("--run", run)]
+    inputs = [*(("TRACES", path) for path in traces), ("`run`", run)]
     return claim_output(out, inputs, "an evaluation", EVALUATION_MARKER, replace=True, contents=EVALUATION_CONTENTS)
 
 

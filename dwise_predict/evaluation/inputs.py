@@ -14,13 +14,13 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import InputError
-from dwise_predict.identity import MODEL_KEYS, identity
+from dwise_predict.names import MODEL_KEYS, identity
 from dwise_predict.traces import TraceDataset, load_traces
 
 
 def model_identity(ds: TraceDataset) -> dict:
     """What says which model produced ``ds``: the fingerprint fields the trace store and the bundle
-    compare too (``identity.MODEL_KEYS``; not the name or path, which the same weights may change)."""
+    compare too (``names.MODEL_KEYS``; not the name or path, which the same weights may change)."""
     return identity(ds.model_fingerprint, MODEL_KEYS)
 
 

@@ -1,4 +1,4 @@
-"""Leave-one-category-out evaluation (seed 000, Tables 7 and 17).
+"""Leave-one-category-out evaluation (the DWISE paper, Tables 7 and 17).
 
 For each request category, both predictors are retrained on the training split without it and
 scored on that category's evaluation requests. Each cell is a within-category Spearman ρ "with the
@@ -85,7 +85,7 @@ def check_categories(train: TraceDataset, eval_ds: TraceDataset, categories: Seq
     if unknown:
         raise InputError(
             f"unknown category {', '.join(map(repr, unknown))}: the traces hold {', '.join(known)}; "
-            "pass one of those to --hold-out"
+            "pass one of those to `hold_out`"
         )
     return list(categories)
 

@@ -186,7 +186,7 @@ def output_vs_rounds(output_tokens, rounds, categories) -> bytes:
 
 
 def budget_sweep(rows: Sequence[dict]) -> bytes:
-    """CV of rounds and share truncated against the output budget (seed 001's budget finding)."""
+    """CV of rounds and share truncated against the output budget (Amin et al.'s budget finding)."""
     budgets = [r["budget"] for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(budgets, [r["cv"] if r["cv"] is not None else np.nan for r in rows], marker="o",

@@ -217,7 +217,7 @@ def run_tasks(
             except BrokenProcessPool:  # the OOM killer, or a user's kill, took a worker: every pending task fails
                 kept_note = f"; the {len(results)} finished are kept" if kept is not None and results else ""
                 raise WorkerError(f"a retraining worker process died (killed, or out of memory) after {len(results)} "
-                                  f"of {len(tasks)} retrainings: rerun the same command, with fewer --jobs if memory "
+                                  f"of {len(tasks)} retrainings: rerun the same command, with fewer `jobs` if memory "
                                   f"is short{kept_note}") from None
     return {task.name: results[task.name] for task in tasks}
 

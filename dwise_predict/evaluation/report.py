@@ -26,7 +26,7 @@ def _arrow(pair: dict, intervals: dict | None = None) -> str:
 
 
 def rounds_table(characterization: dict) -> Table:
-    """Per-category spread, tiers, wall-time correlation and truncation (seed 001's measurements)."""
+    """Per-category spread, tiers, wall-time correlation and truncation (Amin et al.'s measurements)."""
     rows = []
     for name, stats in [("all", characterization["overall"]), *characterization["per_category"].items()]:
         r, d = stats["rounds"], stats["discreteness"]
@@ -162,7 +162,7 @@ def _calibration_table(rows: list[dict]) -> Table:
     return Table(
         ["predictor", "median predicted / actual", "Spearman ρ"],
         [[r["predictor"], fmt(r["median_ratio"]), fmt(r["spearman"])] for r in rows],
-        "Calibration (seed 000, Table 5)",
+        "Calibration (the DWISE paper, Table 5)",
     )
 
 
@@ -179,7 +179,7 @@ def loco_tables(loco: dict) -> list:
             + [["mean", "", _arrow(loco["mean"]["admission"], ci.get("admission")),
                 _arrow(loco["mean"]["refined"], ci.get("refined")),
                 "defined values only" + ("; [95% interval], evaluation requests resampled in their category" if intervals else "")]],
-            "Within-category ρ with the category in training → held out (seed 000, Tables 7 and 17)",
+            "Within-category ρ with the category in training → held out (the DWISE paper, Tables 7 and 17)",
         )
     ]
     chosen = loco.get("hold_out")
@@ -237,7 +237,7 @@ def _output_work_table(table: dict) -> Table:
         ["category", "n", "share of work", "mean output tokens", "mean rounds", "ρ(tokens, rounds)",
          "rounds/token p50", "rounds/token p10–p90", "at budget", "work p10–p90 at budget"],
         rows,
-        "Output length versus work (seed 000, Table 12)",
+        "Output length versus work (the DWISE paper, Table 12)",
     )
 
 
@@ -276,7 +276,7 @@ def summary(result: dict) -> list[str]:
         text = (f"Best predictor of the baseline table (oracles and the ablation aside): {best['name']} "
                 f"(ρ = {fmt(best['spearman'])}).")
         if early:
-            text += (f" Seed 001's four early signals together: ρ = {fmt(early['spearman'])}, "
+            text += (f" Amin et al.'s four early signals together: ρ = {fmt(early['spearman'])}, "
                      f"R² = {fmt(early['r2'])}.")
         lines.append(text)
     lines += winner_lines(result.get("winner"))
@@ -338,61 +338,17 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
         ``refined_raw`` predictions on the evaluation split (n_eval,), and optionally ``survival``
         ``{"curves": (n, K), "true": (n,), "labels": [...]}``.
     """
-    ev = arrays["eval_requests"]
     every = arrays["all_requests"]
-    cats = ev["category"].astype(str).to_numpy()
-    total = ev["total_rounds"].to_numpy(dtype=float)
-    metrics = result["metrics"]
-
-    split_blocks: list = [
-        _split_table(metrics),
-        _per_category_table(metrics),
-        Figure("scatter_admission",
-               plots.scatter_pred_true(arrays["admission"], total, cats, "Admission", metrics["admission"]["spearman"]),
-               "Admission estimate of total rounds against actual total rounds."),
-        Figure("scatter_refined",
-               plots.scatter_pred_true(arrays["refined"], total - 1, cats, "Refined", metrics["refined"]["spearman"]),
-               "Calibrated refined estimate of remaining rounds against actual remaining rounds."),
-    ]
-    survival = arrays.get("survival")
-    if survival is not None:
-        split_blocks.append(Figure("survival_curves",
-                                   plots.survival_curves(survival["curves"], survival["true"], survival["labels"]),
-                                   "Ensemble survival curves of evaluation requests spread over the estimate's range; "
-                                   "dotted lines mark each request's actual remaining rounds."))
     sections = [
         Section("Summary", "", summary(result)),
-        Section("Predictors on the evaluation split", "", split_blocks),
+        _predictors_section(result["metrics"], arrays),
     ]
     chosen = candidates_section(result.get("selection") or {})
     if chosen is not None:
         sections.append(chosen)
-
-    sections.append(Section("Calibration", "", [
-        _calibration_table(result["calibration"]),
-        Figure("calibration",
-               plots.calibration_curve(total - 1, {"admission (total − 1)": arrays["admission"] - 1,
-                                                   "raw refinement": arrays["refined_raw"],
-                                                   "calibrated": arrays["refined"]}),
-               "Median actual remaining rounds per decile of each estimate; "
-               "the dashed diagonal is perfect calibration."),
-    ]))
-
+    sections.append(_calibration_section(result["calibration"], arrays))
     if result.get("loco"):
-        loco = result["loco"]
-        blocks = loco_tables(loco)
-        if loco["rows"]:
-            blocks.insert(1, Figure("loco", plots.loco_bars(loco["rows"]),
-                                    "Within-category ρ: light = category in training, dark = held out; "
-                                    "n/a = undefined."))
-        mixed = [d["column"] for d in result["characterization"]["signal_directions"]
-                 if d["direction"] == DEPENDS_ON_CATEGORY]
-        if mixed:
-            blocks.append(f"Inputs whose direction inside a category depends on the category: {', '.join(mixed)} "
-                          "(Workload, early signals): the direction a predictor learns from the categories it "
-                          "trains on is the wrong one for a held-out category where such an input runs the other way.")
-        sections.append(Section("Leave one category out", "", blocks))
-
+        sections.append(_loco_section(result["loco"], result["characterization"]))
     sections.append(Section("Baselines", "", [
         _baseline_table(result["baselines"]),
         Figure("baselines", plots.baseline_bars(result["baselines"]), "Rank correlation of each baseline."),
@@ -413,16 +369,73 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
     if directions:
         workload += [signal_directions_text(directions), signal_directions_table(directions)]
     sections.append(Section("Workload", "", workload))
+    return Document("dwise-predict: evaluation report", _evaluation_meta(result), sections)
 
+
+def _predictors_section(metrics: dict, arrays: dict) -> Section:
+    """The split and per-category tables, both estimates against the truth, and survival curves."""
+    ev = arrays["eval_requests"]
+    cats = ev["category"].astype(str).to_numpy()
+    total = ev["total_rounds"].to_numpy(dtype=float)
+    blocks: list = [
+        _split_table(metrics),
+        _per_category_table(metrics),
+        Figure("scatter_admission",
+               plots.scatter_pred_true(arrays["admission"], total, cats, "Admission", metrics["admission"]["spearman"]),
+               "Admission estimate of total rounds against actual total rounds."),
+        Figure("scatter_refined",
+               plots.scatter_pred_true(arrays["refined"], total - 1, cats, "Refined", metrics["refined"]["spearman"]),
+               "Calibrated refined estimate of remaining rounds against actual remaining rounds."),
+    ]
+    survival = arrays.get("survival")
+    if survival is not None:
+        blocks.append(Figure("survival_curves",
+                             plots.survival_curves(survival["curves"], survival["true"], survival["labels"]),
+                             "Ensemble survival curves of evaluation requests spread over the estimate's range; "
+                             "dotted lines mark each request's actual remaining rounds."))
+    return Section("Predictors on the evaluation split", "", blocks)
+
+
+def _calibration_section(rows: list[dict], arrays: dict) -> Section:
+    """Median ratios of the three estimates and their decile calibration curves."""
+    remaining = arrays["eval_requests"]["total_rounds"].to_numpy(dtype=float) - 1
+    return Section("Calibration", "", [
+        _calibration_table(rows),
+        Figure("calibration",
+               plots.calibration_curve(remaining, {"admission (total − 1)": arrays["admission"] - 1,
+                                                   "raw refinement": arrays["refined_raw"],
+                                                   "calibrated": arrays["refined"]}),
+               "Median actual remaining rounds per decile of each estimate; "
+               "the dashed diagonal is perfect calibration."),
+    ])
+
+
+def _loco_section(loco: dict, characterization: dict) -> Section:
+    """Leave-one-category-out tables and bars, and the inputs whose direction flips between
+    categories (why a held-out category can rank worse than the ones trained on)."""
+    blocks = loco_tables(loco)
+    if loco["rows"]:
+        blocks.insert(1, Figure("loco", plots.loco_bars(loco["rows"]),
+                                "Within-category ρ: light = category in training, dark = held out; "
+                                "n/a = undefined."))
+    mixed = [d["column"] for d in characterization["signal_directions"] if d["direction"] == DEPENDS_ON_CATEGORY]
+    if mixed:
+        blocks.append(f"Inputs whose direction inside a category depends on the category: {', '.join(mixed)} "
+                      "(Workload, early signals): the direction a predictor learns from the categories it "
+                      "trains on is the wrong one for a held-out category where such an input runs the other way.")
+    return Section("Leave one category out", "", blocks)
+
+
+def _evaluation_meta(result: dict) -> list[str]:
+    """The report's header lines: model, traces, sizes and where the predictors came from."""
     traces = result["traces"]
-    meta = [
+    return [
         f"model: {traces['model']}",
         f"traces: {', '.join(traces['paths'])} (fingerprint {traces['fingerprint'][:16]}…)",
         f"requests: {traces['n_train']} train, {traces['n_eval']} eval",
         "predictors: "
         + (f"run {result['run']}" if result.get("run") else "trained on the train split by this evaluation"),
     ]
-    return Document("dwise-predict: evaluation report", meta, sections)
 
 
 def survival_examples(curves: np.ndarray, estimate: np.ndarray, true: np.ndarray, ids, n: int = 4) -> dict:

@@ -45,6 +45,7 @@ from dwise_predict.bundles.manifest import (
     NAME_PATTERN,
     PROBES_FILE,
     SIGNAL_COUNT,
+    BundleManifest,
     printable,
     write_bundle_manifest,
 )
@@ -52,7 +53,7 @@ from dwise_predict.exports.model_card import model_card
 from dwise_predict.exports.probe_worker import RAW_PROBE, TOLERANCE, calibrated_band, outside_band
 from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.files import atomic_dir, claim_output, sha256_file
-from dwise_predict.identity import EARLY_SIGNALS, HIDDEN_STATES
+from dwise_predict.names import EARLY_SIGNALS, HIDDEN_STATES
 from dwise_predict.exports.refine_export import (
     ONNX_OPSET as REFINE_OPSET,
     INPUT_NAMES,
@@ -114,7 +115,7 @@ def export_bundle(
     if name is None:
         name = _sanitise(Path(run).resolve().name)
     if not NAME_PATTERN.fullmatch(name):
-        raise InputError(f"--name {printable(name)} must be 1-100 letters, digits, '.', '_' or '-', starting with a "
+        raise InputError(f"`name` {printable(name)} must be 1-100 letters, digits, '.', '_' or '-', starting with a "
                          "letter or digit")
     if created is None:
         created = dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat()
@@ -122,8 +123,8 @@ def export_bundle(
         try:
             dt.datetime.fromisoformat(created)
         except ValueError:
-            raise InputError(f"--created '{created}' is not an ISO-8601 time (e.g. 2026-01-01T00:00:00+00:00)") from None
-    with claim_output(out, [("RUN", run)], "a bundle", BUNDLE_FILE, replace=force, flag="--force"):
+            raise InputError(f"`created` '{created}' is not an ISO-8601 time (e.g. 2026-01-01T00:00:00+00:00)") from None
+    with claim_output(out, [("RUN", run)], "a bundle", BUNDLE_FILE, replace=force, param="force"):
         run_files = load_run(run)
         _export(run_files, out, name, created, n_probes, seed)
     return out
@@ -146,7 +147,8 @@ def _export(run_files: RunFiles, out: Path, name: str, created: str, n_probes: i
                 "kept": (tmp / "refine.int8.onnx").exists()}
         artifacts = {k: v for k, v in ARTIFACTS.items() if (tmp / k).exists() or k == "README.md"}
         manifest = _manifest(run_files, name, created, artifacts, int8)
-        (tmp / "README.md").write_text(model_card(manifest, artifacts))
+        # checked as every reader checks it; the card is written before any file is hashed (it is one of them)
+        (tmp / "README.md").write_text(model_card(BundleManifest.from_dict(manifest, str(tmp / BUNDLE_FILE))))
         manifest["files"] = {
             p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())
         }
@@ -253,8 +255,8 @@ def _quantise_if_ranking_holds(bundle: Path) -> float:
 
 
 def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dict) -> dict:
-    """``bundle.json`` content without ``files`` (added once every file is written) and the seal
-    (added by :func:`write_bundle_manifest`)."""
+    """``bundle.json`` content with no ``files`` yet (they are listed once every file is written) and
+    without the seal (added by :func:`write_bundle_manifest`)."""
     spec = {k: v for k, v in run.refine_spec.items()}
     hidden = int(spec["hidden_size"])
     metrics = dict(run.metrics)
@@ -285,6 +287,7 @@ def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dic
         "int8": int8,
         "versions": {"export": package_versions(), "train": run.config.get("versions", {})},
         "probes": PROBES_FILE,
+        "files": {},
     }
 
 

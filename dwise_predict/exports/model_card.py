@@ -7,19 +7,30 @@ unchanged, so no YAML library is needed.
 
 from __future__ import annotations
 
-from dwise_predict.identity import EARLY_SIGNALS
-
 import json
 
+from dwise_predict.bundles.manifest import BundleManifest
+from dwise_predict.names import EARLY_SIGNALS
 
-def model_card(manifest: dict, artifacts: dict) -> str:
+
+def model_card(manifest: BundleManifest) -> str:
     """Markdown model card for a bundle manifest (``files`` may still be empty when it is written)."""
-    model, decoding, metrics = manifest["model"], manifest["decoding"], manifest["metrics"]
-    refine = manifest["inputs"]["refine"]
+    model, decoding, metrics = manifest.identity.model.fields, manifest.identity.decoding.fields, manifest.metrics
+    refine, hidden = manifest.refine, manifest.hidden_size
     base_model = model.get("repo_id") or model.get("name") or "unknown"
     admission_rho = metrics.get("admission", {}).get("spearman")
     refined_rho = metrics.get("refined", {}).get("spearman")
-    front = [
+    lines = (_front_matter(manifest, base_model, admission_rho, refined_rho)
+             + _description(manifest, model, decoding, metrics, base_model, refine, hidden)
+             + _metrics_table(metrics, admission_rho, refined_rho)
+             + _inputs_and_loading(hidden)
+             + _safety_and_files(manifest))
+    return "\n".join(lines)
+
+
+def _front_matter(manifest: BundleManifest, base_model: str, admission_rho, refined_rho) -> list[str]:
+    """The Hub's YAML metadata: library, base model, tags and the model index with both ρ."""
+    return [
         "---",
         "library_name: onnx",
         f"base_model: {json.dumps(base_model)}",
@@ -29,7 +40,7 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "metrics:",
         "- spearmanr",
         "model-index:",
-        f"- name: {json.dumps(manifest['name'])}",
+        f"- name: {json.dumps(manifest.name)}",
         "  results:",
         "  - task:",
         "      type: tabular-regression",
@@ -37,7 +48,7 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "    dataset:",
         f"      name: {json.dumps('traces of ' + base_model + ' (eval split)')}",
         "      type: dwise-predict-traces",
-        f"      revision: {json.dumps(manifest['training_data'].get('fingerprint') or 'unknown')}",
+        f"      revision: {json.dumps(manifest.training_data.get('fingerprint') or 'unknown')}",
         "    metrics:",
         "    - type: spearmanr",
         "      name: admission Spearman rho (total rounds)",
@@ -48,21 +59,25 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "---",
         "",
     ]
-    calibration = metrics.get("calibration", {})
-    body = [
-        f"# {manifest['name']}: workload predictors for {base_model}",
+
+
+def _description(manifest: BundleManifest, model: dict, decoding: dict, metrics: dict, base_model: str, refine,
+                 hidden: int) -> list[str]:
+    """What the two predictors are, and the model, decoding and traces they were trained for."""
+    return [
+        f"# {manifest.name}: workload predictors for {base_model}",
         "",
         "Two predictors for a block-diffusion LLM scheduler, exported by dwise-predict (after DWISE, §3–§4):",
         "",
         "- **admission** — LightGBM (`admission.txt`, `admission.onnx`) on three prompt features "
         "(`words`, `newlines`, `prompt_tokens` after the chat template) → predicted total denoising rounds;",
         f"- **refinement** — {_refine_words(refine)} "
-        f"(K = {manifest['K']}) on the pooled hidden states of the first denoising round and of the last "
-        f"prompt block (H = {refine['hidden_size']} each), prompt tokens, budget and the first round's early signals, "
+        f"(K = {manifest.K}) on the pooled hidden states of the first denoising round and of the last "
+        f"prompt block (H = {hidden} each), prompt tokens, budget and the first round's early signals, "
         "isotonic-calibrated → remaining denoising "
         "rounds (`refine.onnx`, `refine.pt`, `refine.pt2`, weights in `refine.safetensors`).",
         "",
-        *_int8_lines(manifest.get("int8") or {}),
+        *_int8_lines(manifest.int8),
         "## Trained for",
         "",
         "The predictions are only meaningful for this model and decoding configuration; the serving hook "
@@ -72,9 +87,16 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         json.dumps({"model": model, "decoding": decoding}, indent=2, sort_keys=True),
         "```",
         "",
-        f"Training traces: fingerprint `{manifest['training_data'].get('fingerprint')}`"
+        f"Training traces: fingerprint `{manifest.training_data.get('fingerprint')}`"
         f" ({metrics.get('n_train', '?')} train / {metrics.get('n_eval', '?')} eval requests).",
         "",
+    ]
+
+
+def _metrics_table(metrics: dict, admission_rho, refined_rho) -> list[str]:
+    """Both predictors' ρ on the evaluation split and the median predicted/actual ratios."""
+    calibration = metrics.get("calibration", {})
+    return [
         "## Metrics (eval split)",
         "",
         "| predictor | Spearman ρ | within-category ρ (mean) |",
@@ -86,12 +108,18 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         f"refined raw {_fmt(calibration.get('median_ratio_raw'))}, "
         f"calibrated {_fmt(calibration.get('median_ratio_calibrated'))}.",
         "",
+    ]
+
+
+def _inputs_and_loading(hidden: int) -> list[str]:
+    """The graphs' inputs and outputs, and how to load them."""
+    return [
         "## Inputs and outputs",
         "",
         "| graph | inputs (float32) | output (float32) |",
         "|---|---|---|",
         "| `admission.onnx` | `features` [B, 3] = words, newlines, prompt_tokens | `total_rounds` [B] |",
-        f"| `refine.onnx` | `first_round` [B, {refine['hidden_size']}], `prompt_last` [B, {refine['hidden_size']}] "
+        f"| `refine.onnx` | `first_round` [B, {hidden}], `prompt_last` [B, {hidden}] "
         "(raw pooled rows, standardised inside), "
         f"`prompt_tokens` [B], `budget` [B], `early_signals` [B, {len(EARLY_SIGNALS)}] = {', '.join(EARLY_SIGNALS)} "
         "of the first denoising forward over the block's masked positions "
@@ -118,6 +146,12 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "`dwise_predict.survival.network.build_refine_graph(safetensors.torch.load_file('refine.safetensors'), "
         "bundle['inputs']['refine'], json.load(open('calibration.json')))`.",
         "",
+    ]
+
+
+def _safety_and_files(manifest: BundleManifest) -> list[str]:
+    """Which files hold pickles (and how they are screened), and every file's role."""
+    return [
         "## Safety",
         "",
         "`refine.pt` (TorchScript) and `refine.pt2` (torch.export) are zip archives of Python pickles and code: "
@@ -131,10 +165,10 @@ def model_card(manifest: dict, artifacts: dict) -> str:
         "",
         "| file | role | format | contains pickle |",
         "|---|---|---|---|",
-        *(f"| `{f}` | {a['role']} | {a['format']} | {'yes' if a['pickle'] else 'no'} |" for f, a in artifacts.items()),
+        *(f"| `{f}` | {a['role']} | {a['format']} | {'yes' if a['pickle'] else 'no'} |"
+          for f, a in manifest.artifacts.items()),
         "",
     ]
-    return "\n".join(front + body)
 
 
 def _int8_lines(int8: dict) -> list[str]:

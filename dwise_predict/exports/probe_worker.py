@@ -80,7 +80,11 @@ def outside_band(got: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rho with average ranks for ties (NumPy only: the worker has no scipy)."""
+    """Spearman's rho with average ranks for ties; NaN when a side is constant.
+
+    Not :func:`dwise_predict.metrics.spearman`: that imports scipy, and this worker loads a bundle
+    with only what a serving host has (numpy, onnxruntime, torch: see the module's docstring).
+    """
 
     def ranks(x):
         x = np.asarray(x, np.float64).ravel()
@@ -145,12 +149,12 @@ def main(bundle: str) -> dict:
     def checked(name: str) -> bytes:
         return read_checked(root, manifest, name)
 
-    probes = load(checked(manifest["probes"]))
+    probes = load(checked(manifest.probes))
     inputs = [probes[f"refine.{name}"] for name in INPUT_NAMES]
     expected = probes["refine.remaining_rounds"]
     calibration = read_calibration(checked("calibration.json"), str(root / "calibration.json"))
     band = calibrated_band(expected, probes.get(RAW_PROBE), calibration)
-    files = manifest["files"]
+    files = manifest.files
     rows = []
 
     def torch_run(module):
@@ -171,7 +175,7 @@ def main(bundle: str) -> dict:
 
         from dwise_predict.survival.network import build_refine_graph
 
-        return build_refine_graph(load_tensors(checked("refine.safetensors")), manifest["inputs"]["refine"], calibration)
+        return build_refine_graph(load_tensors(checked("refine.safetensors")), manifest.refine, calibration)
 
     def onnx_run(name, output, feeds):
         session = onnx_session(name)

@@ -24,7 +24,7 @@ from torch import nn
 
 from dwise_predict.errors import BundleError
 from dwise_predict.bundles.manifest import SIGNAL_COUNT
-from dwise_predict.identity import HIDDEN_STATES
+from dwise_predict.names import HIDDEN_STATES
 from dwise_predict.survival.network import RefineGraph, isotonic_interp, refine_input
 
 ONNX_OPSET = 18

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dwise_predict.errors import BundleError
-from dwise_predict.bundles.manifest import read_bundle_manifest, unlisted_files
+from dwise_predict.bundles.manifest import BundleManifest, read_bundle_manifest, unlisted_files
 from dwise_predict.exports.probe_worker import SERVER_ENV, TOLERANCE, relative_error
 from dwise_predict.bundles.screen import check_layout, read_checked, screen_bundle
 from dwise_predict.files import loads_json, sha256_file
@@ -67,7 +67,7 @@ def verify_bundle(bundle: str | Path, timeout_s: float = 600.0) -> VerifyReport:
     manifest = read_bundle_manifest(bundle)
     check_layout(bundle, manifest)
     rows = [{"artifact": "bundle.json", "check": "seal and schema", "ok": True,
-             "detail": f"schema {manifest['schema_version']}"}]
+             "detail": f"schema {manifest.schema_version}"}]
     rows += _hash_rows(bundle, manifest)
     if not all(row["ok"] for row in rows):
         rows.append({"artifact": "(all)", "check": "load and compare", "ok": False,
@@ -79,9 +79,9 @@ def verify_bundle(bundle: str | Path, timeout_s: float = 600.0) -> VerifyReport:
     return VerifyReport(bundle, rows + worker_rows, modules)
 
 
-def _hash_rows(bundle: Path, manifest: dict) -> list[dict]:
+def _hash_rows(bundle: Path, manifest: BundleManifest) -> list[dict]:
     rows = []
-    for name, entry in sorted(manifest.get("files", {}).items()):
+    for name, entry in sorted(manifest.files.items()):
         path = bundle / name
         if Path(name).name != name:
             ok, detail = False, "not a plain file name: unsafe manifest"
@@ -100,13 +100,13 @@ def _hash_rows(bundle: Path, manifest: dict) -> list[dict]:
     return rows
 
 
-def _lightgbm_row(bundle: Path, manifest: dict) -> dict:
+def _lightgbm_row(bundle: Path, manifest: BundleManifest) -> dict:
     from safetensors.numpy import load
 
     from dwise_predict.exports.admission_export import load_booster, predict_total_rounds
 
     try:
-        probes = load(read_checked(bundle, manifest, manifest["probes"]))
+        probes = load(read_checked(bundle, manifest, manifest.probes))
         booster = load_booster(bundle / "admission.txt", read_checked(bundle, manifest, "admission.txt"))
         predicted = predict_total_rounds(booster, probes["admission.features"])
         error = relative_error(probes["admission.total_rounds"], predicted)

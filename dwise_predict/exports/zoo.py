@@ -36,7 +36,14 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from dwise_predict.errors import BundleError, InputError, LockHeldError, StoreError
-from dwise_predict.bundles.manifest import BUNDLE_ARTIFACTS, BUNDLE_FILE, NAME_PATTERN, printable, read_bundle_manifest
+from dwise_predict.bundles.manifest import (
+    BUNDLE_ARTIFACTS,
+    BUNDLE_FILE,
+    NAME_PATTERN,
+    BundleManifest,
+    printable,
+    read_bundle_manifest,
+)
 from dwise_predict.bundles.screen import open_bundle, screen_bundle
 from dwise_predict.files import (FileLock, atomic_dir, atomic_write, atomic_write_text, claim_output, read_json,
                                   refuse_aliasing, sha256_file, write_errors)
@@ -63,24 +70,24 @@ def publish(bundle: str | Path, zoo: str | Path, name: str | None = None, versio
     holds the zoo's lock this one waits, up to ``lock_wait_s`` seconds, and then picks its version.
     """
     bundle, zoo = Path(bundle), Path(zoo)
-    refuse_aliasing(zoo, [("BUNDLE", bundle)], flag="--zoo")
+    refuse_aliasing(zoo, [("BUNDLE", bundle)], param="zoo")
     if zoo.exists() and not zoo.is_dir():
-        raise InputError(f"--zoo {zoo} is a file: give a directory (a zoo, or a new or empty one)")
+        raise InputError(f"`zoo` {zoo} is a file: give a directory (a zoo, or a new or empty one)")
     # a publish killed before its first index leaves bundles/ and dot-files: its rerun resumes there
     if zoo.is_dir() and not (zoo / INDEX_FILE).is_file() and any(
             p.name != "bundles" and not p.name.startswith(".") for p in zoo.iterdir()):
-        raise StoreError(f"--zoo {zoo} holds files but is not a zoo (no {INDEX_FILE}): a zoo is never made inside "
+        raise StoreError(f"`zoo` {zoo} holds files but is not a zoo (no {INDEX_FILE}): a zoo is never made inside "
                          "another folder; choose a new or empty directory, or an existing zoo")
     manifest = read_bundle_manifest(bundle)
     if name is None:
-        name = manifest.get("name")
+        name = manifest.name
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise InputError(f"{bundle}/{BUNDLE_FILE} names the bundle {printable(name)}, which is not a zoo name (1-100 "
-                             "letters, digits, '.', '_' or '-', starting with a letter or digit): pass --name")
-    for flag, value in (("--name", name), ("--version", version)):
+                             "letters, digits, '.', '_' or '-', starting with a letter or digit): pass `name`")
+    for param, value in (("name", name), ("version", version)):
         if value is not None and not NAME_PATTERN.fullmatch(value):
             raise InputError(
-                f"{flag} {printable(value)} must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
+                f"`{param}` {printable(value)} must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit"
             )
     if verify:
         from dwise_predict.exports.verify import require_verified
@@ -112,7 +119,7 @@ def _zoo_lock(zoo: Path, wait_s: float):
         lock.__exit__()
 
 
-def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | None, lock_wait_s: float) -> dict:
+def _publish(bundle: Path, zoo: Path, manifest: BundleManifest, name: str, version: str | None, lock_wait_s: float) -> dict:
     zoo.mkdir(parents=True, exist_ok=True)
     with _zoo_lock(zoo, lock_wait_s):
         index = read_index(zoo, missing_ok=True)
@@ -121,7 +128,7 @@ def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | 
         if version in taken:
             raise StoreError(
                 f"{name}@{version} is already in the zoo {zoo}: published versions are never overwritten; "
-                "pass another --version"
+                "pass another `version`"
             )
         relative = Path(_tar_path(name, version))
         target = zoo / relative
@@ -136,13 +143,13 @@ def _publish(bundle: Path, zoo: Path, manifest: dict, name: str, version: str | 
             "sha256": sha256_file(target),
             "bytes": target.stat().st_size,
             "published": dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat(),
-            "created": manifest.get("created"),
-            "bundle_schema_version": manifest["schema_version"],
-            "model": manifest.get("model"),
-            "decoding": manifest.get("decoding"),
-            "hidden_size": manifest.get("inputs", {}).get("refine", {}).get("hidden_size"),
-            "K": manifest.get("K"),
-            "metrics": manifest.get("metrics"),
+            "created": manifest.created,
+            "bundle_schema_version": manifest.schema_version,
+            "model": manifest.identity.model.fields,
+            "decoding": manifest.identity.decoding.fields,
+            "hidden_size": manifest.hidden_size,
+            "K": manifest.K,
+            "metrics": manifest.metrics,
         }
         try:
             _write_index(zoo, {**index, "bundles": index["bundles"] + [entry]})
@@ -220,7 +227,7 @@ def pull(zoo: str | Path, ref: str, out: str | Path | None = None) -> Path:
     zoo = Path(zoo)
     entry = find_entry(zoo, ref)
     out = Path(out) if out is not None else Path(f"{entry['name']}-{entry['version']}")
-    with claim_output(out, [("--zoo", zoo)], "a bundle", BUNDLE_FILE):
+    with claim_output(out, [("`zoo`", zoo)], "a bundle", BUNDLE_FILE):
         return _pull(zoo, entry, out)
 
 
@@ -253,10 +260,10 @@ def _pull(zoo: Path, entry: dict, out: Path) -> Path:
     return out
 
 
-def _write_tar(bundle: Path, manifest: dict, path: Path) -> None:
+def _write_tar(bundle: Path, manifest: BundleManifest, path: Path) -> None:
     """A flat tar of bundle.json and the files it lists, byte-identical for identical bundles."""
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name in [BUNDLE_FILE, *sorted(manifest["files"])]:
+        for name in [BUNDLE_FILE, *sorted(manifest.files)]:
             data = (bundle / name).read_bytes()
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), 0o644, 0

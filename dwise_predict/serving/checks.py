@@ -15,9 +15,9 @@ What each check reads (never the weights):
   resolution already ran it in this process), against the hook's ``block_size``; the bundle's is
   compared with the rest of its decoding (``launcher.check_served_algorithm``).
 - **model identity**: the bundle's ``model.config_hash`` against the served config's (transformers'
-  reading of ``config.json``, hashed as ``collect`` hashes it: ``identity.config_hash``). A bundle
+  reading of ``config.json``, hashed as ``collect`` hashes it: ``names.config_hash``). A bundle
   trained on a live recording names no model: skipped, with a note. ``name`` and ``path`` are no
-  identity (``identity.py``); the weights' hash would read every weight file: not checked.
+  identity (``names.py``); the weights' hash would read every weight file: not checked.
 - **request rows**: ``k*B`` against the rows each scheduler gets (:func:`scheduler_rows`).
 
 For ``serve --check`` also: the SGLang surface the hook patches, against the SGLang installed here
@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dwise_predict.bundles.manifest import BundleIdentity
 from dwise_predict.errors import BundleError, ConfigError
 from dwise_predict.files import read_json_object
 
@@ -94,13 +95,6 @@ def hidden_size(config: dict) -> int | None:
     return int(size) if size else None
 
 
-def bundle_hidden_size(manifest: dict) -> int | None:
-    """The width a bundle's refinement graph takes (``LoadedBundle.hidden_size``'s reading)."""
-    refine = (manifest.get("inputs") or {}).get("refine") or {}
-    size = refine.get("hidden_size") or (manifest.get("model") or {}).get("hidden_size")
-    return int(size) if size else None
-
-
 def served_block_size(server_args) -> int | None:
     """The dLLM block size SGLang will run for ``server_args`` (its resolved view): SGLang's own
     ``DllmConfig.from_server_args``. None without a dLLM algorithm. Raises ``ImportError`` where
@@ -141,13 +135,13 @@ def rows_problem(slots: int, k: float, view) -> str | None:
         fix = f"raise --max-total-tokens to at least {2 * math.ceil(resident)}"
     else:
         fix = f"pass --max-running-requests {math.ceil(resident) * int(getattr(view, 'attn_dp_size', None) or 1)}"
-    return (f"DWISE keeps up to k*B = {resident:g} requests resident in each scheduler (--slots={slots} x "
-            f"--k={k:g}) but each scheduler holds {rows} ({basis}): {fix}, or lower --slots or --k")
+    return (f"DWISE keeps up to k*B = {resident:g} requests resident in each scheduler (`slots`={slots} x "
+            f"`k`={k:g}) but each scheduler holds {rows} ({basis}): {fix}, or lower `slots` or `k`")
 
 
-def server_findings(config, manifest: dict | None, server_args) -> Findings:
-    """The checks of a hook config (``launcher.HookConfig``) and its bundle's ``manifest`` (or None)
-    against SGLang's resolved ``server_args``: dLLM, request rows, block size, hidden size and model
+def server_findings(config, trained: BundleIdentity | None, server_args) -> Findings:
+    """The checks of a hook config (``launcher.HookConfig``) and its bundle's identity (``trained``, or
+    None) against SGLang's resolved ``server_args``: dLLM, request rows, block size, hidden size and model
     identity (see the module's docstring). The algorithm is ``launcher.check_served_algorithm``'s."""
     findings = Findings()
     rows, basis = scheduler_rows(server_args)
@@ -166,9 +160,9 @@ def server_findings(config, manifest: dict | None, server_args) -> Findings:
     findings.served["architecture"] = (served.get("architectures") or [None])[0]
     if getattr(server_args, "dllm_algorithm", None) is not None:
         _check_block_size(findings, config.block_size, server_args)
-    _check_width(findings, config, manifest, served)
-    if manifest is not None:
-        _check_identity(findings, manifest, server_args)
+    _check_width(findings, config, trained, served)
+    if trained is not None:
+        _check_identity(findings, trained, server_args)
     return findings
 
 
@@ -184,31 +178,31 @@ def _check_block_size(findings: Findings, block_size: int | None, server_args) -
         return
     findings.served["block_size"] = served
     if block_size is not None and served is not None and int(block_size) != served:
-        findings.refuse(ConfigError, f"--block-size={block_size} but SGLang runs {findings.served['architecture']} "
-                                     f"with block size {served}: leave --block-size out")
+        findings.refuse(ConfigError, f"`block_size`={block_size} but SGLang runs {findings.served['architecture']} "
+                                     f"with block size {served}: leave `block_size` out")
 
 
-def _check_width(findings: Findings, config, manifest: dict | None, served: dict) -> None:
+def _check_width(findings: Findings, config, trained: BundleIdentity | None, served: dict) -> None:
     width = hidden_size(served)
     findings.served["hidden_size"] = width
     model = findings.served["model"]
     if width is None:
         findings.notes.append(f"{model}/config.json names no hidden_size: the width is not checked before load")
         return
-    trained = None if manifest is None else bundle_hidden_size(manifest)
-    if trained is not None and trained != width:
-        findings.refuse(BundleError, f"bundle {config.bundle} takes hidden states of width {trained} but the served "
+    trained_width = None if trained is None else trained.hidden_size
+    if trained_width is not None and trained_width != width:
+        findings.refuse(BundleError, f"bundle {config.bundle} takes hidden states of width {trained_width} but the served "
                                      f"model {model} has hidden size {width}: serve the bundle with the model it was "
                                      "trained on, or export one for this model (`dwise-predict export`)")
     if config.hidden_size is not None and int(config.hidden_size) != width:
-        findings.refuse(ConfigError, f"--hidden-size={config.hidden_size} but the served model {model} has hidden "
-                                     f"size {width}: leave --hidden-size out")
+        findings.refuse(ConfigError, f"`hidden_size`={config.hidden_size} but the served model {model} has hidden "
+                                     f"size {width}: leave `hidden_size` out")
 
 
-def _check_identity(findings: Findings, manifest: dict, server_args) -> None:
-    from dwise_predict.identity import config_hash
+def _check_identity(findings: Findings, trained: BundleIdentity, server_args) -> None:
+    from dwise_predict.names import config_hash
 
-    named = (manifest.get("model") or {}).get("config_hash")
+    named = trained.model.config_hash
     if not named:
         findings.notes.append("the bundle names no model config (trained on a live recording?): model identity not "
                               "checked, only its width")
@@ -225,8 +219,7 @@ def _check_identity(findings: Findings, manifest: dict, server_args) -> None:
     served = config_hash(loaded.to_dict())
     findings.served["config_hash"] = served
     if served != named:
-        name = (manifest.get("model") or {}).get("name", "?")
-        findings.refuse(BundleError, f"the bundle was trained on another model ('{name}', config hash {named[:12]}) "
+        findings.refuse(BundleError, f"the bundle was trained on another model ('{trained.model.name}', config hash {named[:12]}) "
                                      f"than {model} (config hash {served[:12]}): export a bundle trained on this model")
 
 

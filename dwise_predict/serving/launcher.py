@@ -51,9 +51,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from numbers import Integral
 from pathlib import Path
 
+from dwise_predict.bundles.manifest import BUNDLE_FILE, BundleIdentity
 from dwise_predict.errors import BundleError, ConfigError
-from dwise_predict.files import read_json
-from dwise_predict.serving.checks import Findings, bundle_hidden_size, scheduler_rows, server_findings
+from dwise_predict.files import read_json_object
+from dwise_predict.serving.checks import Findings, scheduler_rows, server_findings
 
 RUN_SCHEDULER_PROCESS = "sglang.srt.managers.scheduler:run_scheduler_process"
 logger = logging.getLogger(__name__)
@@ -119,23 +120,23 @@ class HookConfig:
     def problems(self) -> list[str]:
         out = []
         if self.slots < 1:
-            out.append(f"--slots must be positive, got {self.slots}")
+            out.append(f"`slots` must be positive, got {self.slots}")
         if self.k < 1:
-            out.append(f"--k must be at least 1, got {self.k}")
+            out.append(f"`k` must be at least 1, got {self.k}")
         if self.bundle is not None and not (Path(self.bundle) / "bundle.json").is_file():
-            out.append(f"--bundle {self.bundle} has no bundle.json: pass a directory written by `dwise-predict export`")
+            out.append(f"`bundle` {self.bundle} has no bundle.json: pass a directory written by `dwise-predict export`")
         if self.bundle is None and self.record is None:
-            out.append("nothing to do: pass --bundle (schedule with DWISE), --record (collect traces), or both")
+            out.append("nothing to do: pass `bundle` (schedule with DWISE), `record` (collect traces), or both")
         if self.record_every < 1:
-            out.append(f"--record-every must be positive, got {self.record_every}")
+            out.append(f"`record_every` must be positive, got {self.record_every}")
         if not self.record_flush_s > 0:
-            out.append(f"--record-flush-s must be positive, got {self.record_flush_s}")
+            out.append(f"`record_flush_s` must be positive, got {self.record_flush_s}")
         if self.prompt_cache < 0:
-            out.append(f"--prompt-cache must be 0 or more, got {self.prompt_cache}")
+            out.append(f"`prompt_cache` must be 0 or more, got {self.prompt_cache}")
         if not 0 <= self.aging < float("inf"):
-            out.append(f"--aging must be a finite number >= 0 (0: no starvation guard), got {self.aging}")
+            out.append(f"`aging` must be a finite number >= 0 (0: no starvation guard), got {self.aging}")
         if not (isinstance(self.max_wait, Integral) and not isinstance(self.max_wait, bool) and self.max_wait >= 0):
-            out.append(f"--max-wait must be a whole number of rounds >= 0 (0: no wait cap), got {self.max_wait}")
+            out.append(f"`max_wait` must be a whole number of rounds >= 0 (0: no wait cap), got {self.max_wait}")
         return out
 
 
@@ -200,23 +201,22 @@ def startup_findings(config: HookConfig, server_args=None) -> Findings:
         findings.refuse(ConfigError, problem)
     if findings.problems:
         return findings
-    manifest = None
-    if config.bundle is not None:
-        path = Path(config.bundle) / "bundle.json"  # bounded: deeply nested JSON is one line, not a RecursionError
-        manifest = read_json(path, BundleError, str(path), "re-export the bundle")
+    trained = None
+    if config.bundle is not None:  # what the hook is held to; the hook's loader checks the whole bundle
+        path = Path(config.bundle) / BUNDLE_FILE  # bounded: deeply nested JSON is one line, not a RecursionError
+        trained = BundleIdentity.of(read_json_object(path, BundleError, str(path), "re-export the bundle"))
     if server_args is not None:
-        findings = server_findings(config, manifest, server_args)
-        if manifest is not None:
+        findings = server_findings(config, trained, server_args)
+        if trained is not None:
             try:
-                check_served_algorithm(manifest, config.bundle, server_args, findings.served.get("block_size"))
+                check_served_algorithm(trained, config.bundle, server_args, findings.served.get("block_size"))
             except BundleError as err:
                 findings.refuse(BundleError, str(err))
-    trained = {} if manifest is None else manifest
-    block_size = (config.block_size or (trained.get("decoding") or {}).get("block_size")
+    block_size = (config.block_size or (trained.decoding.block_size if trained else None)
                   or findings.served.get("block_size"))
-    hidden = config.hidden_size or (bundle_hidden_size(manifest) if manifest else None) or findings.served.get("hidden_size")
+    hidden = config.hidden_size or (trained.hidden_size if trained else None) or findings.served.get("hidden_size")
     findings.served.update(hook_block_size=block_size, hook_hidden_size=hidden)
-    missing = [flag for flag, value in (("--block-size", block_size), ("--hidden-size", hidden if config.record else 1))
+    missing = [flag for flag, value in (("`block_size`", block_size), ("`hidden_size`", hidden if config.record else 1))
                if not value]
     if missing:
         findings.refuse(ConfigError, f"the hook needs {' and '.join(missing)} (the model's dLLM block size and hidden "
@@ -240,7 +240,7 @@ def served_algorithm(server_args, block_size: int | None = None) -> dict | None:
                            or block_size)
 
 
-def check_served_algorithm(manifest: dict, bundle: str, server_args, block_size: int | None = None) -> None:
+def check_served_algorithm(trained: BundleIdentity, bundle: str, server_args, block_size: int | None = None) -> None:
     """Refuse, before SGLang loads the model, a bundle trained for another algorithm or parameters
     or block size (the algorithm config file's, else ``block_size``: SGLang's for the model, see
     :func:`~.checks.served_block_size`) than the server will run. The hook checks again on its first
@@ -250,8 +250,7 @@ def check_served_algorithm(manifest: dict, bundle: str, server_args, block_size:
 
     served = served_algorithm(server_args, block_size)
     if served is not None:
-        check_compatible(manifest, None, comparable_decoding((manifest.get("decoding") or {}).get("algorithm"), served),
-                         bundle)
+        check_compatible(trained, None, comparable_decoding(trained.decoding.algorithm, served), bundle)
 
 
 class SchedulerEntry:

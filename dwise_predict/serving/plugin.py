@@ -98,15 +98,16 @@ def config_from_environ(environ=None) -> HookConfig | None:
 
 
 def as_variables(message: str) -> str:
-    """``message`` with each of serve's own flags (a :class:`HookConfig` field: ``--slots``,
-    ``--block-size`` ...) named as the variable that sets it here (``DWISE_SLOTS``,
-    ``DWISE_BLOCK_SIZE`` ...); SGLang's flags (``--max-running-requests``) stay flags."""
-    return re.sub(r"--([a-z][a-z-]*)", _variable, message)
+    """``message`` with each hook parameter it names (a :class:`HookConfig` field in backticks:
+    `` `slots` ``, `` `block_size` `` ...) named as the variable that sets it here (``DWISE_SLOTS``,
+    ``DWISE_BLOCK_SIZE`` ...), as the CLI names them by their flags; SGLang's flags
+    (``--max-running-requests``) stay flags."""
+    return re.sub(r"`([a-z][a-z0-9_]*)`", _variable, message)
 
 
-def _variable(flag: re.Match) -> str:
-    variable = PREFIX + flag.group(1).replace("-", "_").upper()
-    return variable if variable in VARIABLES else flag.group(0)
+def _variable(param: re.Match) -> str:
+    variable = PREFIX + param.group(1).upper()
+    return variable if variable in VARIABLES else param.group(0)
 
 
 def register() -> None:

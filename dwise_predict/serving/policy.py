@@ -1,4 +1,4 @@
-"""The DWISE per-round scheduling policy (seed 000, Algorithm 1) as a class any server can drive.
+"""The DWISE per-round scheduling policy (the DWISE paper, Algorithm 1) as a class any server can drive.
 
 A server calls, every serving round,
 
@@ -96,7 +96,7 @@ class RoundPlan:
 
 
 class DwisePolicy:
-    """Preemptive SRPT over block slots with KV-safe admission (seed 000, Algorithm 1).
+    """Preemptive SRPT over block slots with KV-safe admission (the DWISE paper, Algorithm 1).
 
     Parameters
     ----------
@@ -572,7 +572,7 @@ class DwisePolicy:
 
     def refine(self, slots, remaining) -> None:
         """Replace ``r̂`` of resident requests by fresh estimates of their remaining denoising rounds
-        (clamped at zero): a refinement after a later round (``simulate --refine-every``, seed 000
+        (clamped at zero): a refinement after a later round (``simulate --refine-every``, the DWISE paper's
         Table 6). Call it after :meth:`complete_round`, which keeps decrementing ``r̂`` in between."""
         self._kept = None
         self._rhat[np.asarray(slots, dtype=np.int64)] = np.maximum(np.asarray(remaining, dtype=np.float64), 0.0)

@@ -33,7 +33,7 @@ def check(config: HookConfig | None, sglang_argv: list[str], environ=None) -> di
     report = {"sglang_args": list(sglang_argv), "surface": surface_problems_here(),
               "serve": None if config is None else checked(config, view), "plugin": plugin_report(view, environ)}
     if report["serve"] is None and not report["plugin"]["asked"]:
-        raise ConfigError("nothing to check: pass --bundle or --record (serve's hook), or set the plugin's DWISE_* "
+        raise ConfigError("nothing to check: pass `bundle` or `record` (serve's hook), or set the plugin's DWISE_* "
                           "variables")
     report["ok"] = not report_problems(report)
     return report

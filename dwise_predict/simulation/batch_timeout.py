@@ -1,6 +1,6 @@
-"""Seed 001 §V: the batch-timeout stability rule for fixed-fill synchronized batching.
+"""Amin et al.'s §V: the batch-timeout stability rule for fixed-fill synchronized batching.
 
-The service model (seed 001, "fixed-fill synchronized batching under Poisson arrivals"): requests
+The service model (Amin et al., "fixed-fill synchronized batching under Poisson arrivals"): requests
 arrive as a Poisson process of rate ``λ``. The first request that finds no batch forming opens a
 window; the batch closes when it holds ``B`` requests or ``T`` seconds after the window opened,
 whichever comes first, and joins a FIFO queue in front of one server. Serving a batch takes one
@@ -14,7 +14,7 @@ The rule. Batches are formed independently of the server, so a cycle (window ope
 closing) lasts ``1/λ`` (waiting for the opener) plus the window. Ignoring the cap ``B`` a batch holds
 ``1 + λT`` requests on average and the server keeps up iff ``λ S < 1 + λ T``, i.e.
 
-    ``T_min = S − 1/λ``            (seed 001, Eq. for T_min)
+    ``T_min = S − 1/λ``            (Amin et al., Eq. for T_min)
 
 Below ``T_min`` batches arrive faster than they are served and the queue (and latency) grows
 without bound. With the cap the window may close early (the ``B``-th arrival), so the exact
@@ -22,7 +22,7 @@ threshold :func:`exact_min_timeout` sits a little above ``T_min``; both are repo
 
 References
 ----------
-Seed 001 §V (Table II notation, Table III percentiles, Fig. 11 U-shape); Deb & Serfozo (1973),
+Amin et al.'s §V (Table II notation, Table III percentiles, Fig. 11 U-shape); Deb & Serfozo (1973),
 optimal control of batch service queues.
 """
 
@@ -38,7 +38,7 @@ from dwise_predict.errors import ConfigError, InputError
 from dwise_predict.files import loads_json
 
 PAPER_RHOS = (0.30, 0.50, 0.70, 0.85, 0.95)
-PAPER_SUMMARY = {"batch_size": 8, "mean_s": 8.74, "cv": 0.266, "n": 8}  # seed 001 §V, Table II
+PAPER_SUMMARY = {"batch_size": 8, "mean_s": 8.74, "cv": 0.266, "n": 8}  # Amin et al.'s §V, Table II
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -69,7 +69,7 @@ class ServiceTimes:
 
 def paper_service_times(n: int = PAPER_SUMMARY["n"], mean_s: float = PAPER_SUMMARY["mean_s"],
                         cv: float = PAPER_SUMMARY["cv"], batch_size: int = PAPER_SUMMARY["batch_size"]) -> ServiceTimes:
-    """Service times standing in for seed 001's eight measured ones, from its summary statistics.
+    """Service times standing in for Amin et al.'s eight measured ones, from their summary statistics.
 
     The paper gives only the mean (8.74 s) and CV (0.266) of ``n = 8`` samples. We place ``n``
     points at the mid-quantiles ``(i + 0.5) / n`` of a gamma distribution and rescale them so their
@@ -83,7 +83,7 @@ def paper_service_times(n: int = PAPER_SUMMARY["n"], mean_s: float = PAPER_SUMMA
     q = shape * (1 - 1 / (9 * shape) + z * math.sqrt(1 / (9 * shape))) ** 3
     q = (q - q.mean()) / (q.std() or 1.0)  # standardise, then put on the stated scale
     samples = mean_s * (1.0 + cv * q)
-    return ServiceTimes(samples, batch_size, f"seed 001 summary: B={batch_size}, S={mean_s} s, CV={cv}, n={n}")
+    return ServiceTimes(samples, batch_size, f"Amin et al.'s summary: B={batch_size}, S={mean_s} s, CV={cv}, n={n}")
 
 
 def _normal_ppf(p: float) -> float:
@@ -124,7 +124,7 @@ def load_service_times(path: Path, batch_size: int | None = None) -> ServiceTime
     except (ValueError, TypeError) as err:
         raise InputError(f"{path}: expected service times in seconds ({err})") from None
     if size is None:
-        raise InputError(f"{path} does not say its batch size: pass --batch-size")
+        raise InputError(f"{path} does not say its batch size: pass `batch_size`")
     return ServiceTimes(np.asarray(values), int(size), f"file {path}")
 
 
@@ -182,8 +182,8 @@ def simulate_batching(service: ServiceTimes, rate: float, timeout_s: float = mat
     ----------
     service : measured batch service times (resampled with replacement) and ``B``.
     rate : Poisson arrival rate ``λ``, req/s.
-    timeout_s : ``T``; ``inf`` waits for a full batch (pure fixed fill, seed 001 Fig. 11).
-    n_requests : requests simulated (seed 001: 20,000).
+    timeout_s : ``T``; ``inf`` waits for a full batch (pure fixed fill, Amin et al.'s Fig. 11).
+    n_requests : requests simulated (Amin et al.: 20,000).
 
     Returns
     -------
@@ -247,7 +247,7 @@ def study(service: ServiceTimes, rhos=PAPER_RHOS, timeout_s: float = math.inf,
     rows = []
     for rho in rhos:
         if not 0 < rho:
-            raise ConfigError(f"--rhos must be positive, got {rho}")
+            raise ConfigError(f"`rhos` must be positive, got {rho}")
         rate = rho * B / S
         sim = simulate_batching(service, rate, timeout_s, n_requests, seed)
         lat = sim["latency_s"]
@@ -265,7 +265,7 @@ def verdict(service: ServiceTimes, rate: float, timeout_s: float, n_requests: in
     """Stable or not for a chosen ``T`` at arrival rate ``λ``: the rule, the capped threshold, the Monte Carlo.
 
     ``stable`` follows the capped threshold (exact for this service model); ``rule_stable`` is
-    seed 001's closed form; ``monte_carlo_diverging`` what a run of ``n_requests`` shows.
+    Amin et al.'s closed form; ``monte_carlo_diverging`` what a run of ``n_requests`` shows.
     """
     S, B = service.mean, service.batch_size
     t_min, t_cap = min_timeout(S, rate), exact_min_timeout(S, rate, B)

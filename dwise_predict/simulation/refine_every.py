@@ -1,6 +1,6 @@
-"""`simulate --refine-every`: re-estimating remaining work every n denoising rounds (seed 000 Table 6).
+"""`simulate --refine-every`: re-estimating remaining work every n denoising rounds (the DWISE paper's Table 6).
 
-Seed 000 refines ``r̂`` once, after a request's first denoising round, and lets it fall by one per
+The DWISE paper refines ``r̂`` once, after a request's first denoising round, and lets it fall by one per
 round after that (clamped at zero); its Table 6 compares refining every round, every 4 rounds and
 every block. Replaying that needs what the hook would see at later rounds: traces collected with
 ``collect --rounds-hidden N`` hold each request's pooled state and early signals of its first ``N``
@@ -9,7 +9,7 @@ denoising rounds (:mod:`dwise_predict.traces.round_states`).
 **The estimate at round k** is the bundle's one refinement graph fed round k's pooled state and
 signals in place of the first round's (prompt rows, prompt length and budget unchanged), read as the
 remaining rounds after round k. A graph per k would need a training target per round and a bundle
-input per round (a contract-2 change) for a setting seed 000 found to lose; the single graph keeps the
+input per round (a contract-2 change) for a setting the DWISE paper found to lose; the single graph keeps the
 bundle as it is, and :func:`rank_by_round` measures how well it ranks at each round against simply
 decrementing the round-1 estimate.
 
@@ -34,7 +34,7 @@ from dwise_predict.simulation.simulator import (
     simulate,
 )
 
-ROUNDS_REPORTED = (1, 2, 4, 8)  # seed 000 Table 6's settings, as rounds to rank at
+ROUNDS_REPORTED = (1, 2, 4, 8)  # the settings of the DWISE paper's Table 6, as rounds to rank at
 NEVER, ONCE = "never", "once"
 
 
@@ -156,7 +156,7 @@ def refine_call_us(bundle, ds, batch: int, repeats: int = 15) -> float:
 
 def replay_refine_every(requests: SimRequests, config: SimConfig, ns: list[int], patterns: list[str],
                         rate: str | None = None, ranked: SimRequests | None = None, call_us=None) -> dict:
-    """Seed 000's Table 6 on these requests: DWISE never refining (``dwise-admission``), refining once
+    """The DWISE paper's Table 6 on these requests: DWISE never refining (``dwise-admission``), refining once
     (``dwise-refined``) and every ``n`` rounds, under each arrival pattern, on one arrival trace per
     pattern.
 
@@ -176,15 +176,15 @@ def replay_refine_every(requests: SimRequests, config: SimConfig, ns: list[int],
     ``predictor_us_per_round`` and ``rho_held`` (:func:`held_rho`).
     """
     if requests.round_refined is None or requests.admission is None or requests.refined is None:
-        raise ConfigError("--refine-every needs admission, refined and per-round estimates: traces collected with "
-                          "`dwise-predict collect --rounds-hidden N` and --bundle")
+        raise ConfigError("`refine_every` needs admission, refined and per-round estimates: traces collected with "
+                          "`dwise-predict collect --rounds-hidden N` and `bundle`")
     bad = [n for n in ns if not (isinstance(n, (int, np.integer)) and n >= 1)]
     if bad or not ns:
-        raise ConfigError(f"--refine-every takes whole round counts >= 1, got {bad or ns}")
+        raise ConfigError(f"`refine_every` takes whole round counts >= 1, got {bad or ns}")
     ranked = requests if ranked is None else ranked
     settings = [NEVER, ONCE, *ns]
     rho = {setting: held_rho(ranked, setting) for setting in settings}
-    poisson = (parse_rates(rate or "1.5x", requests, config, "--rate")[0]
+    poisson = (parse_rates(rate or "1.5x", requests, config, "`rate`")[0]
                if any(p != "burst" for p in patterns) else None)
     rows = []
     for pattern in patterns:

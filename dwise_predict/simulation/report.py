@@ -1,33 +1,73 @@
-"""Simulator output: the comparison table (rich), CSV, JSON and bar / sweep plots, written atomically."""
+"""What the scheduling lab shows: the comparison table (rich), CSV, JSON and bar / sweep plots,
+written atomically, and the scheduling section of the HTML / Markdown report.
+
+The report's columns follow the DWISE paper's tables: mean / p50 / p99 / max latency and TTFB
+(Table 4), prefill-only time share (Table 3), ``r̂ = 0`` share (Table 6), per-category p99 and max
+(Table 16), admissions blocked by the ``k·B`` cap (Fig. 10). The console table and the report read
+one column list (:data:`METRIC_COLUMNS`) and print each scheduler's ``adds`` from its spec.
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from dwise_predict.files import atomic_write_bytes, write_csv, write_errors
+from dwise_predict.errors import StoreError
+from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, write_document
+from dwise_predict.files import atomic_write_bytes, loads_json, write_csv, write_errors
+from dwise_predict.simulation.schedulers import SCHEDULERS
 
-TABLE_COLUMNS = (
-    ("arrival", "arrival", "{}"),
-    ("policy", "policy", "{}"),
-    ("mean_latency_s", "mean s", "{:.2f}"),
-    ("p50_latency_s", "p50 s", "{:.2f}"),
-    ("p99_latency_s", "p99 s", "{:.2f}"),
-    ("max_latency_s", "max s", "{:.2f}"),
-    ("mean_latency_rounds", "mean rounds", "{:.1f}"),
-    ("mean_ttfb_s", "TTFB s", "{:.2f}"),
-    ("throughput_rps", "req/s", "{:.2f}"),
-    ("prefill_only_time_pct", "prefill-only time %", "{:.1f}"),
-    ("idle_slots_pct", "idle slots %", "{:.1f}"),
-    ("preemptions_per_request", "preempt/req", "{:.2f}"),
-    ("rhat_zero_pct", "r̂=0 %", "{:.1f}"),
-    ("cap_blocked_rounds_pct", "cap-blocked %", "{:.1f}"),
-    ("speedup_vs_default", "speedup", "{:.2f}x"),
-    ("adds", "adds over the row above", "{}"),
+
+@dataclass(frozen=True)
+class MetricColumn:
+    """One metric of the comparison tables: the row key, the console's header and format, and
+    whether the report shows it (under ``report_header`` where that differs)."""
+
+    key: str
+    header: str
+    fmt: str
+    in_report: bool = True
+    report_header: str = ""
+
+    @property
+    def report_title(self) -> str:
+        return self.report_header or self.header
+
+
+# between the group column (arrival, rate or k) with the scheduler's name and the last, "adds"
+METRIC_COLUMNS = (
+    MetricColumn("mean_latency_s", "mean s", "{:.2f}"),
+    MetricColumn("p50_latency_s", "p50 s", "{:.2f}"),
+    MetricColumn("p99_latency_s", "p99 s", "{:.2f}"),
+    MetricColumn("max_latency_s", "max s", "{:.2f}"),
+    MetricColumn("mean_latency_rounds", "mean rounds", "{:.1f}", in_report=False),
+    MetricColumn("mean_ttfb_s", "TTFB s", "{:.2f}"),
+    MetricColumn("throughput_rps", "req/s", "{:.2f}"),
+    MetricColumn("prefill_only_time_pct", "prefill-only time %", "{:.1f}"),
+    MetricColumn("idle_slots_pct", "idle slots %", "{:.1f}"),
+    MetricColumn("preemptions_per_request", "preempt/req", "{:.2f}"),
+    MetricColumn("rhat_zero_pct", "r̂=0 %", "{:.1f}"),
+    MetricColumn("cap_blocked_rounds_pct", "cap-blocked %", "{:.1f}"),
+    MetricColumn("speedup_vs_default", "speedup", "{:.2f}x", report_header="speed-up"),
 )
+# the group column of each kind of run: (row key, header, console format)
+GROUP_COLUMNS = {"arrival": ("arrival", "arrival", "{}"), "rate_rps": ("rate_rps", "rate req/s", "{:.2f}"),
+                 "k": ("k", "k", "{:g}")}
 INTERVAL = "{:.2f} [{:.2f}, {:.2f}]"
-# seed 000 Table 6 (`simulate --refine-every`): one row per arrival pattern and refinement setting
+SIMULATE_JSONS = ("simulate.json", "sweep.json", "k_sweep.json")  # what a replay, a load sweep, a k sweep always write
+# every name a simulate output holds (the three stems' files, the report): a folder holding anything
+# else is the user's, never written into
+SIMULATE_CONTENTS = (*(f"{Path(name).stem}{part}.{ext}" for name in SIMULATE_JSONS for part, ext in
+                       (("", "csv"), ("", "json"), ("", "png"), ("_categories", "csv"), ("_categories", "png"))),
+                     "report.html", "report.md", "plots")
+BATCH_TIMEOUT_JSON = "batch_timeout.json"  # always written: a folder holding it is a study the next run may replace
+BATCH_TIMEOUT_FILES = ("batch_timeout.csv", BATCH_TIMEOUT_JSON, "batch_timeout.png")  # all a study's folder holds
+BATCH_TIMEOUT_COLUMNS = ("ρ", "λ req/s", "T_min s", "T_min (cap B) s", "mean s", "p50 s", "p95 s", "p99 s", "max s")
+# the DWISE paper's Table 6 (`simulate --refine-every`): one row per arrival pattern and refinement setting
 REFINE_COLUMNS = (
     ("arrival", "arrival", "{}"),
     ("refine", "refine", "{}"),
@@ -49,33 +89,38 @@ ROUND_RANK_COLUMNS = (
 )
 
 
-def _cell(row: dict, key: str, fmt: str) -> str:
-    if key == "adds":
-        from dwise_predict.simulation.schedulers import SCHEDULERS
+def adds(policy: str | None) -> str:
+    """What ``policy`` adds over the row before it (its spec's ``adds``; "" for an unknown name)."""
+    spec = SCHEDULERS.get(policy)
+    return spec.adds if spec else ""
 
-        spec = SCHEDULERS.get(row.get("policy"))
-        return spec.gain if spec else ""
+
+def _cell(row: dict, key: str, form: str) -> str:
+    """A console cell: ``form`` applied, the interval beside a mean of several seeds, "" where missing."""
     if key not in row or row[key] is None:
         return ""
     if f"{key}_lo" in row:  # several arrival seeds: mean [95 % bootstrap interval]
         return INTERVAL.format(row[key], row[f"{key}_lo"], row[f"{key}_hi"])
-    return fmt.format(row[key])
+    return form.format(row[key])
 
 
-def render_table(rows: list[dict], title: str, first: tuple = ("arrival", "arrival", "{}")):
+def render_table(rows: list[dict], title: str, group: str = "arrival"):
+    """The console's comparison table: one row per (group, scheduler), ``group`` a key of
+    :data:`GROUP_COLUMNS`."""
     from rich.table import Table
 
-    columns = (first,) + TABLE_COLUMNS[1:]
+    columns = [GROUP_COLUMNS[group], ("policy", "policy", "{}"), *((c.key, c.header, c.fmt) for c in METRIC_COLUMNS)]
     table = Table(title=title)
     for _, header, _ in columns:
         table.add_column(header, justify="left" if header in ("arrival", "policy", "rate req/s") else "right")
+    table.add_column("adds over the row above", justify="right")
     for r in rows:
-        table.add_row(*[_cell(r, key, fmt) for key, _, fmt in columns])
+        table.add_row(*[_cell(r, key, form) for key, _, form in columns], adds(r.get("policy")))
     return table
 
 
 def render_refine_table(table: dict, title: str):
-    """Seed 000 Table 6 replayed (:func:`~dwise_predict.simulation.refine_every.replay_refine_every`):
+    """The DWISE paper's Table 6 replayed (:func:`~dwise_predict.simulation.refine_every.replay_refine_every`):
     the rich tables of the replay and of ρ per round."""
     from rich.table import Table
 
@@ -84,7 +129,7 @@ def render_refine_table(table: dict, title: str):
         for _, header, _ in columns:
             out.add_column(header, justify="left" if header in ("arrival", "refine") else "right")
         for r in rows:
-            out.add_row(*[_cell(r, key, fmt) for key, _, fmt in columns])
+            out.add_row(*[_cell(r, key, form) for key, _, form in columns])
         return out
 
     rank_title = ("Ranking of the remaining rounds after round k (requests still running): the refinement fed round "
@@ -94,32 +139,39 @@ def render_refine_table(table: dict, title: str):
 
 
 def write_outputs(rows: list[dict], out: Path, stem: str, settings: dict, tails: list[dict] | None = None,
-                  extra: dict | None = None) -> list[Path]:
+                  extra: dict | None = None, report: bool = False) -> list[Path]:
     """``<stem>.csv``, ``<stem>.json`` (rows + settings + per-category tails, and ``extra``'s keys, e.g.
     ``refine_every``) and ``<stem>.png`` in ``out``; with ``tails``, also ``<stem>_categories.csv`` and
-    ``<stem>_categories.png``."""
+    ``<stem>_categories.png``; with ``report``, ``report.html`` and ``report.md`` (the scheduling
+    section, from the JSON's plain rows: :func:`write_simulation_report`). Returns the paths written."""
     paths = [out / f"{stem}.csv", out / f"{stem}.json", out / f"{stem}.png"]
     gains = []
     if rows and "arrival" in rows[0]:
         from dwise_predict.simulation.simulator import gain_decomposition
 
         gains = gain_decomposition(rows)
+    saved = json.dumps({"settings": settings, "rows": rows, "categories": tails or [], "gains": gains, **(extra or {})},
+                       indent=2, default=str).encode()
+    pngs = {}  # what the report shows, by name
     with write_errors(out, "free space or fix permissions and rerun the same command"):
         out.mkdir(parents=True, exist_ok=True)
         # the JSON first: it marks the folder as a simulate output, so a rerun after a kill replaces it
-        atomic_write_bytes(paths[1], json.dumps({"settings": settings, "rows": rows, "categories": tails or [],
-                                                 "gains": gains, **(extra or {})}, indent=2, default=str).encode())
+        atomic_write_bytes(paths[1], saved)
         write_csv(paths[0], rows)
-        atomic_write_bytes(paths[2], _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem)))
+        pngs[stem] = _plot(rows, {"sweep": "rate_rps", "k_sweep": "k"}.get(stem))
+        atomic_write_bytes(paths[2], pngs[stem])
         if tails:
             paths += [out / f"{stem}_categories.csv", out / f"{stem}_categories.png"]
+            pngs[f"{stem}_categories"] = category_plot(tails)
             write_csv(paths[3], tails)
-            atomic_write_bytes(paths[4], category_plot(tails))
+            atomic_write_bytes(paths[4], pngs[f"{stem}_categories"])
+    if report:  # an undefined ρ is NaN in the JSON
+        paths += write_simulation_report(loads_json(saved, StoreError, str(paths[1]), allow_nan=True), pngs, out)
     return paths
 
 
 def category_plot(tails: list[dict]) -> bytes:
-    """Per-category p99 latency of each scheduler (seed 000 Table 16), first arrival pattern."""
+    """Per-category p99 latency of each scheduler (the DWISE paper's Table 16), first arrival pattern."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,8 +240,43 @@ def _plot(rows: list[dict], sweep: str | None) -> bytes:
     return buf.getvalue()
 
 
+def write_batch_timeout_outputs(out: Path, settings: dict, rows: list[dict], title: str) -> None:
+    """``batch_timeout.json`` (settings + rows), ``.csv`` (rows) and ``.png`` (:func:`batch_timeout_plot`
+    under ``title``) in ``out``."""
+    with write_errors(out, "free space or fix permissions and rerun the same command"):
+        out.mkdir(exist_ok=True)
+        # the JSON first: it marks the folder as a study, so a rerun after a kill replaces it
+        atomic_write_bytes(out / BATCH_TIMEOUT_JSON, json.dumps({"settings": settings, "rows": rows}, indent=2).encode())
+        write_csv(out / "batch_timeout.csv", rows)
+        atomic_write_bytes(out / "batch_timeout.png", batch_timeout_plot(rows, title))
+
+
+def render_batch_timeout_table(rows: list[dict], service, requests: int, timeout: float | None):
+    """The console's table of a batch-timeout study: per ``ρ`` the thresholds and the fixed-fill
+    latencies; with ``timeout``, its verdict and the mean latency under it."""
+    from rich.table import Table
+
+    table = Table(title=f"Fixed-fill batching, B={service.batch_size}, S={service.mean:.3g} s, CV={service.cv:.3f}, "
+                        f"{requests} requests")
+    columns = list(BATCH_TIMEOUT_COLUMNS)
+    if timeout is not None:
+        columns += [f"T={timeout:g}: verdict", "mean at T s"]
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in rows:
+        cells = [f"{r['rho']:.2f}", f"{r['rate_rps']:.3f}", f"{r['t_min_s']:.2f}", f"{r['t_min_capped_s']:.2f}",
+                 f"{r['mean_s']:.2f}", f"{r['p50_s']:.2f}", f"{r['p95_s']:.2f}", f"{r['p99_s']:.2f}", f"{r['max_s']:.2f}"]
+        if timeout is not None:
+            word = "stable" if r["stable"] else "UNSTABLE"
+            if r["stable"] == r["mc_diverging"]:
+                word += " (MC disagrees)"
+            cells += [word, f"{r['mean_at_timeout_s']:.3g}"]
+        table.add_row(*cells)
+    return table
+
+
 def batch_timeout_plot(rows: list[dict], title: str) -> bytes:
-    """Seed 001 Fig. 11 for these service times: mean and p99 latency against ``ρ`` under pure
+    """Amin et al.'s Fig. 11 for these service times: mean and p99 latency against ``ρ`` under pure
     fixed fill (the U-shape), and at the chosen timeout when the rows carry one (diverging points
     drawn hollow)."""
     import matplotlib
@@ -219,3 +306,60 @@ def batch_timeout_plot(rows: list[dict], title: str) -> bytes:
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _report_cell(row: dict, key: str) -> str:
+    """A report cell: two decimals, the interval beside a mean of several seeds, "n/a" where missing."""
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if f"{key}_lo" in row:
+        return f"{value:.2f} [{row[key + '_lo']:.2f}, {row[key + '_hi']:.2f}]"
+    return fmt(float(value), 2)
+
+
+def scheduler_table(rows: list[dict], group: str) -> Table:
+    """The report's comparison: one row per (group, scheduler), the metrics of :data:`METRIC_COLUMNS`
+    the report shows, and what the scheduler adds."""
+    shown = [c for c in METRIC_COLUMNS if c.in_report]
+    head = [GROUP_COLUMNS[group][1], "scheduler", *(c.report_title for c in shown), "adds"]
+    body = [[str(r.get(group)) if group == "arrival" else fmt(float(r[group]), 2), r["policy"],
+             *[_report_cell(r, c.key) for c in shown], adds(r["policy"])] for r in rows]
+    return Table(head, body, "Schedulers on the replayed requests (intervals: 95 % bootstrap over arrival seeds)")
+
+
+def category_table(tails: list[dict]) -> Table:
+    pattern = tails[0]["arrival"]
+    body = [[t["category"], t["policy"], fmt(t["requests"]), fmt(t["p99_latency_s"], 2), fmt(t["max_latency_s"], 2)]
+            for t in tails if t["arrival"] == pattern]
+    return Table(["category", "scheduler", "n", "p99 s", "max s"], body, f"Per-category tails, {pattern} arrivals")
+
+
+def simulation_section(saved: dict, pngs: dict[str, bytes]) -> Section:
+    """A report section from the simulator's saved JSON (``settings``, ``rows``, ``categories``)."""
+    settings, rows = saved["settings"], saved["rows"]
+    group = next((g for g in ("arrival", "k", "rate_rps") if rows and g in rows[0]), "arrival")
+    cost = settings.get("round_cost") or {}
+    text = (f"{settings.get('requests', len(rows) and rows[0].get('requests'))} requests, B = {settings.get('slots')}, "
+            f"k = {settings.get('k')}, round cost from: {cost.get('source', 'flags')} "
+            f"(base {fmt(cost.get('base_ms'), 3)} ms, prefill block {fmt(cost.get('prefill_block_ms'), 3)} ms, "
+            f"decode block {fmt(cost.get('decode_block_ms'), 3)} ms).")
+    blocks: list = [scheduler_table(rows, group)]
+    if saved.get("gains"):
+        blocks.append(Table([group if group != "rate_rps" else "rate req/s", "step", "from", "to", "mean-latency gain"],
+                            [[str(g[group]), g["step"], g["from"], g["to"], f"{g['gain']:.2f}x"] for g in saved["gains"]],
+                            "Where the gain comes from (ratio of mean latency, from / to)"))
+    for name, png in pngs.items():
+        blocks.append(Figure(name, png, "Mean and p99 latency per scheduler (log scale)." if "categories" not in name
+                             else "Per-category p99 latency."))
+    if saved.get("categories"):
+        blocks.append(category_table(saved["categories"]))
+    return Section("Scheduling simulation", text, blocks)
+
+
+def write_simulation_report(saved: dict, pngs: dict[str, bytes], out: str | os.PathLike) -> tuple[Path, Path]:
+    """``report.html`` and ``report.md`` in ``out`` holding the scheduling section."""
+    doc = Document("dwise-predict: scheduling simulation", [f"traces: {saved['settings'].get('traces')}",
+                                                            f"bundle: {saved['settings'].get('bundle')}"],
+                   [simulation_section(saved, pngs)])
+    return write_document(doc, out)

@@ -1,40 +1,15 @@
 """The schedulers the simulator compares: each a configuration of the DWISE policy class, or a small
-subclass of it where the ranking key differs (seed 000 Tables 2 and 4 name the baselines).
+subclass of it where the ranking key differs (the DWISE paper's Tables 2 and 4 name the baselines).
 
-============================  ==========================================================================
-name                          what it is (all serve in rounds of at most ``B`` block rows)
-============================  ==========================================================================
-``sglang-default``            SGLang 0.5.23's dLLM scheduler as it runs by default (FDFO,
-                              ``--dllm-fdfo``): at most ``B`` requests (``--max-running-requests``),
-                              admitted FCFS, admission stopping at the first whose KV does not fit;
-                              a round is all-prefill while any of them has a prompt block left (one
-                              block per request per forward), else all-decode
-``sglang-sync``               the same with ``--no-dllm-fdfo`` (SGLang's synchronous loop): a decode
-                              step runs the batch's current blocks until every member has finished
-                              its block (as many forwards as the slowest needs), then all move on
-``fcfs-mixed``                FCFS over ``k·B`` residents, prompt and denoising blocks share rounds
-``mlfq``                      FastServe-style skip-join MLFQ: level from work done (prompt blocks on
-                              arrival, then denoising rounds; quanta double per level), preemptive
-``ssjf``                      speculative shortest job first: admission by the admission predictor's
-                              total work ``P + r̂``, never re-ranked, non-preemptive (``B`` residents)
-``s3``                        S³: the admission predictor's output length in power-of-two buckets sizes
-                              each KV reservation (not the whole budget); shorter buckets first,
-                              non-preemptive
-``ltr``                       learning to rank: preemptive, ranked by the admission predictor's order
-                              (fixed; remaining work is not tracked)
-``trail``                     TRAIL: SRPT on remaining work, ``r̂`` replaced after the first denoising
-                              round by the TRAIL-style probe on the first-round hidden state
-``dwise-zero``                DWISE with ``r̂ = 0`` (ranks by prompt blocks left only)
-``dwise-admission``           DWISE, ``r̂`` from the admission predictor, decremented per round
-``dwise-raw``                 DWISE, ``r̂`` replaced by the raw (uncalibrated) refinement after round 1
-``dwise-refined``             DWISE, ``r̂`` replaced by the calibrated refinement after round 1
-``dwise-oracle``              DWISE with ``r̂`` = true rounds (bound for any predictor)
-============================  ==========================================================================
+:data:`SCHEDULERS` is the one description of them: the simulator runs each :class:`SchedulerSpec`,
+the report's "adds" column prints its ``adds``, the gain decomposition walks its ``steps``, and
+``simulate --help`` lists the names and ``about``. Adding a scheduler is adding a spec here (and a
+test); where its estimate kind is new, :data:`NEEDS` and ``SimRequests.estimates`` learn it too.
 
-The differences between adjacent rows are what a comparison isolates: ``sglang-default`` →
-``fcfs-mixed`` (mixed-phase batching), ``fcfs-mixed`` → ``dwise-zero`` (ordering by prompt work),
-→ ``dwise-admission`` (admission estimates), → ``dwise-raw`` (refinement), → ``dwise-refined``
-(calibration, seed 000 Table 5), → ``dwise-oracle``.
+The rows are ordered so that the differences between adjacent ones are what a comparison isolates:
+``sglang-default`` → ``fcfs-mixed`` (mixed-phase batching), ``fcfs-mixed`` → ``dwise-zero``
+(ordering by prompt work), → ``dwise-admission`` (admission estimates), → ``dwise-raw``
+(refinement), → ``dwise-refined`` (calibration, the DWISE paper's Table 5), → ``dwise-oracle``.
 """
 
 from __future__ import annotations
@@ -48,7 +23,7 @@ from dwise_predict.serving.policy import DwisePolicy
 
 @dataclass(frozen=True)
 class SchedulerSpec:
-    """One scheduler as a configuration.
+    """One scheduler as a configuration, with what it is.
 
     ranking : ``remaining`` (``P + r̂``), ``arrival``, ``fixed`` (the key at admission, kept) or
         ``mlfq`` (level of work done).
@@ -60,6 +35,13 @@ class SchedulerSpec:
     kv : ``budget`` reserves prompt + whole output budget; ``bucket`` prompt + the predicted output
         rounded up to a power of two (S³).
     bucket_key : rank by the power-of-two bucket of the estimate instead of the estimate (S³).
+    sync : SGLang's synchronous loop (``--no-dllm-fdfo``): a batch runs each block until all members
+        finish it.
+    blocking_admission : SGLang's admission: the first request whose KV does not fit stops it.
+    about : what it models (``simulate --help`` prints it; all serve in rounds of at most ``B`` block rows).
+    adds : the mechanism this row adds over the one before (the tables' "adds" column).
+    steps : the gain decomposition's steps that end at this scheduler, as ``(step, from scheduler)``
+        (``simulate`` prints each step's mean-latency ratio, from / to).
     """
 
     name: str
@@ -69,30 +51,74 @@ class SchedulerSpec:
     preemptive: bool = True
     kv: str = "budget"
     bucket_key: bool = False
-    sync: bool = False  # SGLang's synchronous loop (--no-dllm-fdfo): a batch runs each block until all members finish it
-    blocking_admission: bool = False  # SGLang's admission: the first request whose KV does not fit stops it
-    gain: str = ""  # the mechanism this row adds over the one before (for the table)
+    sync: bool = False
+    blocking_admission: bool = False
+    about: str = ""
+    adds: str = ""
+    steps: tuple[tuple[str, str], ...] = ()
 
 
 SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
     SchedulerSpec("sglang-default", "arrival", prefill_first=True, preemptive=False, blocking_admission=True,
-                  gain="baseline"),
+                  about="SGLang 0.5.23's dLLM scheduler as it runs by default (FDFO, --dllm-fdfo): at most B "
+                        "requests (--max-running-requests), admitted FCFS (staging before incoming is arrival "
+                        "order here) while their KV reservations fit, "
+                        "admission stopping at the first that does not (SGLang's PrefillAdder); a round is "
+                        "all-prefill while any of them has a prompt block left (one block per request per "
+                        "forward), else all-decode; a finished block leaves (first done, first out)",
+                  adds="baseline"),
     SchedulerSpec("sglang-sync", "arrival", prefill_first=True, preemptive=False, sync=True, blocking_admission=True,
-                  gain="SGLang with --no-dllm-fdfo"),
-    SchedulerSpec("fcfs-mixed", "arrival", gain="mixed batching"),
-    SchedulerSpec("mlfq", "mlfq", gain="work-done levels"),
-    SchedulerSpec("ssjf", "fixed", "admission", preemptive=False, gain="predicted length, admission only"),
-    SchedulerSpec("s3", "fixed", "admission", preemptive=False, kv="bucket", bucket_key=True, gain="length buckets, sized KV"),
-    SchedulerSpec("ltr", "fixed", "admission", gain="predicted order, preemptive"),
-    SchedulerSpec("trail", "remaining", "probe", gain="probe refinement"),
-    SchedulerSpec("dwise-zero", "remaining", "zero", gain="ordering by prompt work"),
-    SchedulerSpec("dwise-admission", "remaining", "admission", gain="admission estimates"),
-    SchedulerSpec("dwise-raw", "remaining", "raw", gain="raw refinement"),
-    SchedulerSpec("dwise-refined", "remaining", "refined", gain="calibration"),
-    SchedulerSpec("dwise-oracle", "remaining", "oracle", gain="perfect estimates"),
+                  about="the same with --no-dllm-fdfo (SGLang's synchronous loop): a decode step runs the batch's "
+                        "current blocks until every member has finished its block (as many forwards as the "
+                        "slowest needs), then all move on; finished requests leave only at block boundaries",
+                  adds="SGLang with --no-dllm-fdfo"),
+    SchedulerSpec("fcfs-mixed", "arrival", about="FCFS over k·B residents, prompt and denoising blocks share rounds",
+                  adds="mixed batching", steps=(("mixed batching", "sglang-default"),)),
+    SchedulerSpec("mlfq", "mlfq", about="FastServe-style skip-join MLFQ: level floor(log2(1 + work/8)) of the "
+                                        "work done (prompt blocks on arrival, then denoising rounds; quanta "
+                                        "double per level), preemptive",
+                  adds="work-done levels"),
+    SchedulerSpec("ssjf", "fixed", "admission", preemptive=False,
+                  about="speculative shortest job first: admission by the admission predictor's total work P + r̂, "
+                        "never re-ranked, non-preemptive (B residents)",
+                  adds="predicted length, admission only"),
+    SchedulerSpec("s3", "fixed", "admission", preemptive=False, kv="bucket", bucket_key=True,
+                  about="S³: the admission predictor's output length in power-of-two buckets sizes each KV "
+                        "reservation (not the whole budget); shorter buckets first, non-preemptive",
+                  adds="length buckets, sized KV"),
+    SchedulerSpec("ltr", "fixed", "admission", about="learning to rank: preemptive, ranked by the admission "
+                                                     "predictor's order (fixed; remaining work is not tracked)",
+                  adds="predicted order, preemptive"),
+    SchedulerSpec("trail", "remaining", "probe",
+                  about="TRAIL: SRPT on remaining work, r̂ replaced after the first denoising round by the "
+                        "TRAIL-style probe of `evaluate` on the first-round hidden state (fitted on the train split)",
+                  adds="probe refinement"),
+    SchedulerSpec("dwise-zero", "remaining", "zero", about="DWISE with r̂ = 0 (ranks by prompt blocks left only)",
+                  adds="ordering by prompt work", steps=(("ordering by prompt work", "fcfs-mixed"),)),
+    SchedulerSpec("dwise-admission", "remaining", "admission",
+                  about="DWISE, r̂ from the admission predictor, decremented per round",
+                  adds="admission estimates", steps=(("admission estimates", "dwise-zero"),)),
+    SchedulerSpec("dwise-raw", "remaining", "raw",
+                  about="DWISE, r̂ replaced by the raw (uncalibrated) refinement after round 1",
+                  adds="raw refinement", steps=(("refinement (raw)", "dwise-admission"),)),
+    SchedulerSpec("dwise-refined", "remaining", "refined",
+                  about="DWISE, r̂ replaced by the calibrated refinement after round 1",
+                  adds="calibration",
+                  steps=(("calibration", "dwise-raw"), ("refinement (calibrated)", "dwise-admission"))),
+    SchedulerSpec("dwise-oracle", "remaining", "oracle", about="DWISE with r̂ = true rounds (bound for any predictor)",
+                  adds="perfect estimates", steps=(("headroom to the oracle", "dwise-refined"),)),
 )}
+# what each estimate kind needs of the workload; the bundle gives admission, raw and refined
 NEEDS = {"none": (), "zero": (), "oracle": (), "admission": ("admission",), "refined": ("admission", "refined"),
          "probe": ("probe",), "raw": ("admission", "raw"), "blocks": ("blocks",)}
+FROM_BUNDLE = {"admission", "raw", "refined"}
+# the gain decomposition: (step, from, to) in the registry's order (``simulator.gain_decomposition``)
+GAIN_STEPS = tuple((step, before, spec.name) for spec in SCHEDULERS.values() for step, before in spec.steps)
+
+
+def needs_bundle(spec: SchedulerSpec) -> bool:
+    """Whether ``spec``'s estimates come from a predictor bundle (``simulate --bundle``)."""
+    return bool(FROM_BUNDLE.intersection(NEEDS[spec.estimate]))
 
 
 def bucket(values) -> np.ndarray:

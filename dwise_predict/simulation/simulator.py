@@ -7,17 +7,17 @@ policy (:class:`~dwise_predict.serving.policy.DwisePolicy`, the class a server d
 admission and which requests run; the simulator only advances the true state and the clock, so the
 simulated policy is the served one, line for line.
 
-Schedulers (:data:`POLICIES`, defined in :mod:`~dwise_predict.simulation.schedulers`): SGLang's
-default (FDFO, ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``, ``--no-dllm-fdfo``),
-FCFS-mixed, MLFQ, SSJF, S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``, admission, raw and
-calibrated refinement, oracle), each a configuration of the one policy class.
+Schedulers (:data:`POLICIES`, the registry of :mod:`~dwise_predict.simulation.schedulers`), among
+them SGLang's default (FDFO, ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``,
+``--no-dllm-fdfo``), FCFS-mixed, MLFQ, SSJF, S³, LTR, TRAIL and the DWISE variants (``r̂ = 0``,
+admission, raw and calibrated refinement, oracle), each a configuration of the one policy class.
 
 Round time comes from a :class:`~dwise_predict.simulation.round_cost.RoundCost`: a model fitted to a
 measured profile (``--round-profile``), or the flat ``round_ms + slot_ms * blocks`` of the flags.
 Its ``source`` is recorded with every result.
 
 Arrivals: ``burst`` (all at t = 0, in a seeded random order) and ``burst-poisson`` (half at t = 0,
-the rest a seeded Poisson process of rate ``rate`` req/s), as in seed 000 §6.1, and ``poisson``
+the rest a seeded Poisson process of rate ``rate`` req/s), as in the DWISE paper's §6.1, and ``poisson``
 (every request from a Poisson process; what the load sweep uses, so latency follows the rate).
 
 Latency is measured in rounds (rounds run between arrival and completion) and in seconds (by the
@@ -35,9 +35,10 @@ import numpy as np
 from dwise_predict.engine import block_layout
 from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.features.prompt import FEATURE_NAMES
+from dwise_predict.metrics import bootstrap_mean_ci
 from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 from dwise_predict.simulation.round_cost import RoundCost, flat_round_cost
-from dwise_predict.simulation.schedulers import NEEDS, SCHEDULERS, bucket, make_policy
+from dwise_predict.simulation.schedulers import GAIN_STEPS, NEEDS, SCHEDULERS, bucket, make_policy
 
 POLICIES = SCHEDULERS  # name -> SchedulerSpec
 ARRIVALS = ("burst", "burst-poisson", "poisson")
@@ -78,23 +79,23 @@ class SimConfig:
     def __post_init__(self) -> None:
         problems = []
         if not isinstance(self.slots, (int, np.integer)) or self.slots < 1:
-            problems.append(f"--slots (B) must be a positive integer, got {self.slots}")
+            problems.append(f"`slots` (B) must be a positive integer, got {self.slots}")
         if not self.k >= 1:
-            problems.append(f"--k must be at least 1, got {self.k}")
+            problems.append(f"`k` must be at least 1, got {self.k}")
         if self.kv_budget is not None and not self.kv_budget > 0:
-            problems.append(f"--kv-budget must be positive (blocks), got {self.kv_budget}")
+            problems.append(f"`kv_budget` must be positive (blocks), got {self.kv_budget}")
         if self.kv_slack_blocks < 0:
-            problems.append(f"--kv-slack must be >= 0, got {self.kv_slack_blocks}")
+            problems.append(f"`kv_slack_blocks` must be >= 0, got {self.kv_slack_blocks}")
         if not (self.round_ms >= 0 and self.slot_ms >= 0 and 0 < self.round_ms + self.slot_ms < math.inf):
-            problems.append(f"--round-ms and --slot-ms must be >= 0 and not both 0, got {self.round_ms}, {self.slot_ms}")
+            problems.append(f"`round_ms` and `slot_ms` must be >= 0 and not both 0, got {self.round_ms}, {self.slot_ms}")
         if self.arrival not in ARRIVALS:
-            problems.append(f"--arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
+            problems.append(f"`arrival` must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if self.arrival != "burst" and not (self.rate is not None and self.rate > 0):
-            problems.append(f"{self.arrival} arrivals need a positive --rate (req/s), got {self.rate}")
+            problems.append(f"{self.arrival} arrivals need a positive `rate` (req/s), got {self.rate}")
         if not (self.aging >= 0 and math.isfinite(self.aging)):
-            problems.append(f"--aging must be a finite number >= 0 (0: off), got {self.aging}")
+            problems.append(f"`aging` must be a finite number >= 0 (0: off), got {self.aging}")
         if self.max_wait is not None and not (isinstance(self.max_wait, (int, np.integer)) and self.max_wait >= 0):
-            problems.append(f"--max-wait must be a whole number of rounds >= 0, got {self.max_wait}")
+            problems.append(f"`max_wait` must be a whole number of rounds >= 0, got {self.max_wait}")
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -142,7 +143,7 @@ class SimRequests:
     def __post_init__(self) -> None:
         n = len(self.request_ids)
         if n == 0:
-            raise TraceError("the traces hold no requests to simulate (check --split)")
+            raise TraceError("the traces hold no requests to simulate (check `split`)")
         for name in ("prompt_blocks", "total_rounds", "first_block_rounds", "output_blocks"):
             arr = np.asarray(getattr(self, name))
             if arr.shape != (n,) or not np.isfinite(arr).all():
@@ -166,28 +167,28 @@ class SimRequests:
             return self.total_rounds.astype(np.float64), (self.total_rounds - 1).astype(np.float64)
         if source == "probe":
             if self.probe is None:
-                raise ConfigError("scheduler trail needs the TRAIL-style probe's estimates: pass --bundle with traces holding a train split")
+                raise ConfigError("scheduler trail needs the TRAIL-style probe's estimates: pass `bundle` with traces holding a train split")
             start = np.zeros(n) if self.admission is None else np.asarray(self.admission, dtype=np.float64)
             return start, np.asarray(self.probe, dtype=np.float64)
         if self.admission is None:
-            raise ConfigError(f"policy dwise-{source} needs admission estimates: pass --bundle")
+            raise ConfigError(f"policy dwise-{source} needs admission estimates: pass `bundle`")
         if source == "raw":
             if self.raw_refined is None:
-                raise ConfigError("policy dwise-raw needs raw refinement estimates: pass --bundle")
+                raise ConfigError("policy dwise-raw needs raw refinement estimates: pass `bundle`")
             return np.asarray(self.admission, dtype=np.float64), np.asarray(self.raw_refined, dtype=np.float64)
         if source == "admission":
             return np.asarray(self.admission, dtype=np.float64), None
         if self.refined is None:
-            raise ConfigError("policy dwise-refined needs refined estimates: pass --bundle")
+            raise ConfigError("policy dwise-refined needs refined estimates: pass `bundle`")
         return np.asarray(self.admission, dtype=np.float64), np.asarray(self.refined, dtype=np.float64)
 
     def draw(self, n: int, seed: int = 0) -> "SimRequests":
         """``n`` requests drawn with replacement (seeded), ids suffixed ``#k`` to stay unique.
 
-        Seed 000 replays 4,096 requests; a collection of a few hundred is resampled to that scale.
+        The DWISE paper replays 4,096 requests; a collection of a few hundred is resampled to that scale.
         """
         if n < 1:
-            raise ConfigError(f"--requests must be positive, got {n}")
+            raise ConfigError(f"`requests` must be positive, got {n}")
         idx = np.random.default_rng(seed).choice(len(self), size=n, replace=True)
         pick = lambda a: None if a is None else np.asarray(a)[idx]  # noqa: E731
         ids = np.array([f"{self.request_ids[i]}#{k}" for k, i in enumerate(idx.tolist())])
@@ -217,7 +218,7 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
     if split is not None:
         mask = req["split"].to_numpy() == split
         if not mask.any():
-            raise TraceError(f"the traces have no '{split}' requests: pick another --split (train, eval or all)")
+            raise TraceError(f"the traces have no '{split}' requests: pick another `split` (train, eval or all)")
         ds = ds.subset(mask)
         req = ds.requests
     total = req["total_rounds"].to_numpy(dtype=np.int64)
@@ -235,7 +236,7 @@ def sim_requests_from_traces(ds, split: str | None = "eval", bundle=None) -> Sim
         inputs = (ds.first_round, ds.prompt_last, req["prompt_tokens"].to_numpy(np.float32), req["budget"].to_numpy(np.float32),
                   ds.early_signals)
         refined = np.maximum(np.asarray(bundle.refine(*inputs), dtype=np.float64), 0.0)
-        if hasattr(bundle, "refine_raw"):  # the same ensemble before calibration (seed 000 Table 5)
+        if hasattr(bundle, "refine_raw"):  # the same ensemble before calibration (the DWISE paper's Table 5)
             raw = np.maximum(np.asarray(bundle.refine_raw(*inputs), dtype=np.float64), 0.0)
     return SimRequests(
         request_ids=req["request_id"].to_numpy(),
@@ -307,7 +308,7 @@ def simulate(
     fast_forward : run a plan several rounds at once while it provably stays the same (see
         :func:`_steady_rounds`); results in rounds are identical either way (a test checks it).
     refine_every : ``n``: besides the first denoising round, re-estimate ``r̂`` after rounds
-        ``1 + n, 1 + 2n, …`` while the workload's ``round_refined`` has them (seed 000 Table 6; ``inf``:
+        ``1 + n, 1 + 2n, …`` while the workload's ``round_refined`` has them (the DWISE paper's Table 6; ``inf``:
         once, as without it); the metrics then also count the refinements. Only for ``dwise-refined``.
     """
     if policy not in POLICIES:
@@ -317,100 +318,141 @@ def simulate(
         return _simulate_sync(workload, policy, config, arrivals)
     estimate, refined = workload.estimates(spec.estimate)
     later = None if refine_every is None else later_refinements(workload, spec, refine_every)
-    refinements = refining_rounds = 0
+    kv, estimate = _reservations_and_keys(workload, spec, config, estimate)
     n = len(workload)
+    order, times = make_arrivals(n, config) if arrivals is None else arrivals
+    pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging, config.max_wait)
+    loop = _RoundLoop(workload, pol, config.cost, estimate, refined, kv, later, record)
+    ptr = 0
+    while loop.n_done < n:
+        ptr = loop.admit(order, times, ptr)
+        if pol.n_resident == 0 and pol.n_waiting == 0:
+            loop.clock = float(times[ptr])  # idle server: jump to the next arrival
+            continue
+        loop.run_round(float(times[ptr]) if ptr < n else math.inf, fast_forward and not record)
+    counters = {**loop.counters(), "rhat_zero_pct": rhat_zero_share(spec, estimate, refined, workload.total_rounds, later)}
+    result = _result(policy, config, config.cost, times, loop.arrive_round, loop.arrive_s, loop.finish_round,
+                     loop.finish_s, loop.ttfb_round, loop.ttfb_s, counters, loop.log)
+    if later is not None:
+        result.metrics.update(refine_every=refine_every if math.isfinite(refine_every) else None,
+                              refine_rounds=[1, *later.rounds.tolist()], refinements_per_request=loop.refinements / n,
+                              refining_rounds_pct=100.0 * loop.refining_rounds / max(loop.rounds, 1),
+                              mean_refine_batch=loop.refinements / max(loop.refining_rounds, 1))
+    return result
+
+
+def _reservations_and_keys(workload: SimRequests, spec, config: SimConfig,
+                           estimate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's KV reservation and the estimate the policy ranks it by: S³ reserves the
+    predicted output rounded up to its bucket (not the budget), and ranks by the bucket."""
     kv = kv_reservations(workload, config)
-    if spec.kv == "bucket":  # S³: reserve the predicted output, rounded up to its bucket, not the budget
+    if spec.kv == "bucket":
         kv = np.minimum(kv, workload.prompt_blocks + np.minimum(bucket(estimate), workload.output_blocks)
                         + config.kv_slack_blocks)
     if spec.bucket_key:
         estimate = bucket(estimate)
-    order, times = make_arrivals(n, config) if arrivals is None else arrivals
-    pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging, config.max_wait)
-    steady_limit = getattr(pol, "steady_limit", None)
-    cost = config.cost
+    return kv, estimate
 
-    total, first_block = workload.total_rounds, workload.first_block_rounds
-    req_of_slot = np.full(n + 1, -1, dtype=np.int64)
-    done_rounds = np.zeros(n, dtype=np.int64)
-    arrive_round = np.zeros(n, dtype=np.int64)
-    arrive_s = np.zeros(n)
-    finish_round = np.zeros(n, dtype=np.int64)
-    finish_s = np.zeros(n)
-    ttfb_round = np.zeros(n, dtype=np.int64)
-    ttfb_s = np.zeros(n)
-    clock, rounds, ptr, n_done = 0.0, 0, 0, 0
-    used_slots = prefill_only = preemptions = cap_blocked = 0
-    prefill_only_s = 0.0
-    log = [] if record else None
 
-    while n_done < n:
-        if ptr < n and times[ptr] <= clock:
-            end = int(np.searchsorted(times, clock, side="right"))
-            new = order[ptr:end]
-            slots = pol.add_many(new, workload.prompt_blocks[new], estimate[new], kv[new])
-            if len(req_of_slot) <= slots.max():
-                req_of_slot = np.concatenate([req_of_slot, np.full(len(req_of_slot), -1, dtype=np.int64)])
-            req_of_slot[slots] = new
-            arrive_round[new], arrive_s[new] = rounds, times[ptr:end]
-            ptr = end
-        if pol.n_resident == 0 and pol.n_waiting == 0:
-            clock = float(times[ptr])  # idle server: jump to the next arrival
-            continue
-        plan = pol.schedule()
-        run = req_of_slot[plan.run]
-        n_run = len(run)
+class _RoundLoop:
+    """One replay of :func:`simulate` under way: what the policy does not see (each request's
+    denoising rounds done, the request each policy slot holds), the clock, each request's arrival,
+    first-block and finish stamps (rounds and seconds) and the run's counters."""
+
+    def __init__(self, workload: SimRequests, pol: DwisePolicy, cost: RoundCost, estimate: np.ndarray,
+                 refined: np.ndarray | None, kv: np.ndarray, later: LaterRefinements | None, record: bool):
+        n = len(workload)
+        self.workload, self.pol, self.cost, self.later = workload, pol, cost, later
+        self.estimate, self.refined, self.kv = estimate, refined, kv
+        self.steady_limit = getattr(pol, "steady_limit", None)
+        self.req_of_slot = np.full(n + 1, -1, dtype=np.int64)
+        self.done_rounds = np.zeros(n, dtype=np.int64)
+        self.arrive_round, self.arrive_s = np.zeros(n, dtype=np.int64), np.zeros(n)
+        self.finish_round, self.finish_s = np.zeros(n, dtype=np.int64), np.zeros(n)
+        self.ttfb_round, self.ttfb_s = np.zeros(n, dtype=np.int64), np.zeros(n)
+        self.clock, self.rounds, self.n_done = 0.0, 0, 0
+        self.used_slots = self.prefill_only = self.preemptions = self.cap_blocked = 0
+        self.prefill_only_s = 0.0
+        self.refinements = self.refining_rounds = 0
+        self.log = [] if record else None  # the request ids run in each round, and which ran a prompt block
+
+    def admit(self, order: np.ndarray, times: np.ndarray, ptr: int) -> int:
+        """Hand the policy every request arrived by now, from position ``ptr`` of the arrival order;
+        returns the position of the next arrival."""
+        if ptr >= len(order) or times[ptr] > self.clock:
+            return ptr
+        end = int(np.searchsorted(times, self.clock, side="right"))
+        new = order[ptr:end]
+        slots = self.pol.add_many(new, self.workload.prompt_blocks[new], self.estimate[new], self.kv[new])
+        if len(self.req_of_slot) <= slots.max():
+            self.req_of_slot = np.concatenate([self.req_of_slot, np.full(len(self.req_of_slot), -1, dtype=np.int64)])
+        self.req_of_slot[slots] = new
+        self.arrive_round[new], self.arrive_s[new] = self.rounds, times[ptr:end]
+        return end
+
+    def run_round(self, next_arrival: float, fast_forward: bool) -> None:
+        """Run the policy's next plan: one round, or with ``fast_forward`` as many as it provably
+        stays the same (:func:`_steady_rounds`; never a round that admits)."""
+        plan = self.pol.schedule()
+        run = self.req_of_slot[plan.run]
         dn_pos = np.flatnonzero(~plan.prompt)
         dn = run[dn_pos]
-        dt = float(cost.seconds(n_run - len(dn), len(dn)))
-        repeat = 1
-        if fast_forward and not record and len(plan.admitted) == 0:
-            next_arrival = float(times[ptr]) if ptr < n else math.inf
-            repeat = _steady_rounds(pol, plan, done_rounds[dn], total[dn], first_block[dn], next_arrival - clock, dt,
-                                    None if later is None else later.gaps(done_rounds[dn]))
-            if steady_limit is not None:
-                repeat = max(1, min(repeat, steady_limit(plan)))
-        cap_blocked += repeat * (pol.n_waiting > 0 and pol.n_resident >= pol.max_resident)
-        done_rounds[dn] += repeat
-        clock += dt * repeat
-        rounds += repeat
-        used_slots += n_run * repeat
-        prefill_only += repeat * (len(dn) == 0)
-        prefill_only_s += dt * repeat * (len(dn) == 0)
-        preemptions += len(plan.preempted)
-        first_hit = dn[done_rounds[dn] == first_block[dn]]
-        ttfb_round[first_hit], ttfb_s[first_hit] = rounds, clock
-        finished = np.zeros(n_run, dtype=bool)
-        finished[dn_pos] = done_rounds[dn] >= total[dn]
-        refined_now = None
-        if refined is not None and repeat == 1:  # the policy uses it only on the first denoising round
-            now_first = done_rounds[dn] == 1
-            if now_first.any():
-                refined_now = np.full(n_run, np.nan)
-                refined_now[dn_pos[now_first]] = refined[dn[now_first]]
-        pol.complete_round(plan, finished, refined_now, repeat)
-        if later is not None and repeat == 1:
-            count = int(np.isfinite(refined_now).sum()) if refined_now is not None else 0
-            count += later.apply(pol, plan.run[dn_pos], dn, done_rounds[dn], finished[dn_pos])
-            refinements += count
-            refining_rounds += count > 0
+        dt = float(self.cost.seconds(len(run) - len(dn), len(dn)))
+        repeat = self._repeat(plan, dn, dt, next_arrival) if fast_forward and len(plan.admitted) == 0 else 1
+        self._advance(plan, run, dn, dt, repeat)
+        finished = np.zeros(len(run), dtype=bool)
+        finished[dn_pos] = self.done_rounds[dn] >= self.workload.total_rounds[dn]
+        self._complete(plan, dn_pos, dn, finished, repeat)
         fin = run[finished]
-        finish_round[fin], finish_s[fin] = rounds, clock
-        n_done += len(fin)
-        if record:
-            log.append((workload.request_ids[run].tolist(), plan.prompt.tolist()))
+        self.finish_round[fin], self.finish_s[fin] = self.rounds, self.clock
+        self.n_done += len(fin)
+        if self.log is not None:
+            self.log.append((self.workload.request_ids[run].tolist(), plan.prompt.tolist()))
 
-    counters = dict(rounds=rounds, clock=clock, used_slots=used_slots, prefill_only=prefill_only,
-                    prefill_only_s=prefill_only_s, preemptions=preemptions, cap_blocked=cap_blocked,
-                    rhat_zero_pct=rhat_zero_share(spec, estimate, refined, total, later))
-    result = _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s,
-                     counters, log)
-    if later is not None:
-        result.metrics.update(refine_every=refine_every if math.isfinite(refine_every) else None,
-                              refine_rounds=[1, *later.rounds.tolist()], refinements_per_request=refinements / n,
-                              refining_rounds_pct=100.0 * refining_rounds / max(rounds, 1),
-                              mean_refine_batch=refinements / max(refining_rounds, 1))
-    return result
+    def _repeat(self, plan, dn: np.ndarray, dt: float, next_arrival: float) -> int:
+        done = self.done_rounds[dn]
+        repeat = _steady_rounds(self.pol, plan, done, self.workload.total_rounds[dn],
+                                self.workload.first_block_rounds[dn], next_arrival - self.clock, dt,
+                                None if self.later is None else self.later.gaps(done))
+        if self.steady_limit is not None:
+            repeat = max(1, min(repeat, self.steady_limit(plan)))
+        return repeat
+
+    def _advance(self, plan, run: np.ndarray, dn: np.ndarray, dt: float, repeat: int) -> None:
+        """The clock, the rounds done and the counters after ``repeat`` rounds of ``plan``; first
+        output blocks completed are stamped."""
+        pol = self.pol
+        self.cap_blocked += repeat * (pol.n_waiting > 0 and pol.n_resident >= pol.max_resident)
+        self.done_rounds[dn] += repeat
+        self.clock += dt * repeat
+        self.rounds += repeat
+        self.used_slots += len(run) * repeat
+        self.prefill_only += repeat * (len(dn) == 0)
+        self.prefill_only_s += dt * repeat * (len(dn) == 0)
+        self.preemptions += len(plan.preempted)
+        first_hit = dn[self.done_rounds[dn] == self.workload.first_block_rounds[dn]]
+        self.ttfb_round[first_hit], self.ttfb_s[first_hit] = self.rounds, self.clock
+
+    def _complete(self, plan, dn_pos: np.ndarray, dn: np.ndarray, finished: np.ndarray, repeat: int) -> None:
+        """Tell the policy the round is over: who finished, and the refinements now due (the first
+        denoising round's; with later refinements, theirs too, counted)."""
+        refined_now = None
+        if self.refined is not None and repeat == 1:  # the policy uses it only on the first denoising round
+            now_first = self.done_rounds[dn] == 1
+            if now_first.any():
+                refined_now = np.full(len(finished), np.nan)
+                refined_now[dn_pos[now_first]] = self.refined[dn[now_first]]
+        self.pol.complete_round(plan, finished, refined_now, repeat)
+        if self.later is not None and repeat == 1:
+            count = int(np.isfinite(refined_now).sum()) if refined_now is not None else 0
+            count += self.later.apply(self.pol, plan.run[dn_pos], dn, self.done_rounds[dn], finished[dn_pos])
+            self.refinements += count
+            self.refining_rounds += count > 0
+
+    def counters(self) -> dict:
+        """What :func:`_result` reads besides the stamps (all but ``rhat_zero_pct``)."""
+        return dict(rounds=self.rounds, clock=self.clock, used_slots=self.used_slots, prefill_only=self.prefill_only,
+                    prefill_only_s=self.prefill_only_s, preemptions=self.preemptions, cap_blocked=self.cap_blocked)
 
 
 @dataclass(frozen=True)
@@ -452,13 +494,13 @@ def later_refinements(workload: SimRequests, spec, refine_every: float) -> Later
         ``n < 1``, a scheduler other than ``dwise-refined``, or a workload without per-round estimates.
     """
     if not refine_every >= 1:
-        raise ConfigError(f"--refine-every takes round counts >= 1, got {refine_every}")
+        raise ConfigError(f"`refine_every` takes round counts >= 1, got {refine_every}")
     if spec.estimate != "refined":
-        raise ConfigError(f"--refine-every re-estimates with the calibrated refinement: it applies to dwise-refined, "
+        raise ConfigError(f"`refine_every` re-estimates with the calibrated refinement: it applies to dwise-refined, "
                           f"not {spec.name}")
     if workload.round_refined is None:
-        raise ConfigError("--refine-every needs refinement estimates at later rounds: traces collected with "
-                          "`dwise-predict collect --rounds-hidden N` and --bundle")
+        raise ConfigError("`refine_every` needs refinement estimates at later rounds: traces collected with "
+                          "`dwise-predict collect --rounds-hidden N` and `bundle`")
     kept = workload.round_refined.shape[1]
     rounds = np.arange(1 + refine_every, kept + 1, refine_every, dtype=np.int64) if math.isfinite(refine_every) \
         else np.zeros(0, dtype=np.int64)
@@ -577,7 +619,7 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
 
 def rhat_zero_share(spec, estimate: np.ndarray, refined: np.ndarray | None, total: np.ndarray,
                     later: LaterRefinements | None = None) -> float:
-    """Percent of requests whose ``r̂`` reaches 0 while rounds remain (seed 000 Table 6), or NaN
+    """Percent of requests whose ``r̂`` reaches 0 while rounds remain (the DWISE paper's Table 6), or NaN
     for schedulers that do not track ``r̂``.
 
     After ``t`` denoising rounds ``r̂ = max(r̂_0 − t, 0)``, so it hits 0 with work left iff some
@@ -606,7 +648,7 @@ def rhat_zero_share(spec, estimate: np.ndarray, refined: np.ndarray | None, tota
 
 
 def category_tails(result: SimResult, workload: SimRequests) -> list[dict]:
-    """Per-category latency tails of one run (seed 000 Table 16): p99 and max, in seconds and rounds."""
+    """Per-category latency tails of one run (the DWISE paper's Table 16): p99 and max, in seconds and rounds."""
     if workload.categories is None:
         return []
     rows = []
@@ -631,8 +673,8 @@ def kv_reservations(workload: SimRequests, config: SimConfig) -> np.ndarray:
     if config.kv_budget is not None and kv.max() > config.kv_budget:
         worst = int(np.argmax(kv))
         raise ConfigError(
-            f"--kv-budget {config.kv_budget:g} blocks cannot hold request {workload.request_ids[worst]} "
-            f"(worst case {kv[worst]:g} blocks = prompt + budget + slack): raise --kv-budget to at least {kv.max():g}"
+            f"`kv_budget` {config.kv_budget:g} blocks cannot hold request {workload.request_ids[worst]} "
+            f"(worst case {kv[worst]:g} blocks = prompt + budget + slack): raise `kv_budget` to at least {kv.max():g}"
         )
     return kv
 
@@ -697,10 +739,10 @@ def compare_arrivals(
     With ``arrival_seeds`` > 1 every pattern is replayed under seeds ``config.seed ...
     config.seed + arrival_seeds − 1``; a row then holds each metric's mean over the seeds and, for
     the latency and throughput metrics, ``<metric>_lo`` / ``<metric>_hi``, a 95 % bootstrap interval
-    of that mean (:func:`bootstrap_interval`). ``tails``, when a list, receives the per-category
-    tails (:func:`category_tails`) of the first seed's runs.
+    of that mean (:func:`~dwise_predict.metrics.bootstrap_mean_ci`). ``tails``, when a list, receives
+    the per-category tails (:func:`category_tails`) of the first seed's runs.
     """
-    poisson_rate = parse_rates(rate, workload, config, "--rate")[0] if any(p != "burst" for p in patterns) else None
+    poisson_rate = parse_rates(rate, workload, config, "`rate`")[0] if any(p != "burst" for p in patterns) else None
     rows = []
     for pattern in patterns:
         per_seed: dict[str, list[dict]] = {}
@@ -721,17 +763,6 @@ INTERVAL_METRICS = ("mean_latency_s", "p50_latency_s", "p99_latency_s", "max_lat
                     "throughput_rps", "mean_latency_rounds")
 
 
-def bootstrap_interval(values, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (one per arrival seed)."""
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return float(v.mean()), float(v.mean())
-    idx = np.random.default_rng(seed).integers(0, len(v), size=(n_boot, len(v)))
-    means = v[idx].mean(axis=1)
-    tail = 100 * (1 - level) / 2
-    return float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail))
-
-
 def aggregate_runs(runs: list[dict], seed: int = 0) -> dict:
     """One metrics dict from the runs of one policy under several arrival seeds (see :func:`compare_arrivals`)."""
     if len(runs) == 1:
@@ -742,7 +773,7 @@ def aggregate_runs(runs: list[dict], seed: int = 0) -> dict:
             values = [r[key] for r in runs]
             out[key] = float(np.mean(values))
             if key in INTERVAL_METRICS:
-                out[f"{key}_lo"], out[f"{key}_hi"] = bootstrap_interval(values, seed=seed)
+                out[f"{key}_lo"], out[f"{key}_hi"] = bootstrap_mean_ci(values, seed=seed)
         else:
             out[key] = value
     out["arrival_seeds"] = len(runs)
@@ -762,20 +793,20 @@ def service_rate(workload: SimRequests, config: SimConfig) -> float:
 
     Measured by simulating ``sglang-default`` under burst arrivals with ``config``'s server settings.
     ``--rate`` / ``--rates`` multiples (``2x``) are relative to it: below ``1x`` the default keeps up
-    and ranking has little to reorder; above it the queue grows and ranking pays (seed 000 Fig. 9).
+    and ranking has little to reorder; above it the queue grows and ranking pays (the DWISE paper's Fig. 9).
     """
     backlogged = replace(config, arrival="burst", rate=None)
     return simulate(workload, "sglang-default", backlogged).metrics["throughput_rps"]
 
 
-def parse_rates(text: str, workload: SimRequests, config: SimConfig, flag: str = "--rates") -> list[float]:
+def parse_rates(text: str, workload: SimRequests, config: SimConfig, flag: str = "`rates`") -> list[float]:
     """``"1,2,4"`` (req/s) or ``"0.5x,1x,2x"`` (multiples of :func:`service_rate`) -> req/s."""
     items = rate_items(text, flag)
     unit = service_rate(workload, config) if any(multiple for _, multiple in items) else None
     return [value * unit if multiple else value for value, multiple in items]
 
 
-def rate_items(text: str, flag: str = "--rates") -> list[tuple[float, bool]]:
+def rate_items(text: str, flag: str = "`rates`") -> list[tuple[float, bool]]:
     """The syntax of a rate list, checked without simulating: ``(value, is a multiple)`` per item."""
     items = []
     for item in (t.strip() for t in text.split(",")):
@@ -794,7 +825,7 @@ def rate_items(text: str, flag: str = "--rates") -> list[tuple[float, bool]]:
 
 
 def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies: list[str] | None = None) -> list[dict]:
-    """Every policy at each Poisson arrival rate (``poisson`` arrivals; seed 000 Figure 9)."""
+    """Every policy at each Poisson arrival rate (``poisson`` arrivals; the DWISE paper's Figure 9)."""
     rows = []
     for rate in rates:
         cfg = replace(config, arrival="poisson", rate=rate)
@@ -809,7 +840,7 @@ def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies
 
 
 def sweep_k(workload: SimRequests, config: SimConfig, ks: list[float], policies: list[str] | None = None) -> list[dict]:
-    """Every policy at each resident-set multiplier ``k`` under ``config``'s arrivals (seed 000 Fig. 10).
+    """Every policy at each resident-set multiplier ``k`` under ``config``'s arrivals (the DWISE paper's Fig. 10).
 
     Rows carry ``k``, the metrics (``cap_blocked_rounds_pct``: rounds in which requests waited while
     ``k·B`` requests were resident) and ``speedup_vs_default`` per ``k``.
@@ -824,20 +855,10 @@ def sweep_k(workload: SimRequests, config: SimConfig, ks: list[float], policies:
     return rows
 
 
-GAIN_STEPS = (
-    ("mixed batching", "sglang-default", "fcfs-mixed"),
-    ("ordering by prompt work", "fcfs-mixed", "dwise-zero"),
-    ("admission estimates", "dwise-zero", "dwise-admission"),
-    ("refinement (raw)", "dwise-admission", "dwise-raw"),
-    ("calibration", "dwise-raw", "dwise-refined"),
-    ("refinement (calibrated)", "dwise-admission", "dwise-refined"),
-    ("headroom to the oracle", "dwise-refined", "dwise-oracle"),
-)
-
-
 def gain_decomposition(rows: list[dict], group_key: str = "arrival") -> list[dict]:
     """Where DWISE's gain over SGLang's default comes from: the mean-latency ratio of each step of
-    :data:`GAIN_STEPS` (from → to; > 1 means the step helps), per group, for the pairs present."""
+    :data:`~dwise_predict.simulation.schedulers.GAIN_STEPS` (from → to; > 1 means the step helps), per
+    group, for the pairs present."""
     out = []
     for group in dict.fromkeys(r.get(group_key) for r in rows):
         mean = {r["policy"]: r["mean_latency_s"] for r in rows if r.get(group_key) == group}
@@ -894,19 +915,19 @@ def replay(
     allowed = available_policies(requests)
     missing = [p for p in policies or [] if p not in allowed]
     if missing:
-        raise ConfigError(f"--policies {', '.join(missing)} need predictions: pass --bundle (trail: traces with a train split)")
+        raise ConfigError(f"`policies` {', '.join(missing)} need predictions: pass `bundle` (trail: traces with a train split)")
     policies = policies or allowed
     kv_reservations(requests, config)
     swept = parse_rates(rates, requests, config) if rates else None  # a bad --rates is refused before any output
     if rate is not None:
-        rate_items(rate, "--rate")  # and a bad --rate too
+        rate_items(rate, "`rate`")  # and a bad --rate too
     if log is not None:
         log(f"replaying {len(requests)} requests under {len(policies)} policies")
     if swept is not None:
         return sweep(requests, config, swept, policies), policies
     if ks:
         pattern = (patterns or ["burst"])[0]
-        k_rate = None if pattern == "burst" else parse_rates(rate or "1.5x", requests, config, "--rate")[0]
+        k_rate = None if pattern == "burst" else parse_rates(rate or "1.5x", requests, config, "`rate`")[0]
         return sweep_k(requests, replace(config, arrival=pattern, rate=k_rate), ks, policies), policies
     return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies,
                             arrival_seeds, tails), policies
@@ -916,7 +937,7 @@ def sync_batch_service_times(workload: SimRequests, cost: RoundCost, batch_size:
                              seed: int = 0):
     """Service times of synchronized batches of ``batch_size`` requests drawn from ``workload``.
 
-    A synchronized batch (seed 001 §IV-§V) prefills together — round ``t`` holds the members with at
+    A synchronized batch (Amin et al.'s §IV-§V) prefills together — round ``t`` holds the members with at
     least ``t`` prompt blocks — then denoises together until its last member is done, round ``t``
     holding the members with at least ``t`` rounds; each round is timed by ``cost``. Returns a
     :class:`~dwise_predict.simulation.batch_timeout.ServiceTimes` for ``batch-timeout``.

@@ -137,7 +137,7 @@ def _tilted_steps(x: np.ndarray, y: np.ndarray, statistic) -> tuple[np.ndarray, 
     smaller; between blocks the map is linear. So every request of a block is calibrated to the
     block's value within ``TILT`` (what the L1 fit says: the median of the actual rounds of the
     requests whose raw estimate lies there), and requests the raw estimate orders keep their order
-    (no ties, so no ρ is lost; seed 000 Table 5).
+    (no ties, so no ρ is lost; the DWISE paper's Table 5).
 
     Why not one knot per block at its mean x (centred isotonic regression, Oron & Flournoy 2017,
     used until 2026-12): interpolating between centres spreads a block's estimates across the

@@ -2,8 +2,8 @@
 
 Input of a request: ``[h1, h_prompt, log(1 + prompt_tokens) / log(1 + prompt_norm), log(1 + budget) /
 log(1 + budget_norm), early signals]`` (``network.refine_input``; 2H + 2 + S values: the first
-denoising forward's and the last prompt block's pooled states, ``identity.HIDDEN_STATES``, and S = 4
-early signals in the order of ``identity.EARLY_SIGNALS``), standardised with the training split's mean and standard deviation.
+denoising forward's and the last prompt block's pooled states, ``names.HIDDEN_STATES``, and S = 4
+early signals in the order of ``names.EARLY_SIGNALS``), standardised with the training split's mean and standard deviation.
 Each member is trained with the logistic-hazard NLL, Adam and early stopping on a validation part
 of the training split; the weights of its best validation epoch are kept. Fitted state is plain
 tensors, the same ones ``network.refine_state`` writes and ``network.build_refine_graph`` reads.
@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from dwise_predict.errors import ConfigError, InputError
+from dwise_predict.survival.inputs import RefineInputs
 from dwise_predict.survival.labels import RemainingRoundsLabels, informative
 from dwise_predict.survival.loss import logistic_hazard_nll
-from dwise_predict.identity import HIDDEN_STATES, LENGTH_SCALE
+from dwise_predict.names import HIDDEN_STATES, LENGTH_SCALE
 from dwise_predict.survival.network import (
     HazardMLP, RefineGraph, build_refine_graph, refine_input, refine_state, survival_from_logits,
 )
@@ -57,7 +58,7 @@ class SurvivalEnsemble:
         max_epochs: int = 100,
         patience: int = 10,
         lr: float = 1e-3,
-        weight_decay: float = 0.0,
+        weight_decay: float = 1e-4,
         batch_size: int = 256,
         val_fraction: float = 0.2,
         split_seed: int = 0,
@@ -72,19 +73,17 @@ class SurvivalEnsemble:
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed
+        self._standardised: tuple[RefineInputs, torch.Tensor] | None = None  # the last standardise()
 
     # --- fit ----------------------------------------------------------------------------------
 
-    def fit(self, hidden, prompt_tokens, budget, early_signals, remaining, events=None, progress=None) -> "SurvivalEnsemble":
+    def fit(self, inputs: RefineInputs, remaining, events=None, progress=None) -> "SurvivalEnsemble":
         """Fit every member.
 
         Parameters
         ----------
-        hidden : array of shape (N, 2H), the pooled hidden states of ``identity.HIDDEN_STATES`` side
-            by side (``training.fit.refine_inputs`` builds them from a trace dataset).
-        prompt_tokens, budget : arrays of shape (N,), prompt tokens after the chat template and output
-            budget in tokens.
-        early_signals : array of shape (N, S), the first round's early signals (S = 4).
+        inputs : the N requests' refinement inputs (``training.fit.refine_inputs`` builds them from a
+            trace dataset).
         remaining : array of shape (N,), remaining denoising rounds after the first (``total - 1``).
         events : array of shape (N,), 1 = finished, 0 = collection cut short (censored); all 1 if None.
         progress : optional callable ``(member, epoch, train_loss, val_loss)`` called after each epoch.
@@ -93,7 +92,7 @@ class SurvivalEnsemble:
             raise InputError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
         if not self.seeds:
             raise InputError("the ensemble needs at least one seed (one member per seed)")
-        x, idx, ev = self.prepare(hidden, prompt_tokens, budget, early_signals, remaining, events)
+        x, idx, ev = self.prepare(inputs, remaining, events)
 
         perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(self.split_seed))
         n_val = min(max(1, round(self.val_fraction * x.shape[0])), x.shape[0] - 1)
@@ -109,25 +108,25 @@ class SurvivalEnsemble:
             self.history_.append({"seed": seed, **history})
         return self
 
-    def prepare(self, hidden, prompt_tokens, budget, early_signals, remaining, events=None):
+    def prepare(self, inputs: RefineInputs, remaining, events=None):
         """Fit K, the input norms and the standardisation on the informative requests; return their
         standardised inputs (n, 2H + 2 + S) and survival labels (idx (n,), event (n,)).
 
         Shared with :class:`~dwise_predict.survival.linear.RidgeHead`, so every refinement candidate
         standardises its input the same way (the graph's ``input_mean`` / ``input_std``).
         """
-        hidden, prompt_tokens, budget, early_signals = _check_inputs(hidden, prompt_tokens, budget, early_signals)
-        if len(remaining) != hidden.shape[0]:
-            raise InputError(f"{hidden.shape[0]} hidden rows but {len(remaining)} remaining-round counts")
+        if len(remaining) != len(inputs):
+            raise InputError(f"{len(inputs)} hidden rows but {len(remaining)} remaining-round counts")
         labels = RemainingRoundsLabels().fit(remaining, events)
         keep = informative(remaining, events)
         if keep.sum() < 4:
             raise InputError(f"survival model needs at least 4 informative training requests, got {int(keep.sum())}")
         self.num_rounds_ = labels.out_features
-        self.prompt_norm_ = float(max(1.0, prompt_tokens.max()))
-        self.budget_norm_ = float(max(1.0, budget.max()))
-        self.hidden_size_ = int(hidden.shape[1])  # both states' columns: 2H
-        x = self._assemble(hidden, prompt_tokens, budget, early_signals)[keep]  # (n, 2H + 2 + S)
+        self.prompt_norm_ = float(max(1.0, inputs.prompt_tokens.max()))
+        self.budget_norm_ = float(max(1.0, inputs.budget.max()))
+        self.hidden_size_ = inputs.hidden_size  # both states' columns: 2H
+        self._standardised = None
+        x = self._assemble(*_as_tensors(inputs))[keep]  # (n, 2H + 2 + S)
         self.input_mean_ = x.mean(dim=0)
         std = x.std(dim=0, unbiased=False)
         self.input_std_ = torch.where(std > _MIN_STD, std, torch.ones_like(std))
@@ -186,7 +185,7 @@ class SurvivalEnsemble:
                     break  # no progress, or diverged: the best epoch so far is kept
             if best_state is None:
                 raise ConfigError(f"the survival member with seed {seed} diverged (validation loss {val_loss:g} "
-                                  f"from the first epoch): lower the learning rate (--lr {self.lr:g})")
+                                  f"from the first epoch): lower the learning rate (`lr` {self.lr:g})")
             net.load_state_dict(best_state)
             net.eval()
         return net, {"train_loss": train_curve, "val_loss": val_curve, "best_epoch": best_epoch}
@@ -249,31 +248,36 @@ class SurvivalEnsemble:
         """S, the number of early-signal columns of the input."""
         return int(self.input_mean_.numel()) - self.hidden_size_ - 2
 
-    def predict_raw(self, hidden, prompt_tokens, budget, early_signals, batch_size: int = 1024) -> np.ndarray:
+    def predict_raw(self, inputs: RefineInputs, batch_size: int = 1024) -> np.ndarray:
         """Ensemble mean of expected remaining rounds, array of shape (N,) float64 (uncalibrated)."""
-        hidden, *rest = self._check(hidden, prompt_tokens, budget, early_signals)
-        inputs = (*hidden.tensor_split(len(HIDDEN_STATES), dim=1), *rest)  # the graph's inputs, one per state
+        hidden, *rest = self._tensors(inputs)
+        graph_inputs = (*hidden.tensor_split(len(HIDDEN_STATES), dim=1), *rest)  # one per state, as the graph's
         graph = self.graph()
         out = []
         with torch.no_grad():
-            for s in range(0, inputs[0].shape[0], batch_size):
-                out.append(graph.raw(*(t[s : s + batch_size] for t in inputs)))
+            for s in range(0, len(inputs), batch_size):
+                out.append(graph.raw(*(t[s : s + batch_size] for t in graph_inputs)))
         return torch.cat(out).double().numpy() if out else np.zeros(0)
 
-    def predict_survival(self, hidden, prompt_tokens, budget, early_signals) -> np.ndarray:
+    def predict_survival(self, inputs: RefineInputs) -> np.ndarray:
         """Ensemble survival curves, array of shape (N, K): mean over members of S(t) = P(T > t)."""
-        x = self.standardise(hidden, prompt_tokens, budget, early_signals)
+        x = self.standardise(inputs)
         with torch.no_grad():
             curves = torch.stack([survival_from_logits(m(x)) for m in self.members_]).mean(dim=0)
         return curves.double().numpy()
 
-    def standardise(self, hidden, prompt_tokens, budget, early_signals) -> torch.Tensor:
-        """(N, 2H), (N,), (N,), (N, S) raw inputs -> (N, 2H + 2 + S) standardised, as the graph does
-        before its members."""
-        return (self._assemble(*self._check(hidden, prompt_tokens, budget, early_signals)) - self.input_mean_) / self.input_std_
+    def standardise(self, inputs: RefineInputs) -> torch.Tensor:
+        """(N, 2H + 2 + S) standardised inputs, as the graph computes them before its members; not to be
+        modified. The last result is kept: the closed-form heads that share this standardisation
+        (``survival.linear``) ask for the same inputs several times in one fit."""
+        if self._standardised is None or self._standardised[0] is not inputs:
+            self._standardised = (inputs, (self._assemble(*self._tensors(inputs)) - self.input_mean_) / self.input_std_)
+        return self._standardised[1]
 
-    def _check(self, hidden, prompt_tokens, budget, early_signals) -> tuple[torch.Tensor, ...]:
-        return _check_inputs(hidden, prompt_tokens, budget, early_signals, self.hidden_size_, self.signal_count)
+    def _tensors(self, inputs: RefineInputs) -> tuple[torch.Tensor, ...]:
+        """The inputs as tensors, once their sizes are this model's."""
+        inputs.check_sizes(self.hidden_size_, self.signal_count)
+        return _as_tensors(inputs)
 
     def _assemble(self, hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
                   early_signals: torch.Tensor) -> torch.Tensor:
@@ -281,27 +285,7 @@ class SurvivalEnsemble:
         return refine_input(hidden, prompt_tokens, budget, early_signals, self.prompt_norm_, self.budget_norm_)
 
 
-def _check_inputs(hidden, prompt_tokens, budget, early_signals, hidden_size: int | None = None,
-                  signal_count: int | None = None):
-    """Validate once (shape, finite, consistent length) and convert to float32 tensors."""
-    hidden = torch.as_tensor(np.asarray(hidden, dtype=np.float32))
-    prompt_tokens = torch.as_tensor(np.asarray(prompt_tokens, dtype=np.float32)).ravel()
-    budget = torch.as_tensor(np.asarray(budget, dtype=np.float32)).ravel()
-    early_signals = torch.as_tensor(np.array(early_signals, dtype=np.float32))  # a copy: column views are read-only
-    if hidden.ndim != 2 or hidden.shape[1] % len(HIDDEN_STATES):
-        raise InputError(f"hidden states must have shape (N, {len(HIDDEN_STATES)}H) ({' and '.join(HIDDEN_STATES)} "
-                         f"side by side), got {tuple(hidden.shape)}")
-    if hidden_size is not None and hidden.shape[1] != hidden_size:
-        raise InputError(f"hidden states have size {hidden.shape[1]} but the model was trained on {hidden_size}")
-    n = hidden.shape[0]
-    if early_signals.ndim != 2 or early_signals.shape[0] != n:
-        raise InputError(f"early signals must have shape ({n}, S), got {tuple(early_signals.shape)}")
-    if signal_count is not None and early_signals.shape[1] != signal_count:
-        raise InputError(f"{early_signals.shape[1]} early signals per request but the model was trained on {signal_count}")
-    if prompt_tokens.shape[0] != n or budget.shape[0] != n:
-        raise InputError(f"{n} hidden rows but {prompt_tokens.shape[0]} prompt lengths and {budget.shape[0]} budgets")
-    for name, t in (("hidden states", hidden), ("prompt tokens", prompt_tokens), ("budget", budget),
-                    ("early signals", early_signals)):
-        if not torch.isfinite(t).all():
-            raise InputError(f"{name} hold NaN or inf: drop those requests")
-    return hidden, prompt_tokens, budget, early_signals
+def _as_tensors(inputs: RefineInputs) -> tuple[torch.Tensor, ...]:
+    """hidden, prompt tokens, budget and early signals as float32 tensors sharing the arrays' memory."""
+    return tuple(torch.as_tensor(a) for a in (inputs.hidden, inputs.prompt_tokens, inputs.budget, inputs.early_signals))
+

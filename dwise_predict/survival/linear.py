@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from dwise_predict.errors import InputError
-from dwise_predict.identity import HIDDEN_STATES
+from dwise_predict.names import HIDDEN_STATES
 from dwise_predict.survival.ensemble import SurvivalEnsemble
+from dwise_predict.survival.inputs import RefineInputs
 from dwise_predict.survival.network import HazardMLP, expected_remaining
 
 DEFAULT_ALPHAS: tuple[float, ...] = tuple(float(a) for a in np.logspace(-1, 5, 13))
@@ -52,14 +53,13 @@ class RidgeHead:
     def __init__(self, alphas: tuple[float, ...] = DEFAULT_ALPHAS):
         self.alphas = tuple(alphas)
 
-    def fit(self, hidden, prompt_tokens, budget, early_signals, remaining, events=None,
-            like: SurvivalEnsemble | None = None, groups=None) -> "RidgeHead":
+    def fit(self, inputs: RefineInputs, remaining, events=None, like: SurvivalEnsemble | None = None,
+            groups=None) -> "RidgeHead":
         """Fit on finished requests.
 
         Parameters
         ----------
-        hidden : array of shape (N, H); early_signals : (N, S); prompt_tokens, budget, remaining,
-            events : arrays of shape (N,).
+        inputs : the N requests' refinement inputs; remaining, events : arrays of shape (N,).
         like : a fitted :class:`SurvivalEnsemble` on the same requests whose standardisation, K and
             norms to share (so the ridge member can join its graph); fitted here when None.
         groups : array of shape (N,), request categories, or None. Given, the fit has two stages
@@ -74,13 +74,13 @@ class RidgeHead:
             raise InputError(f"ridge penalties must be > 0, got {self.alphas}")
         base = like if like is not None else SurvivalEnsemble(seeds=())
         if like is None:
-            base.prepare(hidden, prompt_tokens, budget, early_signals, remaining, events)
+            base.prepare(inputs, remaining, events)
         self.base_ = base
         remaining = np.asarray(remaining, dtype=np.float64)
         done = np.ones(remaining.shape, dtype=bool) if events is None else np.asarray(events, dtype=bool)
         if done.sum() < 4:
             raise InputError(f"the ridge head needs at least 4 finished training requests, got {int(done.sum())}")
-        x = base.standardise(hidden, prompt_tokens, budget, early_signals)[done].double().numpy()  # (n, D)
+        x = base.standardise(inputs)[done].double().numpy()  # (n, D)
         y = np.log1p(remaining[done])  # (n,)
         self.within_ = groups is not None
         if not self.within_:
@@ -100,14 +100,14 @@ class RidgeHead:
             self.intercept_ += intercept / len(HIDDEN_STATES)
         return self
 
-    def held_out_scores(self, hidden, prompt_tokens, budget, early_signals, remaining, events, groups) -> np.ndarray:
+    def held_out_scores(self, inputs: RefineInputs, remaining, events, groups) -> np.ndarray:
         """Each request's predicted ``log1p(remaining)`` (N,) by this ridge refitted without its group
         (category), at the same penalty and standardisation: exact without refitting
         (:func:`ridge_held_out`); NaN for unfinished requests. Only for the one-stage ridge."""
         if self.within_:
             raise InputError("held_out_scores is for the one-stage ridge (fitted without groups)")
         done = np.ones(len(remaining), dtype=bool) if events is None else np.asarray(events, dtype=bool)
-        x = self.base_.standardise(hidden, prompt_tokens, budget, early_signals)[done].double().numpy()
+        x = self.base_.standardise(inputs)[done].double().numpy()
         out = np.full(len(remaining), np.nan)
         out[done] = ridge_held_out(x, np.log1p(np.asarray(remaining, dtype=np.float64)[done]),
                                    np.asarray(groups)[done], self.alpha_)
@@ -134,9 +134,9 @@ class RidgeHead:
         ensemble.candidate = "ridge-within" if self.within_ else "ridge"
         return ensemble
 
-    def score(self, hidden, prompt_tokens, budget, early_signals) -> np.ndarray:
+    def score(self, inputs: RefineInputs) -> np.ndarray:
         """Predicted ``log1p(remaining)``, array of shape (N,) (the ranking the graph reproduces)."""
-        x = self.base_.standardise(hidden, prompt_tokens, budget, early_signals).double().numpy()
+        x = self.base_.standardise(inputs).double().numpy()
         return x @ self.coef_ + self.intercept_
 
     def record(self) -> dict:
@@ -185,7 +185,7 @@ class SignalFeatureHead:
     """Ridges of ``log1p(remaining)`` on random GELU features of the short inputs: prompt tokens,
     budget and the early signals (not the hidden states), averaged over a bag of feature draws.
 
-    Seed 001's early signals order requests within a category through a non-linear relation (on the
+    Amin et al.'s early signals order requests within a category through a non-linear relation (on the
     tiny model's traces a small LightGBM on them reaches within-category ρ 0.62, a linear fit 0.37).
     A fixed random first layer, ``GELU(W x + c)`` with ``W, c ~ N(0, scale^2)`` on the standardised
     short inputs, followed by a ridge over its units (penalty by exact leave-one-out, as
@@ -213,8 +213,7 @@ class SignalFeatureHead:
         self.width, self.scale, self.seed, self.bag = int(width), float(scale), int(seed), int(bag)
         self.alphas = tuple(alphas)
 
-    def fit(self, base: SurvivalEnsemble, hidden, prompt_tokens, budget, early_signals, remaining,
-            events=None) -> "SignalFeatureHead":
+    def fit(self, base: SurvivalEnsemble, inputs: RefineInputs, remaining, events=None) -> "SignalFeatureHead":
         """Fit on the finished requests; ``base`` is a prepared ensemble whose standardisation to share."""
         if self.width < 1 or self.scale <= 0 or self.bag < 1:
             raise InputError(f"signal features need width >= 1, scale > 0 and bag >= 1, got {self.width}, "
@@ -225,7 +224,7 @@ class SignalFeatureHead:
         self.fc1_weight_ = np.concatenate([rng.normal(0.0, self.scale, (self.width, short)) for rng in draws])
         self.fc1_bias_ = np.concatenate([rng.normal(0.0, self.scale, self.width) for rng in draws])
         done = np.ones(len(remaining), dtype=bool) if events is None else np.asarray(events, dtype=bool)
-        units = self._units(hidden, prompt_tokens, budget, early_signals)[done]
+        units = self._units(inputs)[done]
         y = np.log1p(np.asarray(remaining, dtype=np.float64)[done])
         fits = [_ridge_loo(units[:, k * self.width:(k + 1) * self.width], y, self.alphas) for k in range(self.bag)]
         self.coef_ = np.concatenate([coef for coef, *_ in fits]) / self.bag  # (bag * width,): their mean
@@ -238,12 +237,12 @@ class SignalFeatureHead:
         """Random units over the whole bag."""
         return self.width * self.bag
 
-    def score(self, hidden, prompt_tokens, budget, early_signals) -> np.ndarray:
+    def score(self, inputs: RefineInputs) -> np.ndarray:
         """Predicted ``log1p(remaining)``, array of shape (N,)."""
-        return self._units(hidden, prompt_tokens, budget, early_signals) @ self.coef_ + self.intercept_
+        return self._units(inputs) @ self.coef_ + self.intercept_
 
-    def _units(self, hidden, prompt_tokens, budget, early_signals) -> np.ndarray:
-        x = self.base_.standardise(hidden, prompt_tokens, budget, early_signals)[:, self.base_.hidden_size_:].double()
+    def _units(self, inputs: RefineInputs) -> np.ndarray:
+        x = self.base_.standardise(inputs)[:, self.base_.hidden_size_:].double()
         pre = x @ torch.as_tensor(self.fc1_weight_).T + torch.as_tensor(self.fc1_bias_)
         return torch.nn.functional.gelu(pre).numpy()  # (N, bag * width)
 
@@ -384,8 +383,7 @@ def _top_directions(xc: torch.Tensor, k: int) -> torch.Tensor:
     return ((xc.T @ u) / torch.sqrt(torch.clamp(lam, min=1e-12))).contiguous()  # v = X^T u / s
 
 
-def fit_pca_survival(make_ensemble, hidden, prompt_tokens, budget, early_signals, remaining, events=None,
-                     components: int = 32,
+def fit_pca_survival(make_ensemble, inputs: RefineInputs, remaining, events=None, components: int = 32,
                      progress=None) -> SurvivalEnsemble:
     """The survival ensemble trained on the top ``components`` principal components of the standardised
     input, folded back into ordinary members on the full input (candidate ``"survival-pca"``).
@@ -397,16 +395,16 @@ def fit_pca_survival(make_ensemble, hidden, prompt_tokens, budget, early_signals
     — a plain ``HazardMLP`` on the bundle's input, and the graph is unchanged.
     """
     base = SurvivalEnsemble(seeds=())
-    base.prepare(hidden, prompt_tokens, budget, early_signals, remaining, events)
-    x = base.standardise(hidden, prompt_tokens, budget, early_signals).double()  # (N, D)
+    base.prepare(inputs, remaining, events)
+    x = base.standardise(inputs).double()  # (N, D)
     xc = x - x.mean(dim=0)
     # even: the inner ensemble reads the components as its two hidden states' columns
     k = max(2, min(components, *xc.shape) // 2 * 2)
     proj = _top_directions(xc, k)  # (D, k)
     z = (x @ proj).float().numpy()  # (N, k)
     zeros = np.zeros(z.shape[0], dtype=np.float32)  # the projection already holds every other input
-    inner = make_ensemble().fit(z, zeros, zeros, np.zeros((z.shape[0], 0), np.float32), remaining, events,
-                                progress=progress)
+    projected = RefineInputs(z, zeros, zeros, np.zeros((z.shape[0], 0), np.float32))
+    inner = make_ensemble().fit(projected, remaining, events, progress=progress)
     if inner.num_rounds_ != base.num_rounds_:
         raise InputError("internal error: the projected ensemble has another K than the full one")
     mean, std = inner.input_mean_[:k].double(), inner.input_std_[:k].double()

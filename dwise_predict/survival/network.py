@@ -1,6 +1,6 @@
 """The refinement predictor as a torch module: the piece training, export and serving share.
 
-Imports only torch (and the standard-library ``identity`` module), so the serving hook can rebuild it from ``refine.safetensors`` without the
+Imports only torch (and the standard-library ``names`` module), so the serving hook can rebuild it from ``refine.safetensors`` without the
 training stack. The same arrays define the TorchScript and ONNX graphs.
 
 Remaining rounds ``T`` (after the first denoising round) take values ``0..K``. Each member emits
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from dwise_predict.identity import HIDDEN_STATES, LENGTH_SCALE
+from dwise_predict.names import HIDDEN_STATES, LENGTH_SCALE
 
 
 class HazardMLP(nn.Module):
@@ -90,7 +90,7 @@ def isotonic_interp(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torc
 def refine_input(hidden: torch.Tensor, prompt_tokens: torch.Tensor, budget: torch.Tensor,
                  early_signals: torch.Tensor, prompt_norm: float, budget_norm: float) -> torch.Tensor:
     """(B, 2H), (B,), (B,), (B, S) raw inputs -> (B, 2H + 2 + S), the members' input before
-    standardisation. ``hidden`` is the pooled states of :data:`~dwise_predict.identity.HIDDEN_STATES`
+    standardisation. ``hidden`` is the pooled states of :data:`~dwise_predict.names.HIDDEN_STATES`
     side by side (``first_round`` then ``prompt_last``).
 
     Prompt length and budget enter as ``log(1 + n) / log(1 + norm)``, ``norm`` the largest training

@@ -33,7 +33,7 @@ import pandas as pd
 
 from dwise_predict.errors import TraceError
 from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.traces.round_states import COUNT_COLUMN as ROUND_COUNT_COLUMN
 from dwise_predict.traces.round_states import TENSORS as ROUND_TENSORS
 from dwise_predict.traces.round_states import round_states
@@ -335,14 +335,14 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
 
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise TraceError(f"{path} is a file: give a trace directory (the --out of `dwise-predict collect`)")
+        raise TraceError(f"{path} is a file: give a trace directory (the `out` of `dwise-predict collect`)")
     if not path.is_dir():
         raise TraceError(f"no trace directory at {path}: run `dwise-predict collect --out {path}` first")
     for name in (MANIFEST_FILE, REQUESTS_FILE, HIDDEN_FILE):
         if not (path / name).is_file():
             hint = (
                 "its collection is unfinished: rerun the same `dwise-predict collect` command to finish it "
-                "(for --shard parts, combine them with `dwise-predict traces merge`)"
+                "(for `shard` parts, combine them with `dwise-predict traces merge`)"
                 if (path / "shards").is_dir()
                 else "it is not a complete trace dataset"
             )

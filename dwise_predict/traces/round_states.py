@@ -9,7 +9,7 @@ would be fed at each of its first ``N`` denoising rounds, in ``hidden.safetensor
   forward of its second block), pooled as the serving hook pools them; row 0 is ``first_round``,
   bit for bit;
 - ``round_signals`` ``[N_requests, N, 4]`` — that forward's early signals over the block's
-  still-masked positions (:data:`dwise_predict.identity.EARLY_SIGNALS` order, computed by
+  still-masked positions (:data:`dwise_predict.names.EARLY_SIGNALS` order, computed by
   ``engine.signals`` as the hook computes them); row 0 holds the request's signal columns. A forward
   that sees its block with no mask left (the one that shows a ``LowConfidence`` block done) has
   signals 0;
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dwise_predict.errors import TraceError
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 
 MANIFEST_KEY = "rounds_hidden"
 STATES = "round_states"

@@ -20,8 +20,6 @@ MAX_SEED = 2**31 - 1
 # an error). Each is far above any useful value (the paper: width 256, 3 members, 100 trees).
 LIMITS = {"width": 16_384, "members": 32, "num_threads": 256, "admission_trees": 100_000,
           "admission_leaves": 131_072, "batch_size": 1 << 20, "bootstrap": 100_000, "cv_folds": 100}
-# the refinement candidates (training.select.CANDIDATES) and "auto": pick one by cross-validation
-REFINE_CHOICES = ("auto", "survival", "ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals")
 
 
 def _fits(value, default) -> bool:
@@ -66,7 +64,7 @@ class TrainConfig:
     batch_size: int = 256
     val_fraction: float = 0.2
     # which refinement predictor to ship: "auto" picks among the candidates by grouped K-fold CV
-    # (cv_folds) on the train split, by within-category rho (training.select); or name one of them
+    # (cv_folds) on the train split (training.select); or name one of them (training.candidates)
     refine: str = "auto"
     cv_folds: int = 3
     # categories left out of training (both predictors and the calibration); the eval split keeps them
@@ -101,8 +99,12 @@ class TrainConfig:
             problems.append("lr and admission_learning_rate must be > 0, weight_decay >= 0")
         if self.calibration not in ("median", "mean"):
             problems.append(f"calibration must be 'median' or 'mean' (got {self.calibration!r})")
-        if self.refine not in REFINE_CHOICES:
-            problems.append(f"--refine must be one of {', '.join(REFINE_CHOICES)} (got {self.refine!r})")
+        # "auto" (pick by cross-validation) or a registered candidate; imported here, where a fit is
+        # near, so that reading the defaults does not import torch
+        from dwise_predict.training.candidates import NAMES
+
+        if self.refine not in ("auto", *NAMES):
+            problems.append(f"`refine` must be one of {', '.join(('auto', *NAMES))} (got {self.refine!r})")
         if self.cv_folds < 2:
             problems.append(f"cv_folds must be >= 2 (got {self.cv_folds})")
         if self.bootstrap < 0:
@@ -134,6 +136,6 @@ class TrainConfig:
         return config
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, flag: str = "--config") -> "TrainConfig":
-        """A config from a JSON file of options (e.g. a run's config.json); ConfigError names ``flag``."""
-        return cls.from_dict(read_json_object(path, ConfigError, name=f"{flag} {path}", fix="give training options"))
+    def from_file(cls, path: str | os.PathLike) -> "TrainConfig":
+        """A config from a JSON file of options (e.g. a run's config.json); ConfigError names it as ``config``."""
+        return cls.from_dict(read_json_object(path, ConfigError, name=f"`config` {path}", fix="give training options"))

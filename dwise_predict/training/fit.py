@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -21,8 +22,11 @@ from dwise_predict.admission.model import AdmissionModel
 from dwise_predict.errors import ConfigError, TraceError
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
+from dwise_predict.survival.inputs import RefineInputs
 from dwise_predict.traces import TraceDataset
+from dwise_predict.training.candidates import TrainingSplit, candidate
 from dwise_predict.training.config import TrainConfig, default_jobs
+from dwise_predict.training.select import cross_validate, grouped_folds
 
 CENSORED_COLUMN = "censored"
 
@@ -65,7 +69,7 @@ class Predictors:
 
     def refined_raw(self, ds: TraceDataset) -> np.ndarray:
         """(N,) ensemble mean of remaining rounds after the first denoising round, uncalibrated."""
-        return self.ensemble.predict_raw(*refine_inputs(ds))
+        return self.ensemble.predict_raw(refine_inputs(ds))
 
     def refined_remaining(self, ds: TraceDataset) -> np.ndarray:
         """(N,) calibrated remaining rounds (on the scale of actual remaining rounds)."""
@@ -73,7 +77,7 @@ class Predictors:
 
     def predict_survival(self, ds: TraceDataset) -> np.ndarray:
         """(N, K) ensemble survival curves S(t) = P(remaining > t), t = 0..K-1."""
-        return self.ensemble.predict_survival(*refine_inputs(ds))
+        return self.ensemble.predict_survival(refine_inputs(ds))
 
     def refine_graph(self):
         """The calibrated ensemble as one torch graph (``network.RefineGraph``), as export builds it."""
@@ -125,46 +129,51 @@ def fit_predictors(
 def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress, jobs: int | None) -> tuple:
     """The chosen refinement candidate (by CV when ``config.refine == "auto"``), its calibration and
     the selection record."""
-    from dwise_predict.training.select import CLOSED_FORM, cross_validate, fit_candidate, grouped_folds
-
-    def make_ensemble() -> SurvivalEnsemble:
-        return SurvivalEnsemble(
-            width=config.width,
-            dropout=config.dropout,
-            seeds=config.seeds,
-            max_epochs=config.max_epochs,
-            patience=config.patience,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            batch_size=config.batch_size,
-            val_fraction=config.val_fraction,
-            split_seed=config.seed,
-        )
-
-    inputs = refine_inputs(train)
+    split = training_split(train, targets, config)
     out_of_fold = None
     if config.refine == "auto":
         jobs = default_jobs(2, config.num_threads) if jobs is None else jobs  # two threads is all the CV uses
-        selection, estimates = cross_validate(train, inputs, targets.remaining, targets.events, make_ensemble,
-                                              config.cv_folds, config.seed, jobs=jobs)
-        if selection["chosen"] in CLOSED_FORM:
+        selection, estimates = cross_validate(split, config.cv_folds, jobs=jobs)
+        if candidate(selection["chosen"]).closed_form:
             out_of_fold = estimates[selection["chosen"]]
     else:
         selection = {"mode": "fixed", "candidates": {}, "chosen": config.refine}
-    ensemble, inner = fit_candidate(selection["chosen"], inputs, targets.remaining, targets.events, make_ensemble,
-                                    progress, groups=train.requests["category"].astype(str).to_numpy(),
-                                    fold=grouped_folds(train, config.cv_folds, config.seed),
-                                    blend_weight=selection.get("blend_weight"), seed=config.seed)
+    ensemble, inner = candidate(selection["chosen"]).fit(split, progress, blend_weight=selection.get("blend_weight"))
     selection.update(inner)
-    return ensemble, calibrate(ensemble, inputs, targets, config.calibration, out_of_fold), selection
+    return ensemble, calibrate(ensemble, split.inputs, targets, config.calibration, out_of_fold), selection
 
 
-def calibrate(ensemble: SurvivalEnsemble, inputs: tuple, targets: Targets, statistic: str,
+def survival_ensemble(config: TrainConfig) -> SurvivalEnsemble:
+    """An unfitted survival ensemble with ``config``'s knobs (each candidate that trains one makes its own)."""
+    return SurvivalEnsemble(
+        width=config.width,
+        dropout=config.dropout,
+        seeds=config.seeds,
+        max_epochs=config.max_epochs,
+        patience=config.patience,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        batch_size=config.batch_size,
+        val_fraction=config.val_fraction,
+        split_seed=config.seed,
+    )
+
+
+def training_split(train: TraceDataset, targets: Targets, config: TrainConfig) -> TrainingSplit:
+    """``train`` as the refinement candidates are fitted on it: inputs, targets, categories, the grouped
+    CV folds of ``config.cv_folds`` and ``config``'s seed and survival ensemble."""
+    return TrainingSplit(refine_inputs(train), targets.remaining, targets.events,
+                         train.requests["category"].astype(str).to_numpy(),
+                         grouped_folds(train, config.cv_folds, config.seed), config.seed,
+                         partial(survival_ensemble, config))
+
+
+def calibrate(ensemble: SurvivalEnsemble, inputs: RefineInputs, targets: Targets, statistic: str,
               out_of_fold: np.ndarray | None = None) -> IsotonicCalibrator:
     """The isotonic map from ``ensemble``'s raw estimate to remaining rounds, fitted on the finished
     training requests: on their out-of-fold raw estimates (``out_of_fold`` (N,), NaN where a fold was
     not scored) when the candidate search made them and the candidate is fitted in closed form
-    (``select.CLOSED_FORM``), else on the ensemble's own estimates of its training requests (seed
+    (``Candidate.closed_form``), else on the ensemble's own estimates of its training requests (seed
     000's recipe).
 
     Why out of fold for the closed-form heads: the map is applied to requests the head never saw,
@@ -181,7 +190,7 @@ def calibrate(ensemble: SurvivalEnsemble, inputs: tuple, targets: Targets, stati
         done = done & np.isfinite(out_of_fold)
         raw, fitted_on = out_of_fold[done], "train, out of fold"
     else:
-        raw, fitted_on = ensemble.predict_raw(*(a[done] for a in inputs)), "train"
+        raw, fitted_on = ensemble.predict_raw(inputs.rows(done)), "train"
     return IsotonicCalibrator(statistic=statistic, fitted_on=fitted_on).fit(
         raw, targets.remaining[done], raw_range=(0.0, float(ensemble.num_rounds_)))
 
@@ -240,11 +249,11 @@ def evaluate_predictors(predictors: Predictors, eval_ds: TraceDataset, bootstrap
     }
 
 
-def refine_inputs(ds: TraceDataset) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The refinement inputs of every request, in the order every candidate's fit and predict take
-    (:meth:`SurvivalEnsemble.fit`): the hidden states of ``identity.HIDDEN_STATES`` side by side (N,
-    2H: ``first_round`` then ``prompt_last``), prompt_tokens (N,), budget (N,), early_signals (N, 4)."""
-    return (
+def refine_inputs(ds: TraceDataset) -> RefineInputs:
+    """The refinement inputs of every request, as every candidate's fit and predict take them: the
+    hidden states of ``names.HIDDEN_STATES`` side by side (N, 2H: ``first_round`` then
+    ``prompt_last``), prompt_tokens (N,), budget (N,), early_signals (N, 4)."""
+    return RefineInputs(
         np.concatenate([ds.first_round, ds.prompt_last], axis=1),
         ds.requests["prompt_tokens"].to_numpy(dtype=np.float32),
         ds.requests["budget"].to_numpy(dtype=np.float32),

@@ -47,7 +47,7 @@ def train_run(
     config = config or TrainConfig()
     config.check()
     source = traces.path if isinstance(traces, TraceDataset) else traces
-    with claim_output(out, [("TRACES", source)], "a run directory", RUN_MARKER, replace=overwrite, flag="--overwrite",
+    with claim_output(out, [("TRACES", source)], "a run directory", RUN_MARKER, replace=overwrite, param="overwrite",
                       contents=RUN_CONTENTS):
         ds = traces if isinstance(traces, TraceDataset) else load_traces(traces)
         train, eval_ds = ds.split("train"), ds.split("eval")
@@ -75,10 +75,10 @@ def exclude_categories(ds: TraceDataset, train: TraceDataset, exclude) -> TraceD
     known = sorted(set(ds.requests["category"].astype(str)))
     unknown = [c for c in exclude if c not in known]
     if unknown:
-        raise ConfigError(f"--exclude {', '.join(unknown)}: no such category in the traces; known: {', '.join(known)}")
+        raise ConfigError(f"`exclude` {', '.join(unknown)}: no such category in the traces; known: {', '.join(known)}")
     kept = train.subset(~train.requests["category"].astype(str).isin(list(exclude)).to_numpy())
     if len(kept) < 8:
-        raise ConfigError(f"--exclude {', '.join(exclude)} leaves {len(kept)} training requests: exclude fewer categories")
+        raise ConfigError(f"`exclude` {', '.join(exclude)} leaves {len(kept)} training requests: exclude fewer categories")
     return kept
 
 

@@ -70,7 +70,7 @@ def read_config(path: Path, model: str) -> dict:
             if "/" in model and not model.startswith(("/", ".", "~"))
             else ""
         )
-        raise ModelError(f"no model directory at {model}{hint}; pass --model tiny or a local model directory")
+        raise ModelError(f"no model directory at {model}{hint}; pass `model` tiny or a local model directory")
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json: it is not a transformers model directory")
     return read_json_object(path / "config.json", ModelError, fix="re-save the model (save_pretrained)")

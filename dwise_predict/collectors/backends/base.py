@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 
 from dwise_predict.errors import ModelError
 from dwise_predict.files import sha256_file
-from dwise_predict.identity import config_hash
+from dwise_predict.names import config_hash
 
 # What transformers' loaders raise for a damaged or hostile model directory: truncated, empty or
 # garbage weights, shapes that do not fit the config, a pickle refused by weights-only loading.
@@ -41,13 +41,13 @@ def check_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
-        raise ModelError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+        raise ModelError(f"`device` {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError(f"--device {device}: this machine (or this torch build) has no CUDA device; use --device cpu")
+        raise ModelError(f"`device` {device}: this machine (or this torch build) has no CUDA device; use `device` cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ModelError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here; pick another index")
+        raise ModelError(f"`device` {device}: only {torch.cuda.device_count()} CUDA device(s) here; pick another index")
     if dev.type not in ("cpu", "cuda"):
-        raise ModelError(f"--device {device}: only cpu and cuda devices are supported")
+        raise ModelError(f"`device` {device}: only cpu and cuda devices are supported")
     return dev
 
 # the dtype names of DecodingConfig.dtype, as torch dtypes
@@ -127,7 +127,7 @@ def directory_fingerprint(model_dir: Path | None, name: str, config: dict, hidde
     """The model fingerprint of contract 1 for a model loaded from ``model_dir``.
 
     ``weights_sha256`` hashes the sha256 of every ``*.safetensors`` file in name order (one file: its
-    own sha256); ``config_hash`` is :func:`~dwise_predict.identity.config_hash` of the config. Without a
+    own sha256); ``config_hash`` is :func:`~dwise_predict.names.config_hash` of the config. Without a
     directory (an in-memory model) ``weights_sha256`` is None.
     """
     weights_sha256 = None

@@ -144,7 +144,7 @@ class BlockLoopBackend:
         if states is None or len(states) != self.num_hidden_layers + 1:
             raise ModelError(f"{self.path}: the model's forward returned {0 if states is None else len(states)} "
                              f"hidden states for {self.num_hidden_layers} layers (want {self.num_hidden_layers + 1}): "
-                             "it cannot be collected with --layers; drop --layers")
+                             "it cannot be collected with `layers`; drop `layers`")
         return out.logits, self._hidden, torch.stack([*states[:-1], self._hidden], dim=1)
 
 
@@ -160,7 +160,7 @@ def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = 
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     if config.get("auto_map") and not trust_remote_code:
-        raise ModelError(f"{path} ships its own model code (auto_map in config.json): pass --trust-remote-code "
+        raise ModelError(f"{path} ships its own model code (auto_map in config.json): pass `trust_remote_code` "
                          "if you trust it")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -175,9 +175,9 @@ def load_block_loop_backend(path: Path, config: dict, trust_remote_code: bool = 
     block = served.get("block_size") or config.get("block_size") or config.get("block_length") or block_size
     if block is None:
         raise ModelError(f"{path}: unknown block size for {architecture or config.get('model_type')}: "
-                         "pass --block-size")
+                         "pass `block_size`")
     if problem := routing_block_size_problem(config, block_size or block):
-        raise ModelError(f"{path}: {problem}: drop --block-size (or the algorithm config's block_size)")
+        raise ModelError(f"{path}: {problem}: drop `block_size` (or the algorithm config's block_size)")
     pad = config.get("pad_token_id")
     pad = tokenizer.pad_token_id if pad is None else pad
     last_error = None

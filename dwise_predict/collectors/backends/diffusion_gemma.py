@@ -122,7 +122,7 @@ class DiffusionGemmaBackend:
         if config.block_size is not None and config.block_size != self.block_size:
             raise ConfigError(
                 f"DiffusionGemma decodes canvases of {self.block_size} tokens (canvas_length in config.json): "
-                f"drop --block-size or set it to {self.block_size}"
+                f"drop `block_size` or set it to {self.block_size}"
             )
         for request in requests:
             result = self._decode_one(request, config, seed)
@@ -182,7 +182,7 @@ class _Probe:
         self.rounds_per_block: list[int] = []
         self.first_round: np.ndarray | None = None  # (H,)
         self.prompt_last: np.ndarray | None = None  # (H,)
-        self.signals: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # identity.EARLY_SIGNALS order
+        self.signals: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)  # names.EARLY_SIGNALS order
         self._handles = []
 
     def __enter__(self) -> "_Probe":

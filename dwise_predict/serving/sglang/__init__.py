@@ -19,7 +19,7 @@ before the model runner starts, so the pooling copy is captured in SGLang's CUDA
 - :mod:`~dwise_predict.serving.sglang.install`: checks the arguments, builds the hook, patches and
   uninstalls.
 
-No function here is longer than 80 lines and none defines another (``tests/test_hook_structure.py``).
+No function here is longer than 80 lines and none defines another (``tests/test_code_shape.py``).
 """
 
 from dwise_predict.serving.sglang.buffers import UNWRITTEN

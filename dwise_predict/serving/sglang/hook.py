@@ -64,7 +64,7 @@ import numpy as np
 
 from dwise_predict.engine import prefill_rounds, tokenizer_stop_ids
 from dwise_predict.errors import ConfigError
-from dwise_predict.identity import EARLY_SIGNALS
+from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.bundles.load import check_compatible
 from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 from dwise_predict.serving.sglang.buffers import UNWRITTEN, block_key
@@ -188,8 +188,8 @@ class DwiseHook:
         served = served_decoding(config.algorithm, config.algorithm_config, config.block_size)
         self.signal_threshold = float((config.algorithm_config or {}).get("threshold", SIGNAL_THRESHOLD))
         if self.bundle is not None:
-            trained = (self.bundle.manifest.get("decoding") or {}).get("algorithm")
-            check_compatible(self.bundle.manifest, None, comparable_decoding(trained, served), "given to the hook")
+            trained = self.bundle.manifest.identity
+            check_compatible(trained, None, comparable_decoding(trained.decoding.algorithm, served), "given to the hook")
         if self.recorder is not None:
             said = self.recorder.decoding
             recorded = served_decoding(said.get("algorithm"), said.get("algorithm_config"), said.get("block_size"))

@@ -156,7 +156,7 @@ def _check_arguments(bundle, features, recorder, block_size, device, max_wait=No
             raise ConfigError(f"refinement and recording need {' and '.join(missing)} at install time (the pooling "
                               "buffer is allocated before SGLang captures its CUDA graphs): pass them to install()")
     if bundle is not None and block_size is not None:
-        bundle_bs = (bundle.manifest.get("decoding") or {}).get("block_size")
+        bundle_bs = bundle.manifest.identity.decoding.block_size
         if bundle_bs is not None and int(bundle_bs) != int(block_size):
             raise BundleError(
                 f"bundle was trained with block_size {bundle_bs} but SGLang runs {block_size}: "

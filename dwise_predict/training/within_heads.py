@@ -1,0 +1,135 @@
+"""The ridge-within heads fitted fold by fold, and ``ridge-within+signals``' blend weight chosen from them.
+
+Both ``ridge-within`` candidates (``training.candidates``) are scored from one set of fold fits: per
+fold, the two-stage ridge (:class:`~dwise_predict.survival.linear.RidgeHead` with groups) and the
+signal-feature head on its standardisation (:class:`~dwise_predict.survival.linear.SignalFeatureHead`),
+under the grouped folds and under leave-one-category-out folds. These fits draw nothing from torch's
+global RNG (their members are built blank), so ``training.select`` runs them in a second thread beside
+the survival fits: :func:`submit_heads` starts them, :func:`gather_heads` collects them.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, Future
+
+import numpy as np
+
+from dwise_predict import metrics as M
+from dwise_predict.survival.inputs import RefineInputs
+from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead
+
+BLEND_WEIGHTS = (0.25, 0.4, 0.5, 0.6, 0.75)  # share of ridge-within in ridge-within+signals
+DEFAULT_BLEND_WEIGHT = 0.5  # both heads alike, kept unless CV finds a weight clearly better
+
+
+def head_scores(fit_in: RefineInputs, val_in: RefineInputs, remaining, events, groups,
+                seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Validation log-scores of ridge-within and of the signal-feature head fitted on ``fit_in``, and
+    ridge-within's raw estimate (its graph's output: candidate ``ridge-within``)."""
+    ridge = RidgeHead().fit(fit_in, remaining, events, groups=groups)
+    features = SignalFeatureHead(seed=seed).fit(ridge.base_, fit_in, remaining, events)
+    return ridge.score(val_in), features.score(val_in), ridge.ensemble().predict_raw(val_in)
+
+
+def choose_blend_weight(inputs: RefineInputs, remaining, events, groups, fold, seed: int = 0,
+                        by_prompt: tuple | None = None, by_category: tuple | None = None) -> tuple[float, dict, np.ndarray]:
+    """The blend weight of ``ridge-within+signals``, by the one-standard-error rule.
+
+    Each :data:`BLEND_WEIGHTS` entry is scored per category by the mean of two out-of-fold
+    within-category ρ on the training split: under the grouped folds ``fold`` (categories seen in
+    training) and under leave-one-category-out folds (each category scored by heads fitted without
+    it; grouped CV alone favours the hidden-state ridge, which ranks seen categories well and unseen
+    ones poorly). The best-scoring weight replaces :data:`DEFAULT_BLEND_WEIGHT` only when it beats the
+    default by more than one standard error of its own score over categories — the
+    one-standard-error rule (Breiman et al. 1984; Hastie, Tibshirani & Friedman 2009, §7.10). Why
+    not the best outright: with ~40 requests per category the scores of neighbouring weights differ
+    by noise, and on four draws of the tiny model's workload the outright choice (0.4-0.75 across
+    retrainings) cost 0.06 of held-out-category ρ against the default with nothing gained within
+    categories.
+
+    ``by_prompt``, ``by_category``: :func:`out_of_fold_heads` under ``fold`` and under
+    leave-one-category-out folds, when the caller has them already.
+
+    Returns (weight, {weight: scores, "rule": how the weight was chosen}, the blend's out-of-fold
+    log-scores under ``fold`` (N,))."""
+    groups = np.asarray(groups).astype(str)
+    by_prompt = by_prompt or out_of_fold_heads(inputs, remaining, events, groups, fold, seed)
+    by_category = by_category or out_of_fold_heads(inputs, remaining, events, groups, category_folds(groups), seed)
+    scores, per_category = {}, {}
+    for w in BLEND_WEIGHTS:
+        seen, seen_per = _blend_within(w, by_prompt[0], by_prompt[1], remaining, events, groups)
+        unseen, unseen_per = _blend_within(w, by_category[0], by_category[1], remaining, events, groups)
+        scores[str(w)] = {"cv_within_category": seen, "cv_held_out_category": unseen}
+        per_category[w] = _category_merit(seen_per, unseen_per, sorted(set(groups)))
+    merit = {w: float(np.nanmean(v)) if np.isfinite(v).any() else -np.inf for w, v in per_category.items()}
+    best = max(BLEND_WEIGHTS, key=lambda w: (merit[w], -abs(w - DEFAULT_BLEND_WEIGHT)))
+    spread = per_category[best][np.isfinite(per_category[best])]
+    se = float(spread.std(ddof=1) / np.sqrt(spread.size)) if spread.size >= 2 else np.inf
+    gain = merit[best] - merit[DEFAULT_BLEND_WEIGHT]  # NaN when no category has a defined score
+    chosen = best if gain > se else DEFAULT_BLEND_WEIGHT
+    scores["rule"] = {"default": DEFAULT_BLEND_WEIGHT, "best": best,
+                      "gain_over_default": float(gain) if np.isfinite(gain) else None,
+                      "standard_error": se if np.isfinite(se) else None}
+    return float(chosen), scores, chosen * by_prompt[0] + (1.0 - chosen) * by_prompt[1]
+
+
+def out_of_fold_heads(inputs: RefineInputs, remaining, events, groups, fold,
+                      seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Out-of-fold log-scores (N,) of ridge-within and of the signal-feature head, and ridge-within's
+    raw estimates (N,) (NaN where unscored), the folds fitted here in order."""
+    return gather_heads(len(remaining), submit_heads(inputs, remaining, events, groups, fold, seed, None))
+
+
+def submit_heads(inputs: RefineInputs, remaining, events, groups, fold, seed, pool: Executor | None) -> list[tuple]:
+    """Start :func:`head_scores` for every fold (in ``pool``, or here when None): (validation rows,
+    future, arguments) for :func:`gather_heads`."""
+    pending = []
+    for k in np.unique(fold):
+        fit_rows, val_rows = fold != k, fold == k
+        if fit_rows.sum() < 8:
+            continue
+        args = (inputs.rows(fit_rows), inputs.rows(val_rows), remaining[fit_rows], events[fit_rows], groups[fit_rows],
+                seed)
+        pending.append((val_rows, _start(pool, head_scores, *args), args))
+    return pending
+
+
+def gather_heads(n: int, pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`out_of_fold_heads`' three arrays from :func:`submit_heads`' fits."""
+    # the fits the other thread has not started run here instead, now that this thread is free: last
+    # first, as that thread takes them first to last
+    here = {i: head_scores(*args) for i, (_, fitted, args) in reversed(list(enumerate(pending))) if fitted.cancel()}
+    ridge_oof, feature_oof, raw_oof = (np.full(n, np.nan) for _ in range(3))
+    for i, (val_rows, fitted, _) in enumerate(pending):
+        ridge_oof[val_rows], feature_oof[val_rows], raw_oof[val_rows] = here[i] if i in here else fitted.result()
+    return ridge_oof, feature_oof, raw_oof
+
+
+def _start(pool: Executor | None, fn, *args) -> Future:
+    """``fn(*args)`` submitted to ``pool``, or run here at once when None (a finished future)."""
+    if pool is not None:
+        return pool.submit(fn, *args)
+    done: Future = Future()
+    done.set_result(fn(*args))
+    return done
+
+
+def category_folds(groups: np.ndarray) -> np.ndarray:
+    """Leave-one-category-out folds: each request's fold is its category's index."""
+    return np.unique(groups, return_inverse=True)[1]
+
+
+def _category_merit(seen: dict, unseen: dict, categories: list[str]) -> np.ndarray:
+    """Per category, the mean of its defined grouped-CV and leave-one-category-out ρ (NaN if neither)."""
+    merit = []
+    for c in categories:
+        values = [v for v in (seen.get(c), unseen.get(c)) if v is not None]
+        merit.append(np.mean(values) if values else np.nan)
+    return np.array(merit)
+
+
+def _blend_within(weight, ridge_oof, feature_oof, remaining, events, groups) -> tuple[float | None, dict]:
+    """Mean within-category ρ of the blend's out-of-fold scores, and the per-category values."""
+    scored = np.asarray(events, bool) & np.isfinite(ridge_oof)
+    pred = weight * ridge_oof[scored] + (1.0 - weight) * feature_oof[scored]
+    return M.within_category(pred, remaining[scored], groups[scored])
