@@ -1,7 +1,9 @@
 """The whole pipeline on the built-in tiny dLLM, in one call: the newcomer's first five minutes.
 
 collect → train → evaluate (with leave-one-category-out) → export → verify → simulate, each stage
-writing into its own folder under ``out``. Every stage finishes by renaming its output into place,
+writing into its own folder under ``out``; the simulation's section (its tables, plots and the
+speed-up with what it assumed) is then added to the evaluation's ``report/report.html`` and
+``report.md``, the page a newcomer opens. Every stage finishes by renaming its output into place,
 and counts as done only when every file it writes is there (:data:`STAGE_FILES`) and it was made
 from the same traces, options and code as this call would use (its stamp in ``out/stages.json``:
 the traces' fingerprint, the options of :data:`STAGE_OPTIONS` and
@@ -30,9 +32,13 @@ STAGE_FILES = {
     "bundle": ("bundle.json", "README.md", "admission.onnx", "refine.onnx", "refine.pt"),
 }
 # the quickstart options each resumable stage's output depends on, beside the traces and the code
-# (``jobs`` changes only the wall time; ``slots``, ``k`` only the simulation, which is always redone)
+# (``jobs`` changes only the wall time; ``slots``, ``k`` only the simulation, which is always redone,
+# and its section of the report, always replaced)
 STAGE_OPTIONS = {"run": ("seed", "max_epochs"), "report": ("seed", "max_epochs", "loco"), "bundle": ()}
 STAMPS = "stages.json"
+# no round-cost profile: a prompt block costs a round what a denoising block does, which favours
+# mixing them most (an upper bound on the gain; docs/results.md)
+ROUND_COST_WORDS = "the default, no profile"
 
 
 @dataclass(frozen=True)
@@ -103,14 +109,36 @@ def run_quickstart(
     evaluation = _evaluate_stage(stages, paths, config, train_config, log)
     verified = _export_stage(stages, paths, log)
     rows, sim_config = _simulate_stage(ds, paths, config, log)
-
-    # no round-cost profile: a prompt block costs a round what a denoising block does, which favours
-    # mixing them most (an upper bound on the gain; docs/results.md)
     simulated = {"slots": sim_config.slots, "k": sim_config.k, "round_ms": sim_config.round_ms,
                  "slot_ms": sim_config.slot_ms}
+    _add_scheduling_section(paths, speedup_lines(_speedups(rows), simulated))
     summary = _summary(paths, metrics, evaluation, rows, verified, simulated)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def speedup_lines(speedups: dict[str, float], simulated: dict) -> list[str]:
+    """The simulated speed-up of DWISE (refined) over SGLang's default per arrival pattern, each line
+    naming its simulation (B, k, round cost), then what that round cost assumes; [] without a figure.
+
+    Parameters
+    ----------
+    speedups : arrival pattern -> speed-up (the summary's ``speedup_vs_sglang_default``).
+    simulated : the summary's ``simulated`` (``slots``, ``k``, ``round_ms``, ``slot_ms``).
+    """
+    if not speedups:
+        return []
+    lines = [f"Simulated mean-latency speed-up of DWISE (refined) over SGLang's default: {speedup:.2f}x "
+             f"({arrival} arrivals, B = {simulated['slots']}, k = {simulated['k']}, round cost: {ROUND_COST_WORDS})"
+             for arrival, speedup in speedups.items()]
+    return [*lines, f"(B = {simulated['slots']}, a round {simulated['round_ms']:g} ms + {simulated['slot_ms']:g} ms a "
+                    "block, prompt or denoising alike: an upper bound; with a measured round-cost profile the gain "
+                    "is smaller, see docs/results.md)"]
+
+
+def _speedups(rows: list[dict]) -> dict[str, float]:
+    """Arrival pattern -> mean-latency speed-up of DWISE (refined) over SGLang's default."""
+    return {r["arrival"]: r["speedup_vs_default"] for r in rows if r["policy"] == "dwise-refined"}
 
 
 def _label(stage: str) -> str:
@@ -174,12 +202,33 @@ def _simulate_stage(ds, paths: dict[str, Path], config: QuickstartConfig, log: C
     from dwise_predict.simulation.report import write_outputs
     from dwise_predict.simulation.simulator import SimConfig, compare_arrivals, sim_requests_from_traces
 
-    log(f"{_label('simulate')}: replay the eval split under every scheduler → {paths['simulate']}")
+    log(f"{_label('simulate')}: replay the eval split under every scheduler → {paths['simulate']}, "
+        f"its section → {paths['report'] / 'report.html'}")
     bundle = load_bundle(paths["bundle"], expect_model=ds.model_fingerprint, expect_decoding=ds.decoding)
     sim_config = SimConfig(slots=config.slots, k=config.k, seed=config.seed)
-    rows = compare_arrivals(sim_requests_from_traces(ds, "eval", bundle), sim_config, ["burst", "burst-poisson"])
-    write_outputs(rows, paths["simulate"], "simulate", {"slots": config.slots, "k": config.k, "seed": config.seed})
+    requests = sim_requests_from_traces(ds, "eval", bundle)
+    tails: list[dict] = []
+    rows = compare_arrivals(requests, sim_config, ["burst", "burst-poisson"], tails=tails)
+    settings = {"slots": config.slots, "k": config.k, "seed": config.seed, "requests": len(requests),
+                "round_cost": {**sim_config.cost.as_dict(), "source": ROUND_COST_WORDS}}
+    write_outputs(rows, paths["simulate"], "simulate", settings, tails)
     return rows, sim_config
+
+
+def _add_scheduling_section(paths: dict[str, Path], speedups: list[str]) -> None:
+    """Add the scheduling section, rebuilt from what the simulate stage wrote (``simulate.json``, its
+    plots) and opened by the ``speedups`` lines, to the evaluation's report; it replaces the section an
+    earlier run added, so a resumed quickstart's report is the same as an uninterrupted one's."""
+    from dwise_predict.evaluation.document import Section, add_sections
+    from dwise_predict.simulation.report import simulation_section
+
+    folder = paths["simulate"]
+    saved = read_json_object(folder / "simulate.json", ConfigError, fix=f"delete {folder} to redo it",
+                             allow_nan=True)  # an undefined ρ is NaN
+    pngs = {stem: (folder / f"{stem}.png").read_bytes() for stem in ("simulate", "simulate_categories")
+            if (folder / f"{stem}.png").is_file()}
+    section = simulation_section(saved, pngs)
+    add_sections([Section(section.title, section.text, [*speedups, *section.blocks])], paths["report"])
 
 
 def _done(paths: dict[str, Path], stage: str) -> bool:
@@ -234,7 +283,6 @@ class _Stages:
 def _summary(paths: dict[str, Path], metrics: dict, evaluation: dict, rows: list[dict], verified: bool,
              simulated: dict) -> dict:
     loco = evaluation.get("loco") or {}
-    speedup = {r["arrival"]: r["speedup_vs_default"] for r in rows if r["policy"] == "dwise-refined"}
     return {
         "n_train": metrics["n_train"],
         "n_eval": metrics["n_eval"],
@@ -245,7 +293,7 @@ def _summary(paths: dict[str, Path], metrics: dict, evaluation: dict, rows: list
         "held_out": loco.get("mean"),
         "held_out_ci": loco.get("mean_ci"),  # 95% over resampled evaluation requests
         "calibration": metrics["calibration"],
-        "speedup_vs_sglang_default": speedup,
+        "speedup_vs_sglang_default": _speedups(rows),
         "simulated": simulated,
         "verified": verified,
         "paths": {name: str(path) for name, path in paths.items()},

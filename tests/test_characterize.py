@@ -64,9 +64,15 @@ def test_cli_writes_report_and_json(tmp_path, capsys):
     html = (out / "characterization.html").read_text()
     assert html.count("data:image/png;base64,") == 2  # histograms + budget sweep
     assert (out / "plots" / "characterization_budget_sweep.png").read_bytes()[:4] == b"\x89PNG"
+    # the wall-time correlation is labelled as the collecting machine's, wherever the table is shown
+    markdown = (out / "characterization.md").read_text()
+    table_at = markdown.index("| r(rounds, wall) |")
+    assert markdown.index("on the machine that collected these traces", table_at) > table_at
+    assert "not a property of the model" in html
     assert main(["characterize", str(a)]) == 0
     table = capsys.readouterr().out
     assert "Denoising rounds" in table and "mcq" in table
+    assert "r(wall): Pearson r" in table and "machine that collected" in " ".join(table.split())
 
 
 def _signal_table(seed: int = 0, n: int = 80) -> pd.DataFrame:

@@ -71,5 +71,5 @@ def test_the_printed_summary_carries_the_held_out_interval_and_the_simulations_a
     assert "0.36 [0.21, 0.48]" in row
     assert "-0.07 [-0.22, 0.07]" in row
     # the simulated gain says what it assumed: no round-cost profile, so it is an upper bound
-    assert "over SGLang's default, burst: 5.77x" in out
+    assert "over SGLang's default: 5.77x (burst arrivals, B = 16, k = 4, round cost: the default, no profile)" in out
     assert "(B = 16, a round 50 ms + 0.35 ms a block, prompt or denoising alike: an upper bound;" in out

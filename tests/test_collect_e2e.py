@@ -258,3 +258,49 @@ def test_allow_missing_collects_the_sources_that_exist(tiny_dir, tmp_path, capsy
     ds = load_traces(tmp_path / "o")
     assert len(ds) == 6 and set(ds.requests["category"]) == {"long_context"}
     assert "absent.jsonl" in " ".join(ds.manifest["workload"]["plan"]["missing"])
+
+
+def test_collect_without_a_terminal_logs_progress_lines(tiny_dir, tmp_path, capsys):
+    """Under nohup, CI or Slurm stderr is no terminal and the bar is not drawn: progress comes as lines
+    instead, at start, every tenth of the requests (or 30 s), and at the end."""
+    assert main(["collect", "--model", str(tiny_dir), "--out", str(tmp_path / "t"), *FLAGS]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("collect: ")]
+    assert lines[0].startswith(f"collect: 0/{LIMIT} requests (0%)")
+    assert lines[-1].startswith(f"collect: {LIMIT}/{LIMIT} requests (100%)") and "req/s" in lines[-1]
+    done = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert done == sorted(set(done)) and len(lines) >= 6  # a line per tenth (2.4 requests: every 2)
+    assert main(["collect", "--model", str(tiny_dir), "--out", str(tmp_path / "t"), *FLAGS]) == 0  # all resumed
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("collect: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"collect: {LIMIT}/{LIMIT} requests") and f"({LIMIT} resumed)" in lines[0]
+
+
+def test_collect_progress_lines_come_every_30_seconds_between_tenths(monkeypatch, capsys):
+    from dwise_predict.cli import collect as cli_collect
+    from dwise_predict.collectors.collect import CollectProgress
+
+    monkeypatch.setattr(cli_collect.sys.stderr, "isatty", lambda: False, raising=False)
+    with cli_collect.CollectProgressBar() as bar:
+        for done, elapsed in ((0, 0.0), (1, 10.0), (2, 29.0), (3, 31.0), (4, 40.0), (5, 61.5), (1000, 90.0)):
+            bar.update(CollectProgress(total=1000, done=done, rounds=7 * done, elapsed_s=elapsed))
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split()[1] for line in lines] == ["0/1000", "3/1000", "5/1000", "1000/1000"]
+    assert lines[1] == "collect: 3/1000 requests (0%)  0.10 req/s  0.7 rounds/s  ETA 2:51:42"  # 997 left at 3/31 s
+
+
+def test_collect_allow_network_reaches_the_workload_as_workload_show_passes_it(monkeypatch, tmp_path):
+    """`--allow-network` means in `collect` what it means in `workload show`: hub datasets may download
+    (True); without it the workload spec's own allow_network decides (None)."""
+    from dwise_predict.collectors import workloads
+    from dwise_predict.errors import InputError
+
+    asked = []
+
+    def load_workload(spec, seed=0, limit=None, *, allow_missing=False, allow_network=None):
+        asked.append(allow_network)
+        raise InputError("stop here: the spy saw what it needed")
+
+    monkeypatch.setattr(workloads, "load_workload", load_workload)
+    for command in (["collect", "--out", str(tmp_path / "t")], ["workload", "show"]):
+        assert main([*command, "--allow-network"]) == 1
+        assert main(command) == 1
+    assert asked == [True, None, True, None]

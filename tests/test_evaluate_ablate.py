@@ -352,12 +352,15 @@ def test_an_interrupted_evaluation_skips_the_retrainings_already_done(tmp_path, 
     args = ["evaluate", str(traces), "--loco", "--out", str(tmp_path / "eval"), "--config", str(config), "--jobs", "1"]
     monkeypatch.setattr(pool, "fit_predict", fit_predict_until(2))
     assert main(args) == INTERRUPTED  # two held-out categories done, stopped in the third
-    assert "interrupted: rerun the same command to resume" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "interrupted: rerun the same command to resume" in err and "resuming" not in err
     kept = tmp_path / ".eval.kept"
     assert len(list(kept.glob("*.safetensors"))) == 2 and not (tmp_path / "eval").exists()
     monkeypatch.setattr(pool, "fit_predict", fit_predict_until(None))
     assert main(args) == 0
-    assert "2 of" in capsys.readouterr().err and len(ran) == len(set(ran))  # none of the first two again
+    err = capsys.readouterr().err
+    assert "resuming an interrupted evaluation" in err and f"kept in {kept}" in err
+    assert "2 of" in err and len(ran) == len(set(ran))  # none of the first two again
     assert not kept.exists()  # gone with the evaluation written
     resumed = json.loads((tmp_path / "eval" / "loco.json").read_text())
     assert TrainConfig.from_file(config).to_dict() == fast_config().to_dict()  # what loco_evaluation ran with
@@ -406,3 +409,19 @@ def test_an_evaluation_interrupted_after_its_own_fit_does_not_fit_again(tmp_path
     resumed = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
     for key in ("metrics", "baselines", "winner", "loco"):  # the reloaded predictors score as the fitted ones
         assert json.dumps(resumed[key], sort_keys=True) == json.dumps(straight[key], sort_keys=True), key
+
+
+def test_a_retraining_reused_within_one_command_is_not_called_interrupted(tmp_path):
+    """`--ablate inputs --ablate train-size` share a retraining: the second finds it kept by the first.
+    Nothing was interrupted, and the message says only what is true: done already, reused."""
+    from dwise_predict.evaluation.pool import RetrainTask, run_tasks
+
+    ds = make_traces(n_requests=160, seed=1)
+    task = RetrainTask("full", ds.split("train"), ds.split("eval"), fixed_config())
+    logged: list[str] = []
+    first = run_tasks([task], jobs=1, kept=tmp_path / "kept", log=logged.append)
+    assert logged == []  # nothing was there to reuse
+    again = run_tasks([task, dataclasses.replace(task, name="other")], jobs=1, kept=tmp_path / "kept", log=logged.append)
+    assert logged == [f"  2 of 2 retrainings already done on the same data and config: reused from {tmp_path / 'kept'}"]
+    assert not any("interrupt" in line for line in logged)
+    np.testing.assert_array_equal(again["full"]["refined"], first["full"]["refined"])

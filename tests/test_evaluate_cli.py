@@ -48,7 +48,8 @@ def test_report_is_self_contained(evaluated):
     _, out = evaluated
     html = (out / "report.html").read_text()
     assert "http://" not in html and "https://" not in html  # nothing fetched: opens offline
-    plots = ["scatter_admission", "scatter_refined", "survival_curves", "calibration", "loco", "baselines",
+    # no survival_curves: the fixed config ships ridge, whose curves are geometric by construction
+    plots = ["scatter_admission", "scatter_refined", "calibration", "loco", "baselines",
              "output_vs_rounds", "round_histograms"]
     assert html.count('<img src="data:image/png;base64,') == len(plots)
     md = (out / "report.md").read_text()
@@ -60,6 +61,7 @@ def test_report_is_self_contained(evaluated):
     for title in ("Summary", "Calibration", "Leave one category out", "Baselines", "Output length versus work"):
         assert f"## {title}" in md
     assert "Over all requests with mcq held out: admission ρ" in md
+    assert "No survival curves: the shipped refinement candidate, ridge, is a linear score" in md
     # the Workload section's early-signal directions; these synthetic signals reverse nowhere
     assert "**Early signals against total rounds: Spearman ρ [95 % interval] inside each category**" in md
     assert "No signal reverses its direction between categories here." in md
@@ -159,3 +161,22 @@ def test_censored_requests_are_left_out_of_the_rank_tables(tmp_path):
     assert result["traces"]["n_eval_finished"] == n_eval - int(censored.sum())
     ensemble = next(r for r in result["baselines"] if r["name"] == "refinement predictor (shipped)")
     assert ensemble["spearman"] == pytest.approx(result["metrics"]["refined"]["spearman"])  # same requests
+
+
+@pytest.mark.parametrize("candidate, drawn, words", [
+    ("survival", True, "Ensemble survival curves, of evaluation requests"),
+    ("survival-pca", True, "Ensemble survival curves"),
+    ("survival+ridge", True, "one ridge member whose own curve is geometric by construction"),
+    ("ridge", False, "its survival is geometric by construction"),
+    ("ridge-within+signals", False, "not a fitted distribution"),
+])
+def test_survival_curves_are_drawn_only_where_they_were_fitted(candidate, drawn, words):
+    """The report's survival figure is for a candidate whose curves are a fitted model; a linear
+    candidate's are a geometric law by construction, so a sentence says so instead."""
+    from dwise_predict.evaluation.document import Figure
+    from dwise_predict.evaluation.report import _survival_block
+
+    curves = np.cumprod(np.full((2, 8), 0.8), axis=1)
+    block = _survival_block({"curves": curves, "true": np.array([3.0, 5.0]), "labels": ["a", "b"]}, candidate)
+    assert isinstance(block, Figure) == drawn
+    assert words in (block.caption if drawn else block)

@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dwise_predict"
 ROOT = "dwise_predict"  # the package's own __init__ (its __version__)
-BASE = {"errors", "files", "versions"}  # shared ground anyone may use
+BASE = {"errors", "files", "versions", "text"}  # shared ground anyone may use
 
 ALLOWED: dict[str, set[str]] = {
     ROOT: set(),
@@ -22,7 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "versions": set(),
     "names": set(),
     "metrics": set(),
-    "files": {"errors"},
+    # text: data escaped for the medium it lands in (terminal, Markdown, CSV, a plot); standard library,
+    # a leaf every sink may use (files: write_csv neutralises formula cells)
+    "text": set(),
+    "files": {"errors", "text"},
     # names: a leaf of the names the contracts share (the early signals' columns, the refinement
     # graph's length scale), which the graph, the run directory and the bundle must agree on
     "runs": {"errors", "files", "names"},

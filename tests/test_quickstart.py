@@ -43,13 +43,39 @@ def test_every_stage_left_its_artifacts(quickstart):
     assert summary["refined_rho"] > 0.3
 
 
+def test_the_report_carries_the_scheduling_section(quickstart):
+    """The page the README says to open holds the simulation beside the evaluation: its heading after
+    the evaluation's sections, the speed-up naming what it assumed, the plots inline, the tables."""
+    out, summary, _ = quickstart
+    html = (out / "report" / "report.html").read_text()
+    assert html.index("<h2>Workload</h2>") < html.index("<h2>Scheduling simulation</h2>")
+    scheduling = html[html.index("<h2>Scheduling simulation</h2>"):]
+    burst = summary["speedup_vs_sglang_default"]["burst"]
+    assert (f"Simulated mean-latency speed-up of DWISE (refined) over SGLang&#x27;s default: {burst:.2f}x "
+            "(burst arrivals, B = 16, k = 4.0, round cost: the default, no profile)") in scheduling
+    assert (f"{summary['n_eval']} requests, B = 16, k = 4.0, round cost from: the default, no profile "
+            "(base 50.000 ms, prefill block 0.350 ms, decode block 0.350 ms).") in scheduling
+    assert scheduling.count("data:image/png;base64,") == 2  # latency per scheduler, per-category p99
+    assert scheduling.count("<h2>") == 1 and html.count("<h2>Scheduling simulation</h2>") == 1
+    md = (out / "report" / "report.md").read_text()
+    scheduling_md = md[md.index("## Scheduling simulation"):]
+    assert "**Schedulers on the replayed requests" in scheduling_md
+    assert "| arrival | scheduler | mean s |" in scheduling_md
+    assert "| burst | dwise-refined |" in scheduling_md and "| burst-poisson | sglang-default |" in scheduling_md
+    assert "![simulate](plots/simulate.png)" in scheduling_md
+    assert (out / "report" / "plots" / "simulate.png").read_bytes() == (out / "simulate" / "simulate.png").read_bytes()
+
+
 def test_rerun_resumes_and_reports_the_same(quickstart, capsys):
     out, summary, args = quickstart
     before = (out / "run" / "metrics.json").stat().st_mtime_ns
+    report = (out / "report" / "report.html").read_text(), (out / "report" / "report.md").read_text()
     capsys.readouterr()
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["refined_rho"] == summary["refined_rho"]
     assert (out / "run" / "metrics.json").stat().st_mtime_ns == before  # training was not redone
+    # the resumed evaluation's report gets the scheduling section again, in place of the first run's
+    assert ((out / "report" / "report.html").read_text(), (out / "report" / "report.md").read_text()) == report
 
 
 def test_rerun_with_other_options_redoes_the_stages_they_change(quickstart, capsys):

@@ -59,3 +59,22 @@ def test_every_readme_command_and_option_exists():
 def test_readme_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
         assert (ROOT / target).exists(), target
+
+
+def test_readme_says_how_to_reach_the_command_after_the_two_set_up_commands():
+    """`make quickstart` installs into .venv without activating it: the pipeline's `dwise-predict` lines
+    only work as printed once the README has said how to reach the command."""
+    set_up = README.split("## The pipeline", 1)[0]
+    assert "source .venv/bin/activate" in set_up
+    assert ".venv/bin/dwise-predict" in set_up
+
+
+def test_readme_makes_every_trace_set_it_reads():
+    """The `draw0/ draw1/ draw2/` sets the across-set evaluation reads are made by a README line
+    (`collect --seed N`), before the line that reads them."""
+    invocations = _invocations(README)
+    across = next(i for i, words in enumerate(invocations) if "--across" in words)
+    draws = [words for words in invocations[:across] if words[0] == "collect" and "--seed" in words]
+    assert draws, "no `collect --seed N` line before the across-set evaluation"
+    assert any(out.startswith("draw") for words in draws for out in words[words.index("--out") + 1:][:1])
+    assert "draw0/ draw1/ draw2/" in README.split("--across", 1)[0]

@@ -82,6 +82,59 @@ def test_the_help_and_both_tables_read_the_registry():
     assert "length buckets, sized KV" in printed and "12.0" in printed
 
 
+def test_each_family_has_its_own_look_in_the_plots():
+    """The family (on the spec, the one source) picks hue and line style: DWISE's variants blue and
+    solid, SGLang's modes red and dashed, the baselines their own colours, dash-dotted; no two
+    schedulers share a colour (SGLang's synchronous mode and calibrated DWISE once did: both orange)."""
+    from matplotlib.colors import to_rgb
+
+    from dwise_predict.simulation.styles import policy_style
+
+    families = {name: spec.family for name, spec in SCHEDULERS.items()}
+    assert {n for n, f in families.items() if f == "dwise"} == {n for n in SCHEDULERS if n.startswith("dwise-")}
+    assert {n for n, f in families.items() if f == "sglang"} == {"sglang-default", "sglang-sync"}
+    assert {n for n, f in families.items() if f == "baseline"} == {"fcfs-mixed", "mlfq", "ssjf", "s3", "ltr", "trail"}
+    styles = {name: policy_style(name) for name in SCHEDULERS}
+    assert len({s.colour for s in styles.values()}) == len(SCHEDULERS)
+    for name, style in styles.items():
+        r, g, b = to_rgb(style.colour)
+        if families[name] == "dwise":
+            assert b > r and b > g and style.linestyle == "-", name
+        elif families[name] == "sglang":
+            assert r > b and r > g and style.linestyle == "--" and style.hatch, name
+        else:
+            assert style.linestyle == "-." and not (b > r + 0.2 and b > g + 0.2) and not (r > g + 0.4 and r > b + 0.4), name
+    assert policy_style("someone-elses").colour == "#999999"  # a name outside the registry: grey
+
+
+@pytest.mark.parametrize("sweep", [None, "rate_rps"])
+def test_simulation_plots_draw_each_scheduler_in_its_style_with_the_legend_outside_the_data(monkeypatch, sweep):
+    from matplotlib.colors import to_hex
+
+    from dwise_predict.simulation import report
+    from dwise_predict.simulation.styles import policy_style
+
+    drawn = []
+    monkeypatch.setattr(report, "_png", lambda fig: drawn.append(fig) or b"")
+    rows = [{"arrival": "burst", "policy": name, "rate_rps": rate, "mean_latency_s": 1.0 + i, "p99_latency_s": 2.0 + i}
+            for i, name in enumerate(SCHEDULERS) for rate in (1.0, 2.0)]
+    report._plot(rows, sweep)
+    tails = [{"arrival": "burst", "policy": name, "category": c, "p99_latency_s": 1.0} for name in SCHEDULERS
+             for c in ("math", "chat")]
+    report.category_plot(tails)
+    for fig in drawn:
+        fig.canvas.draw()
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
+        assert len(legends) == 1
+        box = legends[0].get_window_extent()
+        assert not any(box.overlaps(ax.get_window_extent()) for ax in fig.axes)  # beside the data, not on it
+        assert [t.get_text() for t in legends[0].get_texts()] == list(SCHEDULERS)
+        handles = legends[0].legend_handles
+        for name, handle in zip(SCHEDULERS, handles):
+            colour = handle.get_color() if sweep and fig is drawn[0] else handle.get_facecolor()
+            assert to_hex(colour) == policy_style(name).colour, name
+
+
 def test_srpt_oracle_is_shortest_first_on_a_burst():
     # B = 1, totals 3, 1, 2 at t = 0: shortest first completes at 1, 3, 6 (mean 10/3, the optimum);
     # FCFS at 3, 4, 6 (mean 13/3)

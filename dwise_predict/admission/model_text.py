@@ -7,7 +7,7 @@ allocates that much; its Python wrapper ``json.loads`` the last line; and
 :func:`~dwise_predict.admission.model.compile_trees` nests one ``if`` per tree level (Python's
 compiler stops near 100 levels). So a model is read only when it is a plain regression model of at
 most :data:`MAX_TREES` trees over the three admission features, each a proper binary tree of at most
-:data:`MAX_LEAVES` leaves and depth :data:`MAX_DEPTH`, with finite numbers, no categorical or linear
+:data:`MAX_LEAVES` leaves and depth :data:`MAX_DEPTH`, :data:`MAX_TOTAL_LEAVES` leaves in all, with finite numbers, no categorical or linear
 leaves, lines of at most :data:`MAX_LINE` characters. Models dwise-predict trains (100 trees of 15
 leaves) are far inside. Standard library only.
 """
@@ -23,6 +23,10 @@ MAX_LINE = 1 << 20
 MAX_TREES = 10_000
 MAX_LEAVES = 131_072  # LightGBM's own upper bound of num_leaves
 MAX_DEPTH = 64  # compile_trees indents one level per depth; Python refuses past ~100
+# leaves over all trees: compile_trees writes a line per node, and 4,000 trees of 256 leaves (inside
+# the limits above) took minutes to flatten and compile; `train` refuses admission_trees x
+# admission_leaves past this (its default, 100 x 15, is 1,500), so every model it writes loads
+MAX_TOTAL_LEAVES = 1 << 16
 # tree-block keys whose values are arrays, with how many entries (per num_leaves n) and their type
 _ARRAYS = {"split_feature": (-1, int), "threshold": (-1, float), "decision_type": (-1, int),
            "left_child": (-1, int), "right_child": (-1, int), "leaf_value": (0, float)}
@@ -49,7 +53,7 @@ def check_model_text(data: bytes | str, where: str, error: type[Exception]) -> s
         refuse(f"a line of {len(longest):,} characters (at most {MAX_LINE:,})")
     if lines[0] != "tree":
         refuse("it does not start with LightGBM's 'tree' line")
-    header, trees, i = {}, 0, 1
+    header, trees, total_leaves, i = {}, 0, 0, 1
     while i < len(lines) and not lines[i].startswith("Tree="):
         key, _, value = lines[i].partition("=")
         header[key] = value
@@ -68,7 +72,10 @@ def check_model_text(data: bytes | str, where: str, error: type[Exception]) -> s
         trees += 1
         if trees > MAX_TREES:
             refuse(f"more than {MAX_TREES:,} trees")
-        _check_tree(block, trees - 1, refuse)
+        total_leaves += _check_tree(block, trees - 1, refuse)
+        if total_leaves > MAX_TOTAL_LEAVES:
+            refuse(f"more than {MAX_TOTAL_LEAVES:,} leaves over its first {trees:,} trees (train writes at most "
+                   f"that many: admission_trees x admission_leaves)")
         while i < len(lines) and not lines[i]:
             i += 1
     if trees == 0 or i >= len(lines) or lines[i] != "end of trees":
@@ -79,7 +86,8 @@ def check_model_text(data: bytes | str, where: str, error: type[Exception]) -> s
     return text
 
 
-def _check_tree(block: dict[str, str], index: int, refuse) -> None:
+def _check_tree(block: dict[str, str], index: int, refuse) -> int:
+    """Check one tree's block; return its number of leaves."""
     name = f"tree {index}"
     try:
         leaves = int(block.get("num_leaves", ""))
@@ -105,7 +113,7 @@ def _check_tree(block: dict[str, str], index: int, refuse) -> None:
     if not math.isfinite(float(block.get("shrinkage", "1") or "nan")):
         refuse(f"{name}: shrinkage is not a finite number")
     if leaves == 1:
-        return
+        return leaves
     if any(not 0 <= f < len(FEATURE_NAMES) for f in arrays["split_feature"]):
         refuse(f"{name} splits on a feature outside 0..{len(FEATURE_NAMES) - 1}")
     # decision_type bits: 1 categorical (never), 2 default-left, 4-8 missing type (0 none, 1 zero, 2 NaN)
@@ -131,3 +139,4 @@ def _check_tree(block: dict[str, str], index: int, refuse) -> None:
                 seen_leaves.add(leaf)
     if len(seen_nodes) != leaves - 1 or len(seen_leaves) != leaves:
         refuse(f"{name}: some nodes or leaves are unreachable (not a tree)")
+    return leaves

@@ -5,6 +5,9 @@
   only: the serving hook imports it);
 - ``screen``: what every reader runs before deserialising anything (known names, regular files,
   declared shapes, no pickle, code or path beyond what our exporter writes; standard library);
+- ``graph_bounds``: the screen's bound on what an ONNX graph can make onnxruntime compute (operators
+  our exporters write, constants no larger than the weights, shapes of one batch axis times the
+  declared sizes);
 - ``load``: ``load_bundle``, the one loader: hashes, the screen, the model/decoding fingerprint, then
   ``admission`` and ``refine`` on numpy + onnxruntime (or the torch backend).
 

@@ -27,11 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from dwise_predict.errors import BundleError, InputError
-from dwise_predict.bundles.manifest import SIGNAL_COUNT, BundleIdentity, BundleManifest
+from dwise_predict.bundles.manifest import FIX, SIGNAL_COUNT, BundleIdentity, BundleManifest
 from dwise_predict.bundles.screen import open_bundle, read_calibration, read_checked, screen_bundle
-from dwise_predict.names import BUNDLE_DECODING_KEYS, MODEL_KEYS
+from dwise_predict.names import BUNDLE_DECODING_KEYS, HIDDEN_STATES, MODEL_KEYS
 
 BACKENDS = ("onnx", "torch")
+PROBE_ROWS = 64  # probes a load runs through both graphs (every export stores 64)
+REFINE_INPUTS = (*HIDDEN_STATES, "prompt_tokens", "budget", "early_signals")  # refine()'s order, as the probes name them
 
 
 def _same(a, b) -> bool:
@@ -90,6 +92,30 @@ class LoadedBundle:
             self._refine = _ort_session(path, manifest, "refine.onnx", device)
         else:
             self._refine = _torch_refine(path, manifest, device, torchscript)
+        self._check_probe_estimates()
+
+    def _check_probe_estimates(self) -> None:
+        """Run both graphs on the bundle's own probes (at most :data:`PROBE_ROWS` rows): a bundle
+        whose estimates are not one finite number per request is refused now, not fed to a scheduler
+        (verify compares them with the stored outputs; this only asks that they be estimates)."""
+        from safetensors.numpy import load
+
+        probes = load(read_checked(self.path, self.manifest, self.manifest.probes))
+        rows = slice(0, PROBE_ROWS)
+        inputs = [probes[f"refine.{name}"][rows] for name in REFINE_INPUTS]
+        for graph, run, args in (("admission.onnx", self.admission, [probes["admission.features"][rows]]),
+                                 ("the refinement graph", self.refine, inputs)):
+            try:
+                estimates = np.asarray(run(*args))
+            except (BundleError, InputError):
+                raise
+            except Exception as err:  # onnxruntime's and torch's own types: a graph that fails on its probes
+                raise BundleError(f"{self.path}: {graph} fails on the bundle's own probes ({type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''}): {FIX}") from None
+            if not np.isfinite(estimates).all():
+                raise BundleError(f"{self.path}: {graph} gives NaN or infinite estimates for "
+                                  f"{int((~np.isfinite(estimates)).sum())} of {len(estimates)} of the bundle's own "
+                                  f"probes: refusing to serve them; {FIX}")
 
     # --- admission -----------------------------------------------------------------------------
 
@@ -117,7 +143,7 @@ class LoadedBundle:
         if features.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
         out = self._admission.run(None, {"features": np.ascontiguousarray(features, dtype=np.float32)})[0]
-        return np.asarray(out, dtype=np.float32).reshape(-1)
+        return _one_per_request(np.asarray(out, dtype=np.float32), features.shape[0], self.path, "admission.onnx")
 
     @staticmethod
     def prompt_features(prompts: list[str], prompt_tokens=None, tokenizer=None) -> np.ndarray:
@@ -178,7 +204,8 @@ class LoadedBundle:
         if signal_shape != (shape[0], SIGNAL_COUNT):
             raise InputError(f"early_signals must be (B, {SIGNAL_COUNT}) = ({shape[0]}, {SIGNAL_COUNT}), got {signal_shape}")
         if self.backend == "torch":
-            return self._refine_torch(first_round, prompt_last, prompt_tokens, budget, early_signals)
+            out = self._refine_torch(first_round, prompt_last, prompt_tokens, budget, early_signals)
+            return _one_per_request(out, shape[0], self.path, "the refinement graph")
         h, last = _host(first_round), _host(prompt_last)
         h, last = (a.mean(axis=1) if a.ndim == 3 else a for a in (h, last))
         b = h.shape[0]
@@ -189,7 +216,8 @@ class LoadedBundle:
             "budget": np.broadcast_to(_host(budget), (b,)).copy(),
             "early_signals": np.ascontiguousarray(_host(early_signals)),
         }
-        out = np.asarray(self._refine.run(None, feeds)[0], dtype=np.float32).reshape(-1)
+        out = _one_per_request(np.asarray(self._refine.run(None, feeds)[0], dtype=np.float32), b, self.path,
+                               "refine.onnx")
         if hasattr(first_round, "detach"):
             import torch
 
@@ -219,6 +247,16 @@ class LoadedBundle:
         with torch.inference_mode():
             out = self._refine(*_torch_inputs(first_round, prompt_last, prompt_tokens, budget, early_signals, device))
         return out.cpu().numpy() if as_numpy else out
+
+
+def _one_per_request(out, batch: int, path: Path, graph: str):
+    """``out`` as (B,): a graph that returns another shape (a hostile one: ``[B]`` declared, ``2B``
+    rows returned) is refused, not read as estimates of other requests. A shape check only: no copy,
+    no host synchronisation of a tensor."""
+    if tuple(out.shape) != (batch,):
+        raise BundleError(f"{path}: {graph} returned {tuple(out.shape)} estimates for {batch} requests, not one "
+                          f"per request: refusing to use them; {FIX}")
+    return out
 
 
 def _host(x) -> np.ndarray:

@@ -10,7 +10,10 @@ prove that the files are the ones the manifest names, not who wrote the manifest
 - declared shapes that the artifacts do not have (``hidden_size``, ``in_features``, ``K``, the
   ONNX graphs' inputs, the safetensors tensors, the probes), NaN or non-monotone calibration knots,
   JSON nested or sized past what we write;
-- ONNX tensors stored outside the file (external data: a path onnxruntime would open);
+- ONNX tensors stored outside the file (external data: a path onnxruntime would open), and graphs
+  whose run is not bounded by the declared sizes (:mod:`dwise_predict.bundles.graph_bounds`: loops,
+  allocations from a tensor's values, constants past the weights, a batch times a batch);
+- a safetensors tensor whose data span is not what its dtype and shape need;
 - in ``refine.pt`` (TorchScript) and ``refine.pt2`` (torch.export), both zip archives of pickles
   and code: any member our exporter does not write, any pickle global outside a short allowlist
   (read with :mod:`pickletools`, which executes nothing), weights or constants marked pickled,
@@ -52,6 +55,7 @@ from dwise_predict.bundles.manifest import (
     printable,
     read_bundle_manifest,
 )
+from dwise_predict.bundles.graph_bounds import ADMISSION_OPS, REFINE_OPS, SLACK, check_graph_bounds, row_budget
 from dwise_predict.files import loads_json
 from dwise_predict.names import HIDDEN_STATES
 
@@ -60,6 +64,9 @@ MAX_PROBES = 100_000
 MAX_MEMBERS = 4096  # members of one zip archive (ours: ~20)
 MAX_READ = 64 << 20  # a pickle, code or JSON member of an archive, or a text artifact (ours: < 1 MB)
 TEXT_ARTIFACTS = ("calibration.json", "admission.txt")
+SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+                          "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+ADMISSION_ROW_NUMBERS = 64  # per request: 3 features in, one estimate out
 
 # --- pickles ------------------------------------------------------------------------------------
 
@@ -424,10 +431,13 @@ def _check_grammar(text: str, where: str, what: str, names: frozenset, ops: froz
 
 # --- ONNX -----------------------------------------------------------------------------------------
 
-def check_onnx(data: bytes, where: str, inputs: dict[str, list], outputs: dict[str, list]) -> None:
+def check_onnx(data: bytes, where: str, inputs: dict[str, list], outputs: dict[str, list],
+               bounds: tuple[frozenset, int, int]) -> None:
     """An ONNX graph whose every tensor is inside the file (external data names a path onnxruntime
-    would open, relative to the model's directory or not) and whose inputs and outputs are ``inputs``
-    / ``outputs``: name -> dims, ``None`` for the batch axis (any).
+    would open, relative to the model's directory or not), whose inputs and outputs are ``inputs``
+    / ``outputs`` (name -> dims, ``None`` for the batch axis (any)), and whose every run is bounded:
+    ``bounds`` are the operators, constant numbers and numbers per request it may use
+    (:func:`~dwise_predict.bundles.graph_bounds.check_graph_bounds`).
 
     The protobuf is parsed by ``onnx`` (data, never executed); callers then give onnxruntime the
     same bytes, so no path in the graph resolves against the bundle's directory.
@@ -448,6 +458,7 @@ def check_onnx(data: bytes, where: str, inputs: dict[str, list], outputs: dict[s
     initializers = {t.name for t in model.graph.initializer}
     _check_signature(where, "input", [v for v in model.graph.input if v.name not in initializers], inputs)
     _check_signature(where, "output", list(model.graph.output), outputs)
+    check_graph_bounds(model, where, *bounds)
 
 
 def _onnx_tensors(model):
@@ -521,6 +532,12 @@ def safetensors_header(data: bytes, where: str) -> dict[str, tuple[str, list[int
                 and all(type(d) is int and d >= 0 for d in shape) and isinstance(offsets, list) and len(offsets) == 2
                 and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1] <= room):
             raise BundleError(f"{where}: tensor {printable(name)} has a malformed safetensors entry: {FIX}")
+        item = SAFETENSORS_ITEM_BYTES.get(entry["dtype"])
+        numbers = math.prod(shape)
+        if item is None or offsets[1] - offsets[0] != numbers * item:
+            raise BundleError(f"{where}: tensor {printable(name)} is {printable(entry['dtype'])} {shape[:8]} "
+                              f"({numbers:,} numbers) but its data_offsets span {offsets[1] - offsets[0]:,} bytes: "
+                              f"{FIX}")
         tensors[name] = (entry["dtype"], shape)
     return tensors
 
@@ -627,10 +644,17 @@ def screen_bytes(name: str, data: bytes, where: str, manifest: BundleManifest):
     spec, hidden = manifest.refine, manifest.hidden_size
     refine_io = ({**{state: [None, hidden] for state in HIDDEN_STATES}, "prompt_tokens": [None], "budget": [None],
                   "early_signals": [None, SIGNAL_COUNT]}, {"remaining_rounds": [None]})
+    files = manifest.files
     if name in ("refine.onnx", "refine.int8.onnx"):
-        check_onnx(data, where, *refine_io)
+        # the graph holds the weights of refine.safetensors (float32) and the calibration knots
+        # (twice over: an exporter that kept a transposed copy of a weight would still pass)
+        numbers = files["refine.safetensors"]["bytes"] // 2 + files["calibration.json"]["bytes"] // 2 + SLACK
+        check_onnx(data, where, *refine_io, (REFINE_OPS, numbers, row_budget(spec)))
     elif name == "admission.onnx":
-        check_onnx(data, where, {"features": [None, 3]}, {"total_rounds": [None]})
+        # the trees' node lists, each number of which admission.txt writes in a few characters
+        numbers = files["admission.txt"]["bytes"] + SLACK
+        check_onnx(data, where, {"features": [None, 3]}, {"total_rounds": [None]},
+                   (ADMISSION_OPS, numbers, ADMISSION_ROW_NUMBERS))
     elif name == "refine.safetensors":
         check_refine_weights(data, where, spec)
     elif name == PROBES_FILE:

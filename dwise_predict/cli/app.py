@@ -25,6 +25,7 @@ from dwise_predict.cli.serve import serve_command
 from dwise_predict.cli.simulate import SCHEDULERS_HELP, simulate_command
 from dwise_predict.cli.train import compare_regressors_command, train_command
 from dwise_predict.errors import DwiseError
+from dwise_predict.text import visible
 from typer.exceptions import TyperException
 
 app = typer.Typer(
@@ -118,12 +119,8 @@ def _usage_error(err: TyperException) -> int:
     return err.exit_code
 
 
-# every character str.splitlines breaks a line at, mapped to its escape ("\n" -> "\\n", "\u2028" -> "\\u2028")
-_LINE_BREAKS = str.maketrans({c: c.encode("unicode_escape").decode()
-                              for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
-
-
 def _one_line(message: str) -> str:
-    """A message as one line: a user's value holding a line break (``--version '7\\n'``, a path with
-    U+2028) shows it escaped."""
-    return message.translate(_LINE_BREAKS)
+    """A message as one line that the terminal only shows: a user's value holding a line break
+    (``--version '7\\n'``, a path with U+2028), an escape sequence or another control character (a
+    name in a trace set) shows it escaped (:func:`~dwise_predict.text.visible`)."""
+    return visible(message)

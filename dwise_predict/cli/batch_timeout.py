@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import JsonOption, SeedOption, console, log
+from dwise_predict.cli.options import JsonOption, SeedOption, comma_list, console, log
 from dwise_predict.errors import ConfigError
 
 # Monte Carlo sizes checked before anything is allocated (10**11 requests asked 745 GiB; a batch of
@@ -75,13 +75,9 @@ def _checked_rhos(rhos: str, service_times, traces, round_profile, batch_size, t
     """``--rhos`` as numbers, the other flags checked beside it; every problem at once, as one
     :class:`ConfigError`."""
     problems = []
-    rho_list = []
-    try:
-        rho_list = [float(x) for x in rhos.split(",") if x.strip()]
-        if not rho_list or any(not r > 0 or not math.isfinite(r) for r in rho_list):
-            problems.append(f"--rhos must be positive numbers, got {rhos!r}")
-    except ValueError:
-        problems.append(f"--rhos must be a comma list of numbers, got {rhos!r}")
+    rho_list = comma_list(rhos, float, "--rhos", "numbers", problems)
+    if rho_list is not None and (not rho_list or any(not r > 0 or not math.isfinite(r) for r in rho_list)):
+        problems.append(f"--rhos must be positive numbers, got {rhos!r}")
     if service_times is not None and traces is not None:
         problems.append("--service-times and --traces conflict: give one source of service times")
     if (traces is None) != (round_profile is None):

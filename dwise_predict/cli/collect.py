@@ -15,6 +15,7 @@ from dwise_predict.collectors.records import DecodingConfig
 from dwise_predict.engine.algorithms import read_algorithm_file
 from dwise_predict.errors import ConfigError
 from dwise_predict.files import loads_json
+from dwise_predict.text import terminal, visible
 
 _DEFAULT = DecodingConfig()
 
@@ -46,6 +47,7 @@ def collect_command(
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model directory's own Python code (LLaDA2, SDAR, Dream).")] = False,
     requests_per_shard: Annotated[Optional[int], typer.Option(help="Requests per committed shard (default: 8 x batch size).")] = None,
     allow_missing: Annotated[bool, typer.Option(help="Collect the sources that are available when some of the workload's datasets are missing (they are listed in the manifest).")] = False,
+    allow_network: Annotated[bool, typer.Option(help="Let hub datasets download (default: local cache only, or what the workload spec's allow_network says).")] = False,
     layers: Annotated[Optional[str], typer.Option(help="Also keep the first round at these layers, comma-separated: 0 = embedding output, -1 = the final hidden state first_round pools (transformers' output_hidden_states order); tensors first_round.layer{L}.{pooling} in hidden.safetensors, for `evaluate --ablate layers|pooling`.")] = None,
     pooling: Annotated[Optional[str], typer.Option(help="Poolings of the --layers rows, comma-separated (default: mean): mean, last (the block's last row), positions (every row of the block).")] = None,
     rounds_hidden: Annotated[Optional[int], typer.Option(help="Also keep the pooled state and early signals of each request's first N denoising rounds (tensors round_states, round_signals; column rounds_recorded), for `simulate --refine-every`.")] = None,
@@ -95,7 +97,8 @@ def collect_command(
     with CollectProgressBar() as bar:
         path = collect(model, workload, out, decoding, seed=seed, limit=limit, shard=shard, progress=bar.update,
                        device=device, trust_remote_code=trust_remote_code, requests_per_shard=requests_per_shard,
-                       allow_missing=allow_missing, layers=layers, pooling=pooling, rounds_hidden=rounds_hidden)
+                       allow_missing=allow_missing, allow_network=allow_network or None, layers=layers,
+                       pooling=pooling, rounds_hidden=rounds_hidden)
     _print_summary(path, json_out)
 
 
@@ -164,7 +167,7 @@ def workload_show_command(
     limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests.")] = None,
     head: Annotated[int, typer.Option(help="Also list the first N requests (id, split, prompt start).")] = 0,
     allow_missing: Annotated[bool, typer.Option(help="Show the sources that are here instead of failing on missing ones.")] = False,
-    allow_network: Annotated[bool, typer.Option(help="Let hub datasets download (default: local cache only).")] = False,
+    allow_network: Annotated[bool, typer.Option(help="Let hub datasets download (default: local cache only, or what the workload spec's allow_network says).")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Load a workload and print its composition per source, category and split.
@@ -191,19 +194,20 @@ def workload_show_command(
         ]
         typer.echo(json.dumps(comp, indent=2))
         return
-    table = Table(title=f"workload {comp['name']} (seed {comp['seed']})")
+    table = Table(title=f"workload {terminal(comp['name'])} (seed {comp['seed']})")
     for column in ("source", "type", "category", "train", "eval"):
         table.add_column(column, justify="right" if column in ("train", "eval") else "left")
     for name, entry in comp["sources"].items():
-        table.add_row(name, entry.get("type", ""), entry.get("category", ""), str(entry["train"]), str(entry["eval"]))
+        table.add_row(*map(terminal, (name, entry.get("type", ""), entry.get("category", ""))), str(entry["train"]),
+                      str(entry["eval"]))
     table.add_section()
     table.add_row("total", "", f"{len(comp['categories'])} categories", str(comp["train"]), str(comp["eval"]))
     console = Console()
     console.print(table)
     for line in comp["missing"]:
-        console.print(f"[yellow]missing[/yellow] {line}", highlight=False)
+        console.print(f"[yellow]missing[/yellow] {terminal(line)}", highlight=False)
     for r in workload.requests[:head]:
-        console.print(f"{r.request_id}  {r.split:5}  {r.prompt[:70]!r}", highlight=False, markup=False)
+        console.print(f"{visible(r.request_id)}  {r.split:5}  {r.prompt[:70]!r}", highlight=False, markup=False)
 
 
 def _print_summary(path: Path, json_out: bool) -> None:
@@ -228,23 +232,32 @@ def _print_summary(path: Path, json_out: bool) -> None:
     title = (f"{path}: {len(requests)} requests, model {model.get('name')}, "
              f"{rule}, block {decoding.get('block_size')}, "
              f"budget {decoding.get('budget')}" + ("" if complete else " (still collecting: shards only)"))
-    table = Table(title=title, title_justify="left")
+    table = Table(title=terminal(title), title_justify="left")
     for name in ("category", "count", "train/eval", "rounds p10", "p50", "p90", "max", "out tokens", "eos/budget", "accuracy"):
         table.add_column(name, justify="left" if name == "category" else "right")
     for r in rows:
         accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.1%} ({r['checked']})"
-        table.add_row(r["category"], str(r["count"]), f"{r['train']}/{r['eval']}", f"{r['rounds_p10']:.0f}",
+        table.add_row(terminal(r["category"]), str(r["count"]), f"{r['train']}/{r['eval']}", f"{r['rounds_p10']:.0f}",
                       f"{r['rounds_p50']:.0f}", f"{r['rounds_p90']:.0f}", str(r["rounds_max"]),
                       f"{r['output_tokens_mean']:.1f}", f"{r['eos']}/{r['budget']}", accuracy,
                       end_section=r is rows[-2])
     Console(width=max(120, Console().width)).print(table)
 
 
+# Without a terminal (nohup, CI, a Slurm log) the bar is not drawn: a line instead, at start, at the
+# end, and whenever this long or this share of the requests has passed since the last line.
+LOG_EVERY_S = 30.0
+LOG_EVERY_SHARE = 0.1
+
+
 class CollectProgressBar:
-    """A rich progress bar on stderr (requests/s, rounds/s, ETA), drawn only when stderr is a terminal."""
+    """Collection progress on stderr (requests/s, rounds/s, ETA): a rich bar when stderr is a terminal,
+    else a log line every :data:`LOG_EVERY_S` seconds or :data:`LOG_EVERY_SHARE` of the requests."""
 
     def __enter__(self) -> "CollectProgressBar":
         self.progress = None
+        self.task = None
+        self.logged: tuple[float, int] | None = None  # (elapsed_s, done) at the last log line
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -254,25 +267,37 @@ class CollectProgressBar:
                 TextColumn("{task.fields[rates]}"), console=Console(stderr=True), transient=False,
             )
             self.progress.start()
-            self.task = None
         return self
 
     def update(self, state) -> None:
+        rates = _rates(state)
         if self.progress is None:
-            return
-        fresh = state.done - state.resumed
-        rate = fresh / state.elapsed_s if state.elapsed_s > 0 else 0.0
-        eta = (state.total - state.done) / rate if rate > 0 else None
-        rates = (f"{rate:.2f} req/s  {state.rounds / max(state.elapsed_s, 1e-9):.1f} rounds/s  "
-                 f"ETA {_clock(eta)}" + (f"  ({state.resumed} resumed)" if state.resumed else ""))
-        if self.task is None:
+            if self._log_due(state):
+                self.logged = (state.elapsed_s, state.done)
+                share = state.done / state.total if state.total else 1.0
+                typer.echo(f"collect: {state.done}/{state.total} requests ({share:.0%})  {rates}", err=True)
+        elif self.task is None:
             self.task = self.progress.add_task("collect", total=state.total, completed=state.done, rates=rates)
         else:
             self.progress.update(self.task, completed=state.done, rates=rates)
 
+    def _log_due(self, state) -> bool:
+        if self.logged is None or state.done >= state.total:
+            return self.logged is None or self.logged[1] < state.done
+        since_s, since_done = state.elapsed_s - self.logged[0], state.done - self.logged[1]
+        return since_s >= LOG_EVERY_S or since_done >= max(1, round(LOG_EVERY_SHARE * state.total))
+
     def __exit__(self, *exc) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def _rates(state) -> str:
+    fresh = state.done - state.resumed
+    rate = fresh / state.elapsed_s if state.elapsed_s > 0 else 0.0
+    eta = (state.total - state.done) / rate if rate > 0 else None
+    return (f"{rate:.2f} req/s  {state.rounds / max(state.elapsed_s, 1e-9):.1f} rounds/s  "
+            f"ETA {_clock(eta)}" + (f"  ({state.resumed} resumed)" if state.resumed else ""))
 
 
 def _clock(seconds: float | None) -> str:

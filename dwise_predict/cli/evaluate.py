@@ -12,6 +12,7 @@ from dwise_predict.cli.options import JsonOption, console, log
 from dwise_predict.cli.options import ManyTracesArgument as TracesArgument
 from dwise_predict.errors import ConfigError
 from dwise_predict.evaluation.document import fmt
+from dwise_predict.text import terminal
 
 
 def evaluate_command(
@@ -79,6 +80,8 @@ def evaluate_command(
     from dwise_predict.evaluation.pool import kept_results_dir
 
     with claim_evaluation_out(out, traces, run):
+        if kept_results_dir(out).is_dir():  # it goes once the output is written: only an interrupted run leaves it
+            log(f"resuming an interrupted evaluation: reusing what it finished, kept in {kept_results_dir(out)}")
         evaluation = evaluate(traces, run=run, loco=loco, hold_out=hold_out, jobs=jobs, min_requests=min_requests,
                               config=train_config, log=log, ablate=tuple(ablate or ()), kept=kept_results_dir(out))
         written = write_evaluation(evaluation, out)
@@ -127,28 +130,28 @@ def _print_evaluation(result: dict) -> None:
             table.add_column(col, justify="left" if col == "category" else "right")
         arrow = lambda pair: f"{fmt(pair['in_training'])} → {fmt(pair['held_out'])}"  # noqa: E731
         for r in loco["rows"]:
-            table.add_row(r["category"], str(r["n_eval"]), arrow(r["admission"]), arrow(r["refined"]))
+            table.add_row(terminal(r["category"]), str(r["n_eval"]), arrow(r["admission"]), arrow(r["refined"]))
         table.add_row("mean", "", arrow(loco["mean"]["admission"]), arrow(loco["mean"]["refined"]))
         screen.print(table)
         if loco["hold_out"]:
             h = loco["hold_out"]
-            screen.print(f"all requests, {h['category']} held out: admission ρ {arrow(h['admission'])}, "
+            screen.print(f"all requests, {terminal(h['category'])} held out: admission ρ {arrow(h['admission'])}, "
                           f"refined ρ {arrow(h['refined'])}")
         for s in loco["skipped"]:
-            screen.print(f"skipped {s['category']}: {s['reason']}")
+            screen.print(terminal(f"skipped {s['category']}: {s['reason']}"))
 
     from dwise_predict.evaluation.report import winner_lines
 
     for line in winner_lines(result.get("winner")):
-        screen.print(line)
+        screen.print(terminal(line))
     for item in result.get("ablations") or []:
-        screen.print(f"ablation {item['kind']}: {item['verdict']['text']}")
+        screen.print(terminal(f"ablation {item['kind']}: {item['verdict']['text']}"))
 
     table = Table(title="Baselines (remaining rounds, evaluation split)")
     for col in ("predictor", "ρ", "τ", "R²"):
         table.add_column(col, justify="left" if col == "predictor" else "right")
     for r in result["baselines"]:
-        table.add_row(r["name"], fmt(r["spearman"]), fmt(r["kendall"]), fmt(r["r2"]))
+        table.add_row(terminal(r["name"]), fmt(r["spearman"]), fmt(r["kendall"]), fmt(r["r2"]))
     screen.print(table)
 
 
@@ -198,14 +201,18 @@ def characterize_command(
 def _print_characterization(result: dict) -> None:
     from rich.table import Table
 
+    from dwise_predict.evaluation.report import WALL_TIME_NOTE
+
     screen = console(160)
-    table = Table(title=f"Denoising rounds — {result['model']}")
+    table = Table(title=f"Denoising rounds — {terminal(result['model'])}",
+                  caption=WALL_TIME_NOTE.replace("r(rounds, wall)", "r(wall)", 1), caption_justify="left")
     cols = ("category", "n", "p25", "p50", "p90", "max", "max/min", "CV", "distinct", "tiers", "r(wall)", "truncated")
     for col in cols:
         table.add_column(col, justify="left" if col in ("category", "tiers") else "right")
     for name, s in [("all", result["overall"]), *result["per_category"].items()]:
         r, d = s["rounds"], s["discreteness"]
-        table.add_row(name, str(r["n"]), fmt(r["p25"], 1), fmt(r["p50"], 1), fmt(r["p90"], 1), fmt(r["max"], 0),
+        table.add_row(terminal(name), str(r["n"]), fmt(r["p25"], 1), fmt(r["p50"], 1), fmt(r["p90"], 1),
+                      fmt(r["max"], 0),
                       fmt(r["max_min_ratio"], 1), fmt(r["cv"]), str(d["distinct"]),
                       d["tiers"] or f"spacing {fmt(d['dominant_spacing'])}", fmt(s["wall_time"]["pearson"]),
                       f"{100 * s['truncated_share']:.1f}%")
@@ -226,6 +233,6 @@ def _print_characterization(result: dict) -> None:
         for col in cells.columns:
             signals.add_column(col, justify="left" if col == "category" else "right")
         for row in cells.rows:
-            signals.add_row(*row)
+            signals.add_row(*map(terminal, row))
         screen.print(signals)
 

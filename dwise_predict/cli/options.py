@@ -13,6 +13,7 @@ from typing import Annotated, Callable, TypeVar
 import typer
 
 from dwise_predict.training.config import MAX_SEED
+from dwise_predict.text import visible
 
 SEED_RANGE = {"min": 0, "max": MAX_SEED}  # what every --seed takes (a seed option with its own help spreads it in)
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
@@ -23,13 +24,15 @@ ManyTracesArgument = Annotated[list[Path], typer.Argument(help="Trace directorie
 # The one table from a library parameter to the flag that sets it. Library messages name a parameter
 # as a Python caller passes it, in backticks ("`slots` (B) must be ..."); the CLI prints the flag.
 FLAGS = {name: "--" + name.replace("_", "-") for name in (
-    "ablate", "across", "aging", "algorithm", "algorithm_config", "arrival", "batch_size", "block_size", "budget",
+    "ablate", "across", "aging", "algorithm", "algorithm_config", "allow_missing", "allow_network", "arrival",
+    "batch_size", "block_size", "budget",
     "bundle", "config", "created", "device", "dtype", "exclude", "folds", "force", "hidden_size", "hold_out", "jobs",
-    "k", "kv_budget", "layers", "limit", "lr", "max_wait", "model", "n_heads", "n_layers", "name", "out",
+    "k", "kv_budget", "kv_budget_tokens", "kv_fraction", "layers", "limit", "lr", "max_batch", "max_wait", "model",
+    "n_heads", "n_layers", "name", "out",
     "overwrite", "policies", "pooling", "precision", "prompt_cache", "rate", "rates", "record", "record_every",
     "record_flush_s", "refine", "refine_every", "requests", "rhos",
-    "round_ms", "rounds_hidden", "run", "shard", "slot_ms", "slots", "split", "steps", "threads",
-    "trust_remote_code", "version", "workload", "zoo",
+    "round_ms", "rounds_hidden", "run", "shard", "slack_blocks", "slot_ms", "slots", "split", "steps", "threads",
+    "tokenizer", "trust_remote_code", "version", "workload", "zoo",
 )} | {"kv_slack_blocks": "--kv-slack", "max_minutes": "--minutes", "out_dir": "--out"}
 _PARAM = re.compile(r"`([a-z][a-z0-9_]*)`")
 
@@ -43,13 +46,19 @@ def as_flags(message: str) -> str:
 T = TypeVar("T")
 
 
+def comma_items(text: str, item: Callable[[str], T]) -> list[T]:
+    """A comma-list option's items, each through ``item``, empty ones skipped; ``item``'s ValueError
+    propagates (for an option whose own check follows, as ``--policies``'s names)."""
+    return [item(x) for x in text.split(",") if x.strip()]
+
+
 def comma_list(text: str, item: Callable[[str], T], flag: str, what: str, problems: list[str],
                valid: Callable[[T], bool] | None = None) -> list[T] | None:
     """A comma-list option (``--rows 1,4,16``) as its items, empty ones skipped; None after noting the
     problem ``"{flag} must be a comma list of {what}, got '...'"`` when an item does not parse, or,
     with ``valid``, when no item is given or one is not valid."""
     try:
-        values = [item(x) for x in text.split(",") if x.strip()]
+        values = comma_items(text, item)
     except ValueError:
         values = None
     if values is None or valid is not None and not (values and all(valid(v) for v in values)):
@@ -59,8 +68,8 @@ def comma_list(text: str, item: Callable[[str], T], flag: str, what: str, proble
 
 
 def log(message: str) -> None:
-    """A progress or status line on stderr (results go to stdout)."""
-    typer.echo(message, err=True)
+    """A progress or status line on stderr (results go to stdout), a name in it shown, never obeyed."""
+    typer.echo(visible(message), err=True)
 
 
 def console(width: int = 140):

@@ -10,7 +10,7 @@ import typer
 from dwise_predict.cli.options import SEED_RANGE, JsonOption
 from dwise_predict.errors import ConfigError
 from dwise_predict.evaluation.document import fmt, fmt_interval
-from dwise_predict.quickstart import QuickstartConfig
+from dwise_predict.quickstart import QuickstartConfig, speedup_lines
 
 _DEFAULT = QuickstartConfig()
 
@@ -71,13 +71,9 @@ def _print_quickstart(summary: dict) -> None:
         table.add_row("within category, category held out", cell("admission"), cell("refined"))
     console = Console()
     console.print(table)
-    simulated = summary["simulated"]
-    for arrival, speedup in summary["speedup_vs_sglang_default"].items():
-        console.print(f"simulated mean-latency speed-up of DWISE (refined) over SGLang's default, {arrival}: {speedup:.2f}x")
-    if summary["speedup_vs_sglang_default"]:
-        console.print(f"(B = {simulated['slots']}, a round {simulated['round_ms']:g} ms + {simulated['slot_ms']:g} ms a "
-                      "block, prompt or denoising alike: an upper bound; with a measured round-cost profile the gain "
-                      "is smaller, see docs/results.md)")
+    # each figure names its simulation, as in the report's scheduling section
+    for line in speedup_lines(summary["speedup_vs_sglang_default"], summary["simulated"]):
+        console.print(line)
     console.print(f"bundle (verified): {summary['paths']['bundle']}")
     console.print(f"report: {summary['report']}")
 

@@ -10,9 +10,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import SEED_RANGE, JsonOption, console, log
+from dwise_predict.cli.options import SEED_RANGE, JsonOption, comma_items, comma_list, console, log
 from dwise_predict.errors import ConfigError
 from dwise_predict.simulation.schedulers import SCHEDULERS, needs_bundle
+from dwise_predict.text import terminal
 from dwise_predict.simulation.simulator import SimConfig
 
 _DEFAULT = SimConfig()
@@ -91,10 +92,9 @@ def simulate_command(
     from dwise_predict.simulation.report import SIMULATE_CONTENTS
     from dwise_predict.simulation.studies import run_simulation
 
-    chosen = [p.strip() for p in policies.split(",") if p.strip()] if policies else None
-    k_list, every = _k_list(ks), _refine_periods(refine_every)
-    config = _checked_config(
-        chosen, rate=rate, rates=rates, ks=ks, k_list=k_list, refine_every=refine_every, every=every, bundle=bundle,
+    chosen = comma_items(policies, str.strip) if policies else None
+    config, k_list, every = _checked_config(
+        chosen, rate=rate, rates=rates, ks=ks, refine_every=refine_every, bundle=bundle,
         requests=requests, arrival_seeds=arrival_seeds, round_profile=round_profile, backend=backend,
         server=dict(slots=slots, k=k, kv_budget=kv_budget, kv_slack_blocks=kv_slack, round_ms=round_ms,
                     slot_ms=slot_ms, seed=seed, aging=aging, max_wait=max_wait or None))  # --max-wait 0: off
@@ -112,10 +112,11 @@ def simulate_command(
     _print_run(run, config, ks, rates, json_out)
 
 
-def _checked_config(chosen: list[str] | None, *, rate, rates, ks, k_list, refine_every, every, bundle, requests,
-                    arrival_seeds, round_profile, backend, server: dict) -> SimConfig:
+def _checked_config(chosen: list[str] | None, *, rate, rates, ks, refine_every, bundle, requests, arrival_seeds,
+                    round_profile, backend, server: dict) -> tuple[SimConfig, list[float], list[int]]:
     """The simulator's settings from the flags (``server``: :class:`SimConfig`'s), with the round-cost
-    profile loaded; every problem with the flags at once, as one :class:`ConfigError`."""
+    profile loaded, and the ``--ks`` and ``--refine-every`` lists ([] when absent; the periods in
+    first-seen order); every problem with the flags at once, as one :class:`ConfigError`."""
     from dwise_predict.simulation.simulator import POLICIES
 
     problems = []
@@ -128,12 +129,12 @@ def _checked_config(chosen: list[str] | None, *, rate, rates, ks, k_list, refine
         problems.append("--rate and --rates conflict: --rates sweeps several rates, --rate sets one")
     if ks and rates:
         problems.append("--ks and --rates conflict: sweep one thing at a time")
-    if ks and (not k_list or not all(1 <= x < math.inf for x in k_list)):
-        problems.append(f"--ks must be a comma list of finite numbers >= 1, got {ks!r}")
+    k_list = [] if not ks else comma_list(
+        ks, float, "--ks", "finite numbers >= 1", problems, valid=lambda x: 1 <= x < math.inf)
     if not math.isfinite(server["k"]):
         problems.append(f"--k must be a finite number (at most k x B requests hold KV), got {server['k']}")
-    if refine_every is not None and not every:
-        problems.append(f"--refine-every must be a comma list of whole round counts >= 1 (e.g. 1,2,4,8), got {refine_every!r}")
+    every = [] if refine_every is None else comma_list(
+        refine_every, int, "--refine-every", "whole round counts >= 1 (e.g. 1,2,4,8)", problems, valid=lambda n: n >= 1)
     if every and bundle is None:
         problems.append("--refine-every needs --bundle: the refinements come from its graph")
     if every and (rates or ks):
@@ -158,7 +159,7 @@ def _checked_config(chosen: list[str] | None, *, rate, rates, ks, k_list, refine
         from dwise_predict.simulation.round_cost import load_round_cost
 
         config = replace(config, round_cost=load_round_cost(round_profile))
-    return config
+    return config, k_list, list(dict.fromkeys(every))
 
 
 def _print_run(run, config: SimConfig, ks: str | None, rates: str | None, json_out: bool) -> None:
@@ -172,7 +173,7 @@ def _print_run(run, config: SimConfig, ks: str | None, rates: str | None, json_o
         group, title = "rate_rps", f"Load sweep, Poisson arrivals, B={config.slots}, k={config.k:g}"
     else:
         group, title = "arrival", f"Simulated serving, {run.requests} requests, B={config.slots}, k={config.k:g}"
-    title += f"; round cost: {config.cost.source}"
+    title += f"; round cost: {terminal(config.cost.source)}"  # a profile's source is the user's text
     if json_out:
         typer.echo(json.dumps(run.rows if run.refine_table is None else {"rows": run.rows,
                                                                           "refine_every": run.refine_table}, indent=2))
@@ -190,30 +191,6 @@ def _print_run(run, config: SimConfig, ks: str | None, rates: str | None, json_o
         start = run.ranking_pays_from
         typer.echo("ranking never beats fcfs-mixed by 5 % at these rates" if start is None else
                    f"ranking beats fcfs-mixed by >= 5 % from {start:.3g} req/s up; below it ranking stops paying")
-
-
-def _k_list(text: str | None) -> list[float]:
-    """``--ks 1,2,4`` as numbers ([] when absent or not numbers: :func:`_checked_config` says why)."""
-    if not text:
-        return []
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        return []
-
-
-def _refine_periods(text: str | None) -> list[int]:
-    """``--refine-every 1,2,4,8`` as whole round counts >= 1, first-seen order ([] when absent or
-    invalid: :func:`_checked_config` says why)."""
-    if text is None:
-        return []
-    try:
-        periods = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        periods = []
-    if not periods or min(periods) < 1:
-        return []
-    return list(dict.fromkeys(periods))
 
 
 def _marker(out: Path, stem: str) -> str:

@@ -12,6 +12,7 @@ import typer
 from dwise_predict.cli.options import JsonOption, SeedOption, TracesArgument, console, log
 from dwise_predict.errors import ConfigError
 from dwise_predict.evaluation.document import fmt, fmt_interval
+from dwise_predict.text import terminal
 from dwise_predict.training import TrainConfig
 
 _DEFAULT = TrainConfig()
@@ -155,7 +156,7 @@ def _print_summary(metrics: dict) -> None:
     per.add_column("admission", justify="right")
     per.add_column("refined", justify="right")
     for cat, rho in metrics["admission"]["per_category"].items():
-        per.add_row(cat, fmt(rho), fmt(metrics["refined"]["per_category"].get(cat)))
+        per.add_row(terminal(cat), fmt(rho), fmt(metrics["refined"]["per_category"].get(cat)))
     out.print(per)
     refined = metrics["refined"]
     out.print(

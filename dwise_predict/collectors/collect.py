@@ -98,6 +98,7 @@ def collect(
     trust_remote_code: bool = False,
     requests_per_shard: int | None = None,
     allow_missing: bool = False,
+    allow_network: bool | None = None,
     layers: str | Sequence[int] | None = None,
     pooling: str | Sequence[str] | None = None,
     rounds_hidden: int | None = None,
@@ -121,6 +122,8 @@ def collect(
     requests_per_shard : requests per committed shard (default 8 x batch size).
     allow_missing : collect the workload's available sources when some are missing (the manifest's
         workload composition lists the missing ones) instead of refusing.
+    allow_network : let hub datasets download (True) or not (False); None (default) follows the
+        workload spec's ``allow_network`` (off unless it says so), as :func:`.workloads.load_workload`.
     layers, pooling : also keep the first denoising forward at these layers (``"0,2,-1"``; 0 = the
         embedding output, -1 = the final hidden state) and poolings (``"mean,last,positions"``,
         default ``mean``), as contract 1's optional tensors (:mod:`dwise_predict.traces.hidden_extra`);
@@ -139,7 +142,8 @@ def collect(
     decoding = decoding or DecodingConfig()
     shard, layer_request, per_shard = _check_options(out, model, workload, decoding, shard, layers, pooling,
                                                      requests_per_shard, rounds_hidden)
-    plan_workload = load_workload(workload, seed=seed, limit=limit, allow_missing=allow_missing)  # raises on an empty or broken workload
+    plan_workload = load_workload(workload, seed=seed, limit=limit, allow_missing=allow_missing,
+                                  allow_network=allow_network)  # raises on an empty or broken workload
     requests = plan_workload.requests
     owned = plan_shards(len(requests), per_shard, shard)
     planned = [requests[i] for run in owned for i in run]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import re
+import shlex
 import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -489,18 +490,26 @@ def load_workload(
     )
 
 
+# a refusal spells out this many missing sources (what each lacks, the call that fetches it); more are
+# named and counted, and `workload show --allow-missing` lists them all (the CLI prints errors as one line)
+MISSING_SPELLED_OUT = 2
+MISSING_NAMED = 4
+
+
 def _missing_message(label: str, missing: list[str], kinds: list[str], total: int) -> str:
+    if len(missing) <= MISSING_SPELLED_OUT:
+        listed = "; ".join(missing)
+    else:
+        names = [line.split(": ", 1)[0] for line in missing]
+        more = f" and {len(names) - MISSING_NAMED} more" if len(names) > MISSING_NAMED else ""
+        listed = (f"{', '.join(names[:MISSING_NAMED])}{more} (`dwise-predict workload show {shlex.quote(label)} "
+                  "--allow-missing` lists each with the call that fetches it)")
     how = []
     if "hf" in kinds:
-        how.append(
-            "run the named datasets.load_dataset(...) once where a network exists (it fills the local "
-            "cache; copy ~/.cache/huggingface over), or set allow_network = true in the spec, or save "
-            "a copy with Dataset.save_to_disk and point the source at it with path = DIR"
-        )
+        how.append("run their datasets.load_dataset(...) once where a network exists and copy ~/.cache/huggingface "
+                   "here, or let them download (`allow_network`, or allow_network = true in the spec), or point a "
+                   "source at a Dataset.save_to_disk copy (path = DIR)")
     if any(k != "hf" for k in kinds):
         how.append("fix the paths of missing files")
-    how.append("or pass allow_missing (collect --allow-missing) to use only the sources that are here")
-    return (
-        f"workload {label}: {len(missing)} of {total} sources are not available here: "
-        + "; ".join(missing) + ". To make them available: " + "; ".join(how)
-    )
+    how.append(f"or use only the {total - len(missing)} sources here (`allow_missing`)")
+    return f"workload {label}: {len(missing)} of {total} sources are not available here: {listed}. To fix: " + "; ".join(how)

@@ -1,7 +1,9 @@
 """The report's plots: each function takes plain arrays or result dicts and returns PNG bytes.
 
 matplotlib runs on the Agg backend (no display needed) and PNGs carry no timestamp, so the same
-results give the same bytes. Colours follow categories in sorted order so every plot agrees.
+results give the same bytes. Colours follow categories in sorted order so every plot agrees. Names from
+data (categories, requests, rows) pass through :func:`~dwise_predict.text.plot_label`: a ``$`` in one
+is shown, never parsed as mathtext.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
+
+from dwise_predict.text import plot_label  # noqa: E402
 
 DPI = 100
 CMAP = plt.get_cmap("tab10")
@@ -47,7 +51,7 @@ def scatter_pred_true(pred, true, categories, title: str, rho: float | None) -> 
     fig, ax = plt.subplots(figsize=(5, 4.5))
     for cat, colour in _colours(categories.tolist()).items():
         m = categories == cat
-        ax.scatter(true[m] + 1, pred[m] + 1, s=10, alpha=0.7, color=colour, label=cat)
+        ax.scatter(true[m] + 1, pred[m] + 1, s=10, alpha=0.7, color=colour, label=plot_label(cat))
     hi = max(true.max(initial=1), pred.max(initial=1)) + 1
     ax.plot([1, hi], [1, hi], color="grey", lw=1, ls="--")
     ax.set(xscale="log", yscale="log", xlabel="actual rounds + 1", ylabel="predicted rounds + 1",
@@ -97,7 +101,7 @@ def round_histograms(rounds, categories) -> bytes:
     colours = _colours(cats)
     for ax, cat in zip(axes.flat, cats):
         ax.hist(rounds[categories == cat], bins=edges, color=colours[cat])
-        ax.set_title(f"{cat} (n={int((categories == cat).sum())})", fontsize=9)
+        ax.set_title(f"{plot_label(cat)} (n={int((categories == cat).sum())})", fontsize=9)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(cats):]:
         ax.axis("off")
@@ -129,7 +133,7 @@ def loco_bars(rows: Sequence[dict]) -> bytes:
             if v is None:
                 ax.text(p, 0.01, "n/a", rotation=90, ha="center", va="bottom", fontsize=7)
     ax.axhline(0, color="black", lw=0.8)
-    ax.set_xticks(x, cats, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(x, [plot_label(c) for c in cats], rotation=30, ha="right", fontsize=8)
     ax.set(ylabel="within-category Spearman ρ", title="Leave one category out")
     ax.legend(fontsize=7, ncols=2)
     return _png(fig)
@@ -147,7 +151,7 @@ def survival_curves(survival, true_remaining, labels: Sequence[str]) -> bytes:
     fig, ax = plt.subplots(figsize=(6, 4))
     t = np.arange(survival.shape[1])
     for i, (curve, actual, label) in enumerate(zip(survival, true_remaining, labels)):
-        ax.step(t, curve, where="post", color=CMAP(i % 10), label=f"{label} (actual {int(actual)})")
+        ax.step(t, curve, where="post", color=CMAP(i % 10), label=f"{plot_label(label)} (actual {int(actual)})")
         ax.axvline(actual, color=CMAP(i % 10), ls=":", lw=1)
     ax.set(xlabel="remaining denoising rounds t", ylabel="S(t) = P(remaining > t)", ylim=(0, 1.02),
            title="Survival curves of a few evaluation requests")
@@ -164,7 +168,7 @@ def baseline_bars(rows: Sequence[dict]) -> bytes:
         values = [r[key] for r in rows]
         ax.barh(y + (k - 0.5) * 0.38, [v if v is not None else 0 for v in values], 0.38, color=colour,
                 label="Spearman ρ" if key == "spearman" else "Kendall τ")
-    ax.set_yticks(y, names, fontsize=8)
+    ax.set_yticks(y, [plot_label(n) for n in names], fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", lw=0.8)
     ax.set(xlabel="rank correlation with actual remaining rounds", title="Baselines (evaluation split)")
@@ -179,7 +183,7 @@ def output_vs_rounds(output_tokens, rounds, categories) -> bytes:
     fig, ax = plt.subplots(figsize=(5, 4.5))
     for cat, colour in _colours(categories.tolist()).items():
         m = categories == cat
-        ax.scatter(output_tokens[m], rounds[m], s=10, alpha=0.7, color=colour, label=cat)
+        ax.scatter(output_tokens[m], rounds[m], s=10, alpha=0.7, color=colour, label=plot_label(cat))
     ax.set(xlabel="output tokens", ylabel="denoising rounds", title="Output length versus work")
     ax.legend(fontsize=7, markerscale=1.5)
     return _png(fig)
@@ -192,11 +196,14 @@ def budget_sweep(rows: Sequence[dict]) -> bytes:
     ax.plot(budgets, [r["cv"] if r["cv"] is not None else np.nan for r in rows], marker="o",
             color=CMAP(0), label="CV of rounds")
     ax.set(xlabel="output budget (tokens)", ylabel="CV of rounds", xscale="log", title="Budget sweep")
+    ax.set_xticks(budgets, [str(b) for b in budgets], minor=False)  # the budgets collected, not 3×10²
+    ax.minorticks_off()
     twin = ax.twinx()
     twin.plot(budgets, [100 * r["truncated_share"] for r in rows], marker="s", color=CMAP(1),
               label="truncated (%)")
     twin.set(ylabel="truncated by the budget (%)", ylim=(0, 100))
-    fig.legend(fontsize=8, loc="upper center")
+    # under the axes: above them it covered the title, inside them the lines
+    fig.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2, frameon=False)
     return _png(fig)
 
 
@@ -222,10 +229,10 @@ def ablation_bars(rows: Sequence[dict], title: str) -> bytes:
         shown = np.isfinite(values)
         ax.barh((y + (k - (len(series) - 1) / 2) * height)[shown], values[shown], height, color=colour, label=label,
                 xerr=None if xerr is None else xerr[:, shown], error_kw={"lw": 0.8, "capsize": 2})
-    ax.set_yticks(y, names, fontsize=8)
+    ax.set_yticks(y, [plot_label(n) for n in names], fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", lw=0.8)
-    ax.set(xlabel="Spearman ρ with actual remaining rounds (95% bootstrap interval)", title=title)
+    ax.set(xlabel="Spearman ρ with actual remaining rounds (95% bootstrap interval)", title=plot_label(title))
     if len(series) > 2:  # three bars per row leave no free corner: the legend goes under the axis label
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=len(series))
     else:

@@ -188,8 +188,8 @@ def run_tasks(
         if (found := _kept(path)) is not None:
             results[name] = found
     todo = [task for task in tasks if task.name not in results]
-    if results and log:
-        log(f"  {len(results)} of {len(tasks)} retrainings done before an interruption, kept in {kept}")
+    if results and log:  # kept by an earlier step of this command (ablations share rows) or an interrupted run
+        log(f"  {len(results)} of {len(tasks)} retrainings already done on the same data and config: reused from {kept}")
 
     def finished(name: str, result: dict[str, Any]) -> None:
         results[name] = result

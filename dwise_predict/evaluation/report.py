@@ -25,6 +25,13 @@ def _arrow(pair: dict, intervals: dict | None = None) -> str:
     return f"{cell('in_training')} → {cell('held_out')}"
 
 
+# r(rounds, wall) times the collection, not the model: the same requests collected on another machine
+# (or under another load) give another r, so every table of it says so
+WALL_TIME_NOTE = ("r(rounds, wall): Pearson r between a request's denoising rounds and its wall time on the machine "
+                  "that collected these traces (its speed, load and batching), not a property of the model: "
+                  "collected again elsewhere the same requests give another r (Amin et al.: r > 0.99 on one GPU).")
+
+
 def rounds_table(characterization: dict) -> Table:
     """Per-category spread, tiers, wall-time correlation and truncation (Amin et al.'s measurements)."""
     rows = []
@@ -91,7 +98,7 @@ def characterization_document(result: dict, requests: pd.DataFrame) -> Document:
     ----------
     requests : the request tables of all inputs, concatenated (for the histograms).
     """
-    blocks: list = [rounds_table(result), histogram_figure(requests, "characterization_round_histograms")]
+    blocks: list = [rounds_table(result), WALL_TIME_NOTE, histogram_figure(requests, "characterization_round_histograms")]
     sections = [Section("Rounds distribution", "", blocks)]
     sweep = result["budget_sweep"]
     budget_blocks: list = [budget_table(sweep)]
@@ -364,7 +371,7 @@ def evaluation_document(result: dict, arrays: dict) -> Document:
                                       every["category"].astype(str).to_numpy()),
                "Output tokens against denoising rounds, all requests."),
     ]))
-    workload = [rounds_table(result["characterization"]), histogram_figure(every)]
+    workload = [rounds_table(result["characterization"]), WALL_TIME_NOTE, histogram_figure(every)]
     directions = result["characterization"]["signal_directions"]
     if directions:
         workload += [signal_directions_text(directions), signal_directions_table(directions)]
@@ -389,11 +396,27 @@ def _predictors_section(metrics: dict, arrays: dict) -> Section:
     ]
     survival = arrays.get("survival")
     if survival is not None:
-        blocks.append(Figure("survival_curves",
-                             plots.survival_curves(survival["curves"], survival["true"], survival["labels"]),
-                             "Ensemble survival curves of evaluation requests spread over the estimate's range; "
-                             "dotted lines mark each request's actual remaining rounds."))
+        blocks.append(_survival_block(survival, metrics.get("refine_candidate", "survival")))
     return Section("Predictors on the evaluation split", "", blocks)
+
+
+def _survival_block(survival: dict, candidate: str) -> Figure | str:
+    """The survival curves of a few requests, for a candidate whose curves were fitted; a sentence
+    instead where they are a linear score's geometric law (drawn, they would pass for a fitted model)."""
+    from dwise_predict.training.candidates import SURVIVAL_CURVES
+
+    kind = SURVIVAL_CURVES.get(candidate, "fitted")
+    if kind == "geometric":
+        return (f"No survival curves: the shipped refinement candidate, {candidate}, is a linear score whose "
+                "graph gives every round the same hazard, so its survival is geometric by construction "
+                "(dwise_predict/survival/linear.py), not a fitted distribution. The survival candidate "
+                "(refine = \"survival\" in the training config) has fitted curves.")
+    what = ("Ensemble survival curves" if kind == "fitted" else
+            f"Survival curves of candidate {candidate}: the mean of fitted survival members and one ridge member "
+            "whose own curve is geometric by construction")
+    return Figure("survival_curves", plots.survival_curves(survival["curves"], survival["true"], survival["labels"]),
+                  f"{what}, of evaluation requests spread over the estimate's range; dotted lines mark each "
+                  "request's actual remaining rounds.")
 
 
 def _calibration_section(rows: list[dict], arrays: dict) -> Section:

@@ -2,7 +2,8 @@
 
 The YAML front matter follows the Hub's model-card metadata (``library_name``, ``tags``,
 ``base_model``, ``metrics``, ``model-index``); values are written as JSON scalars, which YAML reads
-unchanged, so no YAML library is needed.
+unchanged, so no YAML library is needed. Names from the run (the bundle's, the model's) are escaped
+for Markdown (:mod:`dwise_predict.text`): the card never carries raw HTML from them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 
 from dwise_predict.bundles.manifest import BundleManifest
 from dwise_predict.names import EARLY_SIGNALS
+from dwise_predict.text import json_for_markdown, markdown_line
 
 
 def model_card(manifest: BundleManifest) -> str:
@@ -33,22 +35,22 @@ def _front_matter(manifest: BundleManifest, base_model: str, admission_rho, refi
     return [
         "---",
         "library_name: onnx",
-        f"base_model: {json.dumps(base_model)}",
+        f"base_model: {json_for_markdown(json.dumps(base_model))}",
         "tags:",
         *(f"- {t}" for t in ("dwise-predict", "diffusion-llm", "block-diffusion", "llm-serving", "scheduling",
                              "survival-analysis", "lightgbm", "onnx", "torchscript")),
         "metrics:",
         "- spearmanr",
         "model-index:",
-        f"- name: {json.dumps(manifest.name)}",
+        f"- name: {json_for_markdown(json.dumps(manifest.name))}",
         "  results:",
         "  - task:",
         "      type: tabular-regression",
         "      name: denoising-round prediction",
         "    dataset:",
-        f"      name: {json.dumps('traces of ' + base_model + ' (eval split)')}",
+        f"      name: {json_for_markdown(json.dumps('traces of ' + base_model + ' (eval split)'))}",
         "      type: dwise-predict-traces",
-        f"      revision: {json.dumps(manifest.training_data.get('fingerprint') or 'unknown')}",
+        f"      revision: {json_for_markdown(json.dumps(manifest.training_data.get('fingerprint') or 'unknown'))}",
         "    metrics:",
         "    - type: spearmanr",
         "      name: admission Spearman rho (total rounds)",
@@ -65,7 +67,7 @@ def _description(manifest: BundleManifest, model: dict, decoding: dict, metrics:
                  hidden: int) -> list[str]:
     """What the two predictors are, and the model, decoding and traces they were trained for."""
     return [
-        f"# {manifest.name}: workload predictors for {base_model}",
+        f"# {markdown_line(manifest.name)}: workload predictors for {markdown_line(base_model)}",
         "",
         "Two predictors for a block-diffusion LLM scheduler, exported by dwise-predict (after DWISE, §3–§4):",
         "",
@@ -84,7 +86,7 @@ def _description(manifest: BundleManifest, model: dict, decoding: dict, metrics:
         "refuses a bundle whose fingerprint or hidden size differs from the model it serves.",
         "",
         "```json",
-        json.dumps({"model": model, "decoding": decoding}, indent=2, sort_keys=True),
+        json_for_markdown(json.dumps({"model": model, "decoding": decoding}, indent=2, sort_keys=True)),
         "```",
         "",
         f"Training traces: fingerprint `{manifest.training_data.get('fingerprint')}`"

@@ -17,6 +17,8 @@ import contextlib
 import importlib
 import json
 import os
+import selectors
+import signal
 import subprocess
 import sys
 import traceback
@@ -41,6 +43,7 @@ SERVER_PRELOAD = ("onnx", "safetensors.numpy", "safetensors.torch", "dwise_predi
 # numpy's OpenBLAS starts its thread pool at import unless told otherwise: verify starts the server
 # with this in its environment so that it stays single-threaded and may fork
 SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def relative_error(expected: np.ndarray, got: np.ndarray) -> float:
@@ -235,13 +238,52 @@ def serve() -> None:
             pid = os.fork()
             if pid == 0:
                 _answer_in_child(bundle, out, err)
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)
+            code = wait_while_asked(pid)
         else:
             with open(out, "wb") as stdout, open(err, "wb") as stderr:
-                code = subprocess.run([sys.executable, "-I", "-m", __spec__.name, bundle], stdin=subprocess.DEVNULL,
-                                      stdout=stdout, stderr=stderr).returncode
+                fresh = subprocess.Popen([sys.executable, "-I", "-m", __spec__.name, bundle], stdin=subprocess.DEVNULL,
+                                         stdout=stdout, stderr=stderr)
+            code = fresh.returncode = wait_while_asked(fresh.pid)
         print(code, flush=True)
+
+
+def wait_while_asked(pid: int) -> int:
+    """The exit code of the child ``pid`` (negative: killed by that signal), waited for while
+    watching stdin: the verifying process writes nothing until it has the answer, so stdin turning
+    readable means it closed, i.e. the process that asked died (SIGTERM, a crash). Then the child is
+    killed and the server exits, so that nothing outlives it (a graph that runs for hours would
+    otherwise keep a core until it ends)."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(sys.stdin.fileno(), selectors.EVENT_READ)
+        try:  # readable when the child exits (Linux 5.3+); elsewhere, poll
+            child = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            child = None
+        else:
+            selector.register(child, selectors.EVENT_READ)
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    return os.waitstatus_to_exitcode(status)
+                events = selector.select(None if child is not None else 0.05)
+                if any(key.fd == sys.stdin.fileno() for key, _ in events):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    os._exit(1)
+        finally:
+            if child is not None:
+                os.close(child)
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when the one that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing: the server's stdin watch still kills it)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def threads_running() -> int | None:
@@ -255,6 +297,7 @@ def threads_running() -> int | None:
 def _answer_in_child(bundle: str, out: str, err: str) -> None:
     code = 1
     try:
+        die_with_parent()  # a server killed mid-answer takes this child with it
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's requests are not the child's to read
         for fd, path in ((1, out), (2, err)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
@@ -269,4 +312,8 @@ def _answer_in_child(bundle: str, out: str, err: str) -> None:
 
 
 if __name__ == "__main__":
-    serve() if sys.argv[1:] == ["--serve"] else answer(sys.argv[1])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        die_with_parent()
+        answer(sys.argv[1])

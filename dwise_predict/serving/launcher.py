@@ -45,21 +45,28 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
+import re
 import signal
 from dataclasses import asdict, dataclass, field, fields, replace
-from numbers import Integral
+from numbers import Integral, Real
 from pathlib import Path
 
 from dwise_predict.bundles.manifest import BUNDLE_FILE, BundleIdentity
-from dwise_predict.errors import BundleError, ConfigError
-from dwise_predict.files import read_json_object
+from dwise_predict.errors import BundleError, ConfigError, DwiseError, InputError
+from dwise_predict.files import read_json_object, refuse_aliasing
 from dwise_predict.serving.checks import Findings, scheduler_rows, server_findings
 
 RUN_SCHEDULER_PROCESS = "sglang.srt.managers.scheduler:run_scheduler_process"
 logger = logging.getLogger(__name__)
 ACTIVE = None  # the Installed handle of this process (set in a scheduler child)
 LOCK_FILE = ".lock"  # a recording directory's lock file, holding its writer's pid (collectors.store)
+# a trace dataset's files (traces.dataset, collectors.store) and what a recording's manifest says wrote
+# it (collectors.live.live_manifest), named here: those modules import pandas, not for every SGLang process
+MANIFEST_FILE, REQUESTS_FILE, SHARDS_DIR = "manifest.json", "requests.parquet", "shards"
+RECORDER = "sglang-hook"
+RANK_DIRECTORY = re.compile(r"dp\d+(-\d+)?")  # the names recording_directory gives
 FROM_SERVER = {"from_server": True}  # metadata of a HookConfig field that SGLang's arguments fill, not the user
 
 
@@ -95,6 +102,9 @@ class HookConfig:
         (``serving.sglang.timeout``), also where it is 0.
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
         imports SGLang.
+
+    :meth:`problems` checks every field (types, ranges, finite numbers, the bounds :data:`MAX_ROWS`
+    and :data:`MAX_WIDTH` on what install allocates, where ``record`` may be written).
     """
 
     bundle: str | None = None
@@ -118,26 +128,139 @@ class HookConfig:
     resolver: str | None = None
 
     def problems(self) -> list[str]:
-        out = []
-        if self.slots < 1:
-            out.append(f"`slots` must be positive, got {self.slots}")
-        if self.k < 1:
-            out.append(f"`k` must be at least 1, got {self.k}")
+        """Every setting that cannot work, one line each naming its parameter in backticks (``serve``
+        prints it as the flag, the plugin as the variable), before anything is allocated or written."""
+        out = [*_count_problems(self), *_number_problems(self)]
         if self.bundle is not None and not (Path(self.bundle) / "bundle.json").is_file():
             out.append(f"`bundle` {self.bundle} has no bundle.json: pass a directory written by `dwise-predict export`")
         if self.bundle is None and self.record is None:
             out.append("nothing to do: pass `bundle` (schedule with DWISE), `record` (collect traces), or both")
-        if self.record_every < 1:
-            out.append(f"`record_every` must be positive, got {self.record_every}")
-        if not self.record_flush_s > 0:
-            out.append(f"`record_flush_s` must be positive, got {self.record_flush_s}")
-        if self.prompt_cache < 0:
-            out.append(f"`prompt_cache` must be 0 or more, got {self.prompt_cache}")
-        if not 0 <= self.aging < float("inf"):
-            out.append(f"`aging` must be a finite number >= 0 (0: no starvation guard), got {self.aging}")
-        if not (isinstance(self.max_wait, Integral) and not isinstance(self.max_wait, bool) and self.max_wait >= 0):
-            out.append(f"`max_wait` must be a whole number of rounds >= 0 (0: no wait cap), got {self.max_wait}")
+        if self.record is not None:
+            out += record_problems(self.record, self.bundle)
+        if self.resolver is not None and ":" not in str(self.resolver):
+            out.append(f"`resolver` must be \"module:function\", got {self.resolver!r}")
         return out
+
+
+# Upper bounds of the settings that size what install allocates on the model's GPU before SGLang
+# captures its CUDA graphs (serving.sglang.buffers.PoolingBuffers): floor(k*B) resident rows and
+# `prompt_cache` cached rows of H fp32 each, `max_batch` rows of 2*H and (2, block_size) each. 65,536
+# rows is 64 times the docs' --max-running-requests 1024 and 128 times the largest batch SGLang
+# captures in a CUDA graph by default (512); at H = 8,192 that many rows are 2 GiB, past which the
+# hook would take the memory SGLang sizes its KV cache from. No released model is 65,536 wide
+# (hidden size or block).
+MAX_ROWS = 65_536
+MAX_WIDTH = 65_536
+# whole-number settings: (name, least, most or None, what the most bounds); None is "unset" where the
+# field is optional
+_COUNTS = (
+    ("slots", 1, MAX_ROWS, "B resident rows of H floats on the GPU"),
+    ("slack_blocks", 0, None, ""),
+    ("block_size", 1, MAX_WIDTH, "tokens per dLLM block; the pooling masks hold max_batch x 2 of them"),
+    ("max_batch", 1, MAX_ROWS, "requests per forward, pooling rows of 2 x H floats on the GPU"),
+    ("hidden_size", 1, MAX_WIDTH, "the model's width, floats per pooled row on the GPU"),
+    ("record_every", 1, None, ""),
+    ("prompt_cache", 0, MAX_ROWS, "rows of H floats on the GPU"),
+)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count_problems(config: HookConfig) -> list[str]:
+    """The whole-number settings' problems (:data:`_COUNTS`, the wait cap) and k*B's bound."""
+    out = []
+    for name, least, most, why in _COUNTS:
+        value = getattr(config, name)
+        if value is None and HookConfig.__dataclass_fields__[name].default is None:
+            continue  # unset: its default (the bundle's, the server's)
+        if not _whole(value):
+            out.append(f"`{name}` must be a whole number, got {value!r}")
+        elif value < least:
+            out.append(f"`{name}` must be {'positive' if least == 1 else '0 or more'}, got {value}")
+        elif most is not None and value > most:
+            out.append(f"`{name}` must be at most {most:,} ({why}), got {value:,}")
+    if not (_whole(config.max_wait) and config.max_wait >= 0):
+        out.append(f"`max_wait` must be a whole number of rounds >= 0 (0: no wait cap), got {config.max_wait}")
+    if _whole(config.slots) and config.slots <= MAX_ROWS and _finite(config.k) and config.slots * config.k > MAX_ROWS:
+        out.append(f"`k` x `slots` (k*B, the resident requests: rows of H floats on the GPU, and SGLang's "
+                   f"--max-running-requests at least as many) must be at most {MAX_ROWS:,}, got {config.slots * config.k:,g}")
+    return out
+
+
+def _number_problems(config: HookConfig) -> list[str]:
+    """The real-valued settings' problems: each finite, in its range."""
+    out = []
+    if not _finite(config.k):
+        out.append(f"`k` must be a finite number, got {config.k}")
+    elif config.k < 1:
+        out.append(f"`k` must be at least 1, got {config.k}")
+    if config.kv_budget_tokens is not None and not (_finite(config.kv_budget_tokens) and config.kv_budget_tokens > 0):
+        out.append(f"`kv_budget_tokens` must be a finite number > 0 (or unset: `kv_fraction` of SGLang's KV pool), "
+                   f"got {config.kv_budget_tokens}")
+    if not (_finite(config.kv_fraction) and 0 < config.kv_fraction <= 1):
+        out.append(f"`kv_fraction` must be a share of SGLang's KV pool in (0, 1], got {config.kv_fraction}")
+    if not (_finite(config.record_flush_s) and config.record_flush_s > 0):
+        out.append(f"`record_flush_s` must be a finite number of seconds > 0, got {config.record_flush_s}")
+    if not (_finite(config.aging) and config.aging >= 0):
+        out.append(f"`aging` must be a finite number >= 0 (0: no starvation guard), got {config.aging}")
+    return out
+
+
+def record_problems(record: str | os.PathLike, bundle: str | os.PathLike | None) -> list[str]:
+    """Why ``record`` cannot take a recording (empty: it can). A recording writes one directory per
+    data-parallel rank into ``record`` (:func:`recording_directory`: ``dp0/`` ...), and a restarted
+    server resumes them: ``record`` is new, empty, or an earlier recording's ``record``. Refused: a
+    path that is, holds or lies inside the bundle (:func:`~dwise_predict.files.refuse_aliasing`), a
+    file, a trace dataset or a path inside one (a ``collect`` output, merged traces, one rank's
+    recording: what the recorder would write into), and a directory whose ``dp<rank>/`` is a trace
+    dataset no recording wrote."""
+    try:
+        refuse_aliasing(record, [("`bundle`", bundle)], param="record")
+        return _target_problems(Path(record))
+    except InputError as err:
+        return [str(err)]
+    except OSError as err:  # a name too long for the file system, a directory it may not read
+        return [f"`record` {record} cannot be inspected ({err.strerror or err}): choose another directory"]
+
+
+def _target_problems(target: Path) -> list[str]:
+    """:func:`record_problems` past the bundle: the file system's view of ``target``."""
+    if target.exists() and not target.is_dir():
+        return [f"`record` {target} is a file: pass a new or empty directory, or an earlier recording's `record`"]
+    resolved = target.resolve()
+    inside = next((d for d in (resolved, *resolved.parents) if _trace_dataset(d)), None)
+    if inside is not None:
+        where = "is a trace dataset" if inside == resolved else f"lies inside the trace dataset {inside}"
+        return [f"`record` {target} {where}: a recording writes a directory per DP rank (dp0/ ...) into a new or "
+                "empty directory, or into an earlier recording's `record` to resume it; choose one of those"]
+    ranks = sorted(target.glob("dp*")) if resolved.is_dir() else []
+    for rank in ranks:
+        if RANK_DIRECTORY.fullmatch(rank.name) and (rank / MANIFEST_FILE).is_file() and not _recording(rank):
+            return [f"`record` {target} holds {rank.name}/, a trace dataset that no recording wrote (a `collect` "
+                    "output?): choose a new or empty directory, or an earlier recording's `record`"]
+    return []
+
+
+def _trace_dataset(directory: Path) -> bool:
+    """Whether ``directory`` holds a trace dataset: a manifest and the requests or shards it describes."""
+    return (directory / MANIFEST_FILE).is_file() and ((directory / REQUESTS_FILE).is_file()
+                                                      or (directory / SHARDS_DIR).is_dir())
+
+
+def _recording(directory: Path) -> bool:
+    """Whether the trace dataset in ``directory`` is a recording of this hook (what its manifest says
+    wrote it), which a restarted server resumes."""
+    try:
+        collection = read_json_object(directory / MANIFEST_FILE, ConfigError).get("collection")
+    except DwiseError:
+        return False
+    return isinstance(collection, dict) and collection.get("recorder") == RECORDER
 
 
 def option_fields() -> list:

@@ -573,9 +573,14 @@ class DwisePolicy:
     def refine(self, slots, remaining) -> None:
         """Replace ``r̂`` of resident requests by fresh estimates of their remaining denoising rounds
         (clamped at zero): a refinement after a later round (``simulate --refine-every``, the DWISE paper's
-        Table 6). Call it after :meth:`complete_round`, which keeps decrementing ``r̂`` in between."""
+        Table 6). Call it after :meth:`complete_round`, which keeps decrementing ``r̂`` in between.
+        A NaN or infinite estimate (a broken graph) leaves that request's ``r̂`` as it was, as
+        :meth:`complete_slots` does: NaN would rank anywhere."""
         self._kept = None
-        self._rhat[np.asarray(slots, dtype=np.int64)] = np.maximum(np.asarray(remaining, dtype=np.float64), 0.0)
+        slots = np.asarray(slots, dtype=np.int64)
+        remaining = np.broadcast_to(np.asarray(remaining, dtype=np.float64), slots.shape)
+        fresh = np.isfinite(remaining)
+        self._rhat[slots[fresh]] = np.maximum(remaining[fresh], 0.0)
 
     def complete(self, request_id, refined: float | None = None, finished: bool = False, prompt: bool | None = None) -> None:
         """Per-request form of :meth:`complete_slots` for a server walking its batch.

@@ -20,6 +20,8 @@ from dwise_predict.errors import StoreError
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, write_document
 from dwise_predict.files import atomic_write_bytes, loads_json, write_csv, write_errors
 from dwise_predict.simulation.schedulers import SCHEDULERS
+from dwise_predict.simulation.styles import policy_style
+from dwise_predict.text import plot_label
 
 
 @dataclass(frozen=True)
@@ -185,17 +187,14 @@ def category_plot(tails: list[dict]) -> bytes:
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(cats)), 4))
     for i, policy in enumerate(policies):
         vals = [next((t["p99_latency_s"] for t in rows if t["policy"] == policy and t["category"] == c), 0.0) for c in cats]
-        ax.bar([j + i * width for j in range(len(cats))], vals, width, label=policy)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20, fontsize=8)
+        ax.bar([j + i * width for j in range(len(cats))], vals, width, label=plot_label(policy),
+               **policy_style(policy).bar)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], [plot_label(c) for c in cats], rotation=20, fontsize=8)
     ax.set_ylabel("p99 latency (s)")
     ax.set_yscale("log")
     ax.set_title(f"per-category p99 latency, {pattern} arrivals", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)  # beside the bars
+    return _png(fig)
 
 
 def _plot(rows: list[dict], sweep: str | None) -> bytes:
@@ -211,7 +210,8 @@ def _plot(rows: list[dict], sweep: str | None) -> bytes:
         for policy in policies:
             sub = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r[sweep])
             for ax, key in zip(axes, ("mean_latency_s", "p99_latency_s")):
-                ax.plot([r[sweep] for r in sub], [r[key] for r in sub], marker="o", label=policy)
+                ax.plot([r[sweep] for r in sub], [r[key] for r in sub], label=plot_label(policy),
+                        **policy_style(policy).line)
         for ax, name in zip(axes, ("mean latency (s)", "p99 latency (s)")):
             ax.set_xlabel("Poisson arrival rate (req/s)" if sweep == "rate_rps" else "resident-set multiplier k")
             ax.set_ylabel(name)
@@ -227,15 +227,23 @@ def _plot(rows: list[dict], sweep: str | None) -> bytes:
                 if all(f"{key}_lo" in r for r in picked):  # 95 % bootstrap interval over arrival seeds
                     yerr = [[v - r[f"{key}_lo"] for v, r in zip(values, picked)],
                             [r[f"{key}_hi"] - v for v, r in zip(values, picked)]]
-                ax.bar([j + i * width for j in range(len(groups))], values, width, label=policy, yerr=yerr, capsize=2)
+                ax.bar([j + i * width for j in range(len(groups))], values, width, label=plot_label(policy),
+                       yerr=yerr, capsize=2, **policy_style(policy).bar)
         for ax, name in zip(axes, ("mean latency (s)", "p99 latency (s)")):
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups)
             ax.set_ylabel(name)
             ax.set_yscale("log")  # the default scheduler is often an order of magnitude off
-    axes[0].legend(fontsize=8)
     fig.tight_layout()
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)  # outside the data
+    return _png(fig)
+
+
+def _png(fig) -> bytes:
+    """The figure as PNG bytes, cropped to what is drawn (a legend beside the axes included)."""
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 

@@ -42,6 +42,8 @@ class SchedulerSpec:
     adds : the mechanism this row adds over the one before (the tables' "adds" column).
     steps : the gain decomposition's steps that end at this scheduler, as ``(step, from scheduler)``
         (``simulate`` prints each step's mean-latency ratio, from / to).
+    family : ``sglang`` (SGLang's own modes), ``dwise`` (DWISE and its variants) or ``baseline`` (the
+        published schedulers it is compared with); the plots draw each family in one hue and line style.
     """
 
     name: str
@@ -56,6 +58,7 @@ class SchedulerSpec:
     about: str = ""
     adds: str = ""
     steps: tuple[tuple[str, str], ...] = ()
+    family: str = "baseline"
 
 
 SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
@@ -66,12 +69,12 @@ SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
                         "admission stopping at the first that does not (SGLang's PrefillAdder); a round is "
                         "all-prefill while any of them has a prompt block left (one block per request per "
                         "forward), else all-decode; a finished block leaves (first done, first out)",
-                  adds="baseline"),
+                  adds="baseline", family="sglang"),
     SchedulerSpec("sglang-sync", "arrival", prefill_first=True, preemptive=False, sync=True, blocking_admission=True,
                   about="the same with --no-dllm-fdfo (SGLang's synchronous loop): a decode step runs the batch's "
                         "current blocks until every member has finished its block (as many forwards as the "
                         "slowest needs), then all move on; finished requests leave only at block boundaries",
-                  adds="SGLang with --no-dllm-fdfo"),
+                  adds="SGLang with --no-dllm-fdfo", family="sglang"),
     SchedulerSpec("fcfs-mixed", "arrival", about="FCFS over k·B residents, prompt and denoising blocks share rounds",
                   adds="mixed batching", steps=(("mixed batching", "sglang-default"),)),
     SchedulerSpec("mlfq", "mlfq", about="FastServe-style skip-join MLFQ: level floor(log2(1 + work/8)) of the "
@@ -94,19 +97,19 @@ SCHEDULERS: dict[str, SchedulerSpec] = {s.name: s for s in (
                         "TRAIL-style probe of `evaluate` on the first-round hidden state (fitted on the train split)",
                   adds="probe refinement"),
     SchedulerSpec("dwise-zero", "remaining", "zero", about="DWISE with r̂ = 0 (ranks by prompt blocks left only)",
-                  adds="ordering by prompt work", steps=(("ordering by prompt work", "fcfs-mixed"),)),
+                  adds="ordering by prompt work", steps=(("ordering by prompt work", "fcfs-mixed"),), family="dwise"),
     SchedulerSpec("dwise-admission", "remaining", "admission",
                   about="DWISE, r̂ from the admission predictor, decremented per round",
-                  adds="admission estimates", steps=(("admission estimates", "dwise-zero"),)),
+                  adds="admission estimates", steps=(("admission estimates", "dwise-zero"),), family="dwise"),
     SchedulerSpec("dwise-raw", "remaining", "raw",
                   about="DWISE, r̂ replaced by the raw (uncalibrated) refinement after round 1",
-                  adds="raw refinement", steps=(("refinement (raw)", "dwise-admission"),)),
+                  adds="raw refinement", steps=(("refinement (raw)", "dwise-admission"),), family="dwise"),
     SchedulerSpec("dwise-refined", "remaining", "refined",
                   about="DWISE, r̂ replaced by the calibrated refinement after round 1",
                   adds="calibration",
-                  steps=(("calibration", "dwise-raw"), ("refinement (calibrated)", "dwise-admission"))),
+                  steps=(("calibration", "dwise-raw"), ("refinement (calibrated)", "dwise-admission")), family="dwise"),
     SchedulerSpec("dwise-oracle", "remaining", "oracle", about="DWISE with r̂ = true rounds (bound for any predictor)",
-                  adds="perfect estimates", steps=(("headroom to the oracle", "dwise-refined"),)),
+                  adds="perfect estimates", steps=(("headroom to the oracle", "dwise-refined"),), family="dwise"),
 )}
 # what each estimate kind needs of the workload; the bundle gives admission, raw and refined
 NEEDS = {"none": (), "zero": (), "oracle": (), "admission": ("admission",), "refined": ("admission", "refined"),

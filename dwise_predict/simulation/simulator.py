@@ -799,28 +799,28 @@ def service_rate(workload: SimRequests, config: SimConfig) -> float:
     return simulate(workload, "sglang-default", backlogged).metrics["throughput_rps"]
 
 
-def parse_rates(text: str, workload: SimRequests, config: SimConfig, flag: str = "`rates`") -> list[float]:
+def parse_rates(text: str, workload: SimRequests, config: SimConfig, param: str = "`rates`") -> list[float]:
     """``"1,2,4"`` (req/s) or ``"0.5x,1x,2x"`` (multiples of :func:`service_rate`) -> req/s."""
-    items = rate_items(text, flag)
+    items = rate_items(text, param)
     unit = service_rate(workload, config) if any(multiple for _, multiple in items) else None
     return [value * unit if multiple else value for value, multiple in items]
 
 
-def rate_items(text: str, flag: str = "`rates`") -> list[tuple[float, bool]]:
+def rate_items(text: str, param: str = "`rates`") -> list[tuple[float, bool]]:
     """The syntax of a rate list, checked without simulating: ``(value, is a multiple)`` per item."""
     items = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
-            raise ConfigError(f"{flag} {text!r} has an empty item: give e.g. 0.5x,1x,2x or 4,8,16")
+            raise ConfigError(f"{param} {text!r} has an empty item: give e.g. 0.5x,1x,2x or 4,8,16")
         try:
             value = float(item[:-1] if item.endswith("x") else item)
         except ValueError:
-            raise ConfigError(f"{flag} item {item!r} is not a number or a multiple like 2x") from None
+            raise ConfigError(f"{param} item {item!r} is not a number or a multiple like 2x") from None
         if not value > 0 or not math.isfinite(value):
-            raise ConfigError(f"{flag} item {item!r} must be positive")
+            raise ConfigError(f"{param} item {item!r} must be positive")
         items.append((value, item.endswith("x")))
     if not items:
-        raise ConfigError(f"{flag} is empty: give e.g. 0.5x,1x,2x or 4,8,16")
+        raise ConfigError(f"{param} is empty: give e.g. 0.5x,1x,2x or 4,8,16")
     return items
 
 

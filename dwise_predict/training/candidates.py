@@ -76,6 +76,10 @@ class Candidate:
     # calibrate the final one (training.fit.calibrate); the survival networks' raw scale moves with training
     closed_form: bool = False
     uses_within_heads: bool = False  # its CV estimates come from the shared ridge-within fold fits
+    # what its graph's survival curves are: "fitted" (trained hazard networks), "blend" (those and a
+    # ridge member) or "geometric" (one hazard in every round, a linear score's: survival.linear), which
+    # the report does not draw as if fitted
+    survival_curves: str = "geometric"
 
     def fit(self, split: TrainingSplit, progress=None, blend_weight: float | None = None) -> tuple[SurvivalEnsemble, dict]:
         """The fitted graph (a :class:`SurvivalEnsemble`) and a record of what was chosen inside it
@@ -93,6 +97,7 @@ class Candidate:
 
 class Survival(Candidate):
     name = "survival"
+    survival_curves = "fitted"
 
     def fit(self, split, progress=None, blend_weight=None):
         return split.make_ensemble().fit(split.inputs, split.remaining, split.events, progress=progress), {}
@@ -120,6 +125,7 @@ class Ridge(Candidate):
 
 class SurvivalRidge(Candidate):
     name = "survival+ridge"
+    survival_curves = "blend"
 
     def fit(self, split, progress=None, blend_weight=None):
         ensemble = split.make_ensemble().fit(split.inputs, split.remaining, split.events, progress=progress)
@@ -152,6 +158,7 @@ class RidgeWithin(Candidate):
 
 class SurvivalPCA(Candidate):
     name = "survival-pca"
+    survival_curves = "fitted"
 
     def fit(self, split, progress=None, blend_weight=None):
         return fit_pca_survival(split.make_ensemble, split.inputs, split.remaining, split.events, progress=progress), {}
@@ -196,6 +203,7 @@ class RidgeWithinSignals(Candidate):
 REGISTRY: tuple[Candidate, ...] = (Survival(), Ridge(), SurvivalRidge(), RidgeWithin(), SurvivalPCA(),
                                    RidgeWithinSignals())
 NAMES = tuple(c.name for c in REGISTRY)  # ties in the choice go to the earlier one: the reference first
+SURVIVAL_CURVES = {c.name: c.survival_curves for c in REGISTRY}
 
 
 def candidate(name: str) -> Candidate:

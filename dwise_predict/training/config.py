@@ -91,6 +91,11 @@ class TrainConfig:
         problems += [f"{name} must be >= 1 (got {getattr(self, name)})" for name in positive if getattr(self, name) < 1]
         if self.admission_leaves < 2:
             problems.append(f"admission_leaves must be >= 2 (got {self.admission_leaves})")
+        from dwise_predict.admission.model_text import MAX_TOTAL_LEAVES  # what evaluate and export will read
+
+        if self.admission_trees * self.admission_leaves > MAX_TOTAL_LEAVES:
+            problems.append(f"admission_trees x admission_leaves must be at most {MAX_TOTAL_LEAVES:,} (got "
+                            f"{self.admission_trees} x {self.admission_leaves}): a larger model would not load")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must lie in [0, 1) (got {self.dropout})")
         if not 0.0 < self.val_fraction < 1.0:
