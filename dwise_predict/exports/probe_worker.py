@@ -1,7 +1,8 @@
 """Load every artifact of a bundle and compare it with the stored probes — in a process of its own.
 
-Run as ``python -I -m dwise_predict.exports.probe_worker BUNDLE``; prints one JSON object on stdout:
-``{"rows": [...], "modules": [...], "pid": ...}``. ``verify`` runs it as a server instead (``--serve``,
+Run as ``python -I -m dwise_predict.exports.probe_worker BUNDLE [PARENT_PID]`` (it dies with
+``PARENT_PID``, default its parent); prints one JSON object on stdout: ``{"rows": [...], "modules":
+[...], "pid": ...}``. ``verify`` runs it as a server instead (``--serve``,
 :func:`serve`): one isolated interpreter that imports what loading needs once (about 4 s) and forks a
 child per bundle, which answers as that fresh run would and exits. It imports only numpy, safetensors,
 onnxruntime, torch, the stdlib manifest module and the torch-only ``survival/network.py`` — never
@@ -235,13 +236,14 @@ def serve() -> None:
     for line in sys.stdin:
         bundle, out, err = json.loads(line)
         if threads_running() == 1:
+            server = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _answer_in_child(bundle, out, err)
+                _answer_in_child(bundle, out, err, server)
             code = wait_while_asked(pid)
         else:
             with open(out, "wb") as stdout, open(err, "wb") as stderr:
-                fresh = subprocess.Popen([sys.executable, "-I", "-m", __spec__.name, bundle], stdin=subprocess.DEVNULL,
+                fresh = subprocess.Popen([sys.executable, "-I", "-m", __spec__.name, bundle, str(os.getpid())], stdin=subprocess.DEVNULL,
                                          stdout=stdout, stderr=stderr)
             code = fresh.returncode = wait_while_asked(fresh.pid)
         print(code, flush=True)
@@ -276,14 +278,17 @@ def wait_while_asked(pid: int) -> int:
                 os.close(child)
 
 
-def die_with_parent() -> None:
-    """Have the kernel kill this process when the one that started it dies (Linux's
-    ``PR_SET_PDEATHSIG``; elsewhere nothing: the server's stdin watch still kills it)."""
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when ``parent``, the process that started it, dies (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing: the server's stdin watch still kills it). A parent that
+    died before the request was made is seen as this process's new parent: then exit at once."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def threads_running() -> int | None:
@@ -294,10 +299,10 @@ def threads_running() -> int | None:
         return None
 
 
-def _answer_in_child(bundle: str, out: str, err: str) -> None:
+def _answer_in_child(bundle: str, out: str, err: str, server: int) -> None:
     code = 1
     try:
-        die_with_parent()  # a server killed mid-answer takes this child with it
+        die_with_parent(server)  # a server killed mid-answer takes this child with it
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the server's requests are not the child's to read
         for fd, path in ((1, out), (2, err)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
@@ -314,6 +319,6 @@ def _answer_in_child(bundle: str, out: str, err: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["--serve"]:
         serve()
-    else:
-        die_with_parent()
+    else:  # BUNDLE [PARENT]: the server names itself, since it may die before this process gets here
+        die_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else os.getppid())
         answer(sys.argv[1])

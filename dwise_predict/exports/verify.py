@@ -140,7 +140,7 @@ def _probe(bundle: Path, timeout_s: float) -> tuple[int, str, str]:
     probe server, or from a fresh run where there is no fork (Windows)."""
     if not hasattr(os, "fork"):
         try:
-            done = subprocess.run([*WORKER, str(bundle)], capture_output=True, text=True, timeout=timeout_s)
+            done = subprocess.run([*WORKER, str(bundle), str(os.getpid())], capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise TimeoutError from None
         return done.returncode, done.stdout, done.stderr
