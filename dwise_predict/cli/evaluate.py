@@ -158,6 +158,8 @@ def _print_evaluation(result: dict) -> None:
 def characterize_command(
     traces: TracesArgument,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write characterization.json, .html, .md and plots here.")] = None,
+    split_decodings: Annotated[bool, typer.Option("--split-decodings", help="TRACES of different algorithms or parameters (threshold, dtype, ...): one section per decoding instead of a refusal. Different block sizes are split either way.")] = False,
+    stability: Annotated[bool, typer.Option("--stability", help="TRACES are repeated runs of the same prompts (one decoding and budget): add the round-count stability table (the DWISE paper, Table 11), requests matched by request_id.")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Measure the workload in traces: rounds spread, tiers, wall time, truncation, budgets.
@@ -168,11 +170,22 @@ def characterize_command(
     And how each first-round early signal orders requests inside each category: where its direction
     reverses between categories, no predictor can carry it to a category it never saw.
 
+    Decodings are never pooled: traces of several block sizes get one section each and Amin et al.'s
+    block-size invariance table; traces of several algorithms or parameters are refused unless
+    --split-decodings. With --stability, the share of requests whose round count is identical (within
+    one round, within 10 %) from one run to another, as the DWISE paper's Table 11.
+
     Examples:
 
         dwise-predict characterize traces/
 
         dwise-predict characterize traces_b128/ traces_b256/ traces_b512/ --out char/
+
+        dwise-predict characterize block8/ block16/ --out invariance/   # one section per block size
+
+        dwise-predict characterize lowconf/ d2f/ --split-decodings     # one section per algorithm
+
+        dwise-predict characterize run0/ run1/ run2/ --stability --out table11/
 
         dwise-predict characterize traces/ --json
     """
@@ -188,7 +201,7 @@ def characterize_command(
                           contents=("characterization.*", "plots")) if out else nullcontext())
     with claim:
         datasets = load_many(traces)
-        result = characterize(datasets)
+        result = characterize(datasets, split_decodings=split_decodings, stability=stability)
         if out is not None:
             html_path = write_characterization(result, datasets, out)
             log(f"wrote {html_path}, characterization.md, characterization.json and plots in {out}")
@@ -199,17 +212,43 @@ def characterize_command(
 
 
 def _print_characterization(result: dict) -> None:
+    from dwise_predict.evaluation import report
+
+    screen = console(160)
+    for table in result.get("invariance", ()):
+        screen.print(_rich_table(report.invariance_table(table)))
+        screen.print(terminal(report.invariance_text(table)))
+    for section in result.get("configurations", [result]):
+        _print_decoding(screen, section, f"{result['model']}; {section['label']}")
+    if "stability" in result:
+        for cells in report.stability_tables(result["stability"]):
+            screen.print(_rich_table(cells))
+
+
+def _rich_table(cells):
+    """A report table (:class:`dwise_predict.evaluation.document.Table`) for the terminal."""
+    from rich.table import Table
+
+    table = Table(title=terminal(cells.caption))
+    for i, col in enumerate(cells.columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in cells.rows:
+        table.add_row(*map(terminal, row))
+    return table
+
+
+def _print_decoding(screen, section: dict, title: str) -> None:
+    """One decoding's tables: rounds per category, versus the budget, the early signals."""
     from rich.table import Table
 
     from dwise_predict.evaluation.report import WALL_TIME_NOTE
 
-    screen = console(160)
-    table = Table(title=f"Denoising rounds — {terminal(result['model'])}",
+    table = Table(title=f"Denoising rounds — {terminal(title)}",
                   caption=WALL_TIME_NOTE.replace("r(rounds, wall)", "r(wall)", 1), caption_justify="left")
     cols = ("category", "n", "p25", "p50", "p90", "max", "max/min", "CV", "distinct", "tiers", "r(wall)", "truncated")
     for col in cols:
         table.add_column(col, justify="left" if col in ("category", "tiers") else "right")
-    for name, s in [("all", result["overall"]), *result["per_category"].items()]:
+    for name, s in [("all", section["overall"]), *section["per_category"].items()]:
         r, d = s["rounds"], s["discreteness"]
         table.add_row(terminal(name), str(r["n"]), fmt(r["p25"], 1), fmt(r["p50"], 1), fmt(r["p90"], 1),
                       fmt(r["max"], 0),
@@ -217,22 +256,17 @@ def _print_characterization(result: dict) -> None:
                       d["tiers"] or f"spacing {fmt(d['dominant_spacing'])}", fmt(s["wall_time"]["pearson"]),
                       f"{100 * s['truncated_share']:.1f}%")
     screen.print(table)
-    if len(result["budget_sweep"]) > 1:
+    if len(section["budget_sweep"]) > 1:
         sweep = Table(title="Versus output budget")
         for col in ("budget", "n", "CV", "truncated", "p50", "p90"):
             sweep.add_column(col, justify="right")
-        for r in result["budget_sweep"]:
+        for r in section["budget_sweep"]:
             sweep.add_row(str(r["budget"]), str(r["n"]), fmt(r["cv"]), f"{100 * r['truncated_share']:.1f}%",
                           fmt(r["p50"], 1), fmt(r["p90"], 1))
         screen.print(sweep)
-    if result["signal_directions"]:
+    if section["signal_directions"]:
         from dwise_predict.evaluation.report import signal_directions_table
 
-        cells = signal_directions_table(result["signal_directions"])
-        signals = Table(title=cells.caption + " (▲ / ▼: above / below zero)")
-        for col in cells.columns:
-            signals.add_column(col, justify="left" if col == "category" else "right")
-        for row in cells.rows:
-            signals.add_row(*map(terminal, row))
-        screen.print(signals)
-
+        cells = signal_directions_table(section["signal_directions"])
+        cells.caption += " (▲ / ▼: above / below zero)"
+        screen.print(_rich_table(cells))

@@ -3,6 +3,7 @@
 - ``evaluate`` — one evaluation (main split, calibration, baselines, LOCO, output vs work) and its files;
 - ``loco`` — leave-one-category-out plan and table; ``pool`` — retraining in a process pool;
 - ``baselines`` — the comparison rows; ``characterize`` — Amin et al.'s workload measurements and Table 12;
+  ``decodings`` — inputs grouped by decoding (block size, algorithm); ``stability`` — the DWISE paper's Table 11;
 - ``inputs`` — loading several trace directories of one model;
 - ``plots`` (matplotlib, Agg), ``document`` (HTML + Markdown rendering), ``report`` (the two reports,
   and writing a characterization).

@@ -14,6 +14,11 @@ For the denoising rounds of each request (the work a scheduler must rank) it rep
 over all requests and per category. Given requests at several output budgets (one or more trace
 directories of the same model), it also tabulates CV and truncation per budget: Amin et al. found that
 short budgets hide the spread because truncated requests all look alike.
+
+Requests of different decodings are never pooled (:mod:`.decodings`): inputs of several block sizes
+get one section each and Amin et al.'s block-size invariance table (:func:`block_size_invariance`);
+inputs of several algorithms or parameters are refused unless split on request. Given repeated runs
+of the same prompts, it adds the DWISE paper's Table 11 (:mod:`.stability`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from dwise_predict.evaluation.decodings import DecodingGroup, group_by_decoding
 from dwise_predict.evaluation.inputs import check_same_model, model_label
+from dwise_predict.evaluation.stability import round_stability
 from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.metrics import bootstrap_ci, spearman
 from dwise_predict.traces import TraceDataset
@@ -141,31 +148,100 @@ def budget_sweep(requests: pd.DataFrame) -> list[dict]:
     return rows
 
 
-def characterize(datasets: Sequence[TraceDataset]) -> dict:
-    """Characterize one model's traces (one or more directories, e.g. one per output budget).
+def characterize(datasets: Sequence[TraceDataset], split_decodings: bool = False, stability: bool = False) -> dict:
+    """Characterize one model's traces (one or more directories, e.g. one per output budget or block size).
 
     Parameters
     ----------
     datasets : trace datasets of the same model (checked; :class:`InputError` otherwise).
+    split_decodings : one section per decoding where the inputs differ in algorithm, its parameters,
+        dtype, engine or sampling parameters (refused otherwise: :func:`.decodings.group_by_decoding`).
+        Inputs that differ only in block size are split by it either way.
+    stability : the inputs are repeated runs of the same prompts: add the DWISE paper's Table 11
+        (:func:`.stability.round_stability`; they must share one decoding and budget).
 
     Returns
     -------
-    dict with ``model``, ``traces`` (paths), ``overall`` and ``per_category`` (see :func:`describe`),
-    ``per_trace`` (one :func:`describe` per input), ``budget_sweep`` (see :func:`budget_sweep`) and
-    ``signal_directions`` (see :func:`signal_directions`).
+    With one decoding: ``model``, ``traces`` and that decoding's section (:func:`characterize_group`:
+    ``decoding``, ``label``, ``overall``, ``per_category``, ``per_trace``, ``budget_sweep``,
+    ``signal_directions``). With several: ``model``, ``traces``, ``configurations`` (one section per
+    decoding, ordered as :func:`.decodings.group_by_decoding` orders them) and ``invariance`` (one
+    :func:`block_size_invariance` table per algorithm and parameters met at more than one block size).
+    With ``stability``, also ``stability`` (:func:`.stability.round_stability`).
     """
     check_same_model(datasets)
-    # Only the request tables: collections at several budgets often reuse request ids.
-    requests = pd.concat([d.requests for d in datasets], ignore_index=True)
+    groups = group_by_decoding(datasets, split_decodings)
+    result: dict = {"model": model_label(datasets[0]), "traces": [str(d.path) if d.path else None for d in datasets]}
+    if len(groups) == 1:
+        result.update(characterize_group(groups[0]))
+    else:
+        result["configurations"] = [characterize_group(g) for g in groups]
+        result["invariance"] = [block_size_invariance(family) for family in _families(groups) if len(family) > 1]
+    if stability:
+        result["stability"] = round_stability(datasets)
+    return result
+
+
+def characterize_group(group: DecodingGroup) -> dict:
+    """Every single-decoding measurement of ``group``'s requests (all inputs pooled, and each input)."""
+    requests = group.requests
     return {
-        "model": model_label(datasets[0]),
-        "traces": [str(d.path) if d.path else None for d in datasets],
+        "decoding": group.decoding,
+        "label": group.label,
+        "traces": [path for path, _ in group.parts],
         "overall": describe(requests),
         "per_category": {str(c): describe(g) for c, g in requests.groupby("category", sort=True)},
-        "per_trace": [describe(d.requests) for d in datasets],
+        "per_trace": [describe(frame) for _, frame in group.parts],
         "budget_sweep": budget_sweep(requests),
         "signal_directions": signal_directions(requests),
     }
+
+
+def _families(groups: list[DecodingGroup]) -> list[list[DecodingGroup]]:
+    """The groups that share algorithm and parameters, one list per family (block sizes ascending)."""
+    families: dict[str, list[DecodingGroup]] = {}
+    for g in groups:
+        families.setdefault(g.family, []).append(g)
+    return list(families.values())
+
+
+def block_size_invariance(family: Sequence[DecodingGroup]) -> dict:
+    """Amin et al.'s block-size invariance (§III-E) over groups of one decoding at several block sizes.
+
+    Amin et al. found block size a serving granularity, not a difficulty: a request's latency varied
+    little across block sizes 16-128 (within-request CV 0.0096 on HumanEval) against a lot across
+    requests (CV 0.345), about 36 times. This measures it in rounds (the work a scheduler ranks): per
+    block size the requests, mean rounds per output block (per request ``total_rounds`` over its blocks,
+    then averaged), total rounds p50 and CV across requests; then, on the requests met at every block
+    size (same ``request_id`` and budget), the mean over requests of the CV of their total rounds across
+    block sizes (within) against the mean over block sizes of the CV across those requests (across).
+
+    Returns
+    -------
+    dict with ``label`` (what the groups share), ``rows`` (one per block size: ``block_size``, ``n``,
+    ``mean_rounds_per_block``, ``p50``, ``cv``) and ``matched`` (requests met at every block size),
+    ``within_request_cv``, ``across_request_cv`` and ``ratio`` (across / within; None where undefined).
+    """
+    rows = []
+    matched: pd.DataFrame | None = None
+    for g in family:
+        requests = g.requests
+        blocks = requests["rounds_per_block"].map(len).to_numpy(dtype=float)
+        spread = rounds_distribution(requests["total_rounds"].to_numpy())
+        rows.append({"block_size": g.block_size, "n": spread["n"],
+                     "mean_rounds_per_block": float((requests["total_rounds"].to_numpy(dtype=float) / blocks).mean()),
+                     "p50": spread["p50"], "cv": spread["cv"]})
+        # several inputs of one block size may repeat a request: its first count stands for it
+        totals = (requests.drop_duplicates(["request_id", "budget"]).set_index(["request_id", "budget"])["total_rounds"]
+                  .rename(g.block_size))
+        matched = totals.to_frame() if matched is None else matched.join(totals, how="inner")
+    counts = matched.to_numpy(dtype=float)  # (matched requests, block sizes); every count >= 1 (contract 1)
+    within = across = None
+    if len(counts):
+        within = float(np.mean(counts.std(axis=1) / counts.mean(axis=1)))
+        across = float(np.mean(counts.std(axis=0) / counts.mean(axis=0)))
+    return {"label": family[0].settings_label, "rows": rows, "matched": int(len(counts)), "within_request_cv": within,
+            "across_request_cv": across, "ratio": across / within if within else None}
 
 
 def signal_directions(requests: pd.DataFrame, columns: Sequence[str] = SIGNAL_COLUMNS, seed: int = 0) -> list[dict]:

@@ -91,32 +91,103 @@ def signal_directions_text(directions: list[dict]) -> str:
             "way that direction is the wrong one, however the predictor is built.")
 
 
-def characterization_document(result: dict, requests: pd.DataFrame) -> Document:
+def characterization_document(result: dict, requests: list[pd.DataFrame]) -> Document:
     """Report of :func:`dwise_predict.evaluation.characterize.characterize`.
 
     Parameters
     ----------
-    requests : the request tables of all inputs, concatenated (for the histograms).
+    requests : the requests of each decoding section, in the result's order (one frame when the result
+        has one decoding; for the histograms).
     """
-    blocks: list = [rounds_table(result), WALL_TIME_NOTE, histogram_figure(requests, "characterization_round_histograms")]
-    sections = [Section("Rounds distribution", "", blocks)]
-    sweep = result["budget_sweep"]
+    meta = [f"model: {result['model']}", f"traces: {', '.join(str(t) for t in result['traces'])}"]
+    if "configurations" not in result:
+        meta.append(f"decoding: {result['label']}")
+        sections = _decoding_sections(result, requests[0])
+    else:
+        sections = [_invariance_section(table) for table in result["invariance"]]
+        for i, (section, frame) in enumerate(zip(result["configurations"], requests), start=1):
+            sections += _decoding_sections(section, frame, f"_{i}", f" — {section['label']}")
+    if "stability" in result:
+        sections.append(stability_section(result["stability"]))
+    return Document("dwise-predict: workload characterization", meta, sections)
+
+
+def _decoding_sections(section: dict, requests: pd.DataFrame, suffix: str = "", heading: str = "") -> list[Section]:
+    """One decoding's sections; ``suffix`` tells its plots apart and ``heading`` its titles."""
+    blocks: list = [rounds_table(section), WALL_TIME_NOTE,
+                    histogram_figure(requests, f"characterization_round_histograms{suffix}")]
+    sections = [Section("Rounds distribution" + heading, "", blocks)]
+    sweep = section["budget_sweep"]
     budget_blocks: list = [budget_table(sweep)]
     if len(sweep) > 1:
-        budget_blocks.append(Figure("characterization_budget_sweep", plots.budget_sweep(sweep),
+        budget_blocks.append(Figure(f"characterization_budget_sweep{suffix}", plots.budget_sweep(sweep),
                                     "CV of rounds and share truncated versus the output budget."))
     else:
         budget_blocks.append("One output budget in these traces: give traces collected at several budgets "
                              "to see how truncation hides the spread.")
-    sections.append(Section("Output budget", "", budget_blocks))
-    if result["signal_directions"]:
-        sections.append(Section("Early signals inside each category", "", [
-            signal_directions_text(result["signal_directions"]), signal_directions_table(result["signal_directions"])]))
-    return Document(
-        "dwise-predict: workload characterization",
-        [f"model: {result['model']}", f"traces: {', '.join(str(t) for t in result['traces'])}"],
-        sections,
+    sections.append(Section("Output budget" + heading, "", budget_blocks))
+    if section["signal_directions"]:
+        sections.append(Section("Early signals inside each category" + heading, "", [
+            signal_directions_text(section["signal_directions"]), signal_directions_table(section["signal_directions"])]))
+    return sections
+
+
+def invariance_table(table: dict) -> Table:
+    """One row per block size of :func:`.characterize.block_size_invariance`."""
+    return Table(
+        ["block size", "requests", "mean rounds per block", "total rounds p50", "CV of total rounds"],
+        [[fmt(r["block_size"]), fmt(r["n"]), fmt(r["mean_rounds_per_block"], 2), fmt(r["p50"], 1), fmt(r["cv"])]
+         for r in table["rows"]],
+        f"Block-size invariance (Amin et al., §III-E): {table['label']}",
     )
+
+
+def invariance_text(table: dict) -> str:
+    """The within- against across-request spread of :func:`.characterize.block_size_invariance`, beside
+    Amin et al.'s."""
+    paper = ("Amin et al. (LLaDA-8B + D2F, HumanEval, latency over block sizes 16-128): within-request CV 0.0096, "
+             "across-request CV 0.345, about 36 times.")
+    if not table["matched"]:
+        return f"No request is met at every block size (same request_id and budget), so no within-request CV. {paper}"
+    ratio = f" ({fmt(table['ratio'], 1)} times)" if table["ratio"] is not None else ""
+    return (f"On the {table['matched']} requests met at every block size: within-request CV of total rounds across "
+            f"block sizes {fmt(table['within_request_cv'])}, across-request CV {fmt(table['across_request_cv'])}"
+            f"{ratio}. {paper}")
+
+
+def _invariance_section(table: dict) -> Section:
+    return Section(f"Block-size invariance — {table['label']}", "", [invariance_table(table), invariance_text(table)])
+
+
+def _share(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def stability_tables(stability: dict) -> list[Table]:
+    """:func:`.stability.round_stability` as tables: per category, per pair of runs, and the paper's."""
+    from dwise_predict.evaluation.stability import PAPER_TABLE_11
+
+    rows = [[r["category"], fmt(r["n"]), _share(r["identical"]), _share(r["identical_in_every_run"]),
+             _share(r["within_1"]), _share(r["within_10pct"]), fmt(r["rho"])]
+            for r in [stability["overall"], *stability["per_category"]]]
+    runs = stability["runs"]
+    pairs = [[f"{runs[p['runs'][0]]} vs {runs[p['runs'][1]]}", _share(p["identical"]), _share(p["within_1"]),
+              _share(p["within_10pct"]), fmt(p["rho"])] for p in stability["pairs"]]
+    return [
+        Table(["category", "requests", "identical", "identical in every run", "within ±1", "within ±10%", "ρ"], rows,
+              f"Round-count stability across {len(runs)} runs (the DWISE paper, Table 11): "
+              "shares averaged over pairs of runs"),
+        Table(["runs compared", "identical", "within ±1", "within ±10%", "ρ"], pairs, "Each pair of runs"),
+        Table(["policy", "runs compared", "identical", "ρ"],
+              [[policy, compared, _share(share), fmt(rho)] for policy, compared, share, rho in PAPER_TABLE_11],
+              "The DWISE paper, Table 11 (LLaDA2.1-mini on an H200)"),
+    ]
+
+
+def stability_section(stability: dict) -> Section:
+    matched = (f"{stability['matched']} requests present in every run (of {', '.join(map(str, stability['requests']))}); "
+               "within ±10%: the larger count at most 10% above the smaller.")
+    return Section("Round-count stability across runs", matched, stability_tables(stability))
 
 
 def write_characterization(result: dict, datasets, out: str | os.PathLike) -> Path:
@@ -124,10 +195,12 @@ def write_characterization(result: dict, datasets, out: str | os.PathLike) -> Pa
     ``datasets`` are the trace datasets it measured. The directory appears whole (a kill leaves the
     earlier one, or none, never a folder a rerun would take for someone else's), replacing an earlier
     characterization. Returns the HTML path."""
+    from dwise_predict.evaluation.decodings import group_by_decoding
     from dwise_predict.evaluation.document import write_document
 
     out = Path(out)
-    requests = pd.concat([d.requests for d in datasets], ignore_index=True)
+    # the result's sections, in its order: characterize accepted the inputs, so splitting cannot refuse
+    requests = [g.requests for g in group_by_decoding(datasets, split_decodings=True)]
     with atomic_dir(out) as tmp:
         write_json(tmp / "characterization.json", result)
         write_document(characterization_document(result, requests), tmp, stem="characterization")
