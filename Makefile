@@ -11,7 +11,7 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_BIN  := $(SGLANG_VENV)/bin
 SGLANG_REQS := tests/live/requirements-sglang-cpu.txt
 
-.PHONY: quickstart test install sglang-env bench clean
+.PHONY: quickstart test install sglang-env bench drift clean
 
 $(BIN)/dwise-predict: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,13 @@ test: install
 # rendered into docs/results.md. SMOKE=1 runs each on its smallest input instead, into out/bench-smoke/.
 bench: install
 	$(BIN)/python benchmarks/run_all.py $(if $(SMOKE),--smoke)
+
+# The drift scenario's quality side (scripts/drift_scenario.py, docs/serving.md "Keeping the predictor
+# fresh"): traffic shifts, the replayed live monitor shows the drop, `refresh` publishes v2 and restores
+# it; one table on stdout, $(DRIFT_OUT)/drift.json. A few minutes; SMOKE=1 runs CI's size. Rerun to resume.
+DRIFT_OUT ?= out/drift$(if $(SMOKE),-smoke)
+drift: install
+	$(BIN)/python scripts/drift_scenario.py --out $(DRIFT_OUT) $(if $(SMOKE),--smoke)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) out

@@ -194,13 +194,14 @@ class TimedStepEnd(Timed):
 
 
 class TimedArrivals(Timed):
-    """``RequestTable.register`` timed, and the requests it registers counted (``(table, scheduler, reqs)``)."""
+    """``RequestTable.register`` timed, and the requests it registers counted (``(table, scheduler, reqs,
+    version)``)."""
 
     __slots__ = ()
 
-    def __call__(self, table, scheduler, reqs):
+    def __call__(self, table, scheduler, reqs, *version):
         self.clock.arrivals += len(reqs)
-        return Timed.__call__(self, table, scheduler, reqs)
+        return Timed.__call__(self, table, scheduler, reqs, *version)
 
 
 class PassThroughHook:
@@ -229,6 +230,9 @@ class PassThroughHook:
 
     def abort_request(self, scheduler, recv_req):
         return self.originals["abort_request"](scheduler, recv_req)
+
+    def stop(self) -> None:
+        """No thread runs beside it (``Installed.uninstall`` calls this)."""
 
 
 def install_pass_through(resolve=importlib.import_module) -> Installed:

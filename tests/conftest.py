@@ -42,6 +42,23 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: work_units.rank(item.nodeid))  # stable: a unit keeps its order
 
 
+# figures a test reports with ``record_property("figures", text)``: printed after the run, in CI's log
+# too (pytest-xdist hands each worker's reports, their user properties included, to this process)
+_FIGURES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _FIGURES.extend(str(value) for name, value in report.user_properties if name == "figures")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("figures the tests measured")
+        for text in _FIGURES:
+            terminalreporter.write_line(text)
+
+
 @pytest.fixture(scope="session")
 def synthetic_traces():
     from dwise_predict.traces.synthetic import make_synthetic_traces

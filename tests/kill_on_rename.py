@@ -136,7 +136,8 @@ def _run_one(cli, kill_at: int, argv: list[str], cwd: str | None, stub: list[str
 # what the server imports before it forks: the CLI and what the commands killed here import on use
 PRELOAD = ("dwise_predict.collectors.collect", "dwise_predict.training.run", "dwise_predict.evaluation.evaluate",
            "dwise_predict.evaluation.characterize", "dwise_predict.exports.bundle", "dwise_predict.exports.verify",
-           "dwise_predict.exports.zoo", "lightgbm", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")
+           "dwise_predict.exports.zoo", "dwise_predict.bundles.zoo", "lightgbm", "torch._dynamo",
+           "torch.fx.experimental.symbolic_shapes")
 
 
 def serve() -> None:

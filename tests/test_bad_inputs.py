@@ -376,6 +376,10 @@ CASES = [
     Case("usage-publish-no-zoo", ["publish", "{bundle}"], ("missing option '--zoo'", HELP), code=2),
     Case("usage-epochs-float", ["train", "{traces}", "--out", "{tmp}/r", "--max-epochs", "1.5"], ("'--max-epochs'", HELP), code=2),
     # inputs and outputs never alias; --overwrite / --force replace only our own kind of directory
+    Case("refresh-out-is-recording", ["refresh", "{traces}", "--bundle", "{bundle}", "--out", "{traces}"],
+         ("is the input", "outside")),
+    Case("refresh-no-recording", ["refresh", "{tmp}/nothing", "--bundle", "{bundle}", "--out", "{tmp}/r"],
+         ("is no recording", "the hook records into")),
     Case("evaluate-out-is-run", ["evaluate", "{traces}", "--run", "{run}", "--out", "{run}"], ("is the input --run", "outside")),
     Case("evaluate-out-is-traces", ["evaluate", "{traces}", "--out", "{traces}"], ("is the input traces", "outside")),
     Case("evaluate-out-inside-traces", ["evaluate", "{traces}", "--out", "{traces}/eval"], ("lies inside the input traces",)),

@@ -83,6 +83,7 @@ def test_manifest_shape_follows_contract(bundle, run):
     assert m["K"] == spec["num_rounds"]
     assert m["metrics"] == json.loads((run / "metrics.json").read_text())
     assert m["training_data"] == {"fingerprint": config["traces"]["fingerprint"], "path": "synthetic"}
+    assert m["recipe"] == {"seed": 0} == read_bundle_manifest(bundle).recipe  # config.json's options (make_run: the seed)
     assert m["probes"] == "probes.safetensors"
     assert m["artifacts"]["refine.pt"]["pickle"] and not m["artifacts"]["refine.onnx"]["pickle"]
     assert m["versions"]["export"]["onnxruntime"] == ort.__version__

@@ -172,7 +172,7 @@ def test_evaluate_killed_at_renames_leaves_a_whole_report(small, tmp_path):
 def test_publish_killed_at_each_rename_resumes_and_leaves_no_lock_or_temp(small, tmp_path, monkeypatch):
     from dwise_predict.exports import verify
     from dwise_predict.exports.bundle import export_bundle
-    from dwise_predict.exports.zoo import list_entries
+    from dwise_predict.bundles.zoo import list_entries
 
     bundle = export_bundle(small["run"], tmp_path / "bundle", name="tiny", created="2026-01-01T00:00:00+00:00")
     # publish verifies first (a fresh process loading every artifact, about 5 s) and only then writes:

@@ -54,6 +54,9 @@ BAD = [
                              "GPU), got 1,000,000,000"),
     ({"block_size": 0}, "`block_size` must be positive, got 0"),
     ({"aging": float("nan")}, "`aging` must be a finite number >= 0 (0: no starvation guard), got nan"),
+    ({"monitor_window": 8}, "`monitor_window` must be at least 32, got 8"),
+    ({"monitor_window": 10**6}, f"`monitor_window` must be at most {MAX_ROWS:,} (finished requests ranked on SGLang's "
+                                "scheduler thread), got 1,000,000"),
 ]
 
 

@@ -50,13 +50,18 @@ ALLOWED: dict[str, set[str]] = {
     # standard library; survival only for the optional torch backend). collectors: recording mode
     # (traces from a live server) is a collector; the launcher imports collectors.live lazily, only in
     # a scheduler process started with --record. Never exports (a bundle is read through `bundles`)
-    # nor the simulation lab.
-    "serving": BASE | {"bundles", "survival", "features", "names", "engine", "collectors"},
+    # nor the simulation lab. metrics: the live quality monitor (serving.monitor) ranks the served
+    # estimates with the house's one Spearman.
+    "serving": BASE | {"bundles", "survival", "features", "names", "engine", "collectors", "metrics"},
     # the scheduling lab replays traces under the policy the server runs (serving.policy); traces,
     # metrics: the --refine-every replay reads contract 1's per-round states and reports ρ of the r̂ it holds;
     # evaluation: the report's document (evaluation.document) and the TRAIL probe `trail` replays (evaluation.baselines)
     "simulation": BASE | {"serving", "bundles", "engine", "features", "names", "traces", "metrics", "evaluation"},
     "quickstart": BASE | {"collectors", "traces", "training", "evaluation", "exports", "bundles", "serving", "simulation"},
+    # the loop's return (issue 55): recordings merged (collectors), a candidate trained with the serving
+    # bundle's recipe, exported, judged against it (metrics, the simulation lab) and published (exports)
+    "refresh": BASE | {"collectors", "traces", "training", "evaluation", "exports", "bundles", "engine", "simulation",
+                       "metrics", "runs"},
 }
 ALLOWED["cli"] = {ROOT, *ALLOWED} - {"cli"}  # the top: parses, calls any stage, prints
 

@@ -88,7 +88,7 @@ def test_the_plugin_reads_its_own_variables_only():
     assert sorted(VARIABLES) == sorted(f"DWISE_{name.upper()}" for name in (
         "bundle", "slots", "k", "kv_budget_tokens", "kv_fraction", "slack_blocks", "block_size", "max_batch",
         "hidden_size", "tokenizer", "record", "record_every", "record_flush_s", "prompt_cache", "aging", "max_wait",
-        "resolver"))
+        "monitor_window", "follow", "follow_zoo", "follow_poll_s", "rollback_after", "rollback_margin", "resolver"))
     config = config_from_environ({"DWISE_RECORD": "traces/", "DWISE_SLOTS": "64", "DWISE_K": "4",
                                   "DWISE_KV_BUDGET_TOKENS": "1e6", "DWISE_TOKENIZER": "", "DWISE_DEBUG": "1"})
     assert (config.record, config.slots, config.k, config.kv_budget_tokens, config.tokenizer) == (

@@ -97,6 +97,8 @@ def test_fake_instances_have_the_snapshot_attributes(touch):
         "ModelRunner": sglang_fake.ModelRunner(8, 4),
         "ModelConfig": sglang_fake.ModelConfig({0}),
         "ReqToTokenPool": scheduler.req_to_token_pool,
+        "SamplingParams": sglang_fake.SamplingParams(8, {"dwise_category": "code"}),
+        "SchedulerMetricsCollector": sglang_fake.SchedulerMetricsCollector({"tp_rank": 0}),
     }
     owner = instances.get(cls.__name__, cls)
     assert hasattr(owner, member), f"fake {cls.__name__} lacks {member}"

@@ -13,7 +13,8 @@ from dwise_predict.errors import BundleError, InputError, StoreError
 from dwise_predict.exports.bundle import export_bundle
 from dwise_predict.bundles.manifest import read_bundle_manifest
 from dwise_predict.files import FileLock, sha256_file
-from dwise_predict.exports.zoo import find_entry, list_entries, publish, pull
+from dwise_predict.bundles.zoo import find_entry, list_entries, pull
+from dwise_predict.exports.zoo import publish
 
 
 @pytest.fixture(scope="module")

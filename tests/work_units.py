@@ -39,6 +39,7 @@ UNITS = {
 FIRST = (
     # SGLang's real server (tests/live/, skipped without .venv-sglang): measured alone on the shared, busy
     # 2-core machine on 2026-12-05, each a server start (~22 s idle, 30-100 s busy) and its requests
+    "test_live_refresh.py",  # ~180 alone (2026-12-05): a server, 360 requests, a refresh trained while it serves
     "test_live_plugin.py",  # ~120 (two DP ranks)
     "test_live_serve.py",  # ~80
     "test_live_refusals.py",  # ~75 (four starts, each refused before the model loads)
@@ -53,6 +54,7 @@ FIRST = (
     "test_collect_kill.py",  # ~29
     "evaluate: ablations",  # ~26
     "test_hostile_bundles.py",  # ~25
+    "test_drift_scenario.py",  # ~24 alone on the busy machine, 2026-12 (collect, train, publish, refresh: --smoke)
     "test_bad_inputs.py",  # ~22
     "test_train_objective.py",  # ~21
     "test_zoo.py",  # ~21

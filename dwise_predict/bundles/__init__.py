@@ -9,7 +9,9 @@
   our exporters write, constants no larger than the weights, shapes of one batch axis times the
   declared sizes);
 - ``load``: ``load_bundle``, the one loader: hashes, the screen, the model/decoding fingerprint, then
-  ``admission`` and ``refine`` on numpy + onnxruntime (or the torch backend).
+  ``admission`` and ``refine`` on numpy + onnxruntime (or the torch backend);
+- ``zoo``: a zoo's reading side (its index, an entry, a pull), which the serving hook follows a zoo
+  through; publishing is :mod:`dwise_predict.exports.zoo`'s.
 
 :mod:`dwise_predict.exports` writes bundles through this package; :mod:`dwise_predict.serving` and
 :mod:`dwise_predict.simulation` read them through it, and neither imports ``exports``.

@@ -177,6 +177,7 @@ class BundleManifest:
     probes: object
     metrics: dict | None
     training_data: dict | None
+    recipe: dict | None  # the training options of the run (TrainConfig.to_dict()); None in older bundles
 
     @classmethod
     def from_dict(cls, manifest: dict, where: str) -> BundleManifest:
@@ -198,7 +199,8 @@ class BundleManifest:
                    created=manifest.get("created"), identity=BundleIdentity.of(manifest), refine=refine,
                    hidden_size=refine["hidden_size"], K=manifest["K"], files=files,
                    artifacts=manifest.get("artifacts"), int8=_section(manifest, "int8"), probes=manifest.get("probes"),
-                   metrics=manifest.get("metrics"), training_data=manifest.get("training_data"))
+                   metrics=manifest.get("metrics"), training_data=manifest.get("training_data"),
+                   recipe=manifest["recipe"] if isinstance(manifest.get("recipe"), dict) else None)
 
 
 def _checked_files(files, where: str) -> dict[str, dict]:

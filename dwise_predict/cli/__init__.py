@@ -13,6 +13,7 @@ module             commands
 ``batch_timeout``  ``batch-timeout``
 ``serve``          ``serve``
 ``quickstart``     ``quickstart``
+``refresh``        ``refresh``
 ``options``        option types and output helpers they share
 =================  =========================================================
 

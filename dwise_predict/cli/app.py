@@ -20,6 +20,7 @@ from dwise_predict.cli.dllm import dllm_app
 from dwise_predict.cli.evaluate import characterize_command, evaluate_command
 from dwise_predict.cli.options import as_flags
 from dwise_predict.cli.quickstart import quickstart_command
+from dwise_predict.cli.refresh import refresh_command
 from dwise_predict.cli.round_profile import profile_rounds_command
 from dwise_predict.cli.serve import serve_command
 from dwise_predict.cli.simulate import SCHEDULERS_HELP, simulate_command
@@ -72,6 +73,8 @@ app.command("profile-rounds")(profile_rounds_command)
 app.command("batch-timeout")(batch_timeout_command)
 # everything after `--` is SGLang's own server arguments
 app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve_command)
+# the loop's return: recordings of live traffic -> a candidate, published only when it wins
+app.command("refresh")(refresh_command)
 # ------------------------------------------------------------------------------------------------
 
 

@@ -125,7 +125,7 @@ def zoo_list_command(zoo: ZooOption, as_json: JsonOption = False) -> None:
 
         dwise-predict zoo list --zoo /shared/zoo
     """
-    from dwise_predict.exports.zoo import list_entries
+    from dwise_predict.bundles.zoo import list_entries
 
     entries = list_entries(zoo)
     if as_json:
@@ -171,7 +171,7 @@ def zoo_show_command(
 
         dwise-predict zoo show tiny@1 --zoo /shared/zoo
     """
-    from dwise_predict.exports.zoo import find_entry
+    from dwise_predict.bundles.zoo import find_entry
 
     typer.echo(json.dumps(find_entry(zoo, ref), indent=2, sort_keys=True))
 
@@ -190,7 +190,7 @@ def zoo_pull_command(
 
         dwise-predict zoo pull tiny@1 --zoo /shared/zoo
     """
-    from dwise_predict.exports.zoo import pull
+    from dwise_predict.bundles.zoo import pull
 
     path = pull(zoo, ref, out)
     typer.echo(f"pulled {ref} -> {path}")

@@ -25,14 +25,17 @@ ManyTracesArgument = Annotated[list[Path], typer.Argument(help="Trace directorie
 # as a Python caller passes it, in backticks ("`slots` (B) must be ..."); the CLI prints the flag.
 FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "ablate", "across", "aging", "algorithm", "algorithm_config", "allow_missing", "allow_network", "arrival",
-    "batch_size", "block_size", "budget",
-    "bundle", "config", "created", "device", "dtype", "exclude", "folds", "force", "hidden_size", "hold_out", "jobs",
+    "batch_size", "block_size", "bootstrap", "budget",
+    "bundle", "config", "created", "device", "dtype", "exclude", "folds", "follow", "follow_poll_s", "follow_zoo",
+    "force", "hidden_size", "hold_out", "jobs",
     "k", "kv_budget", "kv_budget_tokens", "kv_fraction", "layers", "limit", "lr", "max_batch", "max_wait", "model",
+    "monitor_window",
     "n_heads", "n_layers", "name", "out",
-    "overwrite", "policies", "pooling", "precision", "prompt_cache", "rate", "rates", "record", "record_every",
-    "record_flush_s", "refine", "refine_every", "requests", "rhos",
-    "round_ms", "rounds_hidden", "run", "shard", "slack_blocks", "slot_ms", "slots", "split", "steps", "threads",
-    "tokenizer", "trust_remote_code", "version", "workload", "zoo",
+    "overwrite", "policies", "pooling", "precision", "prompt_cache", "publish", "rate", "rates", "record",
+    "record_every", "record_flush_s", "refine", "refine_every", "requests", "rhos", "rollback_after", "rollback_margin",
+    "round_ms", "round_profile", "rounds_hidden", "run", "seed", "shard", "slack_blocks", "slot_ms", "slots", "split",
+    "split_decodings", "steps", "threads",
+    "tokenizer", "traces", "trust_remote_code", "version", "window", "workload", "zoo",
 )} | {"kv_slack_blocks": "--kv-slack", "max_minutes": "--minutes", "out_dir": "--out"}
 _PARAM = re.compile(r"`([a-z][a-z0-9_]*)`")
 

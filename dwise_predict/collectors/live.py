@@ -32,7 +32,12 @@ Units are SGLang's own, because SGLang ran them: ``prompt_blocks`` is ``floor(n 
 (the schema's definition, without a prefix cache); the prefill forwards that actually ran, after
 prefix-cache hits, are in the extra column ``prefill_rounds``; ``rounds_per_block`` counts the
 forwards of each output block (r + 1 for LowConfidence). ``split`` is drawn from a hash of the
-request id (20 % eval), ``category`` is ``live`` and ``source`` ``sglang``.
+request id (20 % eval), ``category`` is the one the client named (SGLang's sampling parameter
+``custom_params: {"dwise_category": ...}``, which the hook reads:
+``serving.sglang.requests.category_of``), else ``live``, and ``source`` is ``sglang``.
+
+With a bundle the hook also keeps a live quality monitor (``serving.monitor``); its latest summary
+(``LiveRecorder.monitor``) is the manifest's ``monitor``, written with the counts.
 """
 
 from __future__ import annotations
@@ -328,6 +333,14 @@ class LiveRecorder:
         self.next_index = len(self.done)
         self._queue: deque = deque()  # (row, first_round, prompt_last): appended here, popped by the writer
         self._flush_wanted = self._flushed = 0  # flush requests and the last one the writer served
+        self._swaps_unwritten = False  # a bundle swap the manifest on disk does not list yet
+        # the hook's latest quality-monitor summary (serving.monitor), a dict it replaces, never edits:
+        # the manifest's `monitor`, written with the counts; and the one the manifest on disk holds
+        self.monitor: dict | None = None
+        self._monitor_written: dict | None = None
+        # the hook's way to set `monitor` to the summary as of now (MonitorPublisher.publish_now), which
+        # it otherwise refreshes every few seconds: called on close and flush, so the manifest's is current
+        self.monitor_now = None
         self._stopping = self._closed = False
         self._marked = False  # this run has made the consolidated files stale (store.mark_incomplete)
         self._writer = threading.Thread(target=self._write_loop, name=f"dwise-recorder {self.out}", daemon=True)
@@ -372,13 +385,24 @@ class LiveRecorder:
         if not path.is_file() or not (any((self.out / SHARDS_DIR).glob("shard-*.parquet"))
                                       or (self.out / REQUESTS_FILE).is_file()):
             return  # nothing recorded yet: a manifest alone binds nothing (TraceStore.begin)
-        before = read_json_object(path, StoreError, fix="that recording directory is damaged").get("counts") or {}
+        earlier = read_json_object(path, StoreError, fix="that recording directory is damaged")
+        before = earlier.get("counts") or {}
+        if isinstance(earlier.get("bundle_swaps"), list):  # the swaps of the runs before, listed on
+            self.manifest["bundle_swaps"] = earlier["bundle_swaps"]
         for why in self.left_out:
             self.left_out[why] = int(before.get(f"left_out_{why}", 0))
         for name in COUNTERS:
             setattr(self, name, int(before.get(name, 0)))
 
     # --- events from the hook (the scheduler's thread) ----------------------------------------------
+
+    def bundle_swapped(self, swap: dict) -> None:
+        """The hook swapped the bundle it serves (``from`` and ``to`` versions, ``at_request``: the
+        requests this server process had finished, ``why``): listed in the manifest's ``bundle_swaps``,
+        which the writer writes within ``flush_s`` seconds. A new manifest object, not an edit: the
+        writer may be copying the old one."""
+        self.manifest = dict(self.manifest, bundle_swaps=[*self.manifest.get("bundle_swaps", []), dict(swap)])
+        self._swaps_unwritten = True
 
     def arrived(self, req, block_size: int) -> None:
         if self.failure is not None:
@@ -429,10 +453,11 @@ class LiveRecorder:
             entry.blocks.append(entry.current)
             entry.current, entry.outputs = 0, len(req.output_ids)
 
-    def finished(self, req) -> None:
+    def finished(self, req, category: str = "live") -> None:
         """SGLang finished ``req``: queue its row for the writer (never a disk write here), or count
         why it is no trace. Also for a request SGLang finished before the hook registered it (aborted
-        while waiting): counted as ``aborted``."""
+        while waiting): counted as ``aborted``. ``category``: the trace's, the one its client named
+        (the hook reads it), else ``live``."""
         if self.failure is not None:
             self._shed()
             self.lost_to_write_error += 1
@@ -458,7 +483,7 @@ class LiveRecorder:
         words, newlines, _ = entry.features
         frac, conf, ent, end = entry.signals
         row = contract_row(
-            request_id=rid, split=live_split(rid), category="live", source="sglang",
+            request_id=rid, split=live_split(rid), category=category, source="sglang",
             prompt=getattr(req, "_dwise_text", "") or "", prompt_tokens=entry.prompt_tokens, words=int(words),
             newlines=int(newlines), budget=int(req.sampling_params.max_new_tokens), block_size=entry.block_size,
             prompt_blocks=entry.prompt_tokens // entry.block_size, rounds_per_block=entry.blocks,
@@ -521,7 +546,8 @@ class LiveRecorder:
                         self._write_counts()  # the counts, as of this shard
                     oldest = None
                     counted, counts_at = self.counts(), now
-                elif self.counts() != counted and (urgent or now - counts_at >= self.flush_s):
+                elif ((self.counts() != counted or self._swaps_unwritten or self.monitor is not self._monitor_written)
+                      and (urgent or now - counts_at >= self.flush_s)):
                     self._write_counts()  # left-outs without a new shard
                     counted, counts_at = self.counts(), now
                 self._flushed = wanted
@@ -540,7 +566,9 @@ class LiveRecorder:
         self.written += len(rows)
 
     def _write_counts(self) -> None:
-        self.store.begin(dict(self.manifest, counts=self.counts()))
+        self._swaps_unwritten = False  # before the manifest is read: a swap after this is written next time
+        monitor = self._monitor_written = self.monitor
+        self.store.begin(dict(self.manifest, counts=self.counts(), **({"monitor": monitor} if monitor else {})))
 
     def _stop_recording(self, err: BaseException, unwritten: int) -> None:
         """The writer's end on a write error: count what it held, then set ``failure`` (after which the
@@ -555,10 +583,13 @@ class LiveRecorder:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Commit every finished request queued so far; wait up to ``timeout`` seconds for the writer.
-        Safe inside a signal handler on the scheduler's thread (no lock is taken: the writer polls).
+        Safe inside a signal handler on the scheduler's thread (the writer polls; ``monitor_now``'s lock
+        is re-entrant and held only while a summary is handed on, by the monitor's thread).
         Returns whether the writer got there in time (False once a failed write stopped recording)."""
         if self._closed or self.failure is not None:
             return self.failure is None
+        if self.monitor_now is not None:
+            self.monitor_now()
         self._flush_wanted += 1
         target, deadline = self._flush_wanted, time.monotonic() + timeout
         while self._flushed < target and self.failure is None and time.monotonic() < deadline:
@@ -576,6 +607,8 @@ class LiveRecorder:
         if self.failure is None:
             self.left_out["in_flight"] += len(self.open)  # before the writer's last pass writes the counts
             self.open.clear()
+            if self.monitor_now is not None:
+                self.monitor_now()
         self._stopping = True
         try:
             self._writer.join(timeout)

@@ -478,7 +478,7 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
     sources = requests.loc[keep, "_source"]
     requests = requests[keep].drop(columns=["_workload", "_source"]).reset_index(drop=True)
     merged_manifest = with_sources({
-        **first,
+        **{key: value for key, value in first.items() if key != "monitor"},  # one recording rank's live monitor
         "workload": _merged_workload([m for _, m, _ in inputs], requests),
         "merged_from": [str(d) for d, _, _ in inputs],
     }, sources)

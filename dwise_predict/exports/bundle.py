@@ -283,6 +283,9 @@ def _manifest(run: RunFiles, name: str, created: str, artifacts: dict, int8: dic
         "K": int(spec["num_rounds"]),
         "metrics": _json_safe(metrics),
         "training_data": {"fingerprint": run.traces.get("fingerprint"), "path": run.traces.get("path")},
+        # the training options, so that `refresh` retrains with what made this bundle (an optional key:
+        # readers ignore keys they do not use, so no schema change; absent in older bundles)
+        "recipe": {k: v for k, v in run.config.items() if k not in ("versions", "traces")},
         "artifacts": artifacts,
         "int8": int8,
         "versions": {"export": package_versions(), "train": run.config.get("versions", {})},

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from numbers import Integral, Real
 from pathlib import Path
 
-from dwise_predict.bundles.manifest import BUNDLE_FILE, BundleIdentity
+from dwise_predict.bundles.manifest import BUNDLE_FILE, NAME_PATTERN, BundleIdentity, printable
 from dwise_predict.errors import BundleError, ConfigError, DwiseError, InputError
 from dwise_predict.files import read_json_object, refuse_aliasing
 from dwise_predict.serving.checks import Findings, scheduler_rows, server_findings
@@ -100,6 +100,19 @@ class HookConfig:
         admitted first; 0: off, as ``--aging 0`` is). Default the policy's, ``policy.MAX_WAIT``. Where
         ``SGLANG_REQ_WAITING_TIMEOUT`` is set the hook lowers it to admit before that timeout
         (``serving.sglang.timeout``), also where it is 0.
+    monitor_window : finished requests the live quality monitor ranks (with a bundle): its ρ,
+        within-category ρ and calibration on SGLang's ``/metrics`` (``--enable-metrics``) and in a
+        recording's manifest (``serving.monitor``, ``serving.sglang.metrics``). At least
+        :data:`MIN_MONITOR_WINDOW`, the fewest requests the monitor reports on.
+    follow : hot swap: a bundle name in ``follow_zoo`` (its latest version), or, without
+        ``follow_zoo``, a bundle directory whose sealed manifest is watched. Each scheduler process
+        polls it every ``follow_poll_s`` seconds and serves a new bundle that fits the server from a
+        step boundary on (``serving.sglang.follow``). Needs ``bundle``, the one to start from.
+    follow_zoo : the zoo ``follow`` names a bundle in (a directory holding ``index.json``).
+    follow_poll_s : seconds between two looks at ``follow`` (at least :data:`MIN_POLL_S`).
+    rollback_after, rollback_margin : a new version whose refined ρ over its first ``rollback_after``
+        finished requests (on the live monitor) falls more than ``rollback_margin`` below the old
+        version's is swapped back and never served again (``rollback_after`` 0: never).
     resolver : ``"module:function"`` that resolves SGLang module names (tests pass a fake); None
         imports SGLang.
 
@@ -125,6 +138,12 @@ class HookConfig:
     prompt_cache: int = 4096
     aging: float = 0.1
     max_wait: int = 4096  # policy.MAX_WAIT (the policy module is not imported here: numpy, in every SGLang process)
+    monitor_window: int = 512  # monitor.WINDOW (numpy and scipy, not imported here either)
+    follow: str | None = None
+    follow_zoo: str | None = None
+    follow_poll_s: float = 10.0
+    rollback_after: int = 64
+    rollback_margin: float = 0.1
     resolver: str | None = None
 
     def problems(self) -> list[str]:
@@ -137,6 +156,7 @@ class HookConfig:
             out.append("nothing to do: pass `bundle` (schedule with DWISE), `record` (collect traces), or both")
         if self.record is not None:
             out += record_problems(self.record, self.bundle)
+        out += follow_problems(self)
         if self.resolver is not None and ":" not in str(self.resolver):
             out.append(f"`resolver` must be \"module:function\", got {self.resolver!r}")
         return out
@@ -151,6 +171,8 @@ class HookConfig:
 # (hidden size or block).
 MAX_ROWS = 65_536
 MAX_WIDTH = 65_536
+MIN_MONITOR_WINDOW = 32  # monitor.MIN_REQUESTS: a smaller window would never report
+MIN_POLL_S = 0.1  # the shortest `follow_poll_s`: a look is a stat and a small read, a new bundle a load
 # whole-number settings: (name, least, most or None, what the most bounds); None is "unset" where the
 # field is optional
 _COUNTS = (
@@ -161,6 +183,8 @@ _COUNTS = (
     ("hidden_size", 1, MAX_WIDTH, "the model's width, floats per pooled row on the GPU"),
     ("record_every", 1, None, ""),
     ("prompt_cache", 0, MAX_ROWS, "rows of H floats on the GPU"),
+    ("monitor_window", MIN_MONITOR_WINDOW, MAX_ROWS, "finished requests ranked on SGLang's scheduler thread"),
+    ("rollback_after", 0, None, ""),
 )
 
 
@@ -182,7 +206,8 @@ def _count_problems(config: HookConfig) -> list[str]:
         if not _whole(value):
             out.append(f"`{name}` must be a whole number, got {value!r}")
         elif value < least:
-            out.append(f"`{name}` must be {'positive' if least == 1 else '0 or more'}, got {value}")
+            bound = "positive" if least == 1 else "0 or more" if least == 0 else f"at least {least}"
+            out.append(f"`{name}` must be {bound}, got {value}")
         elif most is not None and value > most:
             out.append(f"`{name}` must be at most {most:,} ({why}), got {value:,}")
     if not (_whole(config.max_wait) and config.max_wait >= 0):
@@ -209,6 +234,35 @@ def _number_problems(config: HookConfig) -> list[str]:
         out.append(f"`record_flush_s` must be a finite number of seconds > 0, got {config.record_flush_s}")
     if not (_finite(config.aging) and config.aging >= 0):
         out.append(f"`aging` must be a finite number >= 0 (0: no starvation guard), got {config.aging}")
+    if not (_finite(config.follow_poll_s) and config.follow_poll_s >= MIN_POLL_S):
+        out.append(f"`follow_poll_s` must be a finite number of seconds >= {MIN_POLL_S:g}, got {config.follow_poll_s}")
+    if not (_finite(config.rollback_margin) and 0 <= config.rollback_margin <= 2):
+        out.append(f"`rollback_margin` must be a difference of rank correlations in [0, 2], "
+                   f"got {config.rollback_margin}")
+    return out
+
+
+def follow_problems(config: HookConfig) -> list[str]:
+    """Why the hook cannot follow what ``config`` names (empty: it can, or follows nothing). A name
+    that the zoo does not hold yet is no problem: the hook serves ``bundle`` until one is published."""
+    follow, zoo = config.follow, config.follow_zoo
+    if follow is None:
+        return [] if zoo is None else ["`follow_zoo` needs `follow`, the name of the bundle to follow in it"]
+    out = [] if config.bundle is not None else ["`follow` needs `bundle`, the bundle to serve until a new one comes"]
+    if _whole(config.rollback_after) and _whole(config.monitor_window) and config.rollback_after > config.monitor_window:
+        out.append(f"`rollback_after` ({config.rollback_after}) must be at most `monitor_window` "
+                   f"({config.monitor_window}): the monitor judges a new version on requests it still holds")
+    if zoo is None:
+        if Path(follow).exists() and not Path(follow).is_dir():
+            out.append(f"`follow` {follow} is a file: give a bundle directory to watch, or a bundle name with "
+                       "`follow_zoo`")
+        return out
+    if not NAME_PATTERN.fullmatch(str(follow)):
+        out.append(f"`follow` {printable(follow)} is not a zoo name (1-100 letters, digits, '.', '_' or '-', starting "
+                   "with a letter or digit)")
+    if not (Path(zoo) / "index.json").is_file():
+        out.append(f"`follow_zoo` {zoo} holds no index.json: give a zoo (`dwise-predict publish BUNDLE --zoo ZOO` "
+                   "makes one)")
     return out
 
 
@@ -442,6 +496,7 @@ def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 
     (:meth:`LiveRecorder.close_on_exit`): call this from the process's main thread."""
     global ACTIVE
     from dwise_predict.serving.sglang import install
+    from dwise_predict.serving.sglang.follow import Following
 
     resolve = _load(config.resolver) if config.resolver else importlib.import_module
     device = _device(gpu_id)
@@ -473,7 +528,11 @@ def install_in_this_process(config: HookConfig, server_args=None, gpu_id: int = 
                      device=device if (bundle is not None or recorder is not None) else None, resolve=resolve,
                      block_size=config.block_size, max_batch=config.max_batch, hidden_size=config.hidden_size,
                      recorder=recorder, prompt_cache=config.prompt_cache, aging=config.aging,
-                     max_wait=config.max_wait or None)  # 0: off
+                     max_wait=config.max_wait or None,  # 0: off
+                     monitor_window=config.monitor_window,
+                     follow=None if config.follow is None else Following(
+                         config.follow, config.follow_zoo, config.follow_poll_s, config.rollback_after,
+                         config.rollback_margin))
     # before SGLang configures logging in this process: Python's last-resort handler prints a warning
     logger.warning(engaged_line(config, server_args, tp_rank, dp_rank, where, resolve))
     return ACTIVE
@@ -488,6 +547,9 @@ def engaged_line(config: HookConfig, server_args, tp_rank: int, dp_rank: int | N
     if server_args is not None:
         rows = scheduler_rows(resolve("sglang.srt.arg_groups.model_override_base").resolved_view(server_args))[0]
     bundle = f"bundle {config.bundle}" if config.bundle is not None else "no bundle (r_hat = 0)"
+    if config.follow is not None and ACTIVE is not None:  # hot swap: what it serves now, what it follows
+        source = config.follow if config.follow_zoo is None else f"{config.follow} in the zoo {config.follow_zoo}"
+        bundle += f" (version {ACTIVE.state.bundle_version}), following {source} every {config.follow_poll_s:g} s"
     recording = (f"recording to {Path(config.record) / where}" if where is not None else
                  "another process of its group records" if config.record is not None else "not recording")
     return (f"DWISE hook engaged in scheduler process {os.getpid()} (TP rank {tp_rank}, DP rank {dp_rank}): {bundle}, "

@@ -21,7 +21,8 @@ name in capitals (:data:`VARIABLES`), read as ``dwise-predict serve`` reads the 
 name: ``DWISE_BUNDLE``, ``DWISE_RECORD``, ``DWISE_SLOTS``, ``DWISE_K``, ``DWISE_KV_BUDGET_TOKENS``,
 ``DWISE_KV_FRACTION``, ``DWISE_SLACK_BLOCKS``, ``DWISE_BLOCK_SIZE``, ``DWISE_MAX_BATCH``,
 ``DWISE_HIDDEN_SIZE``, ``DWISE_TOKENIZER``, ``DWISE_RECORD_EVERY``, ``DWISE_RECORD_FLUSH_S``,
-``DWISE_PROMPT_CACHE``, ``DWISE_AGING``, ``DWISE_MAX_WAIT`` (and ``DWISE_RESOLVER``, for tests);
+``DWISE_PROMPT_CACHE``, ``DWISE_AGING``, ``DWISE_MAX_WAIT``, ``DWISE_FOLLOW``, ``DWISE_FOLLOW_ZOO``,
+``DWISE_FOLLOW_POLL_S``, ``DWISE_ROLLBACK_AFTER``, ``DWISE_ROLLBACK_MARGIN`` (and ``DWISE_RESOLVER``, for tests);
 set but empty, an optional one keeps its default. The package's other ``DWISE_*`` settings
 (``DWISE_DEBUG``, ``DWISE_ZOO`` ...) do not engage the plugin; a name one letter or two from a
 plugin variable does, and is refused. A misspelt name or a value of the wrong type stops the

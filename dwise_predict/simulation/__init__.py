@@ -4,6 +4,7 @@
 configuration of the one policy class the server runs, :mod:`dwise_predict.serving.policy`),
 ``round_cost`` (the round-time model from a measured profile), ``batch_timeout`` (Amin et al.'s
 batch-formation timeout), ``refine_every`` (refinement every N rounds, replayed from per-round
-states), ``report`` (table, CSV, JSON, plots). The runtime (:mod:`dwise_predict.serving`) never
+states), ``monitor_replay`` (the live quality monitor fed from traces, as the hook feeds it),
+``report`` (table, CSV, JSON, plots). The runtime (:mod:`dwise_predict.serving`) never
 imports this package.
 """

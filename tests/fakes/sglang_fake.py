@@ -117,6 +117,25 @@ class AbortReq:
         self.rid, self.abort_all, self.finished_reason, self.abort_message = rid, abort_all, finished_reason, abort_message
 
 
+# --- sglang.srt.sampling.sampling_params, sglang.srt.observability.metrics_collector -----------------
+
+
+class SamplingParams:
+    """``SamplingParams``: what the hook reads of a request's sampling parameters. ``custom_params``
+    is the client's dict as sent (``{"dwise_category": ...}`` names the request's category)."""
+
+    def __init__(self, max_new_tokens, custom_params=None, ignore_eos=False):
+        self.max_new_tokens, self.custom_params, self.ignore_eos = max_new_tokens, custom_params, ignore_eos
+
+
+class SchedulerMetricsCollector:
+    """``SchedulerMetricsCollector``: a scheduler's, made only under ``--enable-metrics``; its gauges'
+    labels (``init_new``: model name, engine type, TP/PP/EP ranks, the DP rank where there is one)."""
+
+    def __init__(self, labels):
+        self.labels = dict(labels)
+
+
 # --- sglang.srt.managers.schedule_batch --------------------------------------------------------------
 
 
@@ -557,6 +576,7 @@ class Scheduler(FakeDllmMixin, PAUSE.SchedulerPause):
         self._pause_started_at, self._pause_intervals = None, []
         self.decode_offload_manager = self.hisparse_coordinator = self.cur_batch_for_debug = None
         self.metrics_reporter = SimpleNamespace(last_gen_throughput=0.0, current_scheduler_metrics_enabled=False)
+        self.metrics_collector = None  # a SchedulerMetricsCollector under --enable-metrics (tests set one)
         self.kv_events_publisher = SimpleNamespace(publish_kv_events=lambda: None)
 
     # what SGLang's mixin calls on the scheduler
@@ -671,6 +691,8 @@ MODULES = {
     "sglang.srt.distributed.parallel_state": SimpleNamespace(GroupCoordinator=GroupCoordinator),
     "sglang.srt.mem_cache.memory_pool": SimpleNamespace(ReqToTokenPool=ReqToTokenPool),
     "sglang.srt.beam_search.coordinator": SimpleNamespace(BeamCoordinator=BeamCoordinator),
+    "sglang.srt.sampling.sampling_params": SimpleNamespace(SamplingParams=SamplingParams),
+    "sglang.srt.observability.metrics_collector": SimpleNamespace(SchedulerMetricsCollector=SchedulerMetricsCollector),
 }
 
 

@@ -72,3 +72,13 @@ def narrow_bundle(tiny_model, tmp_path_factory) -> Path:
 
     return shared(tmp_path_factory, "narrow-bundle", partial(live_bundle.write_bundle, model_dir=None,
                                                               hidden=tiny_sdar.HIDDEN // 2, block_size=tiny_sdar.BLOCK))
+
+
+@pytest.fixture(scope="session")
+def stale_bundle(tiny_model, tmp_path_factory) -> Path:
+    """A bundle for the tiny model, trained on traffic where rounds fell with the budget (``live_bundle``):
+    stale for the live server's traffic, where they rise with it."""
+    import live_bundle
+
+    return shared(tmp_path_factory, "stale-bundle", partial(live_bundle.write_stale_bundle, model_dir=tiny_model,
+                                                             hidden=tiny_sdar.HIDDEN, block_size=tiny_sdar.BLOCK))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dwise_predict.engine import ENGINE
 from dwise_predict.engine.algorithms import served_decoding
 from dwise_predict.traces.dataset import TraceDataset
 from dwise_predict.traces.synthetic import make_synthetic_traces
@@ -70,4 +71,37 @@ def write_bundle(out: Path, model_dir: Path | None, hidden: int, block_size: int
 
     out = Path(out)
     run = make_run(out.parent / f"{out.name}-run", seed=seed, traces=ranking_traces(served_model(model_dir, hidden), hidden, block_size, seed=seed))
+    return export_bundle(run, out, name=out.name, created=CREATED, n_probes=16, seed=seed)
+
+
+STALE_RECIPE = dict(width=32, members=1, max_epochs=20, patience=3, lr=1e-2, batch_size=32, bootstrap=50,
+                    refine="ridge", num_threads=1)  # light: the refresh retrains with the bundle's recipe
+
+
+def stale_traces(model: dict, hidden: int, block_size: int, n: int = 400, seed: int = 0) -> TraceDataset:
+    """Traces of a traffic mix in which a larger budget meant *fewer* rounds (long-budget requests that
+    stopped early): total rounds ``1 + 1.25 * (44 - budget)`` for budgets 4..40. The tiny random model
+    never stops early, so on its live traffic rounds *rise* with the budget: a bundle trained here
+    ranks live requests backwards, and one retrained on a recording of them ranks them right."""
+    base = ranking_traces(model, hidden, block_size, n=n, seed=seed)
+    budgets = np.random.default_rng(seed + 1).integers(4, 41, n)
+    rounds = np.round(1 + 1.25 * (44 - budgets)).astype(int)
+    requests = base.requests.assign(budget=budgets, total_rounds=rounds, rounds_per_block=[[int(r)] for r in rounds])
+    manifest = dict(base.manifest)
+    # rounds in SGLang's units, as a recording of a server says (collectors.live.live_manifest): a bundle
+    # refreshed from a recording is held to this
+    manifest["decoding"] = {**manifest["decoding"], "engine": ENGINE, "engine_faithful": True}
+    return TraceDataset(requests, base.first_round, base.prompt_last, manifest)
+
+
+def write_stale_bundle(out: Path, model_dir: Path, hidden: int, block_size: int, seed: int = 0) -> Path:
+    """Train (for real, :data:`STALE_RECIPE`) and export the stale bundle of :func:`stale_traces`."""
+    from dwise_predict.exports.bundle import export_bundle
+    from dwise_predict.training import TrainConfig
+    from dwise_predict.training.run import train_run
+
+    out = Path(out)
+    run = out.parent / f"{out.name}-run"
+    traces = stale_traces(served_model(model_dir, hidden), hidden, block_size, seed=seed)
+    train_run(traces, run, TrainConfig(seed=seed, **STALE_RECIPE))
     return export_bundle(run, out, name=out.name, created=CREATED, n_probes=16, seed=seed)

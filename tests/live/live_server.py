@@ -199,9 +199,20 @@ class LiveServer:
         finally:
             conn.close()
 
-    def generate(self, text: str, max_new_tokens: int, rid: str) -> Reply:
-        """A greedy ``/generate`` request under ``rid``; waits for its end and keeps its :class:`Reply`."""
-        body = {"text": text, "rid": rid, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    def metrics(self) -> str:
+        """SGLang's ``/metrics`` page (Prometheus text; the server runs with ``--enable-metrics``)."""
+        status, body = self._get("/metrics", 10.0)
+        if status != 200:
+            raise ServerFailed(f"/metrics answered {status}: {body[:300]!r}")
+        return body.decode()
+
+    def generate(self, text: str, max_new_tokens: int, rid: str, custom_params: dict | None = None) -> Reply:
+        """A greedy ``/generate`` request under ``rid`` (``custom_params``: SGLang's sampling parameter of
+        that name, e.g. the hook's ``dwise_category``); waits for its end and keeps its :class:`Reply`."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        if custom_params is not None:
+            params["custom_params"] = custom_params
+        body = {"text": text, "rid": rid, "sampling_params": params}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
         try:
             conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
@@ -217,15 +228,17 @@ class LiveServer:
             self.replies[rid] = reply
         return reply
 
-    def start_generate(self, text: str, max_new_tokens: int, rid: str) -> threading.Thread:
+    def start_generate(self, text: str, max_new_tokens: int, rid: str, custom_params: dict | None = None
+                       ) -> threading.Thread:
         """:meth:`generate` on a thread of its own (started; join it). A failure is kept in the log."""
-        thread = threading.Thread(target=self._generate_quietly, args=(text, max_new_tokens, rid), daemon=True)
+        thread = threading.Thread(target=self._generate_quietly, args=(text, max_new_tokens, rid, custom_params),
+                                  daemon=True)
         thread.start()
         return thread
 
-    def _generate_quietly(self, text: str, max_new_tokens: int, rid: str) -> None:
+    def _generate_quietly(self, text: str, max_new_tokens: int, rid: str, custom_params: dict | None = None) -> None:
         try:
-            self.generate(text, max_new_tokens, rid)
+            self.generate(text, max_new_tokens, rid, custom_params)
         except (OSError, ServerFailed, ValueError) as err:
             with open(self.log.with_suffix(".client.log"), "a") as out:
                 out.write(f"{rid}: {type(err).__name__}: {err}\n")

@@ -16,6 +16,10 @@ before the model runner starts, so the pooling copy is captured in SGLang's CUDA
 - :mod:`~dwise_predict.serving.sglang.step`: one step's state, made fresh each step;
 - :mod:`~dwise_predict.serving.sglang.signals`: the early signals of a first denoising forward;
 - :mod:`~dwise_predict.serving.sglang.timeout`: SGLang's waiting timeout as the policy's wait cap;
+- :mod:`~dwise_predict.serving.sglang.follow`: hot swap: a thread that follows a zoo name or a bundle
+  directory and loads new bundles, and the step-boundary swap and rollback;
+- :mod:`~dwise_predict.serving.sglang.metrics`: the live quality monitor's summary
+  (:mod:`~dwise_predict.serving.monitor`) on SGLang's ``/metrics`` and in a recording's manifest;
 - :mod:`~dwise_predict.serving.sglang.install`: checks the arguments, builds the hook, patches and
   uninstalls.
 

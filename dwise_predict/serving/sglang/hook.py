@@ -21,7 +21,9 @@
   (:meth:`DwiseHook.process_batch_result_dllm`): after SGLang commits outputs, the policy's fields
   are updated for every request of the batch in one vectorised call, with the refined estimate for
   requests whose first denoising round this was (and the recorder, in recording mode, gets the
-  request's forwards and, host-side, its pooled rows);
+  request's forwards and, host-side, its pooled rows); with a bundle, each finished request's
+  served estimates and rounds go to the quality monitor (:mod:`~dwise_predict.serving.monitor`),
+  whose summary :mod:`~dwise_predict.serving.sglang.metrics` publishes;
 - **refinement input** — ``LogitsProcessor._get_dllm_logits`` is wrapped
   (:meth:`DwiseHook.get_dllm_logits`) to mean-pool each request's block rows into the static buffer
   of :mod:`~dwise_predict.serving.sglang.buffers`; ``DllmAlgorithm.run`` is wrapped
@@ -55,6 +57,7 @@ are Python lists, and attributes read in a loop are bound to locals first.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from functools import partial
@@ -66,9 +69,12 @@ from dwise_predict.engine import prefill_rounds, tokenizer_stop_ids
 from dwise_predict.errors import ConfigError
 from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.bundles.load import check_compatible
+from dwise_predict.serving.monitor import WINDOW, QualityMonitor
 from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 from dwise_predict.serving.sglang.buffers import UNWRITTEN, block_key
-from dwise_predict.serving.sglang.requests import HookStats, RequestTable, _RankShare
+from dwise_predict.serving.sglang.follow import bundle_version
+from dwise_predict.serving.sglang.metrics import MonitorGauges, MonitorPublisher
+from dwise_predict.serving.sglang.requests import HookStats, RequestTable, _RankShare, category_of
 from dwise_predict.serving.sglang.signals import row_signals
 from dwise_predict.serving.sglang.step import Step, StepRun
 from dwise_predict.serving.sglang.surface import stop_token_ids
@@ -80,6 +86,7 @@ _rid = operator.attrgetter("rid")
 _phase = operator.attrgetter("dllm_phase")
 _slot = operator.attrgetter("_dwise_slot")
 _finished = operator.methodcaller("finished")
+logger = logging.getLogger(__name__)
 
 
 def _rank_of(rank: dict, req) -> int:
@@ -98,10 +105,13 @@ class DwiseHook:
     buffers : the :class:`~dwise_predict.serving.sglang.buffers.PoolingBuffers`, or None without a
         bundle or a recorder (no pooling).
     prompt_rows : the prompt-row cache (the buffers' ``prompt_rows``).
+    monitor_window : finished requests the quality monitor ranks (:mod:`~dwise_predict.serving.monitor`).
+    hot_swap : the :class:`~dwise_predict.serving.sglang.follow.HotSwap` of a hook that follows a zoo
+        name or a bundle directory, else None.
     """
 
     def __init__(self, sglang, bundle, features, recorder, *, slots, k, kv_budget_tokens, kv_fraction, slack_blocks,
-                 aging, block_size, prompt_rows, buffers, max_wait=MAX_WAIT):
+                 aging, block_size, prompt_rows, buffers, max_wait=MAX_WAIT, monitor_window=WINDOW, hot_swap=None):
         self.sglang = sglang
         self.bundle, self.features, self.recorder = bundle, features, recorder
         self.slots, self.k, self.aging, self.max_wait = slots, k, aging, max_wait
@@ -119,6 +129,13 @@ class DwiseHook:
         self.tokenizer_stop_ids: set[int] = set()  # the scheduler tokenizer's stop ids (bind)
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
         self.checked = False  # the first refinement checked that the buffer was written
+        # with a bundle: kept (bind) only on the rank that refines, whose estimates the others take
+        self.monitor = QualityMonitor(monitor_window) if bundle is not None else None
+        self.publisher: MonitorPublisher | None = None  # the monitor's summary to /metrics and the recording (bind)
+        self.hot_swap = hot_swap  # follow.HotSwap when the hook follows a zoo name or a bundle directory
+        # the serving bundle's version: the zoo's when following one (follow.BundleFollower.version)
+        self.bundle_version = hot_swap.follower.version if hot_swap is not None else bundle_version(bundle)
+        self.served = None  # the decoding SGLang serves (check_decoding), what a new bundle is held to
 
     @property
     def pooled(self):
@@ -132,6 +149,8 @@ class DwiseHook:
         allocation here)."""
         config = scheduler.dllm_config
         self.check_decoding(config)  # a bundle for another block size is named as such, first
+        if self.hot_swap is not None:
+            self.hot_swap.follower.start(self.served)
         if self.block_size and int(config.block_size) != self.block_size:
             raise ConfigError(
                 f"the hook was installed for block_size {self.block_size} but SGLang runs {config.block_size}: "
@@ -152,8 +171,12 @@ class DwiseHook:
             self.waiting_timeout = WaitingTimeout(timeout, max_wait, self.share)
             max_wait = self.waiting_timeout.initial
         self.policy = DwisePolicy(self.slots, self.k, kv_budget=budget, aging=self.aging, max_wait=max_wait)
+        if self.share is not None and not self.share.is_source:
+            self.monitor = None
+        if self.monitor is not None:
+            self.publisher = MonitorPublisher(self.monitor, MonitorGauges.of_scheduler(scheduler), self.recorder)
         self.table = RequestTable(self.policy, self.share, self.block_size, self.slack_blocks, self.bundle,
-                                  self.features, self.recorder, self.stats, self.sglang, self.buffers)
+                                  self.features, self.recorder, self.stats, self.sglang, self.buffers, self.monitor)
 
     def check_rows(self, scheduler) -> None:
         """Hold ``k*B`` to the request rows this scheduler really has. A request holds a row from its
@@ -185,7 +208,7 @@ class DwiseHook:
         from dwise_predict.engine.algorithms import comparable_decoding, served_decoding  # torch: not at import
         from dwise_predict.engine.signals import SIGNAL_THRESHOLD
 
-        served = served_decoding(config.algorithm, config.algorithm_config, config.block_size)
+        served = self.served = served_decoding(config.algorithm, config.algorithm_config, config.block_size)
         self.signal_threshold = float((config.algorithm_config or {}).get("threshold", SIGNAL_THRESHOLD))
         if self.bundle is not None:
             trained = self.bundle.manifest.identity
@@ -204,6 +227,7 @@ class DwiseHook:
         """``_fetch_waiting_reqs``: reconcile, register arrivals, plan the step, admit into the dLLM queue."""
         if self.policy is None:
             self.bind(scheduler)
+        self.swap_if_ready()
         step = self.step = Step()
         policy, table = self.policy, self.table
         reqs = table.reqs
@@ -230,7 +254,7 @@ class DwiseHook:
                 for r in step.foreign:
                     self.recorder.finished(r)  # counted by its finish reason (an abort), once
         if new:
-            table.register(scheduler, new)
+            table.register(scheduler, new, self.bundle_version)
         if self.waiting_timeout is not None:  # admit before SGLang's waiting timeout would abort
             self.waiting_timeout(policy)
         plan = step.plan = policy.schedule()
@@ -244,6 +268,38 @@ class DwiseHook:
             scheduler.dllm_manager.add_waiting_reqs(moving)
             self.stats.admitted += len(moving)
         step.picks = table.req_at[plan.run].tolist()
+
+    def swap_if_ready(self) -> None:
+        """At the step boundary: the follower's new bundle, or a rollback (:class:`~.follow.HotSwap`)."""
+        if self.hot_swap is not None:
+            self.hot_swap.step(self)
+
+    def stop(self) -> None:
+        """Stop the threads beside the scheduler's: the bundle follower and the monitor's summary
+        worker (``Installed.uninstall``)."""
+        if self.hot_swap is not None:
+            self.hot_swap.follower.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+
+    def swap(self, bundle, version: str, why: str) -> None:
+        """Serve ``bundle`` (a checked one: :class:`~.follow.BundleFollower`) as ``version`` from this
+        step on: new arrivals get its admission estimates, first denoising rounds its refinement and,
+        without prompt rows, its training mean; every estimate the policy holds stays. Counted, logged
+        in one line and, when recording, listed in the recording's manifest."""
+        before = self.bundle_version
+        self.bundle, self.bundle_version = bundle, version
+        if self.table is not None:
+            self.table.bundle = bundle
+        if self.buffers is not None and self.buffers.prompt_mean is not None:
+            import torch
+
+            self.buffers.prompt_mean.copy_(torch.from_numpy(bundle.prompt_last_mean))  # in place: H floats
+        self.stats.swaps += 1
+        logger.warning("dwise: bundle %s -> %s after %d finished requests (%s)", before, version, self.stats.finished,
+                       why)
+        if self.recorder is not None:
+            self.recorder.bundle_swapped({"from": before, "to": version, "at_request": self.stats.finished, "why": why})
 
     def stage(self, scheduler, adder, running_batch, candidates) -> None:
         """Offer ``candidates`` (in rank order) to SGLang's own batch former, prompt blocks first."""
@@ -391,6 +447,8 @@ class DwiseHook:
             if host["refined"] is not None:
                 refined = np.full(n, math.nan)
                 refined[first] = host["refined"]
+                if self.monitor is not None:
+                    self.table.keep_refined([slot_list[i] for i in first], host["refined"])
         # which requests finished: in FDFO (one algorithm step) SGLang finishes a request only on the
         # step that resolves its block (process_batch_result_dllm skips an unresolved one before any
         # finish check), so only those rows are asked; a synchronous step commits every row
@@ -413,13 +471,17 @@ class DwiseHook:
         self.keep_rows(scheduler, finished_at)
         if recorder is not None:
             self.record(host, steps)
+        if finished_at and self.monitor is not None:  # their slots, freed in complete_slots, are not reused yet
+            self.table.observe_finished([batch[i] for i in finished_at], [slot_list[i] for i in finished_at])
         forget, stats = self.table.forget, self.stats
         for i in finished_at:
             r = batch[i]
             forget(r.rid, policy_too=False)  # the policy freed it in complete_slots
             stats.finished += 1
             if recorder is not None:
-                recorder.finished(r)
+                recorder.finished(r, category_of(r))
+        if finished_at and self.publisher is not None:
+            self.publisher.after_finishes(stats, self.bundle_version, idle=not (policy.n_waiting or policy.n_resident))
 
     def record(self, host, steps: int) -> None:
         """The step's forwards of each of our batch rows to the recorder: its own forwards, and for a

@@ -14,8 +14,10 @@ from numbers import Integral
 from types import MethodType
 
 from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.serving.monitor import WINDOW
 from dwise_predict.serving.policy import MAX_WAIT
 from dwise_predict.serving.sglang.buffers import PoolingBuffers, _PromptRows
+from dwise_predict.serving.sglang.follow import Following, HotSwap
 from dwise_predict.serving.sglang.hook import DwiseHook
 from dwise_predict.serving.sglang.requests import HookStats
 from dwise_predict.serving.sglang.surface import ResolvedSglang
@@ -34,7 +36,7 @@ PATCHES = (
 @dataclass
 class Installed:
     """Handle on an installed patch: the hook (its policy, request table and buffers), its stats and
-    ``uninstall()``."""
+    ``uninstall()`` (which also stops a bundle follower and the monitor's summary thread)."""
 
     state: DwiseHook
     originals: list
@@ -47,6 +49,7 @@ class Installed:
         for owner, name, original in reversed(self.originals):
             setattr(owner, name, original)
         self.originals.clear()
+        self.state.stop()
 
 
 class _Patched:
@@ -85,6 +88,8 @@ def install(
     prompt_cache: int = 4096,
     aging: float = 0.0,
     max_wait: int | None = MAX_WAIT,
+    monitor_window: int = WINDOW,
+    follow: Following | None = None,
 ) -> Installed:
     """Patch SGLang's dLLM scheduler (classes, so every scheduler in the process) with DWISE.
 
@@ -124,9 +129,12 @@ def install(
         in arrival order). Where SGLang's ``SGLANG_REQ_WAITING_TIMEOUT`` is set, the hook lowers it each
         round so a request is admitted before that timeout would abort it
         (:mod:`~dwise_predict.serving.sglang.timeout`), also where it is off.
+    monitor_window : finished requests the live quality monitor ranks (:mod:`~dwise_predict.serving.monitor`).
+    follow : hot swap: the zoo name or bundle directory whose new versions the hook serves from a step
+        boundary on, and its rollback (:class:`~dwise_predict.serving.sglang.follow.Following`), or None.
     resolve : module resolver (tests pass a fake SGLang here).
     """
-    _check_arguments(bundle, features, recorder, block_size, device, max_wait)
+    _check_arguments(bundle, features, recorder, block_size, device, max_wait, follow)
     prompt_rows = _PromptRows(prompt_cache)
     buffers = None
     if bundle is not None or recorder is not None:
@@ -134,7 +142,8 @@ def install(
     sglang = ResolvedSglang(resolve)
     hook = DwiseHook(sglang, bundle, features, recorder, slots=slots, k=k, kv_budget_tokens=kv_budget_tokens,
                      kv_fraction=kv_fraction, slack_blocks=slack_blocks, aging=aging, block_size=block_size,
-                     prompt_rows=prompt_rows, buffers=buffers, max_wait=max_wait)
+                     prompt_rows=prompt_rows, buffers=buffers, max_wait=max_wait, monitor_window=monitor_window,
+                     hot_swap=None if follow is None else HotSwap.of(bundle, follow))
     originals = []
     for owner_name, name, method in PATCHES:
         owner = getattr(sglang, owner_name)
@@ -143,8 +152,11 @@ def install(
     return Installed(hook, originals)
 
 
-def _check_arguments(bundle, features, recorder, block_size, device, max_wait=None) -> None:
+def _check_arguments(bundle, features, recorder, block_size, device, max_wait=None, follow=None) -> None:
     """What install refuses before it allocates or patches anything."""
+    if follow is not None and bundle is None:
+        raise ConfigError("following a zoo name or a bundle directory (follow=) needs a bundle to start from: "
+                          "pass bundle=")
     whole = isinstance(max_wait, Integral) and not isinstance(max_wait, bool)
     if max_wait is not None and not (whole and max_wait >= 0):
         raise ConfigError(f"max_wait (wait cap) must be a whole number of rounds >= 0 or None (off), got {max_wait!r}")

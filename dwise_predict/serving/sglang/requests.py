@@ -9,6 +9,12 @@ whose reservation exceeds the whole budget, or that comes under a request id the
 for another request, is refused alone, as SGLang refuses a queued request (:meth:`RequestTable.refuse`),
 not through ``abort_request``, which aborts every request whose id starts with the one given.
 
+With a quality monitor (:mod:`~dwise_predict.serving.monitor`: a bundle, on the rank that refines),
+the table keeps per policy slot the estimates the request was served with (admission at
+registration, the refinement of its first denoising round, the bundle version) and, when SGLang
+finishes it, hands them to the monitor beside the denoising rounds the policy counted for it, and
+its category (:func:`category_of`).
+
 With a recorder, the table tells it when a request it registered leaves without the hook seeing it
 finish in a batch (``finished`` or ``left_unfinished``, once per request: ``forget`` alone is also
 the path of a request SGLang queued again, which stays recorded), and when it refuses one.
@@ -26,6 +32,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from dwise_predict.engine import prefill_rounds
+
+# a client names its request's category in SGLang's sampling parameters: {"custom_params":
+# {"dwise_category": "math"}} (SamplingParams.custom_params, which reaches the scheduler's Req as sent)
+CATEGORY_PARAM = "dwise_category"
+LIVE_CATEGORY = "live"  # a request that names none
+MAX_CATEGORY_CHARS = 64  # a client's string, kept in the window, the traces and the manifest: bounded
+
+
+def category_of(req) -> str:
+    """The category the client named for ``req`` (its ``custom_params["dwise_category"]``, a string
+    of at most :data:`MAX_CATEGORY_CHARS` characters, longer ones cut), else ``"live"``. Returned as
+    sent: whoever prints it escapes it for the medium (:mod:`dwise_predict.text`)."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    category = params.get(CATEGORY_PARAM) if isinstance(params, dict) else None
+    if not isinstance(category, str) or not category.strip():
+        return LIVE_CATEGORY
+    return category[:MAX_CATEGORY_CHARS]
+
+
+def _aborted(req) -> bool:
+    """Whether SGLang finished ``req`` with an abort (its finish reason's type; the fake's a string)."""
+    reason = req.finished_reason
+    to_json = getattr(reason, "to_json", None)
+    return "abort" in str(to_json().get("type") if to_json is not None else reason).lower()
 
 
 @dataclass
@@ -63,6 +93,10 @@ class HookStats:
         process: a block-aligned prompt cached whole (no leftover tokens) whose last block has left
         :class:`_PromptRows` (or ``prompt_cache=0``). Their ``prompt_last`` input was the training
         requests' mean (``LoadedBundle.prompt_last_mean``), which the graph standardises to zero.
+    swaps : times the hook changed the bundle it serves (``DwiseHook.swap``: a new version it follows,
+        or a rollback).
+    rollbacks : of those swaps, the ones back to the previous version because the monitor found the
+        new one ranking worse (:class:`~dwise_predict.serving.sglang.follow.HotSwap`).
     """
 
     rounds: int = 0
@@ -81,6 +115,8 @@ class HookStats:
     prompt_from_cache: int = 0
     prompt_from_leftover: int = 0
     prompt_from_training_mean: int = 0
+    swaps: int = 0
+    rollbacks: int = 0
 
 
 class _RankShare:
@@ -123,13 +159,15 @@ class RequestTable:
     sglang : the :class:`~dwise_predict.serving.sglang.surface.ResolvedSglang` (its ``AbortReq``).
     buffers : the :class:`~dwise_predict.serving.sglang.buffers.PoolingBuffers` (prompt-block rows
         a request leaving frees), or None without pooling.
+    monitor : the :class:`~dwise_predict.serving.monitor.QualityMonitor` the finished requests go
+        to, or None (no bundle, or a TP rank that does not refine).
     """
 
     def __init__(self, policy, share, block_size: int, slack_blocks: int, bundle, features, recorder,
-                 stats: HookStats, sglang, buffers):
+                 stats: HookStats, sglang, buffers, monitor=None):
         self.policy, self.share, self.block_size, self.slack_blocks = policy, share, block_size, slack_blocks
         self.bundle, self.features, self.recorder, self.stats = bundle, features, recorder, stats
-        self.sglang, self.buffers = sglang, buffers
+        self.sglang, self.buffers, self.monitor = sglang, buffers, monitor
         self.reqs: dict = {}  # rid -> Req, for requests the policy holds
         self.req_at = np.empty(0, dtype=object)  # policy slot -> its Req (each also carries its _dwise_slot)
         # per policy slot (Python lists, indexed like the policy's own arrays, grown with them in register:
@@ -137,6 +175,11 @@ class RequestTable:
         # index costs less than a numpy call)
         self.expect_prefix: list = []  # SGLang's prefix_len once its last prompt block ran as planned
         self.own_row: list = []  # its row of the buffers' own_last (-1: none)
+        # what the request was served with, for the monitor: its admission estimate, its refined one
+        # (total rounds; NaN until its first denoising round) and the bundle version that made them
+        self.served_admission: list = []
+        self.served_refined: list = []
+        self.served_version: list = []
 
     def reconcile(self, scheduler) -> None:
         """Drop what SGLang no longer holds; settle what it queued again.
@@ -157,11 +200,13 @@ class RequestTable:
         for rid, req in list(self.reqs.items()):
             in_queue, in_manager = id(req) in queued, id(req) in held
             if req.finished() or not (in_queue or in_manager):
+                if req.finished() and self.monitor is not None:
+                    self.observe_finished([req], [req._dwise_slot])  # before its slot is freed
                 self.forget(rid)
                 if req.finished():
                     self.stats.finished += 1
                     if recorder is not None:
-                        recorder.finished(req)
+                        recorder.finished(req, category_of(req))
                 else:
                     self.stats.vanished += 1
                     if recorder is not None:
@@ -188,9 +233,33 @@ class RequestTable:
         if self.own_row[slot] >= 0:
             self.buffers.release_own(self.own_row, (slot,))
 
-    def register(self, scheduler, reqs: list) -> None:
+    def keep_refined(self, slots: list, refined: np.ndarray) -> None:
+        """The refinements of the requests in ``slots``, whose first denoising round this step was, as
+        the policy takes them (remaining rounds after that round, clamped at zero), kept in total
+        rounds as the monitor compares them: that first round plus the remaining. NaN stays NaN (none:
+        the policy keeps ranking by the admission estimate)."""
+        served = self.served_refined
+        for slot, value in zip(slots, refined.tolist()):
+            served[slot] = 1.0 + max(value, 0.0) if math.isfinite(value) else math.nan
+
+    def observe_finished(self, reqs: list, slots: list) -> None:
+        """Hand the monitor the requests SGLang finished (``slots``: their policy slots, read before
+        any is reused): what each was served with beside the denoising rounds the policy counted for
+        it. Left out: an abort (its rounds were cut short), SGLang's own health probe, and a request
+        that ran no denoising round."""
+        from dwise_predict.collectors.live import HEALTH_CHECK_RID_PREFIX  # SGLang's; loaded with torch there
+
+        rounds = self.policy.denoising_rounds(slots).tolist()
+        admission, refined, version = self.served_admission, self.served_refined, self.served_version
+        observe = self.monitor.observe
+        for req, slot, n in zip(reqs, slots, rounds):
+            if n > 0 and not _aborted(req) and not str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
+                observe(admission[slot], refined[slot], n, category_of(req), version[slot])
+
+    def register(self, scheduler, reqs: list, version: str = "none") -> None:
         """Add newly arrived requests to the policy, admission estimates in one batch (the first TP
-        rank's, on every rank).
+        rank's, on every rank). ``version``: the serving bundle's (``DwiseHook.bundle_version``),
+        which the monitor files their estimates under.
 
         A request whose worst-case KV reservation exceeds the whole budget could never be admitted,
         and a second request under one id cannot be told apart from the first: each is refused
@@ -226,12 +295,20 @@ class RequestTable:
                 estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32))
             if self.share is not None:
                 estimates = self.share(estimates, len(reqs))
-        slots = self.policy.add_many([r.rid for r in reqs], P, np.maximum(np.asarray(estimates, dtype=np.float64), 0.0), kv)
+        estimates = np.maximum(np.asarray(estimates, dtype=np.float64), 0.0)
+        slots = self.policy.add_many([r.rid for r in reqs], P, estimates, kv)
         if len(self.req_at) <= slots.max():
             more = max(len(self.req_at), slots.max() + 1)
             self.req_at = np.concatenate([self.req_at, np.empty(more, dtype=object)])
             self.own_row.extend([-1] * more)
             self.expect_prefix.extend([-1] * more)
+            self.served_admission.extend([math.nan] * more)
+            self.served_refined.extend([math.nan] * more)
+            self.served_version.extend([version] * more)
+        if self.monitor is not None:
+            for slot, estimate in zip(slots.tolist(), estimates.tolist()):
+                self.served_admission[slot], self.served_refined[slot] = estimate, math.nan
+                self.served_version[slot] = version
         for r, slot in zip(reqs, slots.tolist()):
             self.reqs[r.rid] = r
             self.req_at[slot] = r

@@ -109,6 +109,11 @@ SURFACE: tuple[Touch, ...] = (
     Touch("sglang.srt.configs.model_config", "ModelConfig.hf_eos_token_id", "attribute"),
     # the launcher: the scheduler child's entry point
     Touch("sglang.srt.entrypoints.engine", "Engine.run_scheduler_process_func", "attribute"),
+    # the live quality monitor: a request's category, as its client names it, and the monitor's gauges
+    # beside the scheduler's own (made only under --enable-metrics, with the labels they carry)
+    Touch("sglang.srt.sampling.sampling_params", "SamplingParams.custom_params", "attribute"),
+    Touch("sglang.srt.managers.scheduler", "Scheduler.metrics_collector", "attribute"),
+    Touch("sglang.srt.observability.metrics_collector", "SchedulerMetricsCollector.labels", "attribute"),
 )
 
 
