@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import errno
 import fcntl
+import glob
 import hashlib
 import io
 import json
@@ -265,7 +266,23 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def _tmp_path(target: Path) -> Path:
-    return target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}")
+    return target.with_name(f".{_derived_stem(target.name)}{TMP_MARK}{os.getpid()}")
+
+
+# what our names add to a target's: "." + TMP_MARK + a pid (Linux's pid_max, 4194304, has 7 digits) +
+# "-old"; the lock's "." + ".lock" is shorter
+_DERIVED_ROOM = 1 + len(TMP_MARK) + 7 + len("-old")
+NAME_MAX = 255  # bytes in one file name: Linux's file systems, macOS's APFS
+
+
+def _derived_stem(name: str) -> str:
+    """``name`` as the stem of its temporary and lock files: itself, or where those would pass
+    :data:`NAME_MAX` (a legal 250-byte `out`), its head and a hash of the whole, so they still fit."""
+    if len(os.fsencode(name)) + _DERIVED_ROOM <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    head = os.fsencode(name)[: NAME_MAX - _DERIVED_ROOM - len(digest) - 1].decode("utf-8", "ignore")
+    return f"{head}~{digest}"
 
 
 def sweep_stale(target: str | os.PathLike) -> None:
@@ -278,7 +295,7 @@ def sweep_stale(target: str | os.PathLike) -> None:
     target = Path(target)
     if not target.parent.is_dir():
         return
-    for stale in sorted(target.parent.glob(f".{target.name}{TMP_MARK}*")):
+    for stale in sorted(target.parent.glob(f".{glob.escape(_derived_stem(target.name))}{TMP_MARK}*")):
         pid = stale.name.removesuffix("-old").rsplit("-", 1)[-1]
         if not pid.isdigit() or _alive(int(pid)):
             continue
@@ -333,7 +350,7 @@ def output_lock(out: str | os.PathLike) -> FileLock:
     """The lock of a directory that is written whole: ``.NAME.lock`` beside it (it survives the swap;
     removed on release)."""
     out = Path(out)
-    return FileLock(out.parent / f".{out.name}.lock", lambda holder: (
+    return FileLock(out.parent / f".{_derived_stem(out.name)}.lock", lambda holder: (
         f"{out} is being written by another dwise-predict process (pid {holder}): wait for it to finish, "
         "or choose another `out`"), transient=True)
 
@@ -407,10 +424,38 @@ def output_path(out: str | os.PathLike) -> Path:
     return Path(os.path.realpath(out)) if out.is_symlink() else out
 
 
+PATH_MAX = 4096  # bytes in a path, with its terminating NUL: Linux's
+_PATH_ROOM = 128  # for the names an output holds (shards/shard-000000.safetensors, .NAME.tmp-PID-old)
+
+
+def refuse_unusable_path(out: str | os.PathLike, param: str = "out") -> None:
+    """Raise :class:`InputError` for an output path no file system here can hold or no file of ours
+    can name, before anything is made: bytes that are not UTF-8 (our JSON, Parquet and reports name
+    paths in UTF-8), a name over :data:`NAME_MAX` bytes, or a path over :data:`PATH_MAX` less the
+    room its files need. Each was a traceback from deep inside the first write."""
+    text = os.fspath(out)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"`{param}` {text} holds bytes that are not UTF-8, which the files naming it cannot "
+                         f"hold: choose a `{param}` with a UTF-8 name") from None
+    path = os.fsencode(os.path.abspath(text))
+    longest = max(path.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        raise InputError(f"`{param}` holds a name of {len(longest):,} bytes ({longest[:24].decode('utf-8', 'replace')}…), "
+                         f"over the {NAME_MAX} a file name may have: shorten it")
+    if len(path) > PATH_MAX - _PATH_ROOM:
+        raise InputError(f"`{param}` is {len(path):,} bytes long as an absolute path, over the "
+                         f"{PATH_MAX - _PATH_ROOM:,} that leave its files room under the {PATH_MAX:,}-byte path "
+                         f"limit (PATH_MAX): choose a shorter `{param}`")
+
+
 @contextmanager
 def hold_output_lock(out: str | os.PathLike) -> Iterator[Path]:
     """Hold ``out``'s :func:`output_lock` for the block, making its parent first; a parent that cannot
-    be made or written is one :class:`StoreError` line."""
+    be made or written is one :class:`StoreError` line, a path none can hold one :class:`InputError`
+    (:func:`refuse_unusable_path`)."""
+    refuse_unusable_path(out)
     out = output_path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

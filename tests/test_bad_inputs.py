@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 from dataclasses import dataclass, field
@@ -130,6 +131,11 @@ def a_file(w, tmp):
     return {"file": tmp / "file"}
 
 
+def a_fifo(w, tmp):
+    os.mkfifo(tmp / "fifo")
+    return {"fifo": tmp / "fifo"}
+
+
 def incomplete_collection(w, tmp):
     bad = _copy(w["traces"], tmp / "bad")
     (bad / "shards").mkdir()
@@ -188,6 +194,15 @@ def zoo_index(content: str):
         (zoo / "index.json").write_text(content)
         return {"badzoo": zoo}
     return setup
+
+
+def hub_cache(w, tmp):
+    """A huggingface_hub cache holding the world's bundle as hf://my-org/tiny at main (tests/hub_helpers)."""
+    from hub_helpers import cache_commit
+
+    cache_commit(tmp / "hf", "my-org/tiny", "a" * 40, {p.name: p.read_bytes() for p in w["bundle"].iterdir()},
+                 refs=["main"])
+    return {"hfcache": tmp / "hf"}
 
 
 def algorithm_file(content: str):
@@ -376,6 +391,11 @@ CASES = [
     Case("usage-publish-no-zoo", ["publish", "{bundle}"], ("missing option '--zoo'", HELP), code=2),
     Case("usage-epochs-float", ["train", "{traces}", "--out", "{tmp}/r", "--max-epochs", "1.5"], ("'--max-epochs'", HELP), code=2),
     # inputs and outputs never alias; --overwrite / --force replace only our own kind of directory
+    Case("collect-limit-huge", ["collect", "--limit", str(10**30), "--out", "{tmp}/o"], ("--limit", "2,147,483,647")),
+    Case("workload-show-limit-huge", ["workload", "show", "tiny-default", "--limit", str(10**30)],
+         ("--limit", "2,147,483,647")),
+    Case("collect-rounds-hidden-huge", ["collect", "--rounds-hidden", str(10**9), "--limit", "2", "--out", "{tmp}/o"],
+         ("--rounds-hidden", "from 1 to 256")),
     Case("refresh-out-is-recording", ["refresh", "{traces}", "--bundle", "{bundle}", "--out", "{traces}"],
          ("is the input", "outside")),
     Case("refresh-no-recording", ["refresh", "{tmp}/nothing", "--bundle", "{bundle}", "--out", "{tmp}/r"],
@@ -468,6 +488,17 @@ CASES = [
     Case("zoo-index-entry-escapes", ["zoo", "pull", "x", "--zoo", "{badzoo}", "--out", "{tmp}/p"], ("entry 0", "outside the zoo"),
          zoo_index('{"schema_version": 1, "bundles": [{"name": "x", "version": "1", "file": "../../etc/x.tar", "sha256": "0"}]}')),
     Case("zoo-index-not-json", ["zoo", "pull", "x", "--zoo", "{badzoo}", "--out", "{tmp}/p"], ("not valid json", "restore"), zoo_index("{")),
+    # the Hugging Face Hub (offline: HF_HUB_OFFLINE=1 and a cache; nothing reaches the network)
+    Case("hub-pull-bad-repo-id", ["zoo", "pull", "hf://no-slash", "--out", "{tmp}/p"], ("hf://no-slash", "not a hugging face repo id", "owner/name")),
+    Case("hub-pull-bad-revision", ["zoo", "pull", "hf://my-org/tiny@../x", "--out", "{tmp}/p"], ("not a branch, tag or commit",)),
+    Case("hub-pull-revision-not-cached", ["zoo", "pull", "hf://my-org/tiny@v9", "--out", "{tmp}/p"],
+         ("hf://my-org/tiny@v9", "not in the hugging face cache", "hf_hub_offline=1"), hub_cache,
+         env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "{hfcache}"}),
+    Case("hub-pull-and-zoo", ["zoo", "pull", "hf://my-org/tiny", "--zoo", "{zoo}", "--out", "{tmp}/p"], ("not both",), code=2),
+    Case("usage-zoo-pull-no-zoo", ["zoo", "pull", "tiny", "--out", "{tmp}/p"], ("missing option '--zoo'", "zoo pull --help"), code=2),
+    Case("hub-publish-bad-repo-id", ["publish", "{bundle}", "--hub", "a/b/c"], ("--hub", "not a hugging face repo id")),
+    Case("hub-publish-bad-version", ["publish", "{bundle}", "--hub", "my-org/tiny", "--version", "../x"], ("--version", "not a branch, tag")),
+    Case("hub-publish-revision-with-zoo", ["publish", "{bundle}", "--zoo", "{tmp}/z", "--revision", "exp"], ("--revision is for the hub",), code=2),
     Case("zoo-missing", ["zoo", "list", "--zoo", "{tmp}/none"], ("no zoo at", "dwise-predict publish")),
     Case("zoo-pull-unknown", ["zoo", "pull", "nothere", "--zoo", "{zoo}", "--out", "{tmp}/p"], ("no bundle named 'nothere'", "zoo list")),
     # model directories and devices
@@ -488,7 +519,7 @@ CASES = [
     Case("simulate-rates-empty", ["simulate", "{traces}", "--rates", ""], ("--rates is empty",)),
     Case("simulate-rate-not-a-number", ["simulate", "{traces}", "--rate", "fast"], ("--rate item 'fast'", "multiple like 2x")),
     Case("simulate-unknown-policy", ["simulate", "{traces}", "--policies", "nope"], ("--policies", "choose from")),
-    Case("collect-limit-zero", ["collect", "--limit", "0", "--out", "{tmp}/o"], ("--limit must be positive",)),
+    Case("collect-limit-zero", ["collect", "--limit", "0", "--out", "{tmp}/o"], ("--limit must be a whole number of requests from 1 to",)),
     Case("collect-shard-bad", ["collect", "--shard", "3/2", "--out", "{tmp}/o"], ("--shard", "0 <= i < n")),
     Case("collect-algorithm-config-list", ["collect", "--algorithm-config", "[1]", "--out", "{tmp}/o"], ("--algorithm-config", "json object")),
     Case("collect-algorithm-config-bad-yaml", ["collect", "--algorithm-config", "{alg}", "--out", "{tmp}/o"],
@@ -621,6 +652,11 @@ CASES += [
          spec("x = " + "[" * 100_000 + "]" * 100_000 + "\n")),
     Case("a43-nesting-workload-yaml", ["workload", "show", "{file}"], ("nests too deeply",),
          text_file("w.yaml", "sources: " + "[" * 5000 + "]" * 5000 + "\n")),
+    # nine aliases deep: a billion strings once the spec's name is printed (it used to hang)
+    Case("a51-yaml-alias-bomb", ["workload", "show", "{file}"], ("yaml alias", "write each value out"),
+         text_file("w.yaml", "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+                   + "".join(f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+                   + "name: *i\nsources: []\n")),
     Case("a43-nesting-workload-jsonl-line", ["workload", "show", "{spec}"], ("d.jsonl:2", "more than 64 deep"),
          jsonl_workload(DEEP_JSON)),
     Case("a43-nesting-collection-manifest", ["traces", "show", "{bad}"], ("more than 64 deep",),
@@ -661,7 +697,7 @@ CASES += [
     Case("a43-files-hidden-truncated", ["train", "{bad}", "--out", "{tmp}/r"], ("cannot read traces", "collect it again"),
          file_in_copy("traces", "hidden.safetensors", b"\x40\x00\x00\x00\x00\x00\x00\x00{")),
     Case("a43-edges-shard-zero", ["collect", "--shard", "0/0", "--out", "{tmp}/o"], ("--shard", "0 <= i < n")),
-    Case("a43-edges-limit-negative", ["collect", "--limit", "-5", "--out", "{tmp}/o"], ("--limit must be positive",)),
+    Case("a43-edges-limit-negative", ["collect", "--limit", "-5", "--out", "{tmp}/o"], ("--limit must be a whole number of requests from 1 to",)),
     Case("a43-env-zoo-is-a-file", ["zoo", "list"], ("no zoo at",), a_file, env={"DWISE_ZOO": "{file}"}),
     Case("a43-env-zoo-empty", ["zoo", "list"], ("missing option '--zoo'", "dwise_zoo"), code=2, env={"DWISE_ZOO": ""}),
     # invented beside the pass: values no collection writes, in tensors and columns
@@ -687,6 +723,30 @@ CASES += [
     Case("a43-lines-path-x85", ["evaluate", "{tmp}/a\x85b", "--out", "{tmp}/e"], ("a\\x85b",)),
     Case("a43-lines-usage-u2029", ["collect", "--bo\u2029gus"], ("--bo\\u2029gus", HELP), code=2),
     Case("a43-lines-usage-x0b", ["colle\x0bct"], ("colle\\x0bct", HELP), code=2),
+    # the environment (issue 51): --out names no file system or file of ours holds, met before anything
+    # is made (files.refuse_unusable_path) or wherever first used (cli/app.py); these were tracebacks
+    Case("a51-env-out-not-utf8", ["train", "{traces}", "--out", "{tmp}/o\udcff"], ("--out", "not utf-8", "utf-8 name")),
+    Case("a51-env-out-not-utf8-merge", ["traces", "merge", "{traces}", "--out", "{tmp}/o\udcff"], ("not utf-8",)),
+    Case("a51-env-out-name-256", ["export", "{run}", "--out", "{tmp}/" + "a" * 256], ("too long", "255 bytes", "shorter")),
+    Case("a51-env-out-name-256-merge", ["traces", "merge", "{traces}", "--out", "{tmp}/" + "a" * 256],
+         ("name of 256 bytes", "over the 255", "shorten")),
+    Case("a51-env-out-path-max", ["train", "{traces}", "--out", "{tmp}/" + "/".join(["a" * 200] * 21)],
+         ("too long", "4,096 (path_max)", "shorter")),
+    Case("a51-env-out-path-max-merge", ["traces", "merge", "{traces}", "--out", "{tmp}/" + "/".join(["a" * 200] * 21)],
+         ("--out is", "path limit (path_max)", "shorter --out")),
+    Case("a51-env-simulate-out-name-256", ["simulate", "{traces}", "--out", "{tmp}/" + "a" * 256],
+         ("too long", "255 bytes", "path_max")),
+    Case("a51-env-input-name-256", ["traces", "show", "{tmp}/" + "a" * 256], ("too long", "255 bytes")),
+    # clean errors that misled (issue 51)
+    Case("a51-mislead-export-names-the-run", ["export", "{bad}", "--out", "{tmp}/b"],
+         ("/bad/admission.txt: num_class is none", "retrain"),
+         file_in_copy("run", "admission.txt", "tree\nversion=v4\n")),  # named its temporary copy, .b.tmp-PID/
+    Case("a51-mislead-round-profile-fifo", ["simulate", "{traces}", "--round-profile", "{fifo}"],
+         ("is not a regular file", "the profile's json file"), a_fifo),  # "does not exist"
+    Case("a51-mislead-shard-owns-none", ["collect", "--limit", "1", "--shard", "1/2", "--out", "{tmp}/o"],
+         ("--shard 1/2 owns none of the workload's 1 requests", "at most 1 shards", "--limit")),  # "run collect first"
+    Case("a51-mislead-schema-version-true", ["traces", "show", "{bad}"], ("schema version true, not a whole number",),
+         manifest_with(lambda m: m.__setitem__("schema_version", True))),  # held: not "an old schema"
 ]
 
 

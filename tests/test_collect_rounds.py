@@ -180,7 +180,7 @@ def test_corrupt_counts_are_named(collections, tmp_path):
 def test_bad_depth_is_one_line(value, tmp_path, capsys):
     assert main(["collect", "--out", str(tmp_path / "o"), "--limit", "2", "--rounds-hidden", value]) == 1
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "--rounds-hidden must be at least 1" in err
+    assert "\n" not in err and "--rounds-hidden must be from 1 to 256" in err
     assert not (tmp_path / "o").exists()
 
 

@@ -403,7 +403,8 @@ def test_an_evaluation_interrupted_after_its_own_fit_does_not_fit_again(tmp_path
     capsys.readouterr()
     monkeypatch.setattr(pool, "fit_predict", counted_fit_predict)
     assert main(args) == 0
-    assert "fitted before an interruption: loaded from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "fitted already (same requests, config and code: an earlier study or run): loaded from" in err
     assert len(fits) == len(retrainings) > 0  # the retrainings only: no second main fit
     assert not kept.exists()
     resumed = json.loads((tmp_path / "eval" / "evaluation.json").read_text())

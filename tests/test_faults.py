@@ -570,6 +570,17 @@ def test_full_disk_under_the_commands_that_write_in_place_is_one_line(small, sma
     assert _files(small["traces"]) == inputs
 
 
+def test_zoo_pull_onto_a_full_disk_blames_the_disk_not_the_tar(small_bundle, small_disk, tmp_path, capsys):
+    """It said the good tar was "truncated or corrupted; re-publish it" (issue 51)."""
+    from dwise_predict.exports.zoo import publish
+
+    entry = publish(small_bundle, tmp_path / "zoo", verify=False)
+    assert main(["zoo", "pull", entry["name"], "--zoo", str(tmp_path / "zoo"), "--out", str(small_disk / "b")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the disk is full" in err and "re-publish" not in err, err
+    assert not [p for p in small_disk.iterdir() if not p.name.endswith(".lock")]
+
+
 def test_read_only_disk_is_one_line(small, small_disk, capsys):
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     assert main(["train", str(small["traces"]), "--out", str(small_disk / "run")]) == 1

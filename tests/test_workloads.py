@@ -476,7 +476,7 @@ def test_invalid_yaml_is_one_line(tmp_path):
 def test_unknown_workload_name_and_bad_limit(tmp_path):
     with pytest.raises(InputError, match="neither a preset .*tiny-default.* nor an existing spec file"):
         load_workload("tiny-defualt")
-    with pytest.raises(InputError, match="`limit` must be a positive integer"):
+    with pytest.raises(InputError, match="`limit` must be a whole number of requests from 1 to"):
         load_workload("tiny-default", limit=0)
 
 

@@ -19,6 +19,7 @@ only then renames it into place. Here, not in ``exports``, because the serving h
 
 from __future__ import annotations
 
+import errno
 import shutil
 import tarfile
 from pathlib import Path, PurePosixPath
@@ -165,9 +166,21 @@ def _extract_flat(tar_path: Path, dest: Path) -> None:
                 with open(target, "wb") as f:
                     shutil.copyfileobj(source, f)
     except (tarfile.TarError, EOFError, OSError) as err:
+        if _writing_failed(err, dest):
+            raise  # the disk under `out`, not the tar: atomic_dir says so (re-publishing a good tar would not help)
         raise BundleError(
             f"{tar_path} is not a readable tar ({err}): it is truncated or corrupted; re-publish it"
         ) from None
+
+
+def _writing_failed(err: BaseException, dest: Path) -> bool:
+    """Whether ``err`` came from writing into ``dest`` (a full, read-only or forbidden disk), not from
+    reading the tar."""
+    if not isinstance(err, OSError):
+        return False
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        return True
+    return err.filename is not None and Path(err.filename).parent == dest
 
 
 def published_manifest(zoo: str | Path, entry: dict) -> bytes | None:

@@ -7,7 +7,9 @@ stays fast.
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -24,8 +26,10 @@ from dwise_predict.cli.refresh import refresh_command
 from dwise_predict.cli.round_profile import profile_rounds_command
 from dwise_predict.cli.serve import serve_command
 from dwise_predict.cli.simulate import SCHEDULERS_HELP, simulate_command
+from dwise_predict.cli.streams import OutputStreamError, closed_stdout_error, open_results_stdout, restore_stdout
 from dwise_predict.cli.train import compare_regressors_command, train_command
 from dwise_predict.errors import DwiseError
+from dwise_predict.files import NAME_MAX, PATH_MAX
 from dwise_predict.text import visible
 from typer.exceptions import TyperException
 
@@ -82,7 +86,24 @@ INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app and turn user errors into one line on stderr and exit code 1.
+    """Entry point: the app on a stdout that survives any locale and a full or closed stream
+    (:mod:`~dwise_predict.cli.streams`), a failure to write the results one line and exit 1."""
+    closed = closed_stdout_error()
+    if closed is not None:
+        return _error_line(closed)
+    original = open_results_stdout()
+    try:
+        code = _run(argv)
+    finally:
+        try:
+            restore_stdout(original)
+        except OutputStreamError as err:
+            code = _error_line(err)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
+    """Run the app and turn user errors into one line on stderr and exit code 1.
 
     The one table of what a failure prints: a :class:`DwiseError` (ours) or a command-line usage
     error (typer's: unknown option or command, missing argument, bad value) is one line and exit 1
@@ -98,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except DwiseError as err:
         if os.environ.get("DWISE_DEBUG"):
             raise
-        typer.echo(f"error: {_one_line(as_flags(str(err)))}", err=True)
-        return 1
+        return _error_line(err)
     except typer.Exit as exit_:
         return exit_.exit_code
     except typer.Abort:
@@ -107,7 +127,26 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
     except TyperException as err:  # typer's bundled click: usage errors carry their own exit code
         return _usage_error(err)
+    except OSError as err:  # a path no file system holds, met wherever it is first used: the user's to fix
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        return _error_line(DwiseError(_too_long(err)))
     return code if isinstance(code, int) else 0
+
+
+def _too_long(err: OSError) -> str:
+    """The one line for a path over the file system's limits, naming them (files.NAME_MAX, PATH_MAX)."""
+    name = os.fsdecode(err.filename or "")
+    shown = name if len(name) <= 80 else f"{name[:40]}…{name[-36:]}"
+    return (f"the path {shown} is too long: a file name may have {NAME_MAX} bytes and a whole path "
+            f"{PATH_MAX:,} (PATH_MAX); choose a shorter one")
+
+
+def _error_line(err: DwiseError) -> int:
+    """Ours as one line on stderr (nothing where stderr is closed too), and exit code 1."""
+    if sys.stderr is not None:
+        typer.echo(f"error: {_one_line(as_flags(str(err)))}", err=True)
+    return 1
 
 
 def _usage_error(err: TyperException) -> int:

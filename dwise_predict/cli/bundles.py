@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer._click.core import ParameterSource
+from typer._click.exceptions import UsageError
 
 from dwise_predict.cli.options import JsonOption, table
 from dwise_predict.evaluation.document import fmt
 
 ZooOption = Annotated[Path, typer.Option("--zoo", envvar="DWISE_ZOO", help="Zoo directory (or $DWISE_ZOO).")]
+HubOrZooOption = Annotated[Optional[Path], typer.Option("--zoo", envvar="DWISE_ZOO",
+                                                        help="Zoo directory (or $DWISE_ZOO); not with the Hub.")]
 # probe rows are drawn in memory at 4 bytes x (2 x hidden size + 6) each: 4,096 at a hidden size of
 # 8,192 is 270 MB, and `verify` needs a few dozen (two billion asked for 304 GB)
 MAX_PROBES = 4096
@@ -91,27 +95,60 @@ def verify_command(
 
 
 def publish_command(
+    ctx: typer.Context,
     bundle: Annotated[Path, typer.Argument(help="Bundle directory (verified before publishing).")],
-    zoo: ZooOption,
+    zoo: HubOrZooOption = None,
+    hub: Annotated[Optional[str], typer.Option("--hub", help="Hugging Face model repo OWNER/NAME to publish to "
+                                               "instead of a zoo (token: `hf auth login` or $HF_TOKEN).")] = None,
     name: Annotated[Optional[str], typer.Option(help="Name in the zoo (default: the bundle's name).")] = None,
-    version: Annotated[Optional[str], typer.Option(help="Version (default: next integer). Never overwritten.")] = None,
+    version: Annotated[Optional[str], typer.Option(help="Version (zoo: default next integer; Hub: a tag on the "
+                                                   "commit, default none). Never overwritten.")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Hub branch to commit to (default: main).")] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Verify a bundle and publish it into a zoo directory as a .tar with an index entry.
+    """Verify a bundle and publish it into a zoo directory as a .tar with an index entry, or to a
+    Hugging Face Hub repository (--hub: the bundle's files at the root, its model card as the README).
 
     Examples:
 
         dwise-predict publish bundles/tiny --zoo /shared/zoo
 
         dwise-predict publish bundles/llada --zoo /shared/zoo --name llada2-mini --version 2026.01
+
+        dwise-predict publish bundles/tiny --hub my-org/tiny-predictor --version v1
     """
+    target = _zoo_or_hub(ctx, zoo, hub, "--hub OWNER/NAME")
+    if hub is not None:
+        if name is not None:
+            raise UsageError("--name is for a zoo: on the Hub the repository names the bundle", ctx)
+        from dwise_predict.exports.hub import publish_hub
+
+        done = publish_hub(bundle, hub, revision=revision, version=version)
+        typer.echo(json.dumps(done, indent=2) if as_json else
+                   f"published {bundle} -> hf://{hub}@{version or done['revision']} (commit {done['commit']})")
+        return
+    if revision is not None:
+        raise UsageError("--revision is for the Hub (--hub): a zoo's versions are --version", ctx)
     from dwise_predict.exports.zoo import publish
 
-    entry = publish(bundle, zoo, name=name, version=version)
+    entry = publish(bundle, target, name=name, version=version)
     if as_json:
         typer.echo(json.dumps(entry, indent=2))
         return
-    typer.echo(f"published {entry['name']}@{entry['version']} -> {zoo / entry['file']} (sha256 {entry['sha256'][:16]}…)")
+    typer.echo(f"published {entry['name']}@{entry['version']} -> {target / entry['file']} "
+               f"(sha256 {entry['sha256'][:16]}…)")
+
+
+def _zoo_or_hub(ctx: typer.Context, zoo: Optional[Path], hub: Optional[str], other: str) -> Optional[Path]:
+    """The zoo a command reads or writes, None when it goes to the Hub; both given on the command
+    line, or neither, is a usage error ($DWISE_ZOO yields to the Hub)."""
+    if hub is not None:
+        if zoo is not None and ctx.get_parameter_source("zoo") is ParameterSource.COMMANDLINE:
+            raise UsageError(f"give --zoo or {other.split()[0]}, not both", ctx)
+        return None
+    if zoo is None:
+        raise UsageError(f"Missing option '--zoo' (or {other})", ctx)
+    return zoo
 
 
 zoo_app = typer.Typer(help="Browse and pull bundles from a zoo directory.", no_args_is_help=True)
@@ -178,21 +215,33 @@ def zoo_show_command(
 
 @zoo_app.command("pull")
 def zoo_pull_command(
-    ref: Annotated[str, typer.Argument(help="NAME or NAME@VERSION (default: latest version).")],
-    zoo: ZooOption,
+    ctx: typer.Context,
+    ref: Annotated[str, typer.Argument(help="NAME or NAME@VERSION (default: latest version), or "
+                                            "hf://OWNER/NAME[@REVISION] (a Hub branch, tag or commit; default main).")],
+    zoo: HubOrZooOption = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="New directory (default: ./NAME-VERSION).")] = None,
 ) -> None:
-    """Fetch a bundle: check the tar's sha256, extract it safely, check every file's hash.
+    """Fetch a bundle: check the tar's sha256 (or take the Hub's snapshot), extract it safely, screen
+    it and check every file's hash. hf:// goes through huggingface_hub's cache (HF_HUB_CACHE;
+    HF_HUB_OFFLINE=1 reads only the cache).
 
     Examples:
 
         dwise-predict zoo pull tiny --zoo /shared/zoo --out bundles/tiny
 
         dwise-predict zoo pull tiny@1 --zoo /shared/zoo
-    """
-    from dwise_predict.bundles.zoo import pull
 
-    path = pull(zoo, ref, out)
+        dwise-predict zoo pull hf://my-org/tiny-predictor@v1 --out bundles/tiny
+    """
+    from dwise_predict.bundles.hub import is_hub_ref, pull_hub
+
+    if is_hub_ref(ref):
+        _zoo_or_hub(ctx, zoo, ref, "hf://OWNER/NAME")
+        path = pull_hub(ref, out)
+    else:
+        from dwise_predict.bundles.zoo import pull
+
+        path = pull(_zoo_or_hub(ctx, zoo, None, "an hf://OWNER/NAME reference"), ref, out)
     typer.echo(f"pulled {ref} -> {path}")
     typer.echo(f"next: dwise-predict verify {path}")
 

@@ -70,6 +70,7 @@ def collect_command(
         dwise-predict collect --out traces/ --rounds-hidden 8   # then: simulate --refine-every 1,2,4,8
     """
     from dwise_predict.collectors.collect import check_rounds_hidden, collect, parse_shard
+    from dwise_predict.collectors.workloads import MAX_LIMIT
     from dwise_predict.collectors.layers import parse_layer_request
 
     problems = []
@@ -87,8 +88,8 @@ def collect_command(
             check()
         except ConfigError as err:
             problems.append(str(err))
-    if limit is not None and limit <= 0:
-        problems.append(f"--limit must be positive, got {limit}")
+    if limit is not None and not 0 < limit <= MAX_LIMIT:
+        problems.append(f"--limit must be a whole number of requests from 1 to {MAX_LIMIT:,}, got {limit}")
     if requests_per_shard is not None and requests_per_shard <= 0:
         problems.append(f"--requests-per-shard must be positive, got {requests_per_shard}")
     if problems:

@@ -32,11 +32,12 @@ FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "monitor_window",
     "n_heads", "n_layers", "name", "out",
     "overwrite", "policies", "pooling", "precision", "prompt_cache", "publish", "rate", "rates", "record",
-    "record_every", "record_flush_s", "refine", "refine_every", "requests", "rhos", "rollback_after", "rollback_margin",
-    "round_ms", "round_profile", "rounds_hidden", "run", "seed", "shard", "slack_blocks", "slot_ms", "slots", "split",
+    "record_every", "record_flush_s", "refine", "refine_every", "requests", "revision", "rhos", "rollback_after",
+    "rollback_margin", "round_ms", "round_profile", "rounds_hidden", "run", "seed", "shard", "slack_blocks", "slot_ms", "slots", "split",
     "split_decodings", "steps", "threads",
     "tokenizer", "traces", "trust_remote_code", "version", "window", "workload", "zoo",
-)} | {"kv_slack_blocks": "--kv-slack", "max_minutes": "--minutes", "out_dir": "--out"}
+)} | {"kv_slack_blocks": "--kv-slack", "max_minutes": "--minutes", "out_dir": "--out",
+      "repo_id": "--hub"}
 _PARAM = re.compile(r"`([a-z][a-z0-9_]*)`")
 
 

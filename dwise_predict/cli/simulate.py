@@ -143,8 +143,10 @@ def _checked_config(chosen: list[str] | None, *, rate, rates, ks, refine_every, 
         problems.append(f"--requests must lie in 0..{MAX_REQUESTS:,} (0: the split as it is), got {requests:,}")
     if arrival_seeds < 1 or arrival_seeds > MAX_ARRIVAL_SEEDS:
         problems.append(f"--arrival-seeds must lie in 1..{MAX_ARRIVAL_SEEDS:,}, got {arrival_seeds:,}")
-    if round_profile is not None and not round_profile.is_file():
-        problems.append(f"--round-profile {round_profile} does not exist (measure one with `dwise-predict profile-rounds`)")
+    if round_profile is not None and not round_profile.is_file():  # a FIFO would block the read: refused too
+        problems.append(f"--round-profile {round_profile} " + (
+            "is not a regular file (a directory, a pipe or a device): give the profile's JSON file"
+            if round_profile.exists() else "does not exist (measure one with `dwise-predict profile-rounds`)"))
     if backend not in ("onnx", "torch"):
         problems.append(f"--backend must be onnx or torch, got {backend!r}")
     try:

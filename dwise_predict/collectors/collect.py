@@ -146,6 +146,7 @@ def collect(
                                   allow_network=allow_network)  # raises on an empty or broken workload
     requests = plan_workload.requests
     owned = plan_shards(len(requests), per_shard, shard)
+    _refuse_idle_shard(owned, shard, len(requests), per_shard)
     planned = [requests[i] for run in owned for i in run]
     source_types = {name: entry.get("type") for name, entry in plan_workload.sources.items()}
     with TraceStore(out) as store:  # locked before the (possibly slow) model load
@@ -162,6 +163,17 @@ def collect(
                               rounds_hidden or 0)
         store.consolidate({"requests": state.total, "resumed": state.resumed})
     return Path(out)
+
+
+def _refuse_idle_shard(owned: list[range], shard: tuple[int, int] | None, n_requests: int, per_shard: int) -> None:
+    """A ``shard`` that owns no request is refused before the store is made (its empty consolidation
+    said "run collect first")."""
+    if owned:
+        return
+    groups = -(-n_requests // per_shard)
+    raise ConfigError(f"`shard` {shard[0]}/{shard[1]} owns none of the workload's {n_requests:,} requests "
+                      f"({groups:,} group(s) of up to {per_shard:,}, dealt to the shards in turn): split it into "
+                      f"at most {groups:,} shards, or raise `limit`")
 
 
 def _check_options(out, model, workload, decoding: DecodingConfig, shard, layers, pooling,
@@ -232,11 +244,16 @@ def _decode_shard(store: TraceStore, backend, requests: list, todo: list[int], s
     )
 
 
+# the most rounds `rounds_hidden` keeps per request: its tensors are padded to N rows of H floats per
+# request (256 x 2,048 x 4 bytes = 2 MiB a request); the refinement studies use up to 8
+MAX_ROUNDS_HIDDEN = 256
+
+
 def check_rounds_hidden(rounds_hidden: int | None) -> None:
-    """``--rounds-hidden N`` needs ``N >= 1`` (leave it out to keep none)."""
-    if rounds_hidden is not None and rounds_hidden < 1:
-        raise ConfigError(f"`rounds_hidden` must be at least 1 (the first N denoising rounds), got {rounds_hidden}: "
-                          "leave it out to keep the first round only")
+    """``--rounds-hidden N`` needs ``1 <= N <=`` :data:`MAX_ROUNDS_HIDDEN` (leave it out to keep none)."""
+    if rounds_hidden is not None and not 1 <= rounds_hidden <= MAX_ROUNDS_HIDDEN:
+        raise ConfigError(f"`rounds_hidden` must be from 1 to {MAX_ROUNDS_HIDDEN} (the first N denoising rounds), got "
+                          f"{rounds_hidden}: each request keeps N x H floats; leave it out to keep the first round only")
 
 
 def _round_tensors(results: list[DecodeResult], keep: int) -> dict[str, np.ndarray]:

@@ -49,7 +49,8 @@ import pandas as pd
 
 from dwise_predict.engine import ENGINE
 from dwise_predict.errors import StoreError, TraceError
-from dwise_predict.files import FileLock, atomic_write_bytes, loads_json, read_json_object, refuse_aliasing, write_errors
+from dwise_predict.files import (FileLock, atomic_write_bytes, loads_json, read_json_object, refuse_aliasing,
+                                 refuse_unusable_path, write_errors)
 from dwise_predict.names import DECODING_KEYS, MODEL_KEYS, identity
 from dwise_predict.traces.hidden_extra import MANIFEST_KEY as HIDDEN_EXTRA_KEY
 from dwise_predict.traces.round_states import MANIFEST_KEY as ROUNDS_HIDDEN_KEY
@@ -276,6 +277,7 @@ class TraceStore:
     # -- opening -----------------------------------------------------------------------------------
 
     def __enter__(self) -> "TraceStore":
+        refuse_unusable_path(self.out)
         self._created = not self.out.exists()
         with _store_errors(self.out):
             self.out.mkdir(parents=True, exist_ok=True)
@@ -485,6 +487,7 @@ def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
     dataset = TraceDataset(requests, first_round[keep], prompt_last[keep], merged_manifest,
                            extra_hidden={name: values[keep] for name, values in extra.items()})
     out = Path(out)
+    refuse_unusable_path(out)
     if any((out / SHARDS_DIR).glob("shard-*.parquet")):
         raise StoreError(f"{out} holds shards of a collection: merge into a fresh `out`")
     with TraceStore(out, merged_manifest) as store:

@@ -175,6 +175,11 @@ def _parse_yaml(text: str, path: Path) -> Any:
     except ImportError:
         raise InputError(f"{path}: YAML specs need PyYAML (pip install pyyaml); or write the spec as TOML") from None
     try:
+        # an alias (`*name`) repeats a node by reference: nine nested ones make a string of a billion
+        # items once anything prints the spec. A workload spec needs none: refused on the event stream,
+        # before anything is built
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise InputError(f"{path}: uses a YAML alias (`*name`): write each value out; workload specs take none")
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise InputError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
@@ -424,6 +429,11 @@ def _interleave(groups: dict[str, list[list[WorkloadRequest]]]) -> list[Workload
     return round_robin([round_robin(per_source) for per_source in groups.values()])
 
 
+# the most requests a `limit` may ask for: the manifest and the shard plan keep it as a 32-bit integer
+# would (readers beyond Python's), and no workload comes near it
+MAX_LIMIT = 2**31 - 1
+
+
 def load_workload(
     spec: str | Path,
     seed: int = 0,
@@ -451,8 +461,8 @@ def load_workload(
     """
     data, default_name, base = read_spec(spec)
     label = str(spec)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-        raise InputError(f"`limit` must be a positive integer, got {limit!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= MAX_LIMIT):
+        raise InputError(f"`limit` must be a whole number of requests from 1 to {MAX_LIMIT:,}, got {limit!r}")
     specs = parse_sources(data, label)
     network = bool(data.get("allow_network", False)) if allow_network is None else allow_network
 

@@ -99,7 +99,7 @@ def fit_kept(train: TraceDataset, config, kept: str | os.PathLike | None = None,
             pass
         else:
             if log:
-                log(f"  fitted before an interruption: loaded from {kept}")
+                log(f"  fitted already (same requests, config and code: an earlier study or run): loaded from {kept}")
             return predictors
     predictors = fit(train, config)
     with atomic_dir(path) as tmp:

@@ -137,18 +137,19 @@ def _export(run_files: RunFiles, out: Path, name: str, created: str, n_probes: i
     with atomic_dir(out) as tmp:
         for file in ("refine.safetensors", "calibration.json", "admission.txt"):
             shutil.copyfile(run_files.path / file, tmp / file)
-        admission_to_onnx(tmp / "admission.txt", tmp / "admission.onnx")
+        # the run's files read from the run, so that an error names them there, not their temporary copy
+        admission_to_onnx(run_files.path / "admission.txt", tmp / "admission.onnx")
         hidden = int(run_files.refine_spec["hidden_size"])
         export_torchscript(fused, tmp / "refine.pt")
         export_program(fused, hidden, tmp / "refine.pt2")
         export_onnx(fused, hidden, tmp / "refine.onnx")
-        _write_probes(graph, fused, load_booster(tmp / "admission.txt"), run_files, tmp / PROBES_FILE, n_probes, seed)
+        _write_probes(graph, fused, load_booster(run_files.path / "admission.txt"), run_files, tmp / PROBES_FILE, n_probes, seed)
         int8 = {"probe_spearman": _quantise_if_ranking_holds(tmp), "min_spearman": INT8_MIN_SPEARMAN,
                 "kept": (tmp / "refine.int8.onnx").exists()}
         artifacts = {k: v for k, v in ARTIFACTS.items() if (tmp / k).exists() or k == "README.md"}
         manifest = _manifest(run_files, name, created, artifacts, int8)
         # checked as every reader checks it; the card is written before any file is hashed (it is one of them)
-        (tmp / "README.md").write_text(model_card(BundleManifest.from_dict(manifest, str(tmp / BUNDLE_FILE))))
+        (tmp / "README.md").write_text(model_card(BundleManifest.from_dict(manifest, str(out / BUNDLE_FILE))))
         manifest["files"] = {
             p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())
         }

@@ -156,6 +156,13 @@ class TraceDataset:
         h.update(np.ascontiguousarray(self.prompt_last, dtype=np.float32).tobytes())
         return h.hexdigest()
 
+    def to_dataset(self):
+        """This dataset as one ``datasets.Dataset``: the request table plus ``first_round`` and
+        ``prompt_last`` as list columns (:mod:`dwise_predict.traces.hf_dataset`)."""
+        from dwise_predict.traces.hf_dataset import to_dataset
+
+        return to_dataset(self)
+
 
 def validate(ds: TraceDataset) -> None:
     """Check contract 1 once; raise :class:`TraceError` naming the first problem and the fix."""
