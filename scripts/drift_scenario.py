@@ -170,8 +170,10 @@ def replay(phase: str, ds, bundle_version, key: str) -> dict:
 
     bundle, version = bundle_version
     summary = replay_monitor(ds, bundle, version)
+    from dwise_predict.evaluation.document import fmt
+
     log(f"monitor replayed: {NAME}@{version} on {phase} ({summary['window']} requests): "
-        f"refined ρ {summary['refined_rho']}")
+        f"refined ρ {fmt(summary['refined_rho'])}")
     return {"key": key, "phase": phase, "bundle": f"{NAME}@{version}", "version": version,
             "requests": summary["window"], **{name: summary[name] for name in FIGURES},
             "categories": summary["categories"]}
