@@ -7,13 +7,18 @@ Runs :func:`dwise_predict.collectors.collect.collect` into a fresh temporary dir
 wrapping them: the model forward (``backend.step``), the chat template, the store (shard writes and
 consolidation) and the rest of the decoding loop (threshold update, bookkeeping, result assembly).
 Prints requests/s end to end (model load included) and over the decoding phase, and the fraction of
-decoding-phase time spent outside the model forward (target: <= 5 % at B = 16 on the tiny default).
-The wrappers are taken off when the run ends, so ``main`` can run inside another process (the test).
+decoding-phase time spent outside the model forward (target: <= 5 % at B = 16 on the tiny default),
+in wall time and in this process's CPU time: on a busy machine the wall time of the many small steps
+outside the forward stretches more than the forward's (each is a chance to lose the core), so the CPU
+shares say where the work goes when the wall shares cannot (with one torch thread, the default, the
+two agree on an idle machine). The wrappers are taken off when the run ends, so ``main`` can run
+inside another process (the test).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from collections import defaultdict
@@ -27,19 +32,22 @@ TARGET_OUTSIDE_PCT = 5.0
 
 
 class Stopwatch:
-    """Wall time per label of the functions it wraps, and when the decoding phase began."""
+    """Wall and CPU time per label of the functions it wraps, and when the decoding phase began."""
 
     def __init__(self) -> None:
         self.spent: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.first: float | None = None
+        self.first_cpu: float | None = None
 
     def wrap(self, name: str, fn):
         def timed(*a, **k):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*a, **k)
             finally:
                 self.spent[name] += time.perf_counter() - start
+                self.cpu[name] += time.process_time() - start_cpu
         return timed
 
     def loader(self, load_backend):
@@ -52,11 +60,12 @@ class Stopwatch:
 
     def progress(self, state) -> None:
         if self.first is None:
-            self.first = time.perf_counter()
+            self.first, self.first_cpu = time.perf_counter(), time.process_time()
 
 
 def timed_collect(args, watch: Stopwatch):
-    """``collect`` into a temporary directory with ``watch`` around its parts: (traces, seconds in all, end)."""
+    """``collect`` into a temporary directory with ``watch`` around its parts, on ``--threads`` torch threads:
+    (traces, seconds in all, when it ended by the wall clock and by this process's CPU clock)."""
     import dwise_predict.collectors.backends as backends
     import dwise_predict.collectors.collect as collect_mod
     import dwise_predict.collectors.workloads as workloads
@@ -67,17 +76,18 @@ def timed_collect(args, watch: Stopwatch):
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as patches:
         for owner, name, wrapper in (
                 (backends, "load_backend", watch.loader(backends.load_backend)),
-                (collect_mod, "_decode_request", watch.wrap("chat template", collect_mod._decode_request)),
+                (collect_mod, "_decode_requests", watch.wrap("chat template", collect_mod._decode_requests)),
                 (TraceStore, "write_shard", watch.wrap("store", TraceStore.write_shard)),
                 (TraceStore, "consolidate", watch.wrap("store", TraceStore.consolidate)),
-                (workloads, "load_workload", watch.wrap("workload", workloads.load_workload))):
+                (workloads, "load_workload", watch.wrap("workload", workloads.load_workload)),
+                (collect_mod, "collect_threads", mock.Mock(return_value=args.threads))):
             patches.enter_context(mock.patch.object(owner, name, wrapper))
         start = time.perf_counter()
         out = collect_mod.collect(args.model, args.workload, Path(tmp) / "traces",
                                   DecodingConfig(batch_size=args.batch_size), limit=args.limit,
                                   progress=watch.progress)
-        end = time.perf_counter()
-        return load_traces(out), end - start, end
+        end, end_cpu = time.perf_counter(), time.process_time()
+        return load_traces(out), end - start, end, end_cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,46 +96,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", default="tiny-default")
     parser.add_argument("--limit", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads in place of collect's own choice (every core): "
+                             "one keeps CPU and wall time comparable")
     add_options(parser, "8 requests at B = 4: a quick check")
     args = parser.parse_args(argv)
     if args.smoke:
         args.limit, args.batch_size = 8, 4
 
     start = time.perf_counter()
-    import torch
-
     import dwise_predict.dllm  # noqa: F401  (torch + transformers + model registration: start-up cost)
 
     imports = time.perf_counter() - start
-    torch.set_num_threads(args.threads)
     watch = Stopwatch()
-    traces, total, end = timed_collect(args, watch)
+    traces, total, end, end_cpu = timed_collect(args, watch)
     spent = watch.spent
     decode_phase = end - watch.first  # from the first shard's chat template to the consolidated traces
+    decode_cpu = end_cpu - watch.first_cpu
     n = len(traces)
     rounds = int(traces.requests["total_rounds"].sum())
     print(f"model {args.model}, workload {args.workload}, {n} requests, batch {args.batch_size}, "
-          f"{torch.get_num_threads()} torch thread(s)")
+          f"{args.threads} torch thread(s), load {os.getloadavg()[0]:.1f}")
     print(f"imports         : {imports:7.2f} s  (torch, transformers: paid once per process)")
     print(f"end to end      : {total:7.2f} s  {n / total:7.2f} requests/s  (model load and workload included)")
     print(f"decoding phase  : {decode_phase:7.2f} s  {n / decode_phase:7.2f} requests/s  "
           f"{rounds / decode_phase:7.1f} request-rounds/s")
-    forward = spent["model forward"]
-    outside = decode_phase - forward
-    print(f"outside forward : {outside / decode_phase:7.1%} of the decoding phase")
-    for name in ("model forward", "chat template", "store"):
-        print(f"  {name:<14}: {spent[name]:7.3f} s  {spent[name] / decode_phase:6.1%}")
-    rest = decode_phase - forward - spent["chat template"] - spent["store"]
-    print(f"  {'decoder loop':<14}: {rest:7.3f} s  {rest / decode_phase:6.1%}  (threshold update, bookkeeping, rows)")
+    outside = decode_phase - spent["model forward"]
+    outside_cpu = decode_cpu - watch.cpu["model forward"]
+    print(f"outside forward : {outside / decode_phase:7.1%} of the decoding phase's wall time, "
+          f"{outside_cpu / decode_cpu:.1%} of its CPU time ({decode_cpu:.2f} s)")
+    print(f"  {'':<14}  {'wall':>9}  {'share':>6}   {'CPU':>7}  {'share':>6}")
+    for name in ("model forward", "chat template", "store", "decoder loop"):
+        wall, cpu = (spent[name], watch.cpu[name]) if name != "decoder loop" else (
+            decode_phase - sum(spent[k] for k in ("model forward", "chat template", "store")),
+            decode_cpu - sum(watch.cpu[k] for k in ("model forward", "chat template", "store")))
+        print(f"  {name:<14}: {wall:7.3f} s  {wall / decode_phase:6.1%}   {cpu:5.3f} s  {cpu / decode_cpu:6.1%}"
+              + ("  (step rule, bookkeeping, rows, signals)" if name == "decoder loop" else ""))
     print(f"  {'load model':<14}: {spent['load model']:7.3f} s  (before decoding)")
     print(f"  {'workload':<14}: {spent['workload']:7.3f} s  (before decoding)")
     report("collect_throughput", [
         Figure("decoding time outside the model forward", 100 * outside / decode_phase, "%", TARGET_OUTSIDE_PCT,
                context=f"B = {args.batch_size}" + ("" if args.batch_size == 16 else "; the target is for B = 16")),
+        Figure("decoding CPU time outside the model forward", 100 * outside_cpu / decode_cpu, "%",
+               context=f"B = {args.batch_size}; robust to a busy machine"),
         Figure("collect throughput, decoding phase", n / decode_phase, "requests/s"),
     ], args, model=args.model, workload=args.workload, requests=n, batch_size=args.batch_size,
-        threads=torch.get_num_threads())
+        threads=args.threads, load=round(os.getloadavg()[0], 2))
 
 
 if __name__ == "__main__":

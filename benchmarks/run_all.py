@@ -30,8 +30,8 @@ from targets import Figure, number, with_unit
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = ROOT / "benchmarks"
-BENCHMARKS = ("admission_features", "admission_latency", "collect_throughput", "decode_throughput", "evaluate_loco",
-              "hook_overhead", "refine_latency", "signal_cost", "simulate_speed", "train_time")
+BENCHMARKS = ("admission_features", "admission_latency", "collect_throughput", "decode_throughput", "dispatch_overhead",
+              "evaluate_loco", "hook_overhead", "refine_latency", "signal_cost", "simulate_speed", "train_time")
 HELPERS = ("hook_timing", "targets", "run_all")  # the other modules here: no benchmark, no figures
 # what a benchmark needs beyond the project's environment: (path, how to get it); without it the row says so
 NEEDS = {"hook_overhead": (ROOT / ".venv-sglang" / "bin" / "python", "make sglang-env")}

@@ -17,7 +17,8 @@ import time
 import numpy as np
 
 from dwise_predict.simulation.round_cost import load_round_cost
-from dwise_predict.simulation.simulator import POLICIES, SimConfig, make_arrivals, service_rate, sim_requests_from_traces, simulate
+from dwise_predict.simulation.schedulers import SCHEDULERS as POLICIES  # the default rows, not the -pf twins
+from dwise_predict.simulation.simulator import SimConfig, make_arrivals, service_rate, sim_requests_from_traces, simulate
 from dwise_predict.traces.synthetic import make_synthetic_traces
 from targets import Figure, add_options, report
 

@@ -1,6 +1,7 @@
 """Wall time of a full `train` (both predictors, calibration, evaluation, run directory) on 2,048
-synthetic requests with hidden size 2,048 (the LLaDA2 shape). Target: <= 60 s on 2 cores (default: 1 torch thread,
-see TrainConfig.num_threads, and the candidates' cross-validation in 2 threads, see training.select).
+synthetic requests with hidden size 2,048 (the LLaDA2 shape), the candidate choice on. Target: <= 20 s on 2 idle
+cores (issue 52; default: 1 torch thread, see TrainConfig.num_threads, and the candidates' cross-validation in 2
+threads, see training.select). Others' work on the cores shows in the wall time, not much in the CPU time beside it.
 
 Usage: python benchmarks/train_time.py [--requests 2048] [--hidden 2048] [--threads 1] [--jobs 2]
        python benchmarks/train_time.py --smoke     # 192 requests, H = 16, 3 epochs
@@ -17,7 +18,7 @@ from dwise_predict.traces.synthetic import make_synthetic_traces
 from dwise_predict.training import TrainConfig, train_run
 from targets import Figure, add_options, report
 
-TARGET_S = 60.0
+TARGET_S = 20.0
 
 
 def main(argv: list[str] | None = None) -> None:

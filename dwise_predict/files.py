@@ -428,17 +428,42 @@ PATH_MAX = 4096  # bytes in a path, with its terminating NUL: Linux's
 _PATH_ROOM = 128  # for the names an output holds (shards/shard-000000.safetensors, .NAME.tmp-PID-old)
 
 
+@contextmanager
+def utf8_name(path: str | os.PathLike) -> Iterator[str]:
+    """A name of the file at ``path`` that a library taking only UTF-8 paths (safetensors' Rust
+    loader, pyarrow) can open, for the block: ``path`` itself when it is UTF-8, else the file opened here and
+    named by its descriptor (``/proc/self/fd/N``, or ``/dev/fd/N``). A run or trace directory whose
+    name holds other bytes (a Latin-1 home directory) was otherwise called unreadable, to be made
+    again. A missing file is the ``OSError`` of opening it."""
+    text = os.fsdecode(path)
+    if _is_utf8(text):
+        yield text
+        return
+    fd = os.open(text, os.O_RDONLY)
+    try:
+        yield f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` (a path as Python decodes it: other bytes become lone surrogates) is UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def refuse_unusable_path(out: str | os.PathLike, param: str = "out") -> None:
     """Raise :class:`InputError` for an output path no file system here can hold or no file of ours
     can name, before anything is made: bytes that are not UTF-8 (our JSON, Parquet and reports name
     paths in UTF-8), a name over :data:`NAME_MAX` bytes, or a path over :data:`PATH_MAX` less the
     room its files need. Each was a traceback from deep inside the first write."""
     text = os.fspath(out)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+    if not _is_utf8(text):
         raise InputError(f"`{param}` {text} holds bytes that are not UTF-8, which the files naming it cannot "
-                         f"hold: choose a `{param}` with a UTF-8 name") from None
+                         f"hold: choose a `{param}` with a UTF-8 name")
     path = os.fsencode(os.path.abspath(text))
     longest = max(path.split(b"/"), key=len)
     if len(longest) > NAME_MAX:

@@ -22,7 +22,14 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from scipy import stats
+
+
+def _stats():
+    # scipy.stats takes ~0.8 s to import: importing it at first use keeps the serving hook's start-up
+    # (which imports this module through the quality monitor, computing nothing until traffic) fast
+    from scipy import stats
+
+    return stats
 
 
 def _pair(pred, true) -> tuple[np.ndarray, np.ndarray]:
@@ -42,7 +49,7 @@ def spearman(pred, true) -> float | None:
     pred, true = _pair(pred, true)
     if not _defined(pred, true):
         return None
-    return float(stats.spearmanr(pred, true).statistic)
+    return float(_stats().spearmanr(pred, true).statistic)
 
 
 def kendall(pred, true) -> float | None:
@@ -50,7 +57,7 @@ def kendall(pred, true) -> float | None:
     pred, true = _pair(pred, true)
     if not _defined(pred, true):
         return None
-    return float(stats.kendalltau(pred, true).statistic)
+    return float(_stats().kendalltau(pred, true).statistic)
 
 
 def within_category(pred, true, categories) -> tuple[float | None, dict[str, float | None]]:
@@ -89,13 +96,14 @@ def mean_interval(values, level: float = 0.95) -> list[float] | None:
     defined = np.array([float(v) for v in values if v is not None])
     if defined.size < 2:
         return None
-    half = stats.t.ppf(0.5 + level / 2, defined.size - 1) * defined.std(ddof=1) / np.sqrt(defined.size)
+    half = _stats().t.ppf(0.5 + level / 2, defined.size - 1) * defined.std(ddof=1) / np.sqrt(defined.size)
     return [float(defined.mean() - half), float(defined.mean() + half)]
 
 
 def spearman_rows(pred: np.ndarray, true: np.ndarray) -> np.ndarray:
     """Spearman ρ of each row of two (B, n) arrays (Pearson of average ranks), NaN where a side is
     constant: many bootstrap resamples at once."""
+    stats = _stats()
     rp = stats.rankdata(pred, axis=1)
     rt = stats.rankdata(true, axis=1)
     rp -= rp.mean(axis=1, keepdims=True)

@@ -110,7 +110,7 @@ def run_quickstart(
     verified = _export_stage(stages, paths, log)
     rows, sim_config = _simulate_stage(ds, paths, config, log)
     simulated = {"slots": sim_config.slots, "k": sim_config.k, "round_ms": sim_config.round_ms,
-                 "slot_ms": sim_config.slot_ms}
+                 "slot_ms": sim_config.slot_ms, "round_cost": ROUND_COST_WORDS}
     _add_scheduling_section(paths, speedup_lines(_speedups(rows), simulated))
     summary = _summary(paths, metrics, evaluation, rows, verified, simulated)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))

@@ -15,7 +15,8 @@ medium here:
 - :func:`markdown` and :func:`markdown_line`: ``<`` and ``&`` as entities, a link's
   ``](`` broken, and (one line: a table cell, a heading) pipes escaped and line breaks flattened;
 - :func:`json_for_markdown`: JSON inside Markdown, a backtick and HTML's characters as JSON escapes;
-- :func:`html_text`: HTML's escape;
+- :func:`html_text`: HTML's escape, control characters as :func:`visible` writes them (a browser
+  drops them, but a terminal that shows the file runs them);
 - :func:`csv_cell`: the OWASP convention against formula injection, for text cells only;
 - :func:`plot_label`: :func:`visible` with ``$`` escaped, so matplotlib shows a name as written.
 
@@ -78,8 +79,9 @@ def json_for_markdown(dumped: str) -> str:
 
 
 def html_text(text: str) -> str:
-    """``text`` for HTML content or a quoted attribute."""
-    return html.escape(text)
+    """``text`` for HTML content or a quoted attribute: HTML's escape, and no control character but a
+    line break or tab (HTML forbids them, and ``cat report.html`` would run them)."""
+    return html.escape(visible(text, keep="\n\t"))
 
 
 def csv_cell(value):
@@ -94,3 +96,11 @@ def csv_cell(value):
 def plot_label(text: str) -> str:
     """``text`` for a matplotlib label, title or tick: shown as written, never parsed as mathtext."""
     return visible(text).replace("$", r"\$")
+
+
+def first_names(names, shown: int = 8) -> str:
+    """``a, b, c and 7 more``: a list a one-line error can hold, whatever the input's length (a user's
+    list of 10,000 names must not become a 69 KB line)."""
+    names = [str(name) for name in names]
+    more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

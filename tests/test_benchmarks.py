@@ -108,6 +108,18 @@ def test_decoding_batched_gives_the_tokens_of_one_at_a_time(smoke_runs):
     assert (details["requests"], details["algorithm"], details["algorithm_config"]) == (8, None, {})
 
 
+def test_per_request_dispatch_runs_one_decode_each_and_synchronized_one_forward_a_step(smoke_runs):
+    """Known answers of the two modes (B = 1 and 2, both requests admitted at once): at B = 1 they are
+    one decode; at B = 2 per-request dispatch issues each request's own forwards, and synchronized
+    batching as many forwards as the longer request needs, one per round."""
+    one, two = smoke_runs["dispatch_overhead"].record["details"]["modes"]
+    assert (one["B"], two["B"]) == (1, 2)
+    assert one["per_request_forwards"] == one["synchronized_forwards"]
+    first, second = one["per_request_forwards"], two["per_request_forwards"] - one["per_request_forwards"]
+    assert second > 0 and two["synchronized_forwards"] == max(first, second)
+    assert one["tokens_differ"] == two["tokens_differ"] == 0
+
+
 def test_the_table_renders_one_line_per_figure_between_the_markers(smoke_runs, tmp_path):
     rows = [{**run_all.new_row(name, True), "status": "ok", "figures": run.record["figures"]}
             for name, run in smoke_runs.items() if run.record is not None]

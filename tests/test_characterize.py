@@ -302,3 +302,65 @@ def test_cli_stability_table_in_report_and_json(tmp_path, capsys):
     assert "Table 11" in capsys.readouterr().out
     assert main(["characterize", paths[0], "--stability"]) == 1
     assert "give two or more trace sets, got 1" in capsys.readouterr().err
+
+
+def _d2f_and_base():
+    """The same 200 requests (ids syn-000000..199; D2F's set holds 40 more) decoded twice. D2F: 8, 16, 24 or
+    32 rounds (one to four blocks of 8 on tiers 8 + 8k), CV 8·√1.25 / 20; wall 0.5 s + 10 ms a round, CV
+    0.08·√1.25 / 0.7. Base: 20-24 rounds, CV √2 / 22; wall 10 ms a round, the same CV."""
+    from dwise_predict.traces import TraceDataset
+
+    def timed(ds, wall):
+        return TraceDataset(ds.requests.assign(wall_s=wall(ds.requests["total_rounds"].to_numpy())), ds.first_round,
+                            ds.prompt_last, ds.manifest)
+
+    d2f = with_rounds(make_traces(n_requests=240), [[8] * (1 + i % 4) for i in range(240)], algorithm="D2F",
+                      algorithm_config={"add_threshold": 0.5, "decode_threshold": 0.9, "confidence_threshold": 1.0})
+    base = with_rounds(make_traces(n_requests=200), [[20 + i % 5] for i in range(200)], algorithm="LowConfidence",
+                       algorithm_config={"threshold": 0.95})
+    return timed(d2f, lambda r: 0.5 + 0.01 * r), timed(base, lambda r: 0.01 * r)
+
+
+def test_d2f_against_base_on_the_same_prompts_with_known_cvs():
+    d2f, base = _d2f_and_base()
+    result = characterize([d2f, base], split_decodings=True)
+    [table] = result["d2f_vs_base"]
+    assert table["matched"] == 200 and table["base"] == "LowConfidence threshold=0.95, block 8"
+    assert table["d2f"].startswith("D2F add_threshold=0.5 confidence_threshold=1.0 decode_threshold=0.9")
+    ours, theirs = table["rows"]
+    assert ours["rounds"]["cv"] == pytest.approx(8 * np.sqrt(1.25) / 20)
+    assert theirs["rounds"]["cv"] == pytest.approx(np.sqrt(2) / 22)
+    assert table["rounds_cv_ratio"] == pytest.approx(8 * np.sqrt(1.25) / 20 / (np.sqrt(2) / 22))
+    assert ours["wall"]["cv"] == pytest.approx(0.08 * np.sqrt(1.25) / 0.7)
+    assert table["wall_cv_ratio"] == pytest.approx(0.08 * np.sqrt(1.25) / 0.7 / (np.sqrt(2) / 22))
+    assert ours["discreteness"]["tiers"] == "8 + 8k" and ours["discreteness"]["distinct"] == 4
+    assert not theirs["discreteness"]["tiered"] and theirs["discreteness"]["dominant_spacing"] == 1
+    from dwise_predict.evaluation.d2f_report import tier_verdict
+
+    assert [tier_verdict(r["discreteness"]) for r in table["rows"]] == ["8 + 8k (4 levels)",
+                                                                      "no tiers: spacing 1 (5 levels)"]
+    # nothing in common, nothing compared; no D2F, no table
+    other = with_rounds(make_traces(n_requests=10), [[3]] * 10, algorithm="LowConfidence")
+    renamed = other.requests.assign(request_id=[f"x{i}" for i in range(10)])
+    from dwise_predict.traces import TraceDataset
+
+    other = TraceDataset(renamed, other.first_round, other.prompt_last, other.manifest)
+    assert characterize([d2f, other], split_decodings=True)["d2f_vs_base"][0]["matched"] == 0
+    assert "d2f_vs_base" not in characterize([base, other], split_decodings=True)
+
+
+def test_cli_d2f_against_base_table_in_report_json_and_terminal(tmp_path, capsys):
+    d2f, base = _d2f_and_base()
+    a, b = write(d2f, tmp_path / "d2f"), write(base, tmp_path / "base")
+    out = tmp_path / "char"
+    assert main(["characterize", str(a), str(b), "--split-decodings", "--out", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "D2F against base on the same prompts (Amin et al., Fig. 4 and §III-A/B)" in printed
+    assert "8 + 8k (4 levels)" in printed and "6.96×" in printed and "178 + 29k (11 levels)" in printed
+    result = json.loads((out / "characterization.json").read_text())
+    assert result["d2f_vs_base"][0]["rounds_cv_ratio"] == pytest.approx(6.957, abs=1e-3)
+    markdown = (out / "characterization.md").read_text()
+    assert "## D2F against base — D2F add_threshold=0.5" in markdown
+    assert "| Amin et al.: D2F |  |  | n/a | 0.272 | 2.64 | 178 + 29k (11 levels) |" in markdown
+    assert "| D2F / base |  |  | 6.96× | 1.99× |  |  |" in markdown
+    assert "D2F against base on the same prompts" in (out / "characterization.html").read_text()

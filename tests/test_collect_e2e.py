@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pandas as pd
@@ -10,7 +11,7 @@ import pytest
 
 from collect_helpers import make_tiny_dir
 from dwise_predict.cli import main
-from dwise_predict.collectors.collect import collect, plan_shards
+from dwise_predict.collectors.collect import collect, collect_threads, plan_shards
 from dwise_predict.collectors.records import DecodingConfig
 from dwise_predict.collectors.store import TraceStore
 from dwise_predict.traces import REQUEST_COLUMNS, load_traces
@@ -278,7 +279,7 @@ def test_collect_progress_lines_come_every_30_seconds_between_tenths(monkeypatch
     from dwise_predict.cli import collect as cli_collect
     from dwise_predict.collectors.collect import CollectProgress
 
-    monkeypatch.setattr(cli_collect.sys.stderr, "isatty", lambda: False, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     with cli_collect.CollectProgressBar() as bar:
         for done, elapsed in ((0, 0.0), (1, 10.0), (2, 29.0), (3, 31.0), (4, 40.0), (5, 61.5), (1000, 90.0)):
             bar.update(CollectProgress(total=1000, done=done, rounds=7 * done, elapsed_s=elapsed))
@@ -304,3 +305,33 @@ def test_collect_allow_network_reaches_the_workload_as_workload_show_passes_it(m
         assert main([*command, "--allow-network"]) == 1
         assert main(command) == 1
     assert asked == [True, None, True, None]
+
+
+def test_torch_runs_one_thread_per_shard_worker_else_every_core_and_the_callers_setting_is_kept(tiny_dir, tmp_path,
+                                                                                              monkeypatch):
+    import os
+
+    import torch
+
+    import dwise_predict.collectors.collect as collect_mod
+
+    cores = len(os.sched_getaffinity(0))
+    assert collect_threads(None) is None  # conftest sets OMP_NUM_THREADS=1: an explicit choice is kept
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert collect_threads(None) == collect_threads((0, 1)) == cores and collect_threads((1, 4)) == 1
+    seen, decode = [], collect_mod._decode
+
+    def watched(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(collect_mod, "_decode", watched)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        collect(str(tiny_dir), "tiny-default", tmp_path / "part", DECODING, limit=8, requests_per_shard=4, shard="1/2")
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        collect(str(tiny_dir), "tiny-default", tmp_path / "all", DECODING, limit=4)
+        assert seen == [1, 3] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -110,3 +110,27 @@ def test_a_legal_250_byte_out_is_written_and_its_lock_and_temp_names_fit(world, 
     with claim_output(out, [], "a bundle", "bundle.json", replace=True):
         assert main(["export", str(world["run"]), "--out", str(out), "--force"]) == 1
     assert "is being written by another dwise-predict process" in _one_error(capsys)
+
+
+# --- input directories whose names are not UTF-8 ---------------------------------------------------
+
+def test_traces_runs_and_bundles_at_a_non_utf8_path_are_read(world, tmp_path, capsys):
+    """A directory named in Latin-1 bytes (``\\xff``: Python holds it as the lone surrogate ``\\udcff``):
+    safetensors and pyarrow take UTF-8 paths only, so its traces were "cannot read ...: collect it
+    again" and its run "unreadable: re-run train"; the reports naming the path crashed on writing it.
+    Now each file is read by descriptor and a report shows the byte as its escape."""
+    import shutil
+
+    latin = tmp_path / os.fsdecode(b"caf\xe9")
+    for name in ("traces", "run"):
+        shutil.copytree(world[name], latin / name)
+    traces, run, bundle = str(latin / "traces"), str(latin / "run"), latin / "bundle"
+    assert main(["traces", "show", traces]) == 0
+    # an `--out` must stay UTF-8 (our files name it): the bundle is made elsewhere and moved in
+    assert main(["export", run, "--out", str(tmp_path / "b"), "--created", CREATED]) == 0, capsys.readouterr().err
+    shutil.move(tmp_path / "b", bundle)
+    assert main(["evaluate", traces, "--run", run, "--out", str(tmp_path / "report")]) == 0, capsys.readouterr().err
+    assert "caf\\udce9/run" in (tmp_path / "report" / "report.md").read_text(encoding="utf-8")
+    assert main(["simulate", traces, "--bundle", str(bundle), "--requests", "24", "--out", str(tmp_path / "sim")]) == 0
+    assert (tmp_path / "sim" / "report.html").is_file()
+    assert "Traceback" not in capsys.readouterr().err

@@ -225,3 +225,80 @@ def test_plot_label_is_not_mathtext():
     fig.canvas.draw()  # raises on mathtext that does not parse
     assert ax.title.get_text() == "\\$\\frac{\\$ and \\$x\\$"
     plt.close(fig)
+
+
+# --- the session's new outputs: Table 12, the held-out category, D2F against base -----------------
+
+def _no_html_acting(out_dir, md_payload="&lt;img src=x onerror=alert(1)>"):
+    """The report's Markdown and HTML carry the names as text: no tag, no ESC, no BEL."""
+    md = (out_dir / "report.md").read_text()
+    html = (out_dir / "report.html").read_text()
+    for text in (md, html):
+        assert "<img src=x" not in text and "<script>" not in text and "\x1b" not in text and "\x07" not in text
+    return md, html
+
+
+def test_simulate_subset_table_and_both_batch_formers(bundle, world, tmp_path, capsys):
+    names = [c for c in CATEGORIES if c.startswith(("=", "@"))]  # "[/x]" and "$\frac{$" in the subset's header
+    sim = tmp_path / "sim"
+    out, _ = _ran(capsys, ["simulate", str(world["traces"]), "--bundle", str(bundle), "--arrival", "burst",
+                           "--requests", "0", "--policies", "sglang-default,fcfs-mixed,dwise-refined",
+                           "--batch-former", "both", "--subset", ",".join(names), "--out", str(sim)])
+    _markup_shown(out, ("[/x]", "[bold]b[/bold]", "$\\frac{$"))
+    assert json.loads((sim / "simulate.json").read_text())["subset_table"]["subset"] == names
+    md, html = _no_html_acting(sim)
+    header = next(line for line in md.splitlines() if line.startswith("|  | =1+1"))
+    assert header == "|  | =1+1 \\x1b]0;title\\x07 [/x], @SUM(A1) [bold]b[/bold] $\\frac{$ | other | all |"
+    assert "<th>=1+1 \\x1b]0;title\\x07 [/x], @SUM(A1) [bold]b[/bold] $\\frac{$</th>" in html
+
+
+def test_simulate_drop_category_sections(bundle, world, tmp_path, capsys):
+    name = next(c for c in CATEGORIES if c.startswith("-"))
+    sim = tmp_path / "sim"
+    out, _ = _ran(capsys, ["simulate", str(world["traces"]), "--bundle", str(bundle), "--arrival", "burst",
+                           "--requests", "0", "--policies", "sglang-default,dwise-refined",
+                           f"--drop-category={name}", "--out", str(sim)])
+    assert _flat(name) in _flat(out)
+    rows = json.loads((sim / "simulate.json").read_text())["drop_category"]["rows"]
+    assert {r["category"] for r in rows} == {name}
+    md, html = _no_html_acting(sim)
+    assert "| -2+3 &lt;img src=x onerror=alert(1)> &lt;script> |" in md
+    assert "<td>-2+3 &lt;img src=x onerror=alert(1)&gt; &lt;script&gt;</td>" in html
+
+
+def test_simulate_refuses_an_unknown_category_in_one_visible_line(world, capsys):
+    assert main(["simulate", str(world["traces"]), "--drop-category="]) != 0
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "\x1b" not in err and "unknown category ''" in err
+    assert "=1+1 \\x1b]0;title\\x07 [/x]" in err
+
+
+def test_characterize_d2f_against_a_hostile_base(world, tmp_path, capsys):
+    """The D2F table's labels come from the manifests' algorithm and parameters: shown, never obeyed."""
+    import shutil
+
+    dirs = {}
+    for name, algorithm, config in (("d2f", "D2F", {"add_threshold": 0.5, "decode_threshold": 0.9,
+                                                     "confidence_threshold": 1.0}),
+                                    ("base", "LowConf \x1b]0;t\x07 <img src=x onerror=alert(1)> =1+1",
+                                     {"threshold": "[bold]x[/bold] [/x] $\\frac{$"})):
+        dirs[name] = shutil.copytree(world["traces"], tmp_path / name)
+        manifest = json.loads((dirs[name] / "manifest.json").read_text())
+        manifest["decoding"].update(algorithm=algorithm, algorithm_config=config)
+        (dirs[name] / "manifest.json").write_text(json.dumps(manifest))
+    char = tmp_path / "char"
+    out, _ = _ran(capsys, ["characterize", str(dirs["d2f"]), str(dirs["base"]), "--split-decodings", "--out", str(char)])
+    _markup_shown(out, ("[bold]x[/bold]", "[/x]", "\\x1b]0;t\\x07"))
+    assert "D2F / base" in out
+    md = (char / "characterization.md").read_text()
+    html = (char / "characterization.html").read_text()
+    for text in (md, html):
+        assert "<img src=x" not in text and "\x1b" not in text and "\x07" not in text
+    assert "| LowConf \\x1b]0;t\\x07 &lt;img src=x onerror=alert(1)> =1+1 threshold=[bold]x[/bold] [/x]" in md
+
+
+def test_html_text_writes_control_characters_as_escapes():
+    from dwise_predict.text import html_text
+
+    assert html_text("a\x1b]0;t\x07 <b>\r\n\tc") == "a\\x1b]0;t\\x07 &lt;b&gt;\\r\n\tc"
+    assert [html_text(n) for n in ORDINARY] == ORDINARY

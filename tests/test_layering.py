@@ -14,12 +14,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dwise_predict"
 ROOT = "dwise_predict"  # the package's own __init__ (its __version__)
-BASE = {"errors", "files", "versions", "text"}  # shared ground anyone may use
+BASE = {"errors", "files", "versions", "text", "threads"}  # shared ground anyone may use
 
 ALLOWED: dict[str, set[str]] = {
     ROOT: set(),
     "errors": set(),
     "versions": set(),
+    "threads": set(),
     "names": set(),
     "metrics": set(),
     # text: data escaped for the medium it lands in (terminal, Markdown, CSV, a plot); standard library,

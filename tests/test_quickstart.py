@@ -35,7 +35,8 @@ def test_every_stage_left_its_artifacts(quickstart):
     assert {r["policy"] for r in rows} >= {"sglang-default", "dwise-refined", "dwise-oracle"}
     assert summary["n_train"] + summary["n_eval"] == 96
     # the simulated gain comes with what it assumed (B, k and a round cost with no profile behind it)
-    assert summary["simulated"] == {"slots": 16, "k": 4, "round_ms": 50.0, "slot_ms": 0.35}
+    assert summary["simulated"] == {"slots": 16, "k": 4, "round_ms": 50.0, "slot_ms": 0.35,
+                                    "round_cost": "the default, no profile"}
     # the bundle passed `verify_bundle` (what `dwise-predict verify` runs: hashes, then both graphs
     # against the run in a fresh process); a failure stops the quickstart with exit code 1
     assert summary["verified"] is True

@@ -70,3 +70,128 @@ def test_missing_directory_and_newer_schema(tmp_path, synthetic_traces):
     (tmp_path / "t" / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TraceError, match="upgrade dwise-predict"):
         load_traces(tmp_path / "t")
+
+
+# --- schema 4: the per-round states cross-checked against the table and the manifest (issue 51) ---
+
+
+@pytest.fixture(scope="module")
+def rounds_dir(tmp_path_factory):
+    """The synthetic traces with 8 per-round states each, written: round 1 of each request is its first
+    round, later rounds random states and signals inside their ranges, zeros after its last round."""
+    from dwise_predict.traces.dataset import TraceDataset
+
+    traces, kept = make_synthetic_traces(96, 16, seed=5), 8
+    n, h = traces.first_round.shape
+    rng = np.random.default_rng(5)
+    states = rng.standard_normal((n, kept, h)).astype(np.float32)
+    signals = rng.uniform(0.0, 1.0, (n, kept, 4)).astype(np.float32)
+    states[:, 0], signals[:, 0] = traces.first_round, traces.early_signals
+    recorded = np.minimum(traces.requests["total_rounds"].to_numpy(), kept)
+    empty = np.arange(kept)[None, :] >= recorded[:, None]
+    states[empty], signals[empty] = 0.0, 0.0
+    rounds = TraceDataset(traces.requests.assign(rounds_recorded=recorded), traces.first_round, traces.prompt_last,
+                          {**traces.manifest, "rounds_hidden": kept}, None,
+                          {"round_states": states, "round_signals": signals})
+    return write_traces(rounds, tmp_path_factory.mktemp("r") / "t")
+
+
+def _edit(src, dst, *, manifest=None, table=None, tensors=None):
+    """A copy of trace directory ``src`` at ``dst`` with ``manifest`` / ``table`` / ``tensors`` edited in place."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if manifest:
+        written = json.loads((dst / "manifest.json").read_text())
+        manifest(written)
+        (dst / "manifest.json").write_text(json.dumps(written))
+    if table:
+        requests = pd.read_parquet(dst / "requests.parquet")
+        table(requests)
+        requests.to_parquet(dst / "requests.parquet", index=False)
+    if tensors:
+        stored = load_file(str(dst / "hidden.safetensors"))
+        tensors(stored)
+        save_file(stored, str(dst / "hidden.safetensors"))
+    return dst
+
+
+def _short(tensors) -> int:
+    """The first request whose rounds end before the tensors' last row (that row is padding)."""
+    padding = ~tensors["round_signals"][:, 7].any(axis=1)
+    assert padding.any()
+    return int(np.argmax(padding))
+
+
+CONTRACT_BREAKS = {
+    "manifest depth": (dict(manifest=lambda m: m.update(rounds_hidden=4)),
+                       r"the manifest in .* says rounds_hidden 4, but 'round_states' holds 8 rounds per request"),
+    "manifest depth true": (dict(manifest=lambda m: m.update(rounds_hidden=True)), r"says rounds_hidden True, but"),
+    "row 0 state": (dict(tensors=lambda t: t["round_states"].__setitem__((7, 0, 3), 0.5)),
+                    r"request 'syn-000007' in .*: row 0 of 'round_states' is not its first_round .*re-collect"),
+    "row 0 signal": (dict(tensors=lambda t: t["round_signals"].__setitem__((9, 0, 1), 0.0)),
+                     r"request 'syn-000009' in .*: row 0 of 'round_signals' holds mean_confidence 0, but its column "
+                     r"says 0\.\d+ \(row 0 holds the first round's signals\)"),
+    "fractional count": (dict(table=lambda r: r.__setitem__("rounds_recorded", r["rounds_recorded"] + 0.5)),
+                         r"request 'syn-000000' in .*: rounds_recorded is 8\.5, not a whole number of rounds"),
+    "share of 1e6": (dict(tensors=lambda t: t["round_signals"].__setitem__((12, 2, 0), 1e6)),
+                     r"request 'syn-000012' in .*: 'round_signals' holds frac_over_threshold 1e\+06 at round 3, "
+                     r"outside \[0, 1\]: the traces are corrupt; re-collect them"),
+    "probability over 1": (dict(tensors=lambda t: t["round_signals"].__setitem__((12, 1, 3), 1.5)),
+                           r"'round_signals' holds end_probability 1\.5 at round 2, outside \[0, 1\]"),
+    "negative entropy": (dict(tensors=lambda t: t["round_signals"].__setitem__((12, 1, 2), -0.25)),
+                         r"'round_signals' holds mean_entropy -0\.25 at round 2, which must be finite and >= 0"),
+    "infinite entropy": (dict(tensors=lambda t: t["round_signals"].__setitem__((12, 1, 2), np.inf)),
+                         r"'round_signals' holds mean_entropy inf at round 2, which must be finite and >= 0: the traces are "
+                         r"corrupt; re-collect them"),
+    # the states themselves, not the signals: NaN or inf in a later round or in the zero rows after the last
+    "nan state": (dict(tensors=lambda t: t["round_states"].__setitem__((12, 2, 5), np.nan)),
+                  r"request 'syn-000012' in .*: 'round_states' holds NaN or inf at round 3: the traces are corrupt"),
+    "inf state": (dict(tensors=lambda t: t["round_states"].__setitem__((12, 1, 0), -np.inf)),
+                  r"request 'syn-000012' in .*: 'round_states' holds NaN or inf at round 2: the traces are corrupt"),
+    "nan after the last round": (dict(tensors=lambda t: t["round_states"].__setitem__((_short(t), 7, 0), np.nan)),
+                                 r"'round_states' holds NaN or inf at round 8: the traces are corrupt"),
+    "nan signal": (dict(tensors=lambda t: t["round_signals"].__setitem__((12, 2, 1), np.nan)),
+                   r"'round_signals' holds mean_confidence nan at round 3, outside \[0, 1\]"),
+    "tensors lost": (dict(tensors=lambda t: [t.pop("round_states"), t.pop("round_signals")]),
+                     r"hold the column rounds_recorded, the manifest's rounds_hidden but not 'round_states', "
+                     r"'round_signals': the files come from different collections; re-collect"),
+}
+
+
+def test_rounds_fixture_is_whole_and_its_rows_are_where_the_breaks_expect(rounds_dir):
+    from dwise_predict.traces.round_states import round_states
+
+    ds = load_traces(rounds_dir)
+    rounds = round_states(ds)
+    assert rounds.rounds == 8 and ds.manifest["rounds_hidden"] == 8
+    # the breaks above edit rows that hold those rounds
+    assert rounds.recorded[0] == 8 and rounds.recorded[[7, 9, 12]].min() >= 3
+    assert ds.requests["request_id"].iloc[[0, 7, 9, 12]].tolist() == ["syn-000000", "syn-000007", "syn-000009", "syn-000012"]
+
+
+@pytest.mark.parametrize("case", list(CONTRACT_BREAKS))
+def test_per_round_states_that_break_the_contract_are_one_line_on_load(rounds_dir, tmp_path, capsys, case):
+    from dwise_predict.cli import main
+
+    edits, message = CONTRACT_BREAKS[case]
+    bad = _edit(rounds_dir, tmp_path / "bad", **edits)
+    with pytest.raises(TraceError, match=message):
+        load_traces(bad)
+    assert main(["traces", "show", str(bad)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error") and "collect" in err
+
+
+def test_a_view_without_the_tensors_keeps_the_column(rounds_dir):
+    """An ablation's view drops the per-round tensors but keeps the table: it is no broken file."""
+    from dwise_predict.evaluation.baselines import keep_inputs
+    from dwise_predict.traces.round_states import round_states
+
+    view = keep_inputs(load_traces(rounds_dir), ("first_round",))
+    assert view.extra_hidden == {} and "rounds_recorded" in view.requests.columns
+    assert not view.prompt_last.any() and len(view) == 96
+    with pytest.raises(TraceError, match="but not 'round_states', 'round_signals'"):
+        round_states(view)

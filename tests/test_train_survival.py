@@ -79,6 +79,55 @@ def test_calibrator_knots_interp_and_graph_parity():
     np.testing.assert_array_equal(again.predict(probe), cal.predict(probe))
 
 
+def test_median_isotonic_blocks_are_the_pooled_medians_written_out():
+    """The L1 fit by hand: y = 1, 5, 2, 2, 9, 8 on x = 1..6 pools {5, 2} (median 3.5), then {5, 2, 2}
+    (median 2), then {9, 8} (median 8.5, the middle pair's mean); equal x start in one block. On
+    random sets the blocks are those of PAVA with ``np.median`` of each pooled block."""
+    blocks, values = _pool_adjacent_violators(np.arange(1.0, 7.0), np.array([1.0, 5, 2, 2, 9, 8]), np.median)
+    assert values.tolist() == [1.0, 2.0, 8.5] and [b.tolist() for b in blocks] == [[1.0], [2.0, 3.0, 4.0], [5.0, 6.0]]
+    _, tied = _pool_adjacent_violators(np.array([1.0, 1, 1, 2]), np.array([7.0, 1, 4, 3]), np.median)
+    assert tied.tolist() == [3.5]  # x = 1 starts as {1, 4, 7} (median 4), then pools with {3}
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 7, 300):
+        x, y = np.round(rng.normal(size=n), 1), rng.integers(0, 20, n).astype(float)
+        blocks, values = _pool_adjacent_violators(x, y, np.median)
+        order = np.lexsort((y, x))
+        pooled = np.split(y[order], np.cumsum([len(b) for b in blocks])[:-1])
+        np.testing.assert_array_equal(values, [np.median(b) for b in pooled])
+        assert (np.diff(values) > 0).all() and np.array_equal(np.concatenate(blocks), x[order])
+
+
+def test_members_draw_from_their_own_generator_what_the_global_rng_gave():
+    """A member's initialisation and dropout come from a generator seeded with its seed: the numbers
+    ``torch.manual_seed(seed)`` gave ``nn.Linear`` and ``nn.Dropout`` from the global RNG (so the
+    members are those of before), the global RNG is left alone, and members fitted in two threads
+    at once are the ones fitted one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dwise_predict.survival.network import HazardMLP
+
+    torch.manual_seed(7)
+    old = HazardMLP(12, 9, 16, 0.25)
+    x = torch.randn(32, 12)
+    torch.manual_seed(11)
+    expected = old.train()(x)
+    draws = torch.Generator().manual_seed(7)
+    new = HazardMLP.drawn(12, 9, 16, 0.25, generator=draws)
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+    torch.testing.assert_close(new.train().forward_drawn(x, draws.manual_seed(11)), expected, rtol=0, atol=0)
+    assert torch.equal(new.eval().forward_drawn(x, draws), new(x))  # no dropout in eval mode
+    hidden, tokens, budget, remaining, _ = _toy(300)
+    inputs = RefineInputs(hidden, tokens, budget, _no_signals(300))
+    fit = lambda: SurvivalEnsemble(width=16, seeds=(0, 1), max_epochs=4).fit(inputs, remaining)  # noqa: E731
+    before = torch.get_rng_state()
+    alone = fit()
+    assert torch.equal(torch.get_rng_state(), before)
+    with ThreadPoolExecutor(2) as pool:
+        together = [f.result() for f in [pool.submit(fit) for _ in range(2)]]
+    for ensemble in together:
+        np.testing.assert_array_equal(ensemble.predict_raw(inputs), alone.predict_raw(inputs))
+
+
 def test_calibrator_extended_over_the_raw_range_keeps_every_order():
     """With ``raw_range`` the map runs from (0, 0) to the range's end at slope 1 past the last fitted
     knot: no two raw estimates in the range share a calibrated value, and the fitted knots are kept."""

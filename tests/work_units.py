@@ -50,6 +50,7 @@ FIRST = (
     "test_engine_conformance.py",  # ~43
     "test_benchmarks.py",  # ~39 on the busy machine, 2026-12-05 (every benchmark's --smoke, one process)
     "test_quickstart.py",  # ~34
+    "test_simulate_retrain.py",  # ~25 estimated (37 alone at load 5, 2026-12-05): 14 retrainings, a bundle, two CLI runs
     "faults: evaluate killed at renames",  # ~29
     "test_collect_kill.py",  # ~29
     "evaluate: ablations",  # ~26
@@ -63,7 +64,10 @@ FIRST = (
     "faults: extending a collect",  # ~18
     "test_packaging.py",  # ~16
     "test_train_run.py",  # ~13
+    "test_progress_lines.py",  # ~13 alone on the busy machine, 2026-12-05 (three trainings, an evaluation)
+    "test_batch_formers.py",  # ~13 on the busy machine, 2026-12-05 (simulate on both batch formers with Table 12)
     "test_serving_plugin.py",  # ~12
+    "test_d2f.py",  # ~12 estimated (21 alone at load 4, 2026-12-05): D2F scripted, on the tiny dLLM, collect + characterize
     "test_serving_lifecycle.py",  # ~12
 )
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from dwise_predict.cli.options import SEED_RANGE, JsonOption
+from dwise_predict.cli.progress import ProgressLines
 from dwise_predict.collectors.records import DecodingConfig
 from dwise_predict.engine.algorithms import read_algorithm_file
 from dwise_predict.errors import ConfigError
@@ -36,14 +36,14 @@ def collect_command(
     limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests (a quick try).")] = None,
     seed: Annotated[int, typer.Option(**SEED_RANGE, help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
     batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = _DEFAULT.batch_size,
-    algorithm: Annotated[Optional[str], typer.Option(help="SGLang dLLM algorithm: LowConfidence, JointThreshold or JointThresholdInDel (default: what SGLang serves the model with).")] = None,
+    algorithm: Annotated[Optional[str], typer.Option(help="SGLang dLLM algorithm: LowConfidence, JointThreshold or JointThresholdInDel (default: what SGLang serves the model with); or D2F, our pipeline of blocks for Amin et al.'s measurements, which SGLang does not serve (parameters add_threshold 0.5, decode_threshold 0.9, confidence_threshold 1.0; one request at a time; docs/backends.md).")] = None,
     algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object (e.g. \'{"threshold": 0.9}\') or a file read as SGLang reads --dllm-algorithm-config (YAML or JSON; its block_size sets the block size; vectorized_decoding and capture_input_preparation change no decision and are dropped; a key the algorithm does not read is refused, where SGLang ignores it).')] = None,
     threshold: Annotated[Optional[float], typer.Option(help="Shorthand for the algorithm's threshold parameter.")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="Tokens per block (default: the model's).")] = None,
     budget: Annotated[int, typer.Option(help="Output budget in tokens (unless the workload sets one).")] = _DEFAULT.budget,
     dtype: Annotated[Dtype, typer.Option(help="Model dtype.")] = Dtype(_DEFAULT.dtype),
     device: Annotated[str, typer.Option(help="torch device (cpu, cuda, cuda:1, ...).")] = "cpu",
-    shard: Annotated[Optional[str], typer.Option(help="i/N: decode only part i of N (merge with `traces merge`).")] = None,
+    shard: Annotated[Optional[str], typer.Option(help="i/N: decode only part i of N (merge with `traces merge`). Parts are meant to run side by side: each runs torch on one thread (an unsharded run uses every core it may run on).")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow the model directory's own Python code (LLaDA2, SDAR, Dream).")] = False,
     requests_per_shard: Annotated[Optional[int], typer.Option(help="Requests per committed shard (default: 8 x batch size).")] = None,
     allow_missing: Annotated[bool, typer.Option(help="Collect the sources that are available when some of the workload's datasets are missing (they are listed in the manifest).")] = False,
@@ -57,6 +57,8 @@ def collect_command(
 
     Rerunning the same command resumes: finished requests are kept, only missing ones are decoded.
 
+    Torch threads: every core this process may run on, one per --shard part; OMP_NUM_THREADS, when set, wins (threads change no result).
+
     Examples:
 
         dwise-predict collect --out traces/
@@ -68,6 +70,8 @@ def collect_command(
         dwise-predict collect --out traces/ --layers 0,2,-1 --pooling mean,last,positions
 
         dwise-predict collect --out traces/ --rounds-hidden 8   # then: simulate --refine-every 1,2,4,8
+
+        dwise-predict collect --algorithm D2F --out d2f/   # then: characterize d2f/ base/ --split-decodings
     """
     from dwise_predict.collectors.collect import check_rounds_hidden, collect, parse_shard
     from dwise_predict.collectors.workloads import MAX_LIMIT
@@ -245,21 +249,15 @@ def _print_summary(path: Path, json_out: bool) -> None:
     Console(width=max(120, Console().width)).print(table)
 
 
-# Without a terminal (nohup, CI, a Slurm log) the bar is not drawn: a line instead, at start, at the
-# end, and whenever this long or this share of the requests has passed since the last line.
-LOG_EVERY_S = 30.0
-LOG_EVERY_SHARE = 0.1
-
-
 class CollectProgressBar:
     """Collection progress on stderr (requests/s, rounds/s, ETA): a rich bar when stderr is a terminal,
-    else a log line every :data:`LOG_EVERY_S` seconds or :data:`LOG_EVERY_SHARE` of the requests."""
+    else a line at start, at the end and every so often between (:class:`~dwise_predict.cli.progress.ProgressLines`)."""
 
     def __enter__(self) -> "CollectProgressBar":
         self.progress = None
         self.task = None
-        self.logged: tuple[float, int] | None = None  # (elapsed_s, done) at the last log line
-        if sys.stderr.isatty():
+        self.lines = ProgressLines("collect")
+        if not self.lines.on:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -273,20 +271,13 @@ class CollectProgressBar:
     def update(self, state) -> None:
         rates = _rates(state)
         if self.progress is None:
-            if self._log_due(state):
-                self.logged = (state.elapsed_s, state.done)
-                share = state.done / state.total if state.total else 1.0
-                typer.echo(f"collect: {state.done}/{state.total} requests ({share:.0%})  {rates}", err=True)
+            share = state.done / state.total if state.total else 1.0
+            self.lines.count(state.done, state.total, f"{state.done}/{state.total} requests ({share:.0%})  {rates}",
+                             state.elapsed_s)
         elif self.task is None:
             self.task = self.progress.add_task("collect", total=state.total, completed=state.done, rates=rates)
         else:
             self.progress.update(self.task, completed=state.done, rates=rates)
-
-    def _log_due(self, state) -> bool:
-        if self.logged is None or state.done >= state.total:
-            return self.logged is None or self.logged[1] < state.done
-        since_s, since_done = state.elapsed_s - self.logged[0], state.done - self.logged[1]
-        return since_s >= LOG_EVERY_S or since_done >= max(1, round(LOG_EVERY_SHARE * state.total))
 
     def __exit__(self, *exc) -> None:
         if self.progress is not None:

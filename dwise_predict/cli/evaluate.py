@@ -173,7 +173,10 @@ def characterize_command(
     Decodings are never pooled: traces of several block sizes get one section each and Amin et al.'s
     block-size invariance table; traces of several algorithms or parameters are refused unless
     --split-decodings. With --stability, the share of requests whose round count is identical (within
-    one round, within 10 %) from one run to another, as the DWISE paper's Table 11.
+    one round, within 10 %) from one run to another, as the DWISE paper's Table 11. Given traces of
+    `collect --algorithm D2F` and of another decoding of the same prompts (--split-decodings), Amin et
+    al.'s D2F-against-base table (Fig. 4, §III-A/B): CV of rounds and of wall time on the requests both
+    ran, their ratio, and the tier detector's verdict on each.
 
     Examples:
 
@@ -183,7 +186,7 @@ def characterize_command(
 
         dwise-predict characterize block8/ block16/ --out invariance/   # one section per block size
 
-        dwise-predict characterize lowconf/ d2f/ --split-decodings     # one section per algorithm
+        dwise-predict characterize lowconf/ d2f/ --split-decodings     # one section per algorithm; D2F vs base
 
         dwise-predict characterize run0/ run1/ run2/ --stability --out table11/
 
@@ -215,6 +218,11 @@ def _print_characterization(result: dict) -> None:
     from dwise_predict.evaluation import report
 
     screen = console(160)
+    for comparison in result.get("d2f_vs_base", ()):  # Amin et al., Fig. 4 and §III-A/B
+        from dwise_predict.evaluation.d2f_report import d2f_table, d2f_text
+
+        screen.print(_rich_table(d2f_table(comparison)))
+        screen.print(terminal(d2f_text(comparison)))
     for table in result.get("invariance", ()):
         screen.print(_rich_table(report.invariance_table(table)))
         screen.print(terminal(report.invariance_text(table)))

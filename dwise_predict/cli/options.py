@@ -25,8 +25,8 @@ ManyTracesArgument = Annotated[list[Path], typer.Argument(help="Trace directorie
 # as a Python caller passes it, in backticks ("`slots` (B) must be ..."); the CLI prints the flag.
 FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "ablate", "across", "aging", "algorithm", "algorithm_config", "allow_missing", "allow_network", "arrival",
-    "batch_size", "block_size", "bootstrap", "budget",
-    "bundle", "config", "created", "device", "dtype", "exclude", "folds", "follow", "follow_poll_s", "follow_zoo",
+    "batch_former", "batch_size", "block_size", "bootstrap", "budget", "budget_sweep",
+    "bundle", "config", "created", "device", "drop_category", "dtype", "exclude", "folds", "follow", "follow_poll_s", "follow_zoo",
     "force", "hidden_size", "hold_out", "jobs",
     "k", "kv_budget", "kv_budget_tokens", "kv_fraction", "layers", "limit", "lr", "max_batch", "max_wait", "model",
     "monitor_window",
@@ -37,6 +37,7 @@ FLAGS = {name: "--" + name.replace("_", "-") for name in (
     "split_decodings", "steps", "threads",
     "tokenizer", "traces", "trust_remote_code", "version", "window", "workload", "zoo",
 )} | {"kv_slack_blocks": "--kv-slack", "max_minutes": "--minutes", "out_dir": "--out",
+      "subset_categories": "--subset",
       "repo_id": "--hub"}
 _PARAM = re.compile(r"`([a-z][a-z0-9_]*)`")
 

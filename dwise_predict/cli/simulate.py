@@ -12,7 +12,7 @@ import typer
 
 from dwise_predict.cli.options import SEED_RANGE, JsonOption, comma_items, comma_list, console, log
 from dwise_predict.errors import ConfigError
-from dwise_predict.simulation.schedulers import SCHEDULERS, needs_bundle
+from dwise_predict.simulation.schedulers import PREFILL_FIRST, SCHEDULERS, needs_bundle
 from dwise_predict.text import terminal
 from dwise_predict.simulation.simulator import SimConfig
 
@@ -20,7 +20,9 @@ _DEFAULT = SimConfig()
 _FROM_BUNDLE = [name for name, spec in SCHEDULERS.items() if needs_bundle(spec)]
 # the help's closing section: every scheduler and what it models, from its spec
 SCHEDULERS_HELP = "Schedulers (what --policies names) and what each models:\n\n" + "\n\n".join(
-    f"{name}: {spec.about}" for name, spec in SCHEDULERS.items())
+    f"{name}: {spec.about}" for name, spec in SCHEDULERS.items()) + (
+    f"\n\n{', '.join(PREFILL_FIRST)}: the same baselines on SGLang's prefill-first batch former (--batch-former); "
+    "FCFS on that former is sglang-default.")
 # Bounds checked before anything is allocated: the replay holds arrays of --requests entries per
 # scheduler and replays every arrival pattern --arrival-seeds times (10**11 requests asked 745 GiB).
 MAX_REQUESTS = 1_000_000
@@ -31,6 +33,12 @@ class Arrival(str, Enum):
     burst = "burst"
     burst_poisson = "burst-poisson"
     poisson = "poisson"
+    both = "both"
+
+
+class BatchFormer(str, Enum):
+    mixed = "mixed"
+    prefill_first = "prefill-first"
     both = "both"
 
 
@@ -65,6 +73,10 @@ def simulate_command(
     backend: Annotated[str, typer.Option(help="Bundle backend for the predictions: onnx or torch.")] = "onnx",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write simulate.csv/.json/.png (or sweep.*) here.")] = None,
     json_out: JsonOption = False,
+    batch_former: Annotated[BatchFormer, typer.Option(help="Batch former of the published baselines (mlfq, ssjf, s3, ltr, trail): mixed (DWISE's mixed-phase rounds, the DWISE paper's Table 4), prefill-first (SGLang's, as its Table 2 runs them: rows named <baseline>-pf; FCFS there is sglang-default) or both. SGLang's modes stay prefill-first, fcfs-mixed and DWISE mixed.")] = BatchFormer.mixed,
+    subset: Annotated[Optional[str], typer.Option(help="Also the DWISE paper's Table 12 for a comma list of categories (e.g. mcq,hard_mcq) against the other requests and all: shares of requests and work, ρ of each ranking and of output length with the work, each scheduler's Δ mean latency vs sglang-default.")] = None,
+    budget_sweep: Annotated[Optional[str], typer.Option(metavar="DIR[,DIR...]", help="Also the DWISE paper's Table 14 (e.g. simulate t256/ --bundle bundle/ --budget-sweep t512/,t1024/ --out sim/): trace directories of the same model, decoding and prompts at other output budgets; for TRACES and each, both predictors retrained on its train split (--bundle's recipe, else the defaults) and sglang-default and dwise-refined replayed on its eval split, a row per budget and arrival pattern. With --out an interrupted run resumes.")] = None,
+    drop_category: Annotated[Optional[list[str]], typer.Option(metavar="CAT", help="Also the DWISE paper's Table 7 replayed (e.g. --drop-category mcq, or all): both predictors retrained on the train split without CAT (repeatable; all: each category in turn) against retrained on all of it with the same recipe (--bundle's, else the defaults); dwise-refined replayed with each. With --out an interrupted run resumes.")] = None,
 ) -> None:
     """Replay traces under SGLang's default scheduler, FCFS and DWISE variants; compare latency.
 
@@ -85,6 +97,8 @@ def simulate_command(
         dwise-predict simulate traces/ --bundle bundle/ --round-profile h200.json --arrival-seeds 5 --out sim/
 
         dwise-predict simulate traces-r8/ --bundle bundle/ --refine-every 1,2,4,8 --out sim/   # the DWISE paper's Table 6
+
+        dwise-predict simulate traces/ --bundle bundle/ --batch-former both --subset mcq,hard_mcq   # Tables 2, 4, 12
     """
     from contextlib import nullcontext
 
@@ -93,23 +107,40 @@ def simulate_command(
     from dwise_predict.simulation.studies import run_simulation
 
     chosen = comma_items(policies, str.strip) if policies else None
+    subset_categories = _checked_subset(subset, rates, ks)
     config, k_list, every = _checked_config(
         chosen, rate=rate, rates=rates, ks=ks, refine_every=refine_every, bundle=bundle,
         requests=requests, arrival_seeds=arrival_seeds, round_profile=round_profile, backend=backend,
         server=dict(slots=slots, k=k, kv_budget=kv_budget, kv_slack_blocks=kv_slack, round_ms=round_ms,
                     slot_ms=slot_ms, seed=seed, aging=aging, max_wait=max_wait or None))  # --max-wait 0: off
+    retrain = _checked_retrain(budget_sweep, drop_category, bundle=bundle, split=split, rates=rates, ks=ks, out=out)
     stem = "k_sweep" if ks else "sweep" if rates else "simulate"
-    inputs = [("TRACES", traces), ("--bundle", bundle), ("--round-profile", round_profile)]
+    inputs = [("TRACES", traces), ("--bundle", bundle), ("--round-profile", round_profile),
+              *(("--budget-sweep", path) for path in (retrain.budget_sweep if retrain else ()))]
     claim = (claim_output(out, inputs, "a simulation", _marker(out, stem), replace=True, contents=SIMULATE_CONTENTS)
              if out else nullcontext())
     with claim:
         run = run_simulation(traces, config, bundle=bundle, backend=backend, split=split.value, requests=requests,
                              policies=chosen, patterns=["burst", "burst-poisson"] if arrival is Arrival.both
                              else [arrival.value], rate=rate, rates=rates, ks=k_list, refine_every=every,
-                             arrival_seeds=arrival_seeds, out=out, log=log)
+                             arrival_seeds=arrival_seeds, out=out, log=log, batch_former=batch_former.value,
+                             subset_categories=subset_categories, retrain=retrain)
         for path in run.paths:
             log(f"wrote {path}")
     _print_run(run, config, ks, rates, json_out)
+
+
+def _checked_subset(subset: str | None, rates: str | None, ks: str | None) -> list[str] | None:
+    """The ``--subset`` categories (first-seen order), or None; refused in one line where empty or
+    beside a sweep (Table 12 reads the per-category latencies of a replay at one load)."""
+    if subset is None:
+        return None
+    categories = list(dict.fromkeys(comma_items(subset, str.strip)))
+    if not categories:
+        raise ConfigError("--subset is empty: give categories of the traces, e.g. mcq,hard_mcq, or leave it out")
+    if rates or ks:
+        raise ConfigError("--subset compares latencies at one load: drop --rates / --ks")
+    return categories
 
 
 def _checked_config(chosen: list[str] | None, *, rate, rates, ks, refine_every, bundle, requests, arrival_seeds,
@@ -176,9 +207,11 @@ def _print_run(run, config: SimConfig, ks: str | None, rates: str | None, json_o
     else:
         group, title = "arrival", f"Simulated serving, {run.requests} requests, B={config.slots}, k={config.k:g}"
     title += f"; round cost: {terminal(config.cost.source)}"  # a profile's source is the user's text
+    tables = {key: table for key, table in (("refine_every", run.refine_table), ("subset_table", run.subset_table))
+              if table is not None}
+    tables.update(run.retrained)
     if json_out:
-        typer.echo(json.dumps(run.rows if run.refine_table is None else {"rows": run.rows,
-                                                                          "refine_every": run.refine_table}, indent=2))
+        typer.echo(json.dumps({"rows": run.rows, **tables} if tables else run.rows, indent=2))
         return
     console(240).print(render_table(run.rows, title, group))
     if run.refine_table is not None:
@@ -187,6 +220,11 @@ def _print_run(run, config: SimConfig, ks: str | None, rates: str | None, json_o
                                          f"{run.refine_table['rounds_hidden']}; "
                                          "ρ: mean over rounds 1..N of ρ(r̂ held, rounds left)"):
             console(240).print(table)
+    if run.subset_table is not None:
+        from dwise_predict.simulation.report import SUBSET_TITLE, render_subset_table
+
+        console(240).print(render_subset_table(run.subset_table, f"{SUBSET_TITLE}, {run.requests} requests replayed"))
+    _print_retrained(run.retrained)
     for g in run.gains:
         typer.echo(f"{g['arrival']}: {g['step']} ({g['from']} → {g['to']}): {g['gain']:.2f}x")
     if group == "rate_rps":
@@ -201,3 +239,62 @@ def _marker(out: Path, stem: str) -> str:
     from dwise_predict.simulation.report import SIMULATE_JSONS
 
     return next((name for name in SIMULATE_JSONS if (out / name).is_file()), f"{stem}.json")
+
+
+def _checked_retrain(budget_sweep: str | None, drop_category: list[str] | None, *, bundle: Path | None, split, rates,
+                     ks, out: Path | None):
+    """What ``--budget-sweep`` and ``--drop-category`` ask for (None: neither), with the recipe every
+    retraining uses (``--bundle``'s, else the defaults) and, with ``--out``, the folder that keeps
+    finished retrainings for a resume; every problem with the flags at once, as one :class:`ConfigError`."""
+    if budget_sweep is None and not drop_category:
+        return None
+    problems = []
+    paths = [] if budget_sweep is None else comma_items(budget_sweep, lambda item: Path(item.strip()))
+    if budget_sweep is not None and not paths:
+        problems.append("--budget-sweep is empty: give the trace directories of the other budgets, e.g. t512/,t1024/")
+    problems += [f"--budget-sweep {path} is not a trace directory" for path in paths if not path.is_dir()]
+    if out is not None and any(out.resolve() == path.resolve() for path in paths):
+        problems.append(f"--out {out} is one of the --budget-sweep traces: write the simulation elsewhere")
+    if drop_category and "all" in drop_category and len(set(drop_category)) > 1:
+        problems.append("--drop-category all already holds out each category in turn: drop the other names")
+    if split is not Split.eval:
+        problems.append("--budget-sweep and --drop-category retrain on the train split and replay the eval split: "
+                        "drop --split")
+    if rates or ks:
+        problems.append("--budget-sweep and --drop-category replay at one load: drop --rates / --ks")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    from dwise_predict.evaluation.pool import kept_results_dir
+    from dwise_predict.simulation.retrain import Retraining, RetrainStudies
+
+    config, source = _recipe(bundle)
+    kept = None if out is None else kept_results_dir(out)
+    if kept is not None and kept.is_dir():  # it goes once the output is written: only an interrupted run leaves it
+        log(f"resuming an interrupted simulation: reusing the retrainings it finished, kept in {kept}")
+    return RetrainStudies(Retraining(config, source, kept), tuple(paths), tuple(drop_category or ()))
+
+
+def _recipe(bundle: Path | None):
+    """The TrainConfig every retraining uses and where it comes from: the bundle's recipe (the
+    defaults for a bundle that records none), else the defaults."""
+    from dwise_predict.training import TrainConfig
+
+    if bundle is None:
+        return TrainConfig(), "the TrainConfig defaults (no --bundle)"
+    from dwise_predict.bundles.manifest import read_bundle_manifest
+    from dwise_predict.refresh import Serving, bundle_recipe
+
+    return bundle_recipe(Serving(bundle, read_bundle_manifest(bundle), "", str(bundle)))
+
+
+def _print_retrained(tables: dict) -> None:
+    """The budget sweep's and the held-out categories' tables (:mod:`~dwise_predict.simulation.retrain`),
+    and the categories not held out."""
+    from dwise_predict.simulation.retrain_report import render_tables, skipped_lines
+
+    for table in render_tables(tables):
+        console(240).print(table)
+    from dwise_predict.text import visible
+
+    for line in skipped_lines(tables):
+        typer.echo(visible(line))

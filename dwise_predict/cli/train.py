@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from dwise_predict.cli.options import JsonOption, SeedOption, TracesArgument, console, log
+from dwise_predict.cli.progress import ProgressLines
 from dwise_predict.errors import ConfigError
 from dwise_predict.evaluation.document import fmt, fmt_interval
 from dwise_predict.text import terminal
@@ -86,7 +86,8 @@ def train_command(
     train_config.check()
 
     with _EpochProgress(train_config) as progress:
-        metrics = train_run(traces, out, train_config, overwrite=overwrite, progress=progress, jobs=jobs)
+        metrics = train_run(traces, out, train_config, overwrite=overwrite, progress=progress.update, jobs=jobs,
+                            log=progress.lines.stage)
     log(f"wrote run directory {out} (refinement predictor: {metrics.get('refine_candidate')})")
     if json_out:
         typer.echo(json.dumps(metrics, indent=2))
@@ -95,15 +96,17 @@ def train_command(
 
 
 class _EpochProgress:
-    """A rich progress bar over members x epochs on a terminal (stderr); a no-op callback otherwise."""
+    """Training progress on stderr: a rich bar over members x epochs on a terminal; off one, a line per
+    stage, per member started and every so often within a member (:class:`ProgressLines`)."""
 
     def __init__(self, config):
         self.config = config
         self.bar = None
+        self.lines = ProgressLines("train")
 
-    def __enter__(self):
-        if not sys.stderr.isatty():
-            return None
+    def __enter__(self) -> "_EpochProgress":
+        if self.lines.on:
+            return self
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -116,10 +119,18 @@ class _EpochProgress:
             self.bar.add_task(f"member {m} (seed {s})", total=self.config.max_epochs, loss="")
             for m, s in enumerate(self.config.seeds)
         ]
-        return self.update
+        return self
 
     def update(self, member: int, epoch: int, train_loss: float, val_loss: float) -> None:
-        self.bar.update(self.tasks[member], completed=epoch + 1, loss=f"train {train_loss:.3f} val {val_loss:.3f}")
+        loss = f"train {train_loss:.3f} val {val_loss:.3f}"
+        if self.bar is not None:
+            self.bar.update(self.tasks[member], completed=epoch + 1, loss=loss)
+            return
+        where = f"member {member + 1} of {len(self.config.seeds)} (seed {self.config.seeds[member]})"
+        if epoch == 0:
+            self.lines.stage(f"{where}: epoch 1, {loss}")
+        else:
+            self.lines.tick(f"{where}: epoch {epoch + 1} of at most {self.config.max_epochs}, {loss}")
 
     def __exit__(self, *exc):
         if self.bar is not None:

@@ -58,10 +58,12 @@ import numpy as np
 import torch
 
 from dwise_predict.collectors.backends.base import BlockBackend, StepBatch
+from dwise_predict.collectors.d2f import decode_pipeline
 from dwise_predict.collectors.layers import pool_first_round
 from dwise_predict.collectors.records import DecodeRequest, DecodeResult, DecodingConfig
 from dwise_predict.engine import BlockLayout, block_layout, finish_after_block
 from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, StepRule, forwards_exhausted, make_rule
+from dwise_predict.engine.d2f import D2F
 from dwise_predict.engine.signals import early_signals
 from dwise_predict.errors import ConfigError, InputError
 from dwise_predict.traces.hidden_extra import HiddenExtra
@@ -148,6 +150,8 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     rule.bind(backend)
     requests = list(requests)
     _validate(requests, block, backend.max_context)
+    if isinstance(rule, D2F):  # ours, not SGLang's: a pipeline of blocks per forward, its own loop
+        return decode_pipeline(backend, requests, rule, block, on_result, progress, hidden_layers, rounds_hidden)
     return _run(backend, deque(requests), config, rule, block, on_result, progress, hidden_layers, rounds_hidden)
 
 
@@ -156,15 +160,16 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
     n_slots = min(config.batch_size, len(queue))
     backend.allocate(n_slots)
     mask_id, pad_id = backend.mask_token_id, backend.pad_token_id
-    # per-slot decoding state as tensors on the model's device, so a denoising step is one
-    # vectorised pass and logits never leave the device
+    # per-slot blocks as tensors on the model's device, so a denoising step is one vectorised pass and
+    # logits never leave the device; the per-slot counters and flags the loop reads every round stay
+    # on the host (a device tensor costs a dispatch, on CUDA a synchronisation, each time it is read)
     dev = backend.device
     s = _Slots(
         blk=torch.full((n_slots, block), mask_id, dtype=torch.long, device=dev),
         prompt_mask=torch.zeros((n_slots, block), dtype=torch.bool, device=dev),
         prev=torch.full((n_slots, block), pad_id, dtype=torch.long, device=dev),
-        pending=torch.zeros(n_slots, dtype=torch.bool, device=dev),
-        forwards=torch.zeros(n_slots, dtype=torch.long, device=dev),
+        pending=[False] * n_slots,
+        forwards=[0] * n_slots,
         rule_state=rule.new_state(n_slots, dev),
         active=[None] * n_slots,
     )
@@ -216,8 +221,8 @@ class _Slots:
     blk: torch.Tensor
     prompt_mask: torch.Tensor
     prev: torch.Tensor
-    pending: torch.Tensor
-    forwards: torch.Tensor
+    pending: list[bool]
+    forwards: list[int]
     rule_state: dict
     active: list
 
@@ -226,17 +231,16 @@ class _Slots:
         layout = block_layout(len(req.prompt_ids), block)
         self.active[slot] = _Active(request=req, prompt=list(req.prompt_ids), layout=layout,
                                     admit_round=round_index, t0=time.perf_counter())
-        leftover = req.prompt_ids[layout.prompt_blocks * block:]
-        self.blk[slot] = mask_id
-        self.blk[slot, :len(leftover)] = torch.tensor(leftover, dtype=torch.long)
-        self.prompt_mask[slot] = False
-        self.prompt_mask[slot, :len(leftover)] = True
+        leftover = list(req.prompt_ids[layout.prompt_blocks * block:])  # shorter than a block
+        self.blk[slot] = torch.tensor(leftover + [mask_id] * (block - len(leftover)), dtype=torch.long)
+        self.prompt_mask[slot] = torch.tensor([True] * len(leftover) + [False] * (block - len(leftover)))
         self.pending[slot] = False
         self.new_block(slot, rule)
 
     def new_block(self, slot: int, rule: StepRule) -> None:
         self.forwards[slot] = 0
-        rule.start_block(self.rule_state, torch.tensor([slot], device=self.forwards.device))
+        if self.rule_state:  # a rule without per-slot state (LowConfidence) has nothing to reset
+            rule.start_block(self.rule_state, torch.tensor([slot], device=self.blk.device))
 
 
 def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
@@ -245,61 +249,71 @@ def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
     row indices that take a prompt block. Returns the batch and the denoising row indices."""
     n, dev = len(active), s.blk.device
     slot_ids = torch.tensor(active, dtype=torch.long, device=dev)
-    is_prefill = torch.zeros(n, dtype=torch.bool, device=dev)
-    is_prefill[prefill] = True
-    d_rows = (~is_prefill).nonzero().squeeze(1)  # (n_d,)
-    d_slots = slot_ids[d_rows]
-    d_pend = s.pending[d_slots]  # these rows carry their finished block's commit
-    width = 2 * block if bool(d_pend.any()) else block
+    taking_prompt = set(prefill)
+    denoising = [i for i in range(n) if i not in taking_prompt]
+    carrying = [i for i in denoising if s.pending[active[i]]]  # these rows carry their finished block's commit
+    d_rows = torch.tensor(denoising, dtype=torch.long, device=dev) if prefill else torch.arange(n, device=dev)
 
-    ids = torch.full((n, width), pad_id, dtype=torch.long, device=dev)
-    n_valid = torch.full((n,), block, dtype=torch.long, device=dev)
-    commit = torch.zeros(n, dtype=torch.long, device=dev)
-    ids[d_rows, :block] = torch.where(d_pend[:, None], s.prev[d_slots], s.blk[d_slots])
-    if width > block:
-        carry = d_rows[d_pend]
-        ids[carry, block:] = s.blk[d_slots[d_pend]]
-        n_valid[carry] = 2 * block
-        commit[carry] = block
-    out_start = commit.clone()  # a carrying row's current block comes after the committed one
+    # whole-row copies (index_select / index_copy_): a fraction of the cost of 2-D index assignment
+    ids = s.blk.index_select(0, slot_ids)  # (n, block): each row's current block
+    if prefill:  # each takes its next full prompt block
+        taking = [s.active[active[i]] for i in prefill]
+        blocks = [a.prompt[a.next_prompt_block * block:(a.next_prompt_block + 1) * block] for a in taking]
+        ids.index_copy_(0, torch.tensor(prefill, dtype=torch.long, device=dev),
+                        torch.tensor(blocks, dtype=torch.long, device=dev))
+    if carrying:  # [finished block | current block], the rest padding
+        carry = torch.tensor(carrying, dtype=torch.long, device=dev)
+        carry_slots = slot_ids.index_select(0, carry)
+        current = torch.full((n, block), pad_id, dtype=torch.long, device=dev)
+        current.index_copy_(0, carry, s.blk.index_select(0, carry_slots))
+        ids.index_copy_(0, carry, s.prev.index_select(0, carry_slots))
+        ids = torch.cat([ids, current], dim=1)
+    n_valid, commit, out_start = [block] * n, [0] * n, [0] * n
+    for i in carrying:  # a carrying row's current block comes after the committed one
+        n_valid[i], commit[i], out_start[i] = 2 * block, block, block
     for i in prefill:
-        a = s.active[active[i]]
-        start = a.next_prompt_block * block
-        ids[i, :block] = torch.tensor(a.prompt[start:start + block], dtype=torch.long, device=dev)
         commit[i] = block
-        out_start[i] = 0
-    batch = StepBatch(slots=slot_ids, input_ids=ids, n_valid=n_valid, commit_len=commit,
-                      out_start=out_start, window=block)
+    lengths = torch.tensor([n_valid, commit, out_start], dtype=torch.long, device=dev)
+    batch = StepBatch(slots=slot_ids, input_ids=ids, n_valid=lengths[0], commit_len=lengths[1],
+                      out_start=lengths[2], window=block)
     return batch, d_rows
 
 
 def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_ids: tuple[int, ...],
              mask_id: int, hidden_layers: HiddenExtra | None, rounds_hidden: int) -> list[int]:
     """One step of the algorithm for every denoising row; returns the slots whose request ended."""
-    logits = out.logits[d_rows].float()  # (n_d, block, V)
-    ids, prompt_mask = s.blk[d_slots], s.prompt_mask[d_slots]
-    s.forwards[d_slots] += 1
-    forwards = s.forwards[d_slots]
-    first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(d_slots.tolist(), forwards.tolist())]
+    every_row = len(d_rows) == len(out.logits)
+    logits = (out.logits if every_row else out.logits.index_select(0, d_rows)).float()  # (n_d, block, V), read only
+    ids, prompt_mask = s.blk.index_select(0, d_slots), s.prompt_mask.index_select(0, d_slots)
+    slots = d_slots.tolist()
+    for slot in slots:
+        s.forwards[slot] += 1
+    forwards = [s.forwards[slot] for slot in slots]
+    first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(slots, forwards)]
     if any(first):
         _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, eos_ids, hidden_layers)
     if rounds_hidden:
         _record_rounds(out, d_rows, d_slots, logits, ids, s, rule, mask_id, eos_ids, rounds_hidden)
 
     new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
-    capped = forwards_exhausted(rule, forwards, block)  # the engine's loop ends these unstepped
-    new = torch.where(capped[:, None], ids, new)
-    done = done | capped
-    s.blk[d_slots] = new
-    s.pending[d_slots] = False  # a carried commit happened in this round's forward
+    capped = [forwards_exhausted(rule, f, block) for f in forwards]  # the engine's loop ends these unstepped
+    if any(capped):
+        capped_rows = torch.tensor(capped, dtype=torch.bool, device=done.device)
+        new = torch.where(capped_rows[:, None], ids, new)
+        done = done | capped_rows
+    s.blk.index_copy_(0, d_slots, new)
+    for slot in slots:
+        s.pending[slot] = False  # a carried commit happened in this round's forward
 
-    finished = []
-    for j, slot in enumerate(d_slots.tolist()):
-        if not bool(done[j]):
+    finished, going_on = [], []
+    done_rows = done.tolist()
+    tokens_by_row = new.tolist() if any(done_rows) else []
+    for j, slot in enumerate(slots):
+        if not done_rows[j]:
             continue
         a = s.active[slot]
-        tokens = new[j, a.layout.output_start(len(a.rounds_per_block)):].tolist()
-        a.rounds_per_block.append(int(forwards[j]))
+        tokens = tokens_by_row[j][a.layout.output_start(len(a.rounds_per_block)):]
+        a.rounds_per_block.append(forwards[j])
         ending = finish_after_block(len(a.output), tokens, a.request.budget, eos_ids)
         a.output.extend(tokens)
         if ending is not None:
@@ -307,11 +321,16 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
             del a.output[kept:]
             finished.append(slot)
         else:
-            s.prev[slot] = new[j]
-            s.pending[slot] = True
-            s.blk[slot] = mask_id
-            s.prompt_mask[slot] = False
-            s.new_block(slot, rule)
+            going_on.append(j)
+    if going_on:  # the finished block is committed in front of the next one (its row's next forward)
+        rows = torch.tensor(going_on, dtype=torch.long, device=d_slots.device)
+        next_slots = d_slots.index_select(0, rows)
+        s.prev.index_copy_(0, next_slots, new.index_select(0, rows))
+        s.blk.index_fill_(0, next_slots, mask_id)
+        s.prompt_mask.index_fill_(0, next_slots, False)
+        for j in going_on:
+            s.pending[slots[j]] = True
+            s.new_block(slots[j], rule)
     return finished
 
 

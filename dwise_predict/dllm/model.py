@@ -397,7 +397,8 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
     @torch.inference_mode()  # not no_grad: less bookkeeping per op, ~10 % off a one-request round
     def forward_step(self, cache: TinyKVCache, slots: torch.Tensor, input_ids: torch.Tensor,
                      n_valid: torch.Tensor, commit_len: torch.Tensor, out_start: torch.Tensor,
-                     window: int | None = None, with_logits: bool = True, with_layers: bool = False):
+                     window: int | None = None, with_logits: bool = True, with_layers: bool = False,
+                     block_len: int = 0):
         """One cached round: a chunk of up to L tokens per active slot.
 
         Row r belongs to slot ``slots[r]`` and holds ``n_valid[r]`` real tokens (the rest padding)
@@ -417,6 +418,8 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
             must not exceed L.
         with_logits : also run the LM head over the window.
         with_layers : also return every layer's state over the window (see ``_trunk``).
+        block_len : above 0, the chunk is instead consecutive blocks of ``block_len`` tokens from its
+            first token, each seeing the ones before it (D2F's pipeline rows: several blocks per forward).
 
         Returns
         -------
@@ -432,9 +435,11 @@ class TinyDllmForBlockDiffusion(TinyDllmPreTrainedModel):
         key_len = int((start + L).max())
         keys = torch.arange(key_len, device=device)  # (T_k,)
         rel = keys[None, :] - start[:, None]  # (n, T_k) key position relative to the chunk
-        # a chunk token is in block 0 (its clean commit part) or block 1 (the part after it)
-        q_block = (offs[None, :] >= commit_len[:, None]).long()  # (n, L)
-        k_block = (rel >= commit_len[:, None]).long()  # (n, T_k)
+        if block_len:  # a chunk token is in block offs // block_len (D2F: a pipeline of blocks in one forward)
+            q_block, k_block = (offs // block_len)[None, :].expand(n, L), rel.clamp_min(0) // block_len
+        else:  # a chunk token is in block 0 (its clean commit part) or block 1 (the part after it)
+            q_block = (offs[None, :] >= commit_len[:, None]).long()  # (n, L)
+            k_block = (rel >= commit_len[:, None]).long()  # (n, T_k)
         k_cached = rel < 0
         k_chunk = (rel >= 0) & (rel < n_valid[:, None])
         visible = k_cached[:, None, :] | (

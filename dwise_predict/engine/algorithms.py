@@ -21,6 +21,9 @@ synchronous loop does for a batch of one; ``--dllm-fdfo`` has no cap (see ``docs
 
 Rules work on per-slot state tensors so a batch whose rows come and go (slot refill) steps in one
 vectorised call: ``new_state`` allocates them, ``start_block`` resets the slots that begin a block.
+
+One registered algorithm is ours, not SGLang's: ``D2F`` (:mod:`.d2f`, run by ``collectors.d2f``),
+for Amin et al.'s measurements; its :class:`AlgorithmInfo` says SGLang does not serve it.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from dwise_predict.errors import ConfigError
+from dwise_predict.errors import BundleError, ConfigError
 
 
 @dataclass
@@ -365,10 +368,19 @@ class JointThresholdInDel(StepRule):
 
 @dataclass(frozen=True)
 class AlgorithmInfo:
-    """What a user can name with ``--algorithm``: the rule, or why this decoder cannot run it."""
+    """What a user can name with ``--algorithm``: the rule, or why this decoder cannot run it;
+    ``sglang`` False for a decoding of ours that SGLang 0.5.23 does not serve (D2F)."""
 
     rule: Callable[..., StepRule] | None
     unsupported: str | None = None
+    sglang: bool = True
+
+
+def _d2f(**kwargs) -> StepRule:
+    """D2F's rule: ours, not SGLang's, in its own module (:mod:`.d2f`, which builds on this one)."""
+    from dwise_predict.engine.d2f import D2F
+
+    return D2F(**kwargs)
 
 
 ALGORITHMS: dict[str, AlgorithmInfo] = {
@@ -378,6 +390,7 @@ ALGORITHMS: dict[str, AlgorithmInfo] = {
     "Gemma4Renoise": AlgorithmInfo(
         None, "Gemma4Renoise needs a separate context-encoding pass that only the DiffusionGemma "
               "backend runs; it is chosen automatically for DiffusionGemma models"),
+    "D2F": AlgorithmInfo(_d2f, sglang=False),
 }
 DEFAULT_ALGORITHM = "LowConfidence"  # SGLang's documented choice for LLaDA2.x and SDAR
 ARCHITECTURE_ALGORITHMS = {"DiffusionGemmaForBlockDiffusion": "Gemma4Renoise"}  # DllmConfig requires it
@@ -475,14 +488,20 @@ def comparable_decoding(trained_algorithm: str | None, served: dict) -> dict:
     everything where this decoder mirrors the algorithm (its parameters then carry SGLang's
     defaults on both sides); the block size alone for traces of anything else (synthetic traces,
     DiffusionGemma's transformers sampler, a Gemma4Renoise recording, whose parameters have no
-    defaults here to compare by)."""
+    defaults here to compare by). A decoding of ours that SGLang does not serve (D2F) matches no
+    server: :class:`BundleError`."""
+    info = ALGORITHMS.get(trained_algorithm or "")
+    if info is not None and not info.sglang:
+        raise BundleError(f"this bundle was trained on {trained_algorithm} traces, a decoding of dwise-predict's own "
+                          "that SGLang 0.5.23 does not serve, so its rounds are no server's: train on "
+                          "traces of an algorithm SGLang serves (LowConfidence, JointThreshold, JointThresholdInDel)")
     return served if _mirrored_rule(trained_algorithm) is not None else {"block_size": served["block_size"]}
 
 
 def _mirrored_rule(algorithm: str | None):
     """The step rule class mirroring SGLang's ``algorithm``, or None where we run no such rule."""
     info = ALGORITHMS.get(algorithm or "")
-    return None if info is None else info.rule
+    return None if info is None or not info.sglang else info.rule
 
 
 def forwards_exhausted(rule: StepRule, forwards: torch.Tensor, block_size: int) -> torch.Tensor:

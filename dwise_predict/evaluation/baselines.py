@@ -152,6 +152,16 @@ def early_signal_predictions(train: TraceDataset, eval_ds: TraceDataset, seed: i
     return out
 
 
+def output_length_lightgbm(train: TraceDataset, eval_ds: TraceDataset, seed: int = 0) -> np.ndarray:
+    """Predicted output tokens of ``eval_ds`` from the admission features (words, newlines, prompt
+    tokens) by the small LightGBM above, fitted on ``train``: what a prompt-only output-length
+    predictor (the DWISE paper's SSJF, LTR) learns (``simulate --subset`` ranks work by it)."""
+    from dwise_predict.features.prompt import FEATURE_NAMES
+
+    x_train, x_eval = (d.requests[list(FEATURE_NAMES)].to_numpy(dtype=float) for d in (train, eval_ds))
+    return _lightgbm_log(x_train, train.requests["output_tokens"].to_numpy(dtype=float), x_eval, seed)
+
+
 def trail_probe(train: TraceDataset, eval_ds: TraceDataset, bins: int = PROBE_BINS, seed: int = 0) -> np.ndarray:
     """TRAIL-style probe: classify the first-round hidden state into remaining-round bins (quantile
     edges on the training split), predict the probability-weighted mean of the bins, shape (n_eval,).

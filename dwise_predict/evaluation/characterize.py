@@ -18,7 +18,9 @@ short budgets hide the spread because truncated requests all look alike.
 Requests of different decodings are never pooled (:mod:`.decodings`): inputs of several block sizes
 get one section each and Amin et al.'s block-size invariance table (:func:`block_size_invariance`);
 inputs of several algorithms or parameters are refused unless split on request. Given repeated runs
-of the same prompts, it adds the DWISE paper's Table 11 (:mod:`.stability`).
+of the same prompts, it adds the DWISE paper's Table 11 (:mod:`.stability`). Given D2F traces (our
+pipeline decoding, ``collect --algorithm D2F``) and traces of another decoding of the same prompts,
+split, it adds Amin et al.'s D2F-against-base comparison (Fig. 4, §III-A/B: :func:`d2f_vs_base`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ TIER_SHARE = 0.5
 SIGNAL_COLUMNS = (*EARLY_SIGNALS, "prompt_tokens")
 # signal_directions' verdict for an input that orders some categories one way and others the other
 DEPENDS_ON_CATEGORY = "depends on the category"
+# engine.d2f.D2F.name, the algorithm `collect --algorithm D2F` records (evaluation does not import the engine)
+D2F_ALGORITHM = "D2F"
 
 
 def rounds_distribution(rounds: np.ndarray) -> dict:
@@ -167,7 +171,8 @@ def characterize(datasets: Sequence[TraceDataset], split_decodings: bool = False
     ``signal_directions``). With several: ``model``, ``traces``, ``configurations`` (one section per
     decoding, ordered as :func:`.decodings.group_by_decoding` orders them) and ``invariance`` (one
     :func:`block_size_invariance` table per algorithm and parameters met at more than one block size).
-    With ``stability``, also ``stability`` (:func:`.stability.round_stability`).
+    With ``stability``, also ``stability`` (:func:`.stability.round_stability`). With a D2F decoding
+    among several, also ``d2f_vs_base`` (:func:`d2f_vs_base` for each D2F and each other decoding).
     """
     check_same_model(datasets)
     groups = group_by_decoding(datasets, split_decodings)
@@ -177,6 +182,10 @@ def characterize(datasets: Sequence[TraceDataset], split_decodings: bool = False
     else:
         result["configurations"] = [characterize_group(g) for g in groups]
         result["invariance"] = [block_size_invariance(family) for family in _families(groups) if len(family) > 1]
+        d2f = [g for g in groups if g.settings["algorithm"] == D2F_ALGORITHM]
+        if d2f:  # absent otherwise: a characterization without D2F is unchanged
+            result["d2f_vs_base"] = [d2f_vs_base(d, b) for d in d2f for b in groups
+                                     if b.settings["algorithm"] != D2F_ALGORITHM]
     if stability:
         result["stability"] = round_stability(datasets)
     return result
@@ -242,6 +251,42 @@ def block_size_invariance(family: Sequence[DecodingGroup]) -> dict:
         across = float(np.mean(counts.std(axis=0) / counts.mean(axis=0)))
     return {"label": family[0].settings_label, "rows": rows, "matched": int(len(counts)), "within_request_cv": within,
             "across_request_cv": across, "ratio": across / within if within else None}
+
+
+def d2f_vs_base(d2f: DecodingGroup, base: DecodingGroup) -> dict:
+    """Amin et al.'s D2F against the base model on the same prompts (Fig. 4, §III-A/B), here two
+    decodings of one model.
+
+    Amin et al. (LLaDA-8B-Instruct, GSM8K, 512-token budget, one request at a time) found D2F's
+    denoising steps on 11 tiers (178 + 29k) and its latency CV 0.272 against 0.100 for the base model
+    without the D2F adapter, 2.7 times. This measures, on the requests both decoded (same
+    ``request_id`` and budget; a request repeated in one group counts once, its first row), per
+    decoding: the CV of total rounds and of wall time, wall time's max/min, and the tier detector's
+    verdict on the rounds (:func:`discreteness`); then D2F's CV over the base's for each.
+
+    Returns
+    -------
+    dict with ``d2f`` and ``base`` (the groups' labels), ``matched`` (requests in both), ``rows`` (D2F's
+    then the base's: ``label``, ``algorithm``, ``rounds`` (:func:`rounds_distribution`), ``wall``
+    (:func:`rounds_distribution` of wall seconds), ``discreteness``; empty when nothing matched),
+    ``rounds_cv_ratio`` and ``wall_cv_ratio`` (D2F / base; None where undefined).
+    """
+    key = ["request_id", "budget"]
+    matched = d2f.requests.drop_duplicates(key).merge(base.requests.drop_duplicates(key), on=key,
+                                                       suffixes=("_d2f", "_base"))
+    rows = [{"label": g.label, "algorithm": g.settings["algorithm"],
+             "rounds": rounds_distribution(matched[f"total_rounds_{side}"].to_numpy()),
+             "wall": rounds_distribution(matched[f"wall_s_{side}"].to_numpy()),
+             "discreteness": discreteness(matched[f"total_rounds_{side}"].to_numpy())}
+            for g, side in ((d2f, "d2f"), (base, "base"))] if len(matched) else []
+
+    def ratio(measure: str) -> float | None:
+        if not rows or rows[0][measure]["cv"] is None or not rows[1][measure]["cv"]:
+            return None
+        return rows[0][measure]["cv"] / rows[1][measure]["cv"]
+
+    return {"d2f": d2f.label, "base": base.label, "matched": int(len(matched)), "rows": rows,
+            "rounds_cv_ratio": ratio("rounds"), "wall_cv_ratio": ratio("wall")}
 
 
 def signal_directions(requests: pd.DataFrame, columns: Sequence[str] = SIGNAL_COLUMNS, seed: int = 0) -> list[dict]:

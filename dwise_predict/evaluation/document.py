@@ -184,8 +184,9 @@ def write_document(doc: Document, out_dir: str | os.PathLike, stem: str = "repor
     out = Path(out_dir)
     _write_plots(doc.figures(), out)
     html_path, md_path = out / f"{stem}.html", out / f"{stem}.md"
-    atomic_write(html_path, lambda tmp: tmp.write_text(to_html(doc), encoding="utf-8"))
-    atomic_write(md_path, lambda tmp: tmp.write_text(to_markdown(doc), encoding="utf-8"))
+    # a path of bytes that are not UTF-8 (Python holds them as lone surrogates) shows as its escape, \udcff
+    atomic_write(html_path, lambda tmp: tmp.write_text(to_html(doc), encoding="utf-8", errors="backslashreplace"))
+    atomic_write(md_path, lambda tmp: tmp.write_text(to_markdown(doc), encoding="utf-8", errors="backslashreplace"))
     return html_path, md_path
 
 
@@ -208,8 +209,8 @@ def add_sections(sections: list[Section], out_dir: str | os.PathLike, stem: str 
     md_added = [line for section in sections for line in _section_markdown(section)]
     md = "\n".join([md.split(ADDED_MARK)[0].rstrip("\n"), "", ADDED_MARK, *md_added]).rstrip() + "\n"
     _write_plots(Document("", [], sections).figures(), out)
-    atomic_write(html_path, lambda tmp: tmp.write_text(html, encoding="utf-8"))
-    atomic_write(md_path, lambda tmp: tmp.write_text(md, encoding="utf-8"))
+    atomic_write(html_path, lambda tmp: tmp.write_text(html, encoding="utf-8", errors="backslashreplace"))
+    atomic_write(md_path, lambda tmp: tmp.write_text(md, encoding="utf-8", errors="backslashreplace"))
     return html_path, md_path
 
 

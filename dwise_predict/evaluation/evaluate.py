@@ -40,6 +40,7 @@ from dwise_predict.evaluation.inputs import concat, load_many, model_label
 from dwise_predict.evaluation.pool import fit_kept, kept_results_dir, run_tasks
 from dwise_predict.evaluation.report import survival_examples
 from dwise_predict.runs import load_run
+from dwise_predict.text import visible
 from dwise_predict.traces import TraceDataset
 from dwise_predict.versions import package_versions
 
@@ -156,7 +157,7 @@ def evaluate(
 
     result = {
         "traces": _traces_record(datasets, ds, train, eval_ds, scored),
-        "run": str(run) if run is not None else None,
+        "run": visible(str(run)) if run is not None else None,  # a byte that is not UTF-8 as its escape
         "config": config.to_dict(),
         "metrics": metrics,
         "calibration": _calibration_rows(metrics),
@@ -282,7 +283,7 @@ def _traces_record(datasets: list[TraceDataset], ds: TraceDataset, train: TraceD
                    scored: TraceDataset) -> dict:
     """What was evaluated: the trace directories, their pooled fingerprint, model, decoding and sizes."""
     return {
-        "paths": [str(d.path) for d in datasets],
+        "paths": [visible(str(d.path)) for d in datasets],  # a byte that is not UTF-8 as its escape
         "fingerprint": ds.data_hash(),
         "model": model_label(ds),
         "decoding": ds.decoding,

@@ -70,8 +70,10 @@ def plan(
     return tasks, skipped
 
 
-def check_categories(train: TraceDataset, eval_ds: TraceDataset, categories: Sequence[str] | None) -> list[str]:
-    """``categories`` (default: all of either split, sorted), after checking each one exists.
+def check_categories(train: TraceDataset, eval_ds: TraceDataset, categories: Sequence[str] | None,
+                     param: str = "`hold_out`") -> list[str]:
+    """``categories`` (default: all of either split, sorted), after checking each one exists; the
+    refusal tells the user to pass a known one to ``param`` (the caller's parameter).
 
     Raises
     ------
@@ -85,7 +87,7 @@ def check_categories(train: TraceDataset, eval_ds: TraceDataset, categories: Seq
     if unknown:
         raise InputError(
             f"unknown category {', '.join(map(repr, unknown))}: the traces hold {', '.join(known)}; "
-            "pass one of those to `hold_out`"
+            f"pass one of those to {param}"
         )
     return list(categories)
 

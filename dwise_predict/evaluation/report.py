@@ -14,6 +14,7 @@ import pandas as pd
 
 from dwise_predict.evaluation import plots
 from dwise_predict.evaluation.characterize import DEPENDS_ON_CATEGORY
+from dwise_predict.evaluation.d2f_report import d2f_section
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, fmt_interval
 from dwise_predict.files import atomic_dir, write_json
 
@@ -104,7 +105,8 @@ def characterization_document(result: dict, requests: list[pd.DataFrame]) -> Doc
         meta.append(f"decoding: {result['label']}")
         sections = _decoding_sections(result, requests[0])
     else:
-        sections = [_invariance_section(table) for table in result["invariance"]]
+        sections = [d2f_section(c) for c in result.get("d2f_vs_base", ())]  # Amin et al., Fig. 4
+        sections += [_invariance_section(table) for table in result["invariance"]]
         for i, (section, frame) in enumerate(zip(result["configurations"], requests), start=1):
             sections += _decoding_sections(section, frame, f"_{i}", f" — {section['label']}")
     if "stability" in result:

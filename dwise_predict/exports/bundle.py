@@ -52,7 +52,7 @@ from dwise_predict.bundles.manifest import (
 from dwise_predict.exports.model_card import model_card
 from dwise_predict.exports.probe_worker import RAW_PROBE, TOLERANCE, calibrated_band, outside_band
 from dwise_predict.features.prompt import FEATURE_NAMES
-from dwise_predict.files import atomic_dir, claim_output, sha256_file
+from dwise_predict.files import atomic_dir, claim_output, sha256_file, utf8_name
 from dwise_predict.names import EARLY_SIGNALS, HIDDEN_STATES
 from dwise_predict.exports.refine_export import (
     ONNX_OPSET as REFINE_OPSET,
@@ -165,7 +165,8 @@ def _rebuild_graph(run: RunFiles):
 
     path = run.path / "refine.safetensors"
     try:
-        weights = load_file(str(path))
+        with utf8_name(path) as name:
+            weights = load_file(name)
     except (SafetensorError, OSError) as err:
         raise InputError(f"{path} is not a readable safetensors file ({err}): re-run `dwise-predict train`") from None
     spec = run.refine_spec

@@ -426,8 +426,10 @@ def check_served_algorithm(trained: BundleIdentity, bundle: str, server_args, bl
     from dwise_predict.bundles.load import check_compatible
 
     served = served_algorithm(server_args, block_size)
+    # a bundle of a decoding SGLang does not serve (D2F) is refused whatever the server runs
+    expected = comparable_decoding(trained.decoding.algorithm, served or {"block_size": None})
     if served is not None:
-        check_compatible(trained, None, comparable_decoding(trained.decoding.algorithm, served), bundle)
+        check_compatible(trained, None, expected, bundle)
 
 
 class SchedulerEntry:

@@ -19,21 +19,26 @@ from pathlib import Path
 from dwise_predict.errors import StoreError
 from dwise_predict.evaluation.document import Document, Figure, Section, Table, fmt, write_document
 from dwise_predict.files import atomic_write_bytes, loads_json, write_csv, write_errors
-from dwise_predict.simulation.schedulers import SCHEDULERS
+from dwise_predict.simulation.schedulers import ALL_SCHEDULERS
 from dwise_predict.simulation.styles import policy_style
+from dwise_predict.simulation.work_ranking import SUBSET_COLUMNS
 from dwise_predict.text import plot_label
 
 
 @dataclass(frozen=True)
 class MetricColumn:
     """One metric of the comparison tables: the row key, the console's header and format, and
-    whether the report shows it (under ``report_header`` where that differs)."""
+    whether the report shows it (under ``report_header`` where that differs). An ``optional`` column
+    is shown only where a row carries its key (what ``simulate`` adds to the rows; the quickstart's
+    rows lack it); ``absent`` is the cell of a row whose value is None."""
 
     key: str
     header: str
     fmt: str
     in_report: bool = True
     report_header: str = ""
+    optional: bool = False
+    absent: str = ""
 
     @property
     def report_title(self) -> str:
@@ -42,6 +47,7 @@ class MetricColumn:
 
 # between the group column (arrival, rate or k) with the scheduler's name and the last, "adds"
 METRIC_COLUMNS = (
+    MetricColumn("batch_former", "batch former", "{}", optional=True),
     MetricColumn("mean_latency_s", "mean s", "{:.2f}"),
     MetricColumn("p50_latency_s", "p50 s", "{:.2f}"),
     MetricColumn("p99_latency_s", "p99 s", "{:.2f}"),
@@ -55,6 +61,9 @@ METRIC_COLUMNS = (
     MetricColumn("rhat_zero_pct", "r̂=0 %", "{:.1f}"),
     MetricColumn("cap_blocked_rounds_pct", "cap-blocked %", "{:.1f}"),
     MetricColumn("speedup_vs_default", "speedup", "{:.2f}x", report_header="speed-up"),
+    # ρ of the scheduler's ranking with the work (simulation.work_ranking): "—" where it ranks by no estimate
+    MetricColumn("rho_admission", "ρ adm.", "{:.3f}", optional=True, absent="—", report_header="ρ at admission"),
+    MetricColumn("rho_refined", "ρ ref.", "{:.3f}", optional=True, absent="—", report_header="ρ after refinement"),
 )
 # the group column of each kind of run: (row key, header, console format)
 GROUP_COLUMNS = {"arrival": ("arrival", "arrival", "{}"), "rate_rps": ("rate_rps", "rate req/s", "{:.2f}"),
@@ -93,14 +102,15 @@ ROUND_RANK_COLUMNS = (
 
 def adds(policy: str | None) -> str:
     """What ``policy`` adds over the row before it (its spec's ``adds``; "" for an unknown name)."""
-    spec = SCHEDULERS.get(policy)
+    spec = ALL_SCHEDULERS.get(policy)
     return spec.adds if spec else ""
 
 
-def _cell(row: dict, key: str, form: str) -> str:
-    """A console cell: ``form`` applied, the interval beside a mean of several seeds, "" where missing."""
+def _cell(row: dict, key: str, form: str, absent: str = "") -> str:
+    """A console cell: ``form`` applied, the interval beside a mean of several seeds, "" where missing
+    (``absent`` where the row holds None)."""
     if key not in row or row[key] is None:
-        return ""
+        return absent if key in row else ""
     if f"{key}_lo" in row:  # several arrival seeds: mean [95 % bootstrap interval]
         return INTERVAL.format(row[key], row[f"{key}_lo"], row[f"{key}_hi"])
     return form.format(row[key])
@@ -111,13 +121,15 @@ def render_table(rows: list[dict], title: str, group: str = "arrival"):
     :data:`GROUP_COLUMNS`."""
     from rich.table import Table
 
-    columns = [GROUP_COLUMNS[group], ("policy", "policy", "{}"), *((c.key, c.header, c.fmt) for c in METRIC_COLUMNS)]
+    columns = [GROUP_COLUMNS[group], ("policy", "policy", "{}"),
+               *((c.key, c.header, c.fmt) for c in METRIC_COLUMNS if _shown(c, rows))]
     table = Table(title=title)
     for _, header, _ in columns:
         table.add_column(header, justify="left" if header in ("arrival", "policy", "rate req/s") else "right")
     table.add_column("adds over the row above", justify="right")
+    absent = {c.key: c.absent for c in METRIC_COLUMNS}
     for r in rows:
-        table.add_row(*[_cell(r, key, form) for key, _, form in columns], adds(r.get("policy")))
+        table.add_row(*[_cell(r, key, form, absent.get(key, "")) for key, _, form in columns], adds(r.get("policy")))
     return table
 
 
@@ -316,11 +328,21 @@ def batch_timeout_plot(rows: list[dict], title: str) -> bytes:
     return buf.getvalue()
 
 
-def _report_cell(row: dict, key: str) -> str:
-    """A report cell: two decimals, the interval beside a mean of several seeds, "n/a" where missing."""
+def _shown(column: MetricColumn, rows: list[dict]) -> bool:
+    """Whether the tables show ``column``: always, or where optional, when a row carries it."""
+    return not column.optional or any(column.key in r for r in rows)
+
+
+def _report_cell(row: dict, key: str, absent: str = "") -> str:
+    """A report cell: two decimals, the interval beside a mean of several seeds, "n/a" where missing
+    (``absent`` instead, when given, where the row holds None); a text value as it is."""
     value = row.get(key)
+    if absent and key in row and value is None:
+        return absent
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
+    if isinstance(value, str):
+        return value
     if f"{key}_lo" in row:
         return f"{value:.2f} [{row[key + '_lo']:.2f}, {row[key + '_hi']:.2f}]"
     return fmt(float(value), 2)
@@ -329,10 +351,10 @@ def _report_cell(row: dict, key: str) -> str:
 def scheduler_table(rows: list[dict], group: str) -> Table:
     """The report's comparison: one row per (group, scheduler), the metrics of :data:`METRIC_COLUMNS`
     the report shows, and what the scheduler adds."""
-    shown = [c for c in METRIC_COLUMNS if c.in_report]
+    shown = [c for c in METRIC_COLUMNS if c.in_report and _shown(c, rows)]
     head = [GROUP_COLUMNS[group][1], "scheduler", *(c.report_title for c in shown), "adds"]
     body = [[str(r.get(group)) if group == "arrival" else fmt(float(r[group]), 2), r["policy"],
-             *[_report_cell(r, c.key) for c in shown], adds(r["policy"])] for r in rows]
+             *[_report_cell(r, c.key, c.absent) for c in shown], adds(r["policy"])] for r in rows]
     return Table(head, body, "Schedulers on the replayed requests (intervals: 95 % bootstrap over arrival seeds)")
 
 
@@ -362,12 +384,50 @@ def simulation_section(saved: dict, pngs: dict[str, bytes]) -> Section:
                              else "Per-category p99 latency."))
     if saved.get("categories"):
         blocks.append(category_table(saved["categories"]))
+    if saved.get("subset_table"):
+        head, body = subset_cells(saved["subset_table"])
+        blocks.append(Table(head, body, f"{SUBSET_TITLE}. {saved['subset_table']['note']}"))
     return Section("Scheduling simulation", text, blocks)
 
 
+SUBSET_TITLE = "Output length versus work by subset (the DWISE paper's Table 12)"
+
+
+def subset_cells(table: dict) -> tuple[list[str], list[list[str]]]:
+    """The DWISE paper's Table 12 (:func:`~dwise_predict.simulation.work_ranking.subset_table`) as text:
+    the header and one row per quantity (shares in %, ρ to two decimals, Δ latency signed; "—" where
+    undefined)."""
+    body = [[r["quantity"], *(_subset_cell(r["quantity"], r[c]) for c in SUBSET_COLUMNS)] for r in table["rows"]]
+    return ["", *table["columns"]], body
+
+
+def _subset_cell(quantity: str, value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:.1f}" if quantity.endswith("%") else f"{value:+.2f}" if quantity.startswith("Δ") else f"{value:.2f}"
+
+
+def render_subset_table(table: dict, title: str):
+    """The console's Table 12 (:func:`subset_cells`), names from the traces escaped for the terminal."""
+    from rich.table import Table as RichTable
+
+    from dwise_predict.text import terminal
+
+    head, body = subset_cells(table)
+    out = RichTable(title=title, caption=terminal(table["note"]), title_justify="left")
+    for i, header in enumerate(head):
+        out.add_column(terminal(header), justify="left" if i == 0 else "right")
+    for row in body:
+        out.add_row(*(terminal(c) for c in row))
+    return out
+
+
 def write_simulation_report(saved: dict, pngs: dict[str, bytes], out: str | os.PathLike) -> tuple[Path, Path]:
-    """``report.html`` and ``report.md`` in ``out`` holding the scheduling section."""
+    """``report.html`` and ``report.md`` in ``out`` holding the scheduling section (and those of
+    `simulate`'s retraining studies, :mod:`.retrain_report`, where the run holds them)."""
+    from dwise_predict.simulation.retrain_report import retrain_sections
+
     doc = Document("dwise-predict: scheduling simulation", [f"traces: {saved['settings'].get('traces')}",
                                                             f"bundle: {saved['settings'].get('bundle')}"],
-                   [simulation_section(saved, pngs)])
+                   [simulation_section(saved, pngs), *retrain_sections(saved)])
     return write_document(doc, out)

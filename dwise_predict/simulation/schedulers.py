@@ -14,10 +14,11 @@ The rows are ordered so that the differences between adjacent ones are what a co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from dwise_predict.errors import ConfigError
 from dwise_predict.serving.policy import DwisePolicy
 
 
@@ -117,6 +118,56 @@ NEEDS = {"none": (), "zero": (), "oracle": (), "admission": ("admission",), "ref
 FROM_BUNDLE = {"admission", "raw", "refined"}
 # the gain decomposition: (step, from, to) in the registry's order (``simulator.gain_decomposition``)
 GAIN_STEPS = tuple((step, before, spec.name) for spec in SCHEDULERS.values() for step, before in spec.steps)
+
+# The batch former a published baseline runs on. The registry's baselines run on DWISE's mixed-phase
+# former (the DWISE paper's Table 4); the paper's Table 2 runs them on SGLang's prefill-first one, "as
+# originally designed". Each has a twin here, ``<name>-pf``, derived from its spec with only the phase
+# barrier switched on (admission, residency and ranking unchanged, so the pair isolates the former).
+# The rows keep one name per scheduler (rows, speed-ups, plots and per-category tails are keyed by it);
+# the suffix says the former. FCFS on the prefill-first former is SGLang's default itself, so
+# ``fcfs-mixed`` has no twin: its counterpart is ``sglang-default``.
+BATCH_FORMERS = ("mixed", "prefill-first", "both")
+PREFILL_FIRST_SUFFIX = "-pf"
+PREFILL_FIRST: dict[str, SchedulerSpec] = {
+    f"{spec.name}{PREFILL_FIRST_SUFFIX}": replace(
+        spec, name=f"{spec.name}{PREFILL_FIRST_SUFFIX}", prefill_first=True, steps=(),
+        about=f"{spec.about}; on SGLang's prefill-first batch former (a round is all-prefill while any resident "
+              "has a prompt block left), as the DWISE paper's Table 2 runs it",
+        adds=f"{spec.adds} (prefill-first)")
+    for spec in SCHEDULERS.values() if spec.family == "baseline" and spec.ranking != "arrival"}
+# what the mixed former gives each baseline: (step, on prefill-first, on mixed), read by the gain
+# decomposition beside :data:`GAIN_STEPS` (FCFS's is GAIN_STEPS' "mixed batching" step)
+FORMER_STEPS = tuple((f"mixed former ({spec.name[: -len(PREFILL_FIRST_SUFFIX)]})", spec.name,
+                      spec.name[: -len(PREFILL_FIRST_SUFFIX)]) for spec in PREFILL_FIRST.values())
+# every scheduler a replay may name: SGLang's modes, the baselines on the prefill-first former, then
+# the rest of the registry (so a table of both formers reads the DWISE paper's Table 2, then its Table 4)
+ALL_SCHEDULERS: dict[str, SchedulerSpec] = {
+    **{name: spec for name, spec in SCHEDULERS.items() if spec.family == "sglang"}, **PREFILL_FIRST,
+    **{name: spec for name, spec in SCHEDULERS.items() if spec.family != "sglang"}}
+
+
+def on_batch_former(names: list[str], former: str) -> list[str]:
+    """``names`` with each published baseline on the batch former ``former`` (:data:`BATCH_FORMERS`):
+    ``mixed`` keeps ``names`` as given, ``prefill-first`` swaps each baseline for its ``-pf`` twin,
+    ``both`` keeps it and adds the twin; the others (and ``-pf`` names) stay. Except for ``mixed``,
+    the result follows :data:`ALL_SCHEDULERS`' order."""
+    if former not in BATCH_FORMERS:
+        raise ConfigError(f"`batch_former` must be one of {', '.join(BATCH_FORMERS)}, got {former!r}")
+    if former == "mixed":
+        return list(names)
+    chosen = set()
+    for name in names:
+        twin = PREFILL_FIRST.get(f"{name}{PREFILL_FIRST_SUFFIX}")
+        if twin is None or former == "both":
+            chosen.add(name)
+        if twin is not None:
+            chosen.add(twin.name)
+    return [name for name in ALL_SCHEDULERS if name in chosen] + [name for name in names if name not in ALL_SCHEDULERS]
+
+
+def batch_former(spec: SchedulerSpec) -> str:
+    """Which batch former ``spec`` runs on: ``prefill-first`` (SGLang's phase barrier) or ``mixed``."""
+    return "prefill-first" if spec.prefill_first else "mixed"
 
 
 def needs_bundle(spec: SchedulerSpec) -> bool:

@@ -38,9 +38,18 @@ from dwise_predict.features.prompt import FEATURE_NAMES
 from dwise_predict.metrics import bootstrap_mean_ci
 from dwise_predict.serving.policy import MAX_WAIT, DwisePolicy
 from dwise_predict.simulation.round_cost import RoundCost, flat_round_cost
-from dwise_predict.simulation.schedulers import GAIN_STEPS, NEEDS, SCHEDULERS, bucket, make_policy
+from dwise_predict.simulation.schedulers import (
+    ALL_SCHEDULERS,
+    FORMER_STEPS,
+    GAIN_STEPS,
+    NEEDS,
+    SCHEDULERS,
+    bucket,
+    make_policy,
+    on_batch_former,
+)
 
-POLICIES = SCHEDULERS  # name -> SchedulerSpec
+POLICIES = ALL_SCHEDULERS  # name -> SchedulerSpec: the registry and its baselines' prefill-first twins
 ARRIVALS = ("burst", "burst-poisson", "poisson")
 NEEDS_BUNDLE = {name: NEEDS[spec.estimate] for name, spec in POLICIES.items() if NEEDS[spec.estimate]}
 
@@ -711,12 +720,14 @@ def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arriv
     return max(1, min(steps)) if steps else 1
 
 
-def available_policies(workload: SimRequests) -> list[str]:
-    """Policies the workload's predictions allow (all, or those needing no bundle)."""
+def available_policies(workload: SimRequests, batch_former: str = "mixed") -> list[str]:
+    """Policies the workload's predictions allow (all, or those needing no bundle), the published
+    baselines on ``batch_former`` (:func:`~dwise_predict.simulation.schedulers.on_batch_former`)."""
     have = {"admission": workload.admission is not None, "refined": workload.refined is not None,
             "probe": workload.probe is not None, "raw": workload.raw_refined is not None,
             "blocks": workload.block_rounds is not None}
-    return [p for p in POLICIES if all(have[s] for s in NEEDS_BUNDLE.get(p, ()))]
+    return [p for p in on_batch_former(list(SCHEDULERS), batch_former)
+            if all(have[s] for s in NEEDS_BUNDLE.get(p, ()))]
 
 
 def compare(workload: SimRequests, config: SimConfig, policies: list[str] | None = None) -> list[SimResult]:
@@ -728,7 +739,7 @@ def compare(workload: SimRequests, config: SimConfig, policies: list[str] | None
 
 def compare_arrivals(
     workload: SimRequests, config: SimConfig, patterns: list[str], rate: str = "1.5x", policies: list[str] | None = None,
-    arrival_seeds: int = 1, tails: list | None = None,
+    arrival_seeds: int = 1, tails: list | None = None, log: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """Compare policies under each arrival pattern; one metrics row per (pattern, policy).
 
@@ -740,7 +751,8 @@ def compare_arrivals(
     config.seed + arrival_seeds − 1``; a row then holds each metric's mean over the seeds and, for
     the latency and throughput metrics, ``<metric>_lo`` / ``<metric>_hi``, a 95 % bootstrap interval
     of that mean (:func:`~dwise_predict.metrics.bootstrap_mean_ci`). ``tails``, when a list, receives
-    the per-category tails (:func:`category_tails`) of the first seed's runs.
+    the per-category tails (:func:`category_tails`) of the first seed's runs. ``log`` is told as
+    each pattern (and seed) is replayed.
     """
     poisson_rate = parse_rates(rate, workload, config, "`rate`")[0] if any(p != "burst" for p in patterns) else None
     rows = []
@@ -748,10 +760,14 @@ def compare_arrivals(
         per_seed: dict[str, list[dict]] = {}
         for i in range(max(1, arrival_seeds)):
             cfg = replace(config, arrival=pattern, rate=None if pattern == "burst" else poisson_rate, seed=config.seed + i)
-            for result in compare(workload, cfg, policies):
+            results = compare(workload, cfg, policies)
+            for result in results:
                 per_seed.setdefault(result.policy, []).append(result.metrics)
                 if tails is not None and i == 0:
                     tails.extend({"arrival": pattern, **row} for row in category_tails(result, workload))
+            if log:
+                seeds = f", arrival seed {i + 1} of {arrival_seeds}" if arrival_seeds > 1 else ""
+                log(f"  {pattern} arrivals{seeds}: {len(results)} schedulers replayed")
         for policy, runs in per_seed.items():
             rows.append({"arrival": pattern, "rate_rps": poisson_rate if pattern != "burst" else None,
                          **aggregate_runs(runs, seed=config.seed)})
@@ -824,13 +840,17 @@ def rate_items(text: str, param: str = "`rates`") -> list[tuple[float, bool]]:
     return items
 
 
-def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies: list[str] | None = None) -> list[dict]:
-    """Every policy at each Poisson arrival rate (``poisson`` arrivals; the DWISE paper's Figure 9)."""
+def sweep(workload: SimRequests, config: SimConfig, rates: list[float], policies: list[str] | None = None,
+          log: Callable[[str], None] | None = None) -> list[dict]:
+    """Every policy at each Poisson arrival rate (``poisson`` arrivals; the DWISE paper's Figure 9);
+    ``log`` is told as each rate is replayed."""
     rows = []
-    for rate in rates:
+    for i, rate in enumerate(rates):
         cfg = replace(config, arrival="poisson", rate=rate)
         for result in compare(workload, cfg, policies):
             rows.append({"rate_rps": rate, **result.metrics})
+        if log:
+            log(f"  rate {i + 1} of {len(rates)} ({rate:.3g} req/s) replayed")
     add_speedups(rows, "rate_rps")
     fcfs = {r["rate_rps"]: r["mean_latency_s"] for r in rows if r["policy"] == "fcfs-mixed"}
     for r in rows:  # what ordering adds over mixed batching alone, at this load
@@ -858,11 +878,12 @@ def sweep_k(workload: SimRequests, config: SimConfig, ks: list[float], policies:
 def gain_decomposition(rows: list[dict], group_key: str = "arrival") -> list[dict]:
     """Where DWISE's gain over SGLang's default comes from: the mean-latency ratio of each step of
     :data:`~dwise_predict.simulation.schedulers.GAIN_STEPS` (from → to; > 1 means the step helps), per
-    group, for the pairs present."""
+    group, for the pairs present; then what the mixed former gives each baseline replayed on both
+    (:data:`~dwise_predict.simulation.schedulers.FORMER_STEPS`, the DWISE paper's Table 2 over its Table 4)."""
     out = []
     for group in dict.fromkeys(r.get(group_key) for r in rows):
         mean = {r["policy"]: r["mean_latency_s"] for r in rows if r.get(group_key) == group}
-        for step, a, b in GAIN_STEPS:
+        for step, a, b in GAIN_STEPS + FORMER_STEPS:
             if a in mean and b in mean and mean[b] > 0:
                 out.append({group_key: group, "step": step, "from": a, "to": b, "gain": mean[a] / mean[b]})
     return out
@@ -898,11 +919,14 @@ def replay(
     arrival_seeds: int = 1,
     tails: list | None = None,
     ks: list[float] | None = None,
+    batch_former: str = "mixed",
 ) -> tuple[list[dict], list[str]]:
     """What ``simulate`` runs: a load sweep over ``rates`` when given, else every arrival pattern of
     ``patterns`` (default burst and burst-poisson at ``rate``, default ``1.5x``), each under
     ``arrival_seeds`` seeds (bootstrap intervals), per-category tails appended to ``tails``. With
-    ``ks``, a k sweep (:func:`sweep_k`) under the first pattern instead.
+    ``ks``, a k sweep (:func:`sweep_k`) under the first pattern instead. ``batch_former`` puts the
+    published baselines on DWISE's mixed-phase former, SGLang's prefill-first one or both
+    (:func:`~dwise_predict.simulation.schedulers.on_batch_former`).
 
     Returns the metric rows and the policies compared (default: all the predictions allow).
 
@@ -912,11 +936,11 @@ def replay(
         A policy needs predictions the requests lack, or the KV budget cannot hold one request
         (checked before any work).
     """
-    allowed = available_policies(requests)
-    missing = [p for p in policies or [] if p not in allowed]
+    policies = on_batch_former(policies, batch_former) if policies else available_policies(requests, batch_former)
+    allowed = available_policies(requests, "both")
+    missing = [p for p in policies if p not in allowed]
     if missing:
         raise ConfigError(f"`policies` {', '.join(missing)} need predictions: pass `bundle` (trail: traces with a train split)")
-    policies = policies or allowed
     kv_reservations(requests, config)
     swept = parse_rates(rates, requests, config) if rates else None  # a bad --rates is refused before any output
     if rate is not None:
@@ -924,13 +948,13 @@ def replay(
     if log is not None:
         log(f"replaying {len(requests)} requests under {len(policies)} policies")
     if swept is not None:
-        return sweep(requests, config, swept, policies), policies
+        return sweep(requests, config, swept, policies, log), policies
     if ks:
         pattern = (patterns or ["burst"])[0]
         k_rate = None if pattern == "burst" else parse_rates(rate or "1.5x", requests, config, "`rate`")[0]
         return sweep_k(requests, replace(config, arrival=pattern, rate=k_rate), ks, policies), policies
     return compare_arrivals(requests, config, patterns or ["burst", "burst-poisson"], rate or "1.5x", policies,
-                            arrival_seeds, tails), policies
+                            arrival_seeds, tails, log), policies
 
 
 def sync_batch_service_times(workload: SimRequests, cost: RoundCost, batch_size: int, n_batches: int = 200,

@@ -14,11 +14,19 @@ from pathlib import Path
 from dwise_predict.simulation import batch_timeout as bt
 from dwise_predict.simulation.report import write_batch_timeout_outputs, write_outputs
 from dwise_predict.simulation.simulator import (
+    POLICIES,
     SimConfig,
     gain_decomposition,
     ranking_pays_from,
     replay,
     sim_requests_from_traces,
+)
+from dwise_predict.simulation.work_ranking import (
+    annotate_rows,
+    output_length_scores,
+    ranking_accuracy,
+    subset_masks,
+    subset_table,
 )
 
 
@@ -32,6 +40,8 @@ class SimulationRun:
     requests: int
     policies: list[str]
     refine_table: dict | None = None
+    subset_table: dict | None = None  # the DWISE paper's Table 12 (`subset_categories`), or None
+    retrained: dict = field(default_factory=dict)  # the DWISE paper's Tables 14 and 7 replayed (`retrain`, .retrain)
     gains: list[dict] = field(default_factory=list)
     ranking_pays_from: float | None = None
     paths: list[Path] = field(default_factory=list)
@@ -41,7 +51,8 @@ def run_simulation(traces: Path, config: SimConfig, *, bundle: Path | None = Non
                    split: str = "eval", requests: int = 4096, policies: list[str] | None = None,
                    patterns: list[str] | None = None, rate: str | None = None, rates: str | None = None,
                    ks: list[float] | None = None, refine_every: list[int] | None = None, arrival_seeds: int = 1,
-                   out: Path | None = None, log: Callable[[str], None] | None = None) -> SimulationRun:
+                   out: Path | None = None, log: Callable[[str], None] | None = None, batch_former: str = "mixed",
+                   subset_categories: list[str] | None = None, retrain=None) -> SimulationRun:
     """Replay the ``split`` (``eval``, ``train`` or ``all``) of ``traces`` under every scheduler
     ``policies`` names (default: all the predictions allow), as
     :func:`~dwise_predict.simulation.simulator.replay` does: at each arrival pattern, or a load sweep
@@ -49,30 +60,50 @@ def run_simulation(traces: Path, config: SimConfig, *, bundle: Path | None = Non
     is). With ``refine_every``, also the DWISE paper's Table 6
     (:func:`~dwise_predict.simulation.refine_every.replay_refine_every`). With ``out``,
     ``simulate.*`` (``sweep.*``, ``k_sweep.*``) and the report are written there.
+
+    ``batch_former`` runs the published baselines on DWISE's mixed former, SGLang's prefill-first one
+    or both (:func:`~dwise_predict.simulation.schedulers.on_batch_former`). Every row carries the ρ of
+    its ranking with the work (:mod:`~dwise_predict.simulation.work_ranking`); with
+    ``subset_categories``, the run also holds the DWISE paper's Table 12 for those categories. With
+    ``retrain`` (a :class:`~dwise_predict.simulation.retrain.RetrainStudies`), also the budget sweep
+    and the held-out categories, both predictors retrained (:func:`~.retrain.run_retrain_studies`).
     """
     log = log or (lambda message: None)
     ds, loaded = _load(traces, bundle, backend)
+    if retrain is not None:  # refused here, before any replay or retraining
+        from dwise_predict.simulation.retrain import StudyReplay, plan_retrain, run_retrain_studies
+
+        retrain_plan = plan_retrain(ds, retrain, log)
     subset = None if split == "all" else split
     sim = sim_requests_from_traces(ds, subset, loaded)
     if refine_every:  # refused here, before any replay, when the traces hold no per-round states
         from dwise_predict.simulation.refine_every import round_estimates
 
         sim.round_refined = round_estimates(ds, loaded, subset)
-    if split == "eval" and (policies is None or "trail" in policies):
+    if split == "eval" and (policies is None or any(POLICIES[p].estimate == "probe" for p in policies if p in POLICIES)):
         sim.probe = trail_probe(ds, log)
     ranked = sim
+    if subset_categories:  # refused here, before any replay, when the categories do not split the requests
+        subset_masks(ranked, subset_categories)
     if requests:
         sim = sim.draw(requests, config.seed)
     tails: list = []
     rows, policies = replay(sim, config, policies, patterns, rate, rates, log=log, arrival_seeds=arrival_seeds,
-                            tails=tails, ks=ks)
+                            tails=tails, ks=ks, batch_former=batch_former)
+    annotate_rows(rows, ranking_accuracy(ranked, policies), batch_former != "mixed")
     run = SimulationRun(rows, len(sim), policies)
+    if subset_categories:
+        run.subset_table = subset_table(ranked, subset_categories, policies, tails,
+                                        output_length_scores(ds, subset, log))
     if refine_every:
         from dwise_predict.simulation.refine_every import refine_call_us, replay_refine_every
 
         log(f"replaying refinement every {', '.join(map(str, refine_every))} rounds (the DWISE paper's Table 6)")
         run.refine_table = replay_refine_every(sim, config, refine_every, patterns, rate, ranked,
                                                call_us=lambda batch: refine_call_us(loaded, ds, batch))
+    if retrain is not None:
+        run.retrained = run_retrain_studies(retrain_plan, StudyReplay(
+            config, patterns or ["burst", "burst-poisson"], rate, requests, arrival_seeds), log)
     if not rates and not ks:
         run.gains = gain_decomposition(rows)
     if rates:
@@ -82,8 +113,12 @@ def run_simulation(traces: Path, config: SimConfig, *, bundle: Path | None = Non
                     "bundle": str(bundle) if bundle else None, "split": split, "policies": policies,
                     "requests": len(sim), "arrival_seeds": arrival_seeds}
         stem = "k_sweep" if ks else "sweep" if rates else "simulate"
-        run.paths = write_outputs(rows, out, stem, settings, tails,
-                                  None if run.refine_table is None else {"refine_every": run.refine_table}, report=True)
+        extra = {key: table for key, table in (("refine_every", run.refine_table), ("subset_table", run.subset_table))
+                 if table is not None}
+        extra.update(run.retrained)
+        run.paths = write_outputs(rows, out, stem, settings, tails, extra or None, report=True)
+        if retrain is not None:
+            retrain.retraining.forget_kept()
     return run
 
 

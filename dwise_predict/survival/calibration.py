@@ -107,25 +107,39 @@ def _pool_adjacent_violators(x: np.ndarray, y: np.ndarray, statistic) -> tuple[l
 
     PAVA pools adjacent blocks while their values (``statistic`` of the block's y: the median gives
     the L1 isotonic fit, the mean the L2 one) fail to increase; points with equal x start in one
-    block, so blocks never share an x.
+    block, so blocks never share an x. Blocks hold Python lists, and the median is read off a block
+    kept sorted (the middle pair's mean, as ``np.median`` computes it): without a NumPy call per
+    pooling, a fit on 1,000 requests takes a few milliseconds instead of ~70.
     """
     order = np.lexsort((y, x))
     x, y = x[order], y[order]
-    starts = np.flatnonzero(np.r_[True, np.diff(x) > 0])
-    blocks_x: list[np.ndarray] = []
-    blocks_y: list[np.ndarray] = []
+    starts = np.flatnonzero(np.r_[True, np.diff(x) > 0]).tolist()
+    median, ys = statistic is np.median, y.tolist()
+    firsts: list[int] = []
+    blocks_y: list[list[float]] = []
     values: list[float] = []
-    for start, stop in zip(starts, np.r_[starts[1:], x.size]):
-        bx, by = x[start:stop], y[start:stop]
-        value = float(statistic(by))
+    for start, stop in zip(starts, starts[1:] + [x.size]):
+        by = ys[start:stop]  # sorted: equal x are ordered by y
+        value = _block_value(by, statistic, median)
         while values and values[-1] >= value:  # violator (or tie): pool with the previous block
-            bx, by = np.concatenate([blocks_x.pop(), bx]), np.concatenate([blocks_y.pop(), by])
+            by = blocks_y.pop() + by
+            if median:
+                by.sort()
             values.pop()
-            value = float(statistic(by))
-        blocks_x.append(bx)
+            start = firsts.pop()
+            value = _block_value(by, statistic, median)
+        firsts.append(start)
         blocks_y.append(by)
         values.append(value)
+    blocks_x = [x[first:stop] for first, stop in zip(firsts, firsts[1:] + [x.size])]
     return blocks_x, np.asarray(values, dtype=np.float64)
+
+
+def _block_value(by: list[float], statistic, median: bool) -> float:
+    """``statistic`` of a block's y values (for the median, kept sorted)."""
+    if median:
+        return (by[(len(by) - 1) // 2] + by[len(by) // 2]) / 2
+    return float(statistic(np.asarray(by)))
 
 
 def _tilted_steps(x: np.ndarray, y: np.ndarray, statistic) -> tuple[np.ndarray, np.ndarray]:

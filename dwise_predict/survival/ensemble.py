@@ -153,41 +153,45 @@ class SurvivalEnsemble:
         return ensemble
 
     def _fit_member(self, seed, x, idx, ev, x_val, idx_val, ev_val, progress):
-        """One member: Adam on the NLL, keep the weights of the best validation epoch."""
-        with torch.random.fork_rng(devices=[]):  # dropout draws from the global RNG; leave the caller's alone
-            torch.manual_seed(seed)
-            net = HazardMLP(x.shape[1], self.num_rounds_, self.width, self.dropout)
-            # fused: one kernel per step instead of four per tensor, ~3x faster epochs at H = 2048 on CPU
-            opt = torch.optim.Adam(net.parameters(), lr=self.lr, weight_decay=self.weight_decay, fused=True)
-            order_rng = torch.Generator().manual_seed(seed)
-            best_loss, best_epoch, best_state = float("inf"), -1, None
-            train_curve, val_curve = [], []
-            for epoch in range(self.max_epochs):
-                net.train()
-                total = 0.0
-                for batch in torch.randperm(x.shape[0], generator=order_rng).split(self.batch_size):
-                    loss = logistic_hazard_nll(net(x[batch]), idx[batch], ev[batch])
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    opt.step()
-                    total += float(loss.detach()) * batch.numel()
-                net.eval()
-                with torch.no_grad():
-                    val_loss = float(logistic_hazard_nll(net(x_val), idx_val, ev_val))
-                train_curve.append(total / x.shape[0])
-                val_curve.append(val_loss)
-                if progress is not None:
-                    progress(epoch, train_curve[-1], val_loss)
-                if val_loss < best_loss:
-                    best_loss, best_epoch = val_loss, epoch
-                    best_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
-                elif epoch - best_epoch >= self.patience or not np.isfinite(train_curve[-1]):
-                    break  # no progress, or diverged: the best epoch so far is kept
-            if best_state is None:
-                raise ConfigError(f"the survival member with seed {seed} diverged (validation loss {val_loss:g} "
-                                  f"from the first epoch): lower the learning rate (`lr` {self.lr:g})")
-            net.load_state_dict(best_state)
+        """One member: Adam on the NLL, keep the weights of the best validation epoch.
+
+        Its initialisation and dropout draw from a generator of its own seeded with ``seed``: the
+        numbers ``torch.manual_seed(seed)`` gave them from the global RNG until 2026-12 (the same
+        members, tested), without the global RNG, so the cross-validation fits members in two threads."""
+        draws = torch.Generator().manual_seed(seed)
+        net = HazardMLP.drawn(x.shape[1], self.num_rounds_, self.width, self.dropout, generator=draws)
+        # fused: one kernel per step instead of four per tensor, ~3x faster epochs at H = 2048 on CPU
+        opt = torch.optim.Adam(net.parameters(), lr=self.lr, weight_decay=self.weight_decay, fused=True)
+        order_rng = torch.Generator().manual_seed(seed)
+        best_loss, best_epoch, best_state = float("inf"), -1, None
+        train_curve, val_curve = [], []
+        for epoch in range(self.max_epochs):
+            net.train()
+            total = 0.0
+            for batch in torch.randperm(x.shape[0], generator=order_rng).split(self.batch_size):
+                # index_select: the rows x[batch] gives, ~3x faster at 4,102 columns
+                loss = logistic_hazard_nll(net.forward_drawn(x.index_select(0, batch), draws), idx[batch], ev[batch])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total += float(loss.detach()) * batch.numel()
             net.eval()
+            with torch.no_grad():
+                val_loss = float(logistic_hazard_nll(net(x_val), idx_val, ev_val))
+            train_curve.append(total / x.shape[0])
+            val_curve.append(val_loss)
+            if progress is not None:
+                progress(epoch, train_curve[-1], val_loss)
+            if val_loss < best_loss:
+                best_loss, best_epoch = val_loss, epoch
+                best_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+            elif epoch - best_epoch >= self.patience or not np.isfinite(train_curve[-1]):
+                break  # no progress, or diverged: the best epoch so far is kept
+        if best_state is None:
+            raise ConfigError(f"the survival member with seed {seed} diverged (validation loss {val_loss:g} "
+                              f"from the first epoch): lower the learning rate (`lr` {self.lr:g})")
+        net.load_state_dict(best_state)
+        net.eval()
         return net, {"train_loss": train_curve, "val_loss": val_curve, "best_epoch": best_epoch}
 
     # --- predict ------------------------------------------------------------------------------

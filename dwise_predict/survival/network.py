@@ -41,8 +41,7 @@ class HazardMLP(nn.Module):
     @classmethod
     def blank(cls, *args, **kwargs) -> "HazardMLP":
         """A member with every weight zero, for one whose weights are set rather than trained (a
-        closed-form head, a file). Built on the meta device, so it draws nothing from torch's global
-        RNG, which a survival member's dropout may be drawing from in another thread."""
+        closed-form head, a file). Built on the meta device, so it draws nothing from any RNG."""
         with torch.device("meta"):
             net = cls(*args, **kwargs)
         net = net.to_empty(device="cpu")
@@ -51,11 +50,38 @@ class HazardMLP(nn.Module):
                 p.zero_()
         return net
 
+    @classmethod
+    def drawn(cls, *args, generator: torch.Generator, **kwargs) -> "HazardMLP":
+        """A member initialised as ``nn.Linear`` initialises itself, its draws taken from ``generator``
+        rather than torch's global RNG: for a generator seeded with ``s``, the weights of ``cls(...)``
+        after ``torch.manual_seed(s)`` (tested). Nothing is drawn from the global RNG, so members can
+        be trained in several threads at once (with :meth:`forward_drawn`)."""
+        net = cls.blank(*args, **kwargs)
+        for layer in (net.fc1, net.fc1_short, net.fc2):
+            if layer is not None:
+                nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=generator)
+                bound = 1.0 / math.sqrt(layer.in_features) if layer.in_features > 0 else 0.0
+                nn.init.uniform_(layer.bias, -bound, bound, generator=generator)
+        return net
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, K)
+        return self.fc2(self.drop(self.units(x)))
+
+    def units(self, x: torch.Tensor) -> torch.Tensor:  # (B, D) -> (B, width + short_width), after the GELU
         units = self.fc1(x)
         if self.fc1_short is not None:
             units = torch.cat([units, self.fc1_short(x[:, x.shape[1] - self.short_features:])], dim=1)
-        return self.fc2(self.drop(F.gelu(units)))
+        return F.gelu(units)
+
+    def forward_drawn(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """:meth:`forward` with the dropout mask drawn from ``generator``: in training the same
+        numbers as ``nn.Dropout`` draws from the global RNG in that state (ATen's CPU dropout is
+        ``x * bernoulli(1 - p) / (1 - p)``; tested), in eval mode :meth:`forward`."""
+        units, p = self.units(x), self.drop.p
+        if not self.training or p == 0.0:
+            return self.fc2(units)
+        noise = torch.empty_like(units).bernoulli_(1.0 - p, generator=generator).div_(1.0 - p)
+        return self.fc2(units * noise)
 
 
 def survival_from_logits(logits: torch.Tensor) -> torch.Tensor:

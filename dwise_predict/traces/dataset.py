@@ -32,9 +32,11 @@ import numpy as np
 import pandas as pd
 
 from dwise_predict.errors import TraceError
-from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object
+from dwise_predict.files import atomic_write, atomic_write_bytes, read_json_object, utf8_name
 from dwise_predict.names import EARLY_SIGNALS
 from dwise_predict.traces.round_states import COUNT_COLUMN as ROUND_COUNT_COLUMN
+from dwise_predict.traces.round_states import MANIFEST_KEY as ROUNDS_HIDDEN_KEY
+from dwise_predict.traces.round_states import SIGNAL_RANGES as ROUND_SIGNAL_RANGES
 from dwise_predict.traces.round_states import TENSORS as ROUND_TENSORS
 from dwise_predict.traces.round_states import round_states
 
@@ -218,15 +220,17 @@ def validate(ds: TraceDataset) -> None:
                          "take: the traces are corrupt; drop or fix those rows")
     _check_columns_agree(ds.requests, values, where)
     for name, arr in [(name, getattr(ds, name)) for name in HIDDEN_TENSORS] + list(ds.extra_hidden.items()):
-        if not np.isfinite(arr).all():
+        # the per-round tensors are checked below (round_states), which names the request and the round
+        if name not in ROUND_TENSORS and not np.isfinite(arr).all():
             raise TraceError(f"hidden state '{name}'{where} holds NaN or inf: drop those requests")
-    if ROUND_COUNT_COLUMN in ds.requests.columns or any(name in ds.extra_hidden for name in ROUND_TENSORS):
-        round_states(ds)  # schema 4's per-round tensors: shapes and counts agree with the table
+    if any(name in ds.extra_hidden for name in ROUND_TENSORS):
+        # schema 4's per-round tensors agree with the table and the manifest. A view that drops the
+        # tensors (an ablation's inputs) keeps the column; a file that lost them is refused on load.
+        round_states(ds)
 
 
-# early signals are a fraction, probabilities and an entropy (nats): outside these, a column was edited
-SIGNAL_RANGES = {"frac_over_threshold": (0.0, 1.0), "mean_confidence": (0.0, 1.0), "mean_entropy": (0.0, np.inf),
-                 "end_probability": (0.0, 1.0), "wall_s": (0.0, np.inf)}
+# the early signals' ranges (a fraction, probabilities, an entropy), and a clock: outside these, a column was edited
+SIGNAL_RANGES = {**ROUND_SIGNAL_RANGES, "wall_s": (0.0, np.inf)}
 
 
 def _check_columns_agree(requests: pd.DataFrame, values: dict[str, np.ndarray], where: str) -> None:
@@ -357,8 +361,11 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
     manifest = read_json_object(path / MANIFEST_FILE, TraceError, fix="the trace dataset is damaged; collect it again")
     check_manifest(manifest, path)
     try:
-        requests = pd.read_parquet(path / REQUESTS_FILE)
-        tensors = load_file(str(path / HIDDEN_FILE))
+        # pyarrow and safetensors open UTF-8 paths only: a directory named in other bytes is read by descriptor
+        with utf8_name(path / REQUESTS_FILE) as name:
+            requests = pd.read_parquet(name)
+        with utf8_name(path / HIDDEN_FILE) as name:
+            tensors = load_file(name)
     except Exception as err:  # pyarrow / safetensors raise many types for a corrupt file
         fix = ("rerun the `dwise-predict collect` command that wrote it: it rebuilds these files from its shards"
                if (path / "shards").is_dir() else "collect it again")
@@ -374,7 +381,7 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
         if declared is not None and width is not None and declared != width:
             raise TraceError(f"{path / MANIFEST_FILE} says {where} {declared!r}, but {HIDDEN_FILE} holds rows of "
                              f"{width}: the files come from different collections; collect it again")
-    return TraceDataset(
+    ds = TraceDataset(
         requests,
         tensors["first_round"].astype(np.float32, copy=False),
         tensors["prompt_last"].astype(np.float32, copy=False),
@@ -382,6 +389,9 @@ def load_traces(path: str | os.PathLike) -> TraceDataset:
         path,
         {name: values.astype(np.float32, copy=False) for name, values in tensors.items() if name not in HIDDEN_TENSORS},
     )
+    if (ROUND_COUNT_COLUMN in requests.columns or ROUNDS_HIDDEN_KEY in manifest) and not ds.extra_hidden.keys() & set(ROUND_TENSORS):
+        round_states(ds)  # files that name per-round states but lost the tensors (validation checked any it found)
+    return ds
 
 
 def write_traces(ds: TraceDataset, path: str | os.PathLike) -> Path:

@@ -20,11 +20,13 @@ every one sees only what the bundle receives (:class:`~dwise_predict.survival.in
   ``BLEND_WEIGHTS`` scores clearly better under grouped and leave-one-category-out CV on the
   training split (:func:`~dwise_predict.training.within_heads.choose_blend_weight`).
 
-A candidate says how it is fitted on the training split (:meth:`Candidate.fit`), how its out-of-fold
-estimates are made from the fits the cross-validation shares (:meth:`Candidate.out_of_fold`, given a
-``training.select.CrossValidation``), whether it needs the ridge-within fold fits
-(``uses_within_heads``: the CV starts those in its other thread) and whether it is fitted in closed
-form (``closed_form``). A new candidate is one class here, appended to :data:`REGISTRY`.
+A candidate says how it is fitted on the training split (:meth:`Candidate.fit`), which of the fits
+the cross-validation shares it needs (:meth:`Candidate.needs`: the CV runs them in its threads), how
+its out-of-fold estimates are made from them (:meth:`Candidate.out_of_fold`, given a
+``training.select.CrossValidation``), whether it uses the ridge-within fold fits
+(``uses_within_heads``) and whether it is fitted in closed form (``closed_form``). Every out-of-fold
+estimate comes from fits that never saw the fold, standardisation and penalties included
+(docs/training.md, "Speed"). A new candidate is one class here, appended to :data:`REGISTRY`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,13 @@ class Candidate:
         ``blend_weight``: the one chosen by the CV, when there was one."""
         raise NotImplementedError
 
+    def needs(self, cv) -> list[tuple]:
+        """The fits of ``cv`` (a ``training.select.CrossValidation``) its out-of-fold estimates are
+        made from: ``("survival", k)``, ``("pca", k)`` or ``("ridge", k)`` for fold ``k``'s fit,
+        ``("ridge-held",)`` for the ridge's held-out-category estimates and ``cv.within_keys()`` for
+        the ridge-within heads' fold fits."""
+        raise NotImplementedError
+
     def out_of_fold(self, cv) -> Estimates:
         """Out-of-fold estimates from ``cv``, a ``training.select.CrossValidation``."""
         raise NotImplementedError
@@ -102,6 +111,9 @@ class Survival(Candidate):
     def fit(self, split, progress=None, blend_weight=None):
         return split.make_ensemble().fit(split.inputs, split.remaining, split.events, progress=progress), {}
 
+    def needs(self, cv):
+        return [("survival", k) for k in cv.folds]
+
     def out_of_fold(self, cv):
         # refitting a network per held-out category would more than double train's time
         return cv.out_of_fold(cv.survival_raw), self._not_held_out(cv), {}
@@ -115,12 +127,12 @@ class Ridge(Candidate):
         ridge = RidgeHead().fit(split.inputs, split.remaining, split.events)
         return ridge.ensemble(), {"ridge": ridge.record()}
 
+    def needs(self, cv):
+        return [("ridge", k) for k in cv.folds] + [("ridge-held",)]
+
     def out_of_fold(self, cv):
-        # held out exactly, without refits (RidgeHead.held_out_scores)
-        split = cv.split
-        ridge = RidgeHead().fit(split.inputs, split.remaining, split.events)
-        held = ridge.held_out_scores(split.inputs, split.remaining, split.events, split.categories)
-        return cv.out_of_fold(cv.ridge_raw), linear_raw(held, cv.num_rounds), {}
+        # each category held out exactly, without refits (RidgeHead.held_out_scores)
+        return cv.out_of_fold(cv.ridge_raw), cv.ridge_held_out(), {}
 
 
 class SurvivalRidge(Candidate):
@@ -131,6 +143,9 @@ class SurvivalRidge(Candidate):
         ensemble = split.make_ensemble().fit(split.inputs, split.remaining, split.events, progress=progress)
         ridge = RidgeHead().fit(split.inputs, split.remaining, split.events, like=ensemble)
         return blend(ensemble, ridge), {"ridge": ridge.record()}
+
+    def needs(self, cv):
+        return [(kind, k) for kind in ("survival", "ridge") for k in cv.folds]
 
     def out_of_fold(self, cv):
         return cv.out_of_fold(partial(self._fold, cv)), self._not_held_out(cv), {}
@@ -151,8 +166,11 @@ class RidgeWithin(Candidate):
         ridge = RidgeHead().fit(split.inputs, split.remaining, split.events, groups=split.categories)
         return ridge.ensemble(), {"ridge": ridge.record()}
 
+    def needs(self, cv):
+        return cv.within_keys()
+
     def out_of_fold(self, cv):
-        by_prompt, by_category = cv.within_heads()
+        by_prompt, by_category = cv.within_scores()
         return by_prompt[2], by_category[2], {}
 
 
@@ -163,13 +181,11 @@ class SurvivalPCA(Candidate):
     def fit(self, split, progress=None, blend_weight=None):
         return fit_pca_survival(split.make_ensemble, split.inputs, split.remaining, split.events, progress=progress), {}
 
-    def out_of_fold(self, cv):
-        return cv.out_of_fold(partial(self._fold, cv)), self._not_held_out(cv), {}
+    def needs(self, cv):
+        return [("pca", k) for k in cv.folds]
 
-    @staticmethod
-    def _fold(cv, k: int) -> np.ndarray:
-        fit, val = cv.fold_split(k)
-        return fit_pca_survival(fit.make_ensemble, fit.inputs, fit.remaining, fit.events).predict_raw(val)
+    def out_of_fold(self, cv):
+        return cv.out_of_fold(cv.pca_raw), self._not_held_out(cv), {}
 
 
 class RidgeWithinSignals(Candidate):
@@ -187,11 +203,14 @@ class RidgeWithinSignals(Candidate):
         record.update(ridge=ridge.record(), signal_features=features.record(), blend_weight=blend_weight)
         return blend_heads(ridge, features, blend_weight), record
 
+    def needs(self, cv):
+        return cv.within_keys()
+
     def out_of_fold(self, cv):
         """At the blend weight chosen on the same out-of-fold estimates (when the rule leaves the
         default, a choice made on the validation folds, so its scores are then slightly optimistic
         against the others')."""
-        split, (by_prompt, by_category) = cv.split, cv.within_heads()
+        split, (by_prompt, by_category) = cv.split, cv.within_scores()
         weight, by_weight, score = choose_blend_weight(split.inputs, split.remaining, split.events, split.categories,
                                                        split.fold, split.seed, by_prompt=by_prompt,
                                                        by_category=by_category)

@@ -4,11 +4,14 @@
   one :class:`~dwise_predict.traces.TraceDataset` (leave-one-category-out evaluation calls it once
   per category);
 - :func:`evaluate_predictors` — the metrics.json dict on another dataset;
-- :func:`torch_threads` — torch on a fixed thread count, so results do not depend on the machine.
+- :func:`torch_threads` (from :mod:`dwise_predict.threads`) — torch on a fixed thread count, so results do not
+  depend on the machine.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -17,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from dwise_predict import metrics as M
+from dwise_predict.threads import torch_threads
 from dwise_predict.admission.features import prompt_features
 from dwise_predict.admission.model import AdmissionModel
 from dwise_predict.errors import ConfigError, TraceError
@@ -89,6 +93,7 @@ def fit_predictors(
     config: TrainConfig | None = None,
     progress: Callable[[int, int, float, float], None] | None = None,
     jobs: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Predictors:
     """Fit the admission model, the survival ensemble and the calibration on ``train`` (no file I/O).
 
@@ -97,9 +102,11 @@ def fit_predictors(
     train : the requests to fit on (all of them; pass ``ds.split("train")`` for the train split).
     config : the knobs; defaults to ``TrainConfig()``.
     progress : optional ``(member, epoch, train_loss, val_loss)`` callback after each epoch.
-    jobs : threads for the candidates' cross-validation (``training.select``: more than 2 adds
-        nothing; None: 2 when the cores hold two of ``config.num_threads`` each). The predictors do
-        not depend on it.
+    jobs : threads for the candidates' cross-validation (``training.select``; None: 2 when the cores
+        hold two of ``config.num_threads`` each); above 1 the admission model fits beside it. The
+        predictors do not depend on it.
+    log : optional, told as each stage starts (the admission model, each candidate cross-validated,
+        the chosen one's fit, its calibration); the predictors do not depend on it.
 
     Raises
     ------
@@ -111,8 +118,10 @@ def fit_predictors(
         raise ConfigError(f"jobs must be at least 1, got {jobs}")
     if len(train) < 8:
         raise TraceError(f"training needs at least 8 requests, got {len(train)}: collect more traces")
+    log = log or _unlogged
     targets = Targets.of(train)
     features = prompt_features(train.requests)
+    log(f"fitting the admission model (LightGBM) on {len(train)} requests")
     admission = AdmissionModel(
         n_estimators=config.admission_trees,
         num_leaves=config.admission_leaves,
@@ -120,26 +129,48 @@ def fit_predictors(
         min_child_samples=config.admission_min_child_samples,
         seed=config.seed,
         num_threads=config.num_threads,
-    ).fit(features[targets.events], targets.total[targets.events])
-    with torch_threads(config.num_threads):
-        ensemble, calibrator, selection = _fit_refinement(train, targets, config, progress, jobs)
-    return Predictors(admission, ensemble, calibrator, len(train), selection)
+    )
+    jobs = default_jobs(2, config.num_threads) if jobs is None else jobs
+    # with a second job the admission model (LightGBM and its import, ~2 s) fits beside the refinement
+    with _beside(partial(admission.fit, features[targets.events], targets.total[targets.events]), jobs) as fitted:
+        with torch_threads(config.num_threads):
+            ensemble, calibrator, selection = _fit_refinement(train, targets, config, progress, jobs, log)
+    return Predictors(fitted.result(), ensemble, calibrator, len(train), selection)
 
 
-def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress, jobs: int | None) -> tuple:
+@contextmanager
+def _beside(fit: Callable[[], object], jobs: int) -> Iterator[Future]:
+    """``fit()`` in a thread of its own while the block runs when ``jobs`` > 1, else first; its future."""
+    if jobs <= 1:
+        done: Future = Future()
+        done.set_result(fit())
+        yield done
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dwise-admission") as pool:
+        yield pool.submit(fit)
+
+
+def _unlogged(message: str) -> None:
+    """The default ``log``: nothing."""
+
+
+def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, progress, jobs: int,
+                    log: Callable[[str], None]) -> tuple:
     """The chosen refinement candidate (by CV when ``config.refine == "auto"``), its calibration and
     the selection record."""
     split = training_split(train, targets, config)
     out_of_fold = None
     if config.refine == "auto":
-        jobs = default_jobs(2, config.num_threads) if jobs is None else jobs  # two threads is all the CV uses
-        selection, estimates = cross_validate(split, config.cv_folds, jobs=jobs)
+        log(f"choosing the refinement predictor: each candidate's {config.cv_folds}-fold cross-validation")
+        selection, estimates = cross_validate(split, config.cv_folds, jobs=jobs, log=log)
         if candidate(selection["chosen"]).closed_form:
             out_of_fold = estimates[selection["chosen"]]
     else:
         selection = {"mode": "fixed", "candidates": {}, "chosen": config.refine}
+    log(f"fitting the refinement predictor ({selection['chosen']}) on {len(train)} requests")
     ensemble, inner = candidate(selection["chosen"]).fit(split, progress, blend_weight=selection.get("blend_weight"))
     selection.update(inner)
+    log("calibrating its estimates (isotonic map)")
     return ensemble, calibrate(ensemble, split.inputs, targets, config.calibration, out_of_fold), selection
 
 
@@ -193,19 +224,6 @@ def calibrate(ensemble: SurvivalEnsemble, inputs: RefineInputs, targets: Targets
         raw, fitted_on = ensemble.predict_raw(inputs.rows(done)), "train"
     return IsotonicCalibrator(statistic=statistic, fitted_on=fitted_on).fit(
         raw, targets.remaining[done], raw_range=(0.0, float(ensemble.num_rounds_)))
-
-
-@contextmanager
-def torch_threads(n: int):
-    """Run torch with ``n`` threads inside the block, restoring the caller's setting after."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def evaluate_predictors(predictors: Predictors, eval_ds: TraceDataset, bootstrap: int = 1000, seed: int = 0) -> dict:

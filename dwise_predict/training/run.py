@@ -20,7 +20,7 @@ from typing import Callable
 
 from dwise_predict.admission.model import AdmissionModel
 from dwise_predict.errors import ConfigError, InputError, TraceError
-from dwise_predict.files import atomic_dir, claim_output, read_json_object
+from dwise_predict.files import atomic_dir, claim_output, read_json_object, utf8_name
 from dwise_predict.runs import RUN_CONTENTS, RUN_MARKER, RunFiles, load_run
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.ensemble import SurvivalEnsemble
@@ -37,9 +37,11 @@ def train_run(
     overwrite: bool = False,
     progress: Callable[[int, int, float, float], None] | None = None,
     jobs: int | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
     """Load traces, fit on their train split, evaluate on their eval split, write the run directory.
-    ``jobs``: threads for the candidates' cross-validation (:func:`~.fit.fit_predictors`).
+    ``jobs``: threads for the candidates' cross-validation (:func:`~.fit.fit_predictors`); ``log``:
+    told as each stage starts (progress lines; the run does not depend on it).
 
     Returns the metrics dict (also written to ``out/metrics.json``). See the module docstring for the
     layout (:mod:`dwise_predict.runs`) and the interruption guarantee.
@@ -56,7 +58,9 @@ def train_run(
 
         train = exclude_categories(ds, train, config.exclude)
 
-        predictors = fit_predictors(train, config, progress, jobs)
+        predictors = fit_predictors(train, config, progress, jobs, log)
+        if log:
+            log(f"scoring the eval split ({len(eval_ds)} requests)")
         with torch_threads(config.num_threads):
             metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
         if config.exclude:
@@ -157,7 +161,8 @@ def load_predictors(run: str | os.PathLike | RunFiles) -> Predictors:
 
     run = run if isinstance(run, RunFiles) else load_run(run)
     try:
-        weights = load_file(str(run.path / "refine.safetensors"))
+        with utf8_name(run.path / "refine.safetensors") as name:
+            weights = load_file(name)
     except (OSError, SafetensorError) as err:
         raise InputError(f"cannot read {run.path / 'refine.safetensors'} ({err}): re-run `dwise-predict train`") from None
     return Predictors(

@@ -15,20 +15,26 @@ them the best mean within-category ρ wins (:func:`choose`), ties going to the e
 by within-category ρ alone: on sets where the categories' levels carry the work it shipped heads
 that order requests inside categories and rank them all far worse (docs/training.md).
 
-With ``jobs=2`` the CV runs in two threads (torch and numpy release the GIL inside their kernels):
-this one fits the other candidates fold by fold while the other fits the ridge-within folds
-(``training.within_heads``), then takes a share of those that are left. The survival fits all stay
-in this one, one after another: their dropout draws from torch's global RNG, which each member
-seeds, and nothing in the ``ridge-within`` fits draws from it (their closed-form members are built
-blank, see ``HazardMLP.blank``); so the results are the same for any ``jobs``. On the 2-core machine
-the 2,048 x 2,048 benchmark took 49-55 s this way against 88 s in one thread (2026-12-01).
+Every out-of-fold estimate comes from a fit that never saw the fold: the closed-form heads too
+(``ridge``, ``ridge-within``, ``ridge-within+signals``) are fitted per fold, their standardisation and
+penalties chosen again on the fold's training requests. Refits of the whole split's fit at its
+penalties would be faster, but those penalties saw the fold and lift the heads' CV scores
+(docs/training.md, "Speed").
+
+The fits several candidates share (:class:`CrossValidation`: per fold the survival, survival-pca and
+ridge fits, and the ridge-within heads) run in ``jobs`` threads (torch and numpy release the GIL inside
+their kernels), dearest first. Every one draws from generators of its own (a survival member seeds
+its own for its initialisation and dropout; the closed-form members are built blank, see
+``HazardMLP.blank``), so the results are the same for any ``jobs`` (tested). The 2,048 x 2,048
+benchmark: docs/training.md, "Speed".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 
@@ -36,10 +42,10 @@ from dwise_predict import metrics as M
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.inputs import RefineInputs
 from dwise_predict.survival.labels import RemainingRoundsLabels
-from dwise_predict.survival.linear import RidgeHead
+from dwise_predict.survival.linear import RidgeHead, fit_pca_survival, linear_raw
 from dwise_predict.traces import TraceDataset
 from dwise_predict.training.candidates import NAMES, TrainingSplit, candidate
-from dwise_predict.training.within_heads import category_folds, gather_heads, submit_heads
+from dwise_predict.training.within_heads import category_folds, fold_heads, gather_heads, scored_folds
 
 # overall rho this close to the best counts as level with it (then within-category rho decides)
 LEVEL_BAND = 0.01
@@ -71,12 +77,12 @@ def grouped_folds(ds: TraceDataset, folds: int, seed: int) -> np.ndarray:
 
 @contextmanager
 def _other_thread(jobs: int) -> Iterator[Executor | None]:
-    """One worker thread beside this one when ``jobs`` > 1, else None. On an error or an interrupt
-    here the fits still queued there are cancelled, so the caller waits for the running one only."""
+    """``jobs - 1`` worker threads beside this one when ``jobs`` > 1, else None. On an error or an
+    interrupt here the fits still queued there are cancelled, so the caller waits for the running ones only."""
     if jobs <= 1:
         yield None
         return
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dwise-cv")
+    pool = ThreadPoolExecutor(max_workers=jobs - 1, thread_name_prefix="dwise-cv")
     try:
         yield pool
     except BaseException:
@@ -85,28 +91,71 @@ def _other_thread(jobs: int) -> Iterator[Executor | None]:
     pool.shutdown(wait=True)
 
 
+# what a shared fit costs, roughly (a survival fold's three members the most): the CV's threads begin
+# with the dearest, see CrossValidation.start
+_COST = {"survival": 4, "within": 3, "pca": 2, "ridge": 1, "ridge-held": 1}
+
+
 class CrossValidation:
     """One training split's grouped folds and the fits that several candidates' out-of-fold estimates
-    share, each made once: per fold the survival ensemble's and the ridge's raw estimates of its
-    validation rows, and the ridge-within heads under both fold sets (``pending_heads``: begun by
-    ``within_heads.submit_heads``, perhaps in the other thread)."""
+    share, each made once (``Candidate.needs`` names them): per fold ``k`` the survival ensemble, the
+    survival-pca ensemble and the ridge fitted without it (``("survival", k)``, ``("pca", k)``,
+    ``("ridge", k)``: their raw estimates of its requests); the ridge's held-out-category estimates
+    (``("ridge-held",)``); and the ridge-within heads fitted without each fold of either fold set
+    (``("within", s, k)``: :meth:`within_keys`).
 
-    def __init__(self, split: TrainingSplit, pending_heads: list[list[tuple]]):
+    :meth:`start` queues them for the pool's threads, which take them from the front; the caller's
+    thread makes them from the back whenever it would wait (:meth:`result`). Every fit draws from
+    generators of its own (``SurvivalEnsemble``'s members, the heads' blank members), so where and
+    when one runs changes no number."""
+
+    def __init__(self, split: TrainingSplit, pool: Executor | None):
         self.split = split
         self.size = len(split.remaining)
         self.num_rounds = RemainingRoundsLabels().fit(split.remaining, split.events).out_features  # K, as every graph
-        self._pending_heads = pending_heads
-        self._heads: tuple | None = None
-        self._survival: dict[int, tuple[np.ndarray, int]] = {}
-        self._ridge: dict[int, np.ndarray] = {}
+        self.folds = scored_folds(split.fold)
+        self.fold_sets = (split.fold, category_folds(split.categories))  # grouped, leave-one-category-out
+        self._pool = pool
+        self._queued: dict[tuple, Future] = {}  # in the order the pool takes them
+        self._made: dict[tuple, object] = {}
+
+    def start(self, keys: list[tuple]) -> None:
+        """Queue the fits ``keys`` (each once), dearest first, dealt alternately to the front (the
+        pool's end) and the back (this thread's), so both threads begin with a long one."""
+        by_cost = sorted(dict.fromkeys(keys), key=lambda key: -_COST[key[0]])
+        for key in by_cost[0::2] + by_cost[1::2][::-1]:
+            self._queued[key] = self._pool.submit(self._fit, key) if self._pool is not None else Future()
+
+    def result(self, key: tuple):
+        """The fit ``key`` (queued by :meth:`start`): made here if no thread has begun it; while a pool
+        thread makes it, this one makes the last queued fit nobody has begun, and waits when none is left."""
+        while key not in self._made:
+            queued = self._queued[key]
+            if queued.cancel():
+                self._made[key] = self._fit(key)
+            elif queued.done() or not self._make_another():
+                self._made[key] = queued.result()
+        return self._made[key]
+
+    def _make_another(self) -> bool:
+        for key in reversed(self._queued):
+            if key not in self._made and self._queued[key].cancel():
+                self._made[key] = self._fit(key)
+                return True
+        return False
+
+    def _fit(self, key: tuple):
+        kind, *fold = key
+        fits = {"survival": self._survival, "pca": self._pca, "ridge": self._ridge, "ridge-held": self._ridge_held,
+                "within": self._within}
+        return fits[kind](*fold)
 
     def out_of_fold(self, estimate) -> np.ndarray:
-        """(N,) ``estimate(k)`` on the validation rows of each fold ``k`` that has at least 8 requests
-        to fit on, NaN elsewhere."""
-        fold, out = self.split.fold, np.full(self.size, np.nan)
-        for k in np.unique(fold):
-            if (fold != k).sum() >= 8:
-                out[fold == k] = estimate(k)
+        """(N,) ``estimate(k)`` on the validation rows of each fold ``k`` of :attr:`folds` (those with at
+        least 8 requests to fit on), NaN elsewhere."""
+        out = np.full(self.size, np.nan)
+        for k in self.folds:
+            out[self.split.fold == k] = estimate(k)
         return out
 
     def fold_split(self, k: int) -> tuple[TrainingSplit, RefineInputs]:
@@ -117,32 +166,64 @@ class CrossValidation:
     def survival_fold(self, k: int) -> tuple[np.ndarray, int]:
         """The survival ensemble fitted for fold ``k``: its raw estimates of the validation rows and its
         number of members."""
-        if k not in self._survival:
-            fit, val = self.fold_split(k)
-            ensemble = fit.make_ensemble().fit(fit.inputs, fit.remaining, fit.events)
-            self._survival[k] = (ensemble.predict_raw(val), len(ensemble.members_))
-        return self._survival[k]
+        return self.result(("survival", k))
 
     def survival_raw(self, k: int) -> np.ndarray:
         return self.survival_fold(k)[0]
 
+    def pca_raw(self, k: int) -> np.ndarray:
+        """The survival-pca ensemble fitted for fold ``k``: its raw estimates of the validation rows."""
+        return self.result(("pca", k))
+
     def ridge_raw(self, k: int) -> np.ndarray:
         """The ridge fitted for fold ``k``: its raw estimates of the validation rows."""
-        if k not in self._ridge:
-            fit, val = self.fold_split(k)
-            self._ridge[k] = RidgeHead().fit(fit.inputs, fit.remaining, fit.events).ensemble().predict_raw(val)
-        return self._ridge[k]
+        return self.result(("ridge", k))
 
-    def within_heads(self) -> tuple:
+    def ridge_held_out(self) -> np.ndarray:
+        """The ridge's raw estimates (N,) of each category by the whole split's ridge without it, at
+        that ridge's penalty and standardisation (exact without refitting: ``RidgeHead.held_out_scores``)."""
+        return self.result(("ridge-held",))
+
+    def within_keys(self) -> list[tuple]:
+        """The ridge-within heads' fold fits: ``("within", s, k)`` for fold ``k`` of fold set ``s``
+        (:attr:`fold_sets`)."""
+        return [("within", s, k) for s, fold in enumerate(self.fold_sets) for k in scored_folds(fold)]
+
+    def within_scores(self) -> tuple:
         """The ridge-within heads' out-of-fold scores (``within_heads.gather_heads``) under the grouped
-        folds and under leave-one-category-out folds; the fits the other thread has not begun run here."""
-        if self._heads is None:
-            self._heads = tuple(gather_heads(self.size, pending) for pending in self._pending_heads)
-        return self._heads
+        folds and under leave-one-category-out folds."""
+        return tuple(gather_heads(fold, partial(self._within_result, s)) for s, fold in enumerate(self.fold_sets))
+
+    def _within_result(self, s: int, k: int) -> tuple:
+        return self.result(("within", s, k))
+
+    def _survival(self, k: int) -> tuple[np.ndarray, int]:
+        fit, val = self.fold_split(k)
+        ensemble = fit.make_ensemble().fit(fit.inputs, fit.remaining, fit.events)
+        return ensemble.predict_raw(val), len(ensemble.members_)
+
+    def _pca(self, k: int) -> np.ndarray:
+        fit, val = self.fold_split(k)
+        return fit_pca_survival(fit.make_ensemble, fit.inputs, fit.remaining, fit.events).predict_raw(val)
+
+    def _ridge(self, k: int) -> np.ndarray:
+        fit, val = self.fold_split(k)
+        return RidgeHead().fit(fit.inputs, fit.remaining, fit.events).ensemble().predict_raw(val)
+
+    def _ridge_held(self) -> np.ndarray:
+        split = self.split
+        ridge = RidgeHead().fit(split.inputs, split.remaining, split.events)
+        return linear_raw(ridge.held_out_scores(split.inputs, split.remaining, split.events, split.categories),
+                          self.num_rounds)
+
+    def _within(self, s: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        split = self.split
+        return fold_heads(split.inputs, split.remaining, split.events, split.categories, self.fold_sets[s], k,
+                          split.seed)
 
 
 def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...] = NAMES,
-                   jobs: int = 1) -> tuple[dict, dict[str, np.ndarray]]:
+                   jobs: int = 1, log: Callable[[str], None] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """Every candidate's out-of-fold estimates, their scores and the choice (the candidates.json dict).
 
     Under the grouped folds (``split.fold``, :func:`grouped_folds` of ``folds``) each candidate's
@@ -150,21 +231,18 @@ def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...]
     scored as the scheduler uses them, all requests ranked together: ``cv_spearman``, the primary
     criterion; ``cv_within_category`` and, under leave-one-category-out folds,
     ``cv_held_out_category`` are reported beside it, and within-category ρ breaks ties
-    (:func:`choose`). ``jobs``: 2 runs the ``ridge-within`` fits in a second thread (see the module
-    docstring); results do not depend on it.
+    (:func:`choose`). ``jobs``: the threads the shared fits run in (see the module docstring);
+    results do not depend on it. ``log``: told as each candidate's estimates are done.
 
     Returns (the record, {candidate: out-of-fold raw estimates (N,) under the grouped folds, NaN where
     unscored}); a closed-form winner's calibration is fitted on its own (``training.fit.calibrate``)."""
     tried = [candidate(name) for name in candidates]
     with _other_thread(jobs) as pool:
-        # the ridge-within fits start first (one set serves both of its candidates, under both fold sets);
-        # with jobs = 2 they run beside the other candidates' fits below
-        pending = [submit_heads(split.inputs, split.remaining, split.events, split.categories, f, split.seed, pool)
-                   for f in (split.fold, category_folds(split.categories))] if any(c.uses_within_heads for c in tried) else []
-        cv = CrossValidation(split, pending)
-        estimates = {c.name: c.out_of_fold(cv) for c in tried if not c.uses_within_heads}
-        cv.within_heads()
-    estimates.update({c.name: c.out_of_fold(cv) for c in tried if c.uses_within_heads})
+        cv = CrossValidation(split, pool)
+        cv.start([key for c in tried for key in c.needs(cv)])
+        # the ridge-within candidates last: both read the same fold fits
+        estimates = _estimates([c for c in tried if not c.uses_within_heads] + [c for c in tried if c.uses_within_heads],
+                               cv, {}, len(tried), log)
     record = {"held_out": HELD_OUT_NOTE}
     for name in candidates:
         record.update(estimates[name][2])
@@ -186,6 +264,15 @@ def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...]
         "reason": reason,
         **record,
     }, oof
+
+
+def _estimates(tried: list, cv: CrossValidation, done: dict, total: int, log: Callable[[str], None] | None) -> dict:
+    """``done`` with each of ``tried``'s out-of-fold estimates added, each told to ``log`` as it is done."""
+    for c in tried:
+        done[c.name] = c.out_of_fold(cv)
+        if log:
+            log(f"  candidate {len(done)} of {total} cross-validated: {c.name}")
+    return done
 
 
 def _scores(raw, held, remaining, scored, cats, fold, num_rounds) -> dict:

@@ -3,14 +3,17 @@
 Both ``ridge-within`` candidates (``training.candidates``) are scored from one set of fold fits: per
 fold, the two-stage ridge (:class:`~dwise_predict.survival.linear.RidgeHead` with groups) and the
 signal-feature head on its standardisation (:class:`~dwise_predict.survival.linear.SignalFeatureHead`),
-under the grouped folds and under leave-one-category-out folds. These fits draw nothing from torch's
-global RNG (their members are built blank), so ``training.select`` runs them in a second thread beside
-the survival fits: :func:`submit_heads` starts them, :func:`gather_heads` collects them.
+under the grouped folds and under leave-one-category-out folds; each fold's fit chooses its
+standardisation and penalties on its own requests (docs/training.md, "Speed"). These fits draw
+nothing from torch's global RNG (their members are built blank), so ``training.select`` runs them
+in its threads beside the survival fits: one :func:`fold_heads` each, put together by
+:func:`gather_heads`.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Executor, Future
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -77,41 +80,31 @@ def out_of_fold_heads(inputs: RefineInputs, remaining, events, groups, fold,
                       seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Out-of-fold log-scores (N,) of ridge-within and of the signal-feature head, and ridge-within's
     raw estimates (N,) (NaN where unscored), the folds fitted here in order."""
-    return gather_heads(len(remaining), submit_heads(inputs, remaining, events, groups, fold, seed, None))
+    return gather_heads(fold, partial(fold_heads, inputs, remaining, events, groups, fold, seed=seed))
 
 
-def submit_heads(inputs: RefineInputs, remaining, events, groups, fold, seed, pool: Executor | None) -> list[tuple]:
-    """Start :func:`head_scores` for every fold (in ``pool``, or here when None): (validation rows,
-    future, arguments) for :func:`gather_heads`."""
-    pending = []
-    for k in np.unique(fold):
-        fit_rows, val_rows = fold != k, fold == k
-        if fit_rows.sum() < 8:
-            continue
-        args = (inputs.rows(fit_rows), inputs.rows(val_rows), remaining[fit_rows], events[fit_rows], groups[fit_rows],
-                seed)
-        pending.append((val_rows, _start(pool, head_scores, *args), args))
-    return pending
+def scored_folds(fold: np.ndarray) -> list[int]:
+    """The folds of ``fold`` (N,) with at least 8 requests outside them to fit on; the others stay
+    unscored."""
+    return [int(k) for k in np.unique(fold) if (fold != k).sum() >= 8]
 
 
-def gather_heads(n: int, pending: list[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`out_of_fold_heads`' three arrays from :func:`submit_heads`' fits."""
-    # the fits the other thread has not started run here instead, now that this thread is free: last
-    # first, as that thread takes them first to last
-    here = {i: head_scores(*args) for i, (_, fitted, args) in reversed(list(enumerate(pending))) if fitted.cancel()}
-    ridge_oof, feature_oof, raw_oof = (np.full(n, np.nan) for _ in range(3))
-    for i, (val_rows, fitted, _) in enumerate(pending):
-        ridge_oof[val_rows], feature_oof[val_rows], raw_oof[val_rows] = here[i] if i in here else fitted.result()
-    return ridge_oof, feature_oof, raw_oof
+def fold_heads(inputs: RefineInputs, remaining, events, groups, fold, k: int,
+               seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`head_scores` of fold ``k``'s requests, the heads fitted on the other folds' requests."""
+    fit_rows, val_rows = fold != k, fold == k
+    return head_scores(inputs.rows(fit_rows), inputs.rows(val_rows), remaining[fit_rows], events[fit_rows],
+                       groups[fit_rows], seed)
 
 
-def _start(pool: Executor | None, fn, *args) -> Future:
-    """``fn(*args)`` submitted to ``pool``, or run here at once when None (a finished future)."""
-    if pool is not None:
-        return pool.submit(fn, *args)
-    done: Future = Future()
-    done.set_result(fn(*args))
-    return done
+def gather_heads(fold: np.ndarray, scores: Callable[[int], tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`out_of_fold_heads`' three arrays (N,) from ``scores(k)``, :func:`fold_heads` of each of
+    the :func:`scored_folds`."""
+    out = tuple(np.full(len(fold), np.nan) for _ in range(3))
+    for k in scored_folds(fold):
+        for whole, part in zip(out, scores(k)):
+            whole[fold == k] = part
+    return out
 
 
 def category_folds(groups: np.ndarray) -> np.ndarray:

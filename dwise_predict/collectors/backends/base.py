@@ -66,6 +66,10 @@ class StepBatch:
     window : tokens per returned window (the decoding block size).
     all_layers : also return every layer's hidden rows of the windows (``StepOutput.layers``); the
         decoder asks only in a round holding a request's first denoising forward under `collect --layers`.
+    block_len : 0 (every SGLang algorithm): the committed part of a row is one block and the rest the
+        next. Above 0 (D2F's pipeline rows, :mod:`dwise_predict.collectors.d2f`): a row is consecutive
+        blocks of ``block_len`` tokens from its first token, each seeing the ones before it
+        (block-causal), committed ones included.
     """
 
     slots: torch.Tensor
@@ -75,6 +79,7 @@ class StepBatch:
     out_start: torch.Tensor
     window: int
     all_layers: bool = False
+    block_len: int = 0
 
 
 @dataclass

@@ -97,8 +97,10 @@ class BlockLoopBackend:
             n, commit = int(batch.n_valid[r]), int(batch.commit_len[r])
             row = batch.input_ids[r, :n].tolist()
             first = self._blocks[slot][-1] + 1 if self._blocks[slot] else 0
-            # the committed part of a row is one block, the rest the next one (a prefill row is all commit)
-            row_blocks = [first] * commit + [first + (commit > 0)] * (n - commit)
+            # the committed part of a row is one block, the rest the next one (a prefill row is all commit);
+            # a D2F row is blocks of block_len tokens throughout
+            row_blocks = ([first + i // batch.block_len for i in range(n)] if batch.block_len
+                          else [first] * commit + [first + (commit > 0)] * (n - commit))
             seqs.append(self._tokens[slot] + row)
             blocks.append(self._blocks[slot] + row_blocks)
             starts.append(len(self._tokens[slot]) + int(batch.out_start[r]))
