@@ -129,6 +129,11 @@ class MonitorPublisher:
     """
 
     def __init__(self, monitor, gauges: MonitorGauges | None, recorder):
+        # the summaries rank with scipy, which dwise_predict.metrics imports at first use (so that `serve
+        # --check` starts fast): import it here, as the hook is built, not on the worker's first summary,
+        # where ~0.8 s of module code holding the GIL would stall the scheduler thread mid-serving
+        import scipy.stats  # noqa: F401
+
         self.monitor, self.gauges, self.recorder = monitor, gauges, recorder
         self.published = 0
         self.published_at = -math.inf
