@@ -85,10 +85,14 @@ def html_text(text: str) -> str:
 
 
 def csv_cell(value):
-    """A CSV cell that a spreadsheet will not run: a text cell starting with ``=``, ``+``, ``-``,
-    ``@``, a tab or a carriage return gets a leading ``'`` (OWASP's convention), unless it is a
-    number as written; numbers and every other value pass unchanged."""
-    if isinstance(value, str) and value.startswith(_FORMULA_START) and not _NUMBER.fullmatch(value):
+    """A CSV cell that a spreadsheet will not run and ``cat`` shows as written: a text cell's control
+    characters but tab and line breaks (which the CSV writer quotes) written as escapes, and a text
+    cell starting with ``=``, ``+``, ``-``, ``@``, a tab or a carriage return gets a leading ``'``
+    (OWASP's convention), unless it is a number as written; numbers and every other value pass unchanged."""
+    if not isinstance(value, str):
+        return value
+    value = visible(value, keep="\t\r\n")
+    if value.startswith(_FORMULA_START) and not _NUMBER.fullmatch(value):
         return "'" + value
     return value
 

@@ -572,6 +572,8 @@ CASES = [
          ("d2f has no parameter threshold", "add_threshold, decode_threshold, confidence_threshold")),
     Case("collect-d2f-rounds-hidden", ["collect", "--algorithm", "D2F", "--rounds-hidden", "2", "--out", "{tmp}/o"],
          ("--rounds-hidden does not fit d2f", "drop --rounds-hidden")),
+    Case("collect-d2f-batch-size", ["collect", "--algorithm", "D2F", "--batch-size", "64", "--out", "{tmp}/o"],
+         ("--batch-size 64 does not apply to --algorithm d2f", "one request at a time", "drop --batch-size")),
     Case("quickstart-limit-zero", ["quickstart", "--limit", "0", "--out", "{tmp}/q"], ("--limit must be at least 1",)),
     Case("compare-folds-one", ["compare-regressors", "{traces}", "--folds", "1"], ("--folds must be at least 2",)),
     # the scheduling lab and the serving hook

@@ -131,7 +131,7 @@ def test_simulate_csvs_title_and_compatibility_error(world, tmp_path, capsys):
         assert cells and not [c for c in cells if c[:1] in ("=", "+", "@") or c[:1] == "-" and not _number(c)], name
     with open(sim / "simulate_categories.csv", newline="") as fh:
         categories = {row["category"] for row in csv.DictReader(fh)}
-    assert categories == {"'" + c for c in CATEGORIES}
+    assert categories == {csv_cell(c) for c in CATEGORIES} and not [c for c in categories if "\x1b" in c]
     assert (sim / "simulate_categories.png").read_bytes()[:4] == b"\x89PNG"
     md = (sim / "report.md").read_text()
     assert "<img" not in md and "<script>" not in md
@@ -201,7 +201,8 @@ def test_markdown_carries_no_html_link_or_broken_table():
 @pytest.mark.parametrize("cell, written", [
     ("=1+1", "'=1+1"), ("+cmd", "'+cmd"), ("@SUM(A1)", "'@SUM(A1)"), ("-2+3", "'-2+3"), ("\tx", "'\tx"),
     ("\r=x", "'\r=x"), ("-0.25", "-0.25"), ("+3", "+3"), ("-1e-05", "-1e-05"), ("-inf", "-inf"),
-    (-0.25, -0.25), (-3, -3), ("a=b", "a=b"), ("", ""),
+    (-0.25, -0.25), (-3, -3), ("a=b", "a=b"), ("", ""), ("a\x1b]0;title\x07", "a\\x1b]0;title\\x07"),
+    ("\x1b[2J=x", "\\x1b[2J=x"), ("a\nb", "a\nb"),
 ])
 def test_csv_cells_never_run_and_numbers_stay(cell, written):
     assert csv_cell(cell) == written

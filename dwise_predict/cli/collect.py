@@ -35,7 +35,7 @@ def collect_command(
     workload: Annotated[str, typer.Option(help="Preset (tiny-default, dwise-paper) or a workload spec file.")] = "tiny-default",
     limit: Annotated[Optional[int], typer.Option(help="Take only the first N requests (a quick try).")] = None,
     seed: Annotated[int, typer.Option(**SEED_RANGE, help="Workload sampling / split seed (also seeds sampling backends).")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Requests decoded together (slots).")] = _DEFAULT.batch_size,
+    batch_size: Annotated[Optional[int], typer.Option(help=f"Requests decoded together (slots; default: {_DEFAULT.batch_size}). D2F decodes one at a time.")] = None,
     algorithm: Annotated[Optional[str], typer.Option(help="SGLang dLLM algorithm: LowConfidence, JointThreshold or JointThresholdInDel (default: what SGLang serves the model with); or D2F, our pipeline of blocks for Amin et al.'s measurements, which SGLang does not serve (parameters add_threshold 0.5, decode_threshold 0.9, confidence_threshold 1.0; one request at a time; docs/backends.md).")] = None,
     algorithm_config: Annotated[Optional[str], typer.Option(help='The algorithm\'s parameters as a JSON object (e.g. \'{"threshold": 0.9}\') or a file read as SGLang reads --dllm-algorithm-config (YAML or JSON; its block_size sets the block size; vectorized_decoding and capture_input_preparation change no decision and are dropped; a key the algorithm does not read is refused, where SGLang ignores it).')] = None,
     threshold: Annotated[Optional[float], typer.Option(help="Shorthand for the algorithm's threshold parameter.")] = None,
@@ -77,7 +77,8 @@ def collect_command(
     from dwise_predict.collectors.workloads import MAX_LIMIT
     from dwise_predict.collectors.layers import parse_layer_request
 
-    problems = []
+    problems = _d2f_batch_problem(algorithm, batch_size)
+    batch_size = _DEFAULT.batch_size if batch_size is None else batch_size
     try:
         params = _algorithm_config(algorithm_config)
         if threshold is not None:
@@ -105,6 +106,16 @@ def collect_command(
                        allow_missing=allow_missing, allow_network=allow_network or None, layers=layers,
                        pooling=pooling, rounds_hidden=rounds_hidden)
     _print_summary(path, json_out)
+
+
+def _d2f_batch_problem(algorithm: str | None, batch_size: int | None) -> list[str]:
+    """D2F's loop decodes one request at a time: a --batch-size other than 1 with it is refused, never ignored."""
+    from dwise_predict.engine.d2f import D2F
+
+    if algorithm != D2F.name or batch_size in (None, 1):
+        return []
+    return [f"--batch-size {batch_size} does not apply to --algorithm D2F, which decodes one request at a time "
+            "(each request's own latency, as Amin et al. measured it): drop --batch-size"]
 
 
 def _algorithm_config(value: str | None) -> dict:
