@@ -39,6 +39,9 @@ processing (no KV pool, no streaming) and its one-column logits (no softmax over
 vocabulary). The two schedules differ (SGLang's runs prompt blocks first), as in the real server;
 rows per step are printed beside the periods. Timing lines, not checks: they do not fail the run.
 
+``--bundle DIR`` refines with that bundle in the loop-period comparison (its launch, the admission model
+on every arrival: what a served hook does); ``tests/live/live_bundle.py`` writes one of the right width.
+
 Prints one line per check and exits 1 if any fails; a few minutes on one GPU (well under 10).
 ``--cpu`` runs the checks that need no GPU (eager pooling, padded batch sizes eagerly, abort,
 prefix) on the CPU, to test the script itself (``tests/test_gpu_smoke_script.py`` runs its pieces).
@@ -46,6 +49,7 @@ prefix) on the CPU, to test the script itself (``tests/test_gpu_smoke_script.py`
 
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
 import tempfile
@@ -78,6 +82,7 @@ BS, H, V = 32, 256, 1024
 # the decode CUDA-graph batch sizes captured at start-up (a few of SGLang's: 1, 2, 4, 8, 12, 16, 24, ... 256)
 GRAPH_SIZES = (4, 8, 24, 136)
 PADDED_BATCHES = (3, 17, 130, GRAPH_SIZES[-1] + 1)  # replay 4, 24, 136 with padding; one above the largest: eager
+SYNC_SITES: collections.Counter = collections.Counter()  # the hook's synchronising calls, by file:line
 MAX_BATCH = GRAPH_SIZES[-1] + 1  # the hook's buffer holds the largest graph and the largest eager batch
 DEVICE = "cuda"
 # the loop-period comparison (compare_loop_periods): a random model of about 600 M parameters in bf16
@@ -102,6 +107,26 @@ class TinyModel(nn.Module):
 
     def forward(self, ids):
         return self.layers(self.embed(ids % V)).reshape(-1, self.hidden)  # (B*bs, hidden)
+
+
+class DeviceFillAlgorithm(fake.FillAlgorithm):
+    """The fake's ``FillAlgorithm.step`` as tensor ops on the forward's device with one host read a step
+    (the rows' done flags), as SGLang's own ``step`` reads its results once: the fake's per-row loop
+    reads every row's masks to the host, a synchronisation per row on a GPU."""
+
+    def step(self, forward_batch, full_logits, states):
+        ids = forward_batch.input_ids.view(forward_batch.batch_size, self.block_size)  # (B, bs), filled in place
+        masked = ids == self.mask_id
+        count = masked.sum(dim=1)
+        # forwards left in the row's block (FillAlgorithm.step): fill ceil(masked / left) positions, in order
+        left = torch.tensor([max(max(r.forwards_per_block[min(r.blocks_done, len(r.forwards_per_block) - 1)] - 1, 1)
+                                 - r.fills, 1) for r in forward_batch.reqs], device=ids.device)
+        take = (count + left - 1) // left
+        ids.masked_fill_(masked & (masked.cumsum(dim=1) <= take[:, None]), fake.FILL)
+        done = (count == 0).tolist()  # the step's one host read
+        for req, finished in zip(forward_batch.reqs, done):
+            req.fills += not finished
+        return done
 
 
 def padded_size(batch: int, sizes) -> int | None:
@@ -138,7 +163,10 @@ class GpuRunner(fake.ModelRunner):
     @torch.no_grad()
     def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None, **kwargs):
         self.calls += 1
-        ids = forward_batch.input_ids.view(forward_batch.batch_size, BS).to(DEVICE)
+        # SGLang's ForwardBatch holds its input ids on the device (the fake's on the host): the algorithm's
+        # step and the hook's early signals then read them where SGLang's do
+        forward_batch.input_ids = forward_batch.input_ids.to(DEVICE)
+        ids = forward_batch.input_ids.view(forward_batch.batch_size, BS)
         size = padded_size(forward_batch.batch_size, self.graphs) if self.cuda_graph else None
         self.replayed.append(size)
         if size is not None:
@@ -185,7 +213,7 @@ def serve(model, reqs, graph, out, before_step=None, capture_first=False, slots=
         scheduler = fake.Scheduler(config, batch_capacity=slots, max_total_num_tokens=10**9)
         sp = fake.SimpleNamespace(max_new_tokens=256)
         scheduler.waiting_queue.extend(fake.Req(rid, ids, sp, config, f, None, None) for rid, ids, f in reqs)
-        algorithm = fake.FillAlgorithm(config)
+        algorithm = DeviceFillAlgorithm(config)
         step = 0
         while scheduler.waiting_queue or not scheduler.dllm_manager.is_empty():
             if before_step is not None:
@@ -194,6 +222,7 @@ def serve(model, reqs, graph, out, before_step=None, capture_first=False, slots=
             with hook_syncs() as caught:
                 scheduler.step(algorithm, runner)
             syncs.append((len(caught), handle.stats.host_transfers - copies))
+            SYNC_SITES.update(f"{Path(w.filename).name}:{w.lineno}" for w in caught)
             step += 1
         return handle, scheduler, runner, syncs
     finally:
@@ -262,26 +291,34 @@ def expected_first_round(model, ids):
 
 def period_request(n: int, config) -> fake.Req:
     """The closed loop's ``n``-th request: one or two prompt blocks and up to 7 tokens more, ids of its
-    own (no shared prefix), two output blocks of 3 forwards each."""
+    own (no shared prefix), two output blocks of 3 forwards each; its admission features (words,
+    newlines, prompt tokens) for a bundle."""
     ids = [100 + 1000 * n + t for t in range(BS + (7 * n) % (BS + 8))]
-    return fake.Req(f"p{n:05d}", ids, fake.SimpleNamespace(max_new_tokens=256), config, [3, 3], None, None)
+    features = np.array([len(ids), n % 3, len(ids)], np.float32)
+    return fake.Req(f"p{n:05d}", ids, fake.SimpleNamespace(max_new_tokens=256), config, [3, 3], None, features)
 
 
-def period_run(model, mode: str, slots: int, steps: int, out: Path) -> list:
+def request_features(req) -> np.ndarray:
+    """The admission features the hook reads for a request (the fake's requests carry theirs)."""
+    return req.features
+
+
+def period_run(model, mode: str, slots: int, steps: int, out: Path, bundle=None) -> list:
     """``steps`` scheduler steps through the fake with the hook (``mode`` "dwise": recording, as
-    :func:`serve`, k = :data:`PERIOD_K`) or the pass-through (SGLang's own scheduling, ``slots``
-    resident), timed by ``hook_timing`` (each step's end, the hook's own time); a closed loop keeps
-    k·B + B/2 requests in the server. Returns the clock's steps."""
+    :func:`serve`, k = :data:`PERIOD_K`, refining with ``bundle`` when given) or the pass-through
+    (SGLang's own scheduling, ``slots`` resident), timed by ``hook_timing`` (each step's end, the hook's
+    own time); a closed loop keeps k·B + B/2 requests in the server. Returns the clock's steps."""
     clock = hook_timing.StepClock()
     hook_wraps = 0
-    hook_timing.time_sglang(clock, fake.resolve, also=((GpuRunner, "forward"), (fake.FillAlgorithm, "step")))
+    hook_timing.time_sglang(clock, fake.resolve, also=((GpuRunner, "forward"), (DeviceFillAlgorithm, "step")))
     recorder = handle = None
     try:
         if mode == "dwise":
             manifest = live_manifest({"name": "tiny-random", "hidden_size": model.hidden}, "LowConfidence", {}, BS, 256)
             recorder = LiveRecorder(out, block_size=BS, every=64, manifest=manifest)
-            handle = install(None, slots=slots, k=PERIOD_K, resolve=fake.resolve, block_size=BS, max_batch=MAX_BATCH,
-                             device=DEVICE, hidden_size=model.hidden, recorder=recorder)
+            handle = install(bundle, features=request_features if bundle is not None else None, slots=slots, k=PERIOD_K,
+                             resolve=fake.resolve, block_size=BS, max_batch=MAX_BATCH, device=DEVICE,
+                             hidden_size=model.hidden, recorder=recorder)
         else:
             handle = hook_timing.install_pass_through(fake.resolve)
         hook_wraps = len(clock.restore)
@@ -289,7 +326,7 @@ def period_run(model, mode: str, slots: int, steps: int, out: Path) -> list:
         runner = GpuRunner(model, DEVICE != "cpu", sync=True)  # captured after install, as at SGLang start-up
         config = fake.config(BS, PERIOD_K * slots if mode == "dwise" else slots)
         scheduler = fake.Scheduler(config, batch_capacity=PERIOD_K * slots, max_total_num_tokens=10**9)
-        algorithm, sent = fake.FillAlgorithm(config), itertools.count()
+        algorithm, sent = DeviceFillAlgorithm(config), itertools.count()
         scheduler.waiting_queue.extend(period_request(next(sent), config) for _ in range(PERIOD_K * slots + slots // 2))
         while len(clock.steps) < steps:
             batch = scheduler.step(algorithm, runner)
@@ -305,17 +342,18 @@ def period_run(model, mode: str, slots: int, steps: int, out: Path) -> list:
             recorder.close()
 
 
-def compare_loop_periods(model, tmp: Path, slots=PERIOD_SLOTS, steps=PERIOD_STEPS, warmup=PERIOD_WARMUP) -> list[str]:
-    """The loop period with the hook and with the pass-through (module docstring), ``steps`` steps
-    after ``warmup``, and the targets' lines: the lines to print."""
-    figures = {mode: hook_timing.step_figures(period_run(model, mode, slots, warmup + steps, tmp / f"period-{mode}"),
-                                              range(warmup, warmup + steps))
+def compare_loop_periods(model, tmp: Path, slots=PERIOD_SLOTS, steps=PERIOD_STEPS, warmup=PERIOD_WARMUP,
+                         bundle=None) -> list[str]:
+    """The loop period with the hook (refining with ``bundle`` when given) and with the pass-through
+    (module docstring), ``steps`` steps after ``warmup``, and the targets' lines: the lines to print."""
+    figures = {mode: hook_timing.step_figures(period_run(model, mode, slots, warmup + steps, tmp / f"period-{mode}",
+                                                         bundle), range(warmup, warmup + steps))
                for mode in ("pass-through", "dwise")}
     where = "cpu" if DEVICE == "cpu" else torch.cuda.get_device_name()
     lines = [f"loop period, hook vs pass-through at the same patch points, on the fake with a random "
              f"{len(model.layers.layers)}-layer transformer (hidden {model.hidden}, {next(model.parameters()).dtype}) "
              f"on {where}{', CUDA graphs' if DEVICE != 'cpu' else ''}: B = {slots}, k = {PERIOD_K}, {steps} steps "
-             f"after {warmup}"]
+             f"after {warmup}, {'refining with a bundle' if bundle is not None else 'no bundle (no refinement)'}"]
     for mode, f in figures.items():
         first = f"{f['first_rounds']:5.1f}" if mode == "dwise" else f"{'-':>5}"  # the pass-through plans none
         lines.append(f"  {mode:<12} rows/step {f['rows']:6.1f}  first rounds/step {first}  "
@@ -327,7 +365,29 @@ def compare_loop_periods(model, tmp: Path, slots=PERIOD_SLOTS, steps=PERIOD_STEP
         change = 100.0 * (hook[key] / base[key] - 1.0)
         lines.append(f"target loop period {name} <= +{target:g} % over the pass-through: {change:+.2f} %, "
                      f"{'met' if change <= target else 'MISSED'}")
+    # the schedules differ (DWISE fills B rows a step, SGLang's runs prompt blocks apart): per row, and the
+    # hook's own time as a share of its period, are the figures that compare like with like
+    per_row = {mode: 1e3 * f["period_mean"] / f["rows"] for mode, f in figures.items()}
+    hook_mean = sum(hook["parts"].get(label, 0.0) for label in hook_timing.HOOK_LABELS)
+    lines.append(f"figure loop period per row: pass-through {per_row['pass-through']:.1f} µs, dwise "
+                 f"{per_row['dwise']:.1f} µs ({100.0 * (per_row['dwise'] / per_row['pass-through'] - 1.0):+.1f} %); "
+                 f"the hook's own time {hook_mean:.0f} µs a step, {hook_mean / (10.0 * hook['period_mean']):.1f} % "
+                 f"of the dwise loop period")
+    top = sorted(hook["parts"].items(), key=lambda item: -item[1])[:12]
+    lines.append("dwise, mean µs per step by part: " + ", ".join(f"{label} {us:.0f}" for label, us in top))
     return lines
+
+
+def period_bundle(argv: list[str]):
+    """The bundle named by ``--bundle DIR`` (of width :data:`PERIOD_H`, block :data:`BS`, e.g.
+    ``tests/live/live_bundle.py``'s ``write_bundle(DIR, None, 2048, 32)``), loaded for the GPU; None
+    without one."""
+    if "--bundle" not in argv:
+        return None
+    from dwise_predict.bundles.load import load_bundle
+
+    return load_bundle(argv[argv.index("--bundle") + 1], device=DEVICE, backend="torch",
+                       expect_decoding={"block_size": BS})
 
 
 def main(argv: list[str]) -> int:
@@ -360,7 +420,7 @@ def main(argv: list[str]) -> int:
         extra = [found - copies for found, copies in steps]  # 1 once: the model's stop ids, on the first forward
         check("the hook synchronises once at most per step, only with a first denoising round",
               max(copies for _, copies in steps) <= 1 and max(extra) <= 1 and sum(e > 0 for e in extra) <= 1,
-              f"(syncs per step {[found for found, _ in steps]})")
+              f"(syncs per step {[found for found, _ in steps]}; at {dict(SYNC_SITES)})")
         same_rows = eager.requests["request_id"].tolist() == graph.requests["request_id"].tolist()
         diff = float(np.abs(eager.first_round - graph.first_round).max()) if same_rows else float("inf")
         check("graphs on/off record the same pooled vectors", same_rows and diff < 1e-4, f"(max |diff| {diff:.2e})")
@@ -400,7 +460,7 @@ def main(argv: list[str]) -> int:
 
     if graphs:  # timing lines, not checks (module docstring); the --cpu run leaves them to the test
         period_model = TinyModel(PERIOD_H, PERIOD_LAYERS).to(DEVICE, torch.bfloat16).eval()
-        for line in compare_loop_periods(period_model, tmp):
+        for line in compare_loop_periods(period_model, tmp, bundle=period_bundle(argv)):
             print(line)
 
     where = "cpu" if cpu else torch.cuda.get_device_name()

@@ -62,7 +62,7 @@ def test_the_loop_period_comparison_times_both_hooks_and_leaves_the_fake_as_it_f
     fake = smoke.fake
     sglang = ResolvedSglang(fake.resolve)
     patched = [(getattr(sglang, owner), name) for owner, name, _ in PATCHES]  # every patch point, abort_request too
-    timed = [(fake.FillAlgorithm, "step"), (smoke.GpuRunner, "forward")]
+    timed = [(smoke.DeviceFillAlgorithm, "step"), (smoke.GpuRunner, "forward")]
     before = {(cls, name): vars(cls).get(name) for cls, name in patched + timed}
     torch.manual_seed(0)
     lines = smoke.compare_loop_periods(smoke.TinyModel().eval(), tmp_path, slots=4, steps=20, warmup=5)
@@ -73,3 +73,55 @@ def test_the_loop_period_comparison_times_both_hooks_and_leaves_the_fake_as_it_f
     assert re.fullmatch(rf"target loop period mean <= \+1 % over the pass-through: \+?{number} %, (met|MISSED)", lines[3])
     assert re.fullmatch(rf"target loop period p99 <= \+3 % over the pass-through: \+?{number} %, (met|MISSED)", lines[4])
     assert {key: vars(key[0]).get(key[1]) for key in before} == before
+
+
+def test_the_device_fill_step_fills_the_positions_the_fakes_loop_fills(smoke):
+    """The script's tensor version of the fake algorithm's step (one host read a step) fills the same
+    positions, reports the same finished rows and counts the same fills as the fake's per-row loop, over
+    rows with no, some and every position masked and requests at different forwards of their block."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+
+    fake = smoke.fake
+    config = fake.config(8, 8)
+    rng = torch.Generator().manual_seed(0)
+    reqs = []
+    for i, plan in enumerate(([3, 3], [1], [5, 2], [2, 4], [4], [6, 1])):
+        req = fake.Req(f"r{i}", [100 + i], SimpleNamespace(max_new_tokens=64), config, plan, None, None)
+        req.blocks_done, req.fills = i % 2, i % 3
+        reqs.append(req)
+    ids = torch.randint(1, 50, (len(reqs), 8), generator=rng)
+    ids[torch.rand(len(reqs), 8, generator=rng) < 0.6] = fake.MASK
+    ids[0], ids[1, :5] = 50, fake.MASK  # a row with nothing masked; a row masked at its start only
+    results = []
+    for algorithm in (fake.FillAlgorithm(config), smoke.DeviceFillAlgorithm(config)):
+        batch = SimpleNamespace(batch_size=len(reqs), input_ids=ids.clone().reshape(-1), reqs=copy.deepcopy(reqs))
+        done = algorithm.step(batch, None, None)
+        results.append((batch.input_ids.tolist(), done, [r.fills for r in batch.reqs]))
+    assert results[0] == results[1]
+    assert results[0][1][0] is True and results[0][1][1:] == [False] * 5  # only the unmasked row is done
+    assert results[0][0] != ids.reshape(-1).tolist()  # positions were filled
+
+
+def test_the_loop_period_comparison_refines_with_a_bundle_when_given_one(smoke, tmp_path):
+    """``--bundle``: the hook of the timed loop refines with the bundle (its refinement runs, the
+    admission model ranks every arrival), and the figures compare per row and as the hook's share."""
+    import re
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent.parent / "tests" / "live"))
+    import live_bundle
+
+    live_bundle.write_bundle(tmp_path / "bundle", None, 32, smoke.BS)
+    bundle = smoke.period_bundle(["--bundle", str(tmp_path / "bundle")])
+    torch.manual_seed(0)
+    lines = smoke.compare_loop_periods(smoke.TinyModel(32).eval(), tmp_path, slots=4, steps=12, warmup=3, bundle=bundle)
+    assert lines[0].endswith("refining with a bundle"), lines[0]
+    assert re.fullmatch(r"figure loop period per row: pass-through [\d.]+ µs, dwise [\d.]+ µs \([+-][\d.]+ %\); "
+                        r"the hook's own time \d+ µs a step, [\d.]+ % of the dwise loop period", lines[5]), lines[5]
+    parts = dict(re.findall(r"([\w.]+) (\d+)", lines[6].split(":", 1)[1]))
+    assert int(parts["refine"]) > 0 and int(parts["register"]) > 0, lines[6]
