@@ -629,6 +629,18 @@ CASES += [
          manifest_with(lambda m: m.update(model=[1]))),
     Case("a43-manifest-hidden-size-disagrees", ["train", "{bad}", "--out", "{tmp}/r"], ("model.hidden_size 99", "rows of 16"),
          manifest_with(lambda m: m["model"].update(hidden_size=99))),
+    # a decoding the engine's rules refuse (issue 51): one line naming the manifest and the parameter
+    Case("traces-decoding-d2f-string", ["simulate", "{bad}", "--bundle", "{bundle}"],
+         ("manifest.json records a decoding", "decode_threshold must be a number in (0, 1], got '<script>'",
+          "collect the traces again"),
+         manifest_with(lambda m: m["decoding"].update(algorithm="D2F", algorithm_config={
+             "add_threshold": 0.5, "decode_threshold": "<script>", "confidence_threshold": 1.0}))),
+    Case("traces-decoding-unknown-key", ["evaluate", "{bad}", "--out", "{tmp}/e"],
+         ("lowconfidence has no parameter high", "collect the traces again"),
+         manifest_with(lambda m: m["decoding"].update(algorithm="LowConfidence", algorithm_config={"high": 1}))),
+    Case("traces-decoding-in-budget-sweep", ["simulate", "{traces}", "--budget-sweep", "{bad}"],
+         ("threshold must be a number in [0.0, 1.0], got 1.5",),
+         manifest_with(lambda m: m["decoding"].update(algorithm="LowConfidence", algorithm_config={"threshold": 1.5}))),
     Case("a43-columns-prompt-blocks-absurd", ["simulate", "{bad}", "--requests", "8", "--policies", "fcfs-mixed"],
          ("prompt_blocks is 1e+15", "corrupt"), traces_with(set_column("prompt_blocks", 10**15))),
     Case("a43-columns-total-not-sum", ["train", "{bad}", "--out", "{tmp}/r"], ("rounds_per_block sums to",),

@@ -190,21 +190,23 @@ def test_other_algorithms_are_refused_unless_split(tmp_path, capsys):
 
     ours = make_traces()
     d2f = with_rounds(ours, ours.requests["rounds_per_block"], algorithm="D2F",
-                      algorithm_config={"add_threshold": 0.1})
+                      algorithm_config={"add_threshold": 0.1, "decode_threshold": 0.9, "confidence_threshold": 1.0})
     with pytest.raises(InputError, match=r"\(algorithm: synthetic vs D2F\).*`split_decodings`"):
         characterize([ours, d2f])
     lower = with_rounds(ours, ours.requests["rounds_per_block"], algorithm_config={"threshold": 0.9})
     with pytest.raises(InputError, match=r"algorithm_config: \{\} vs \{\"threshold\": 0.9\}"):
         characterize([ours, lower])
     split = characterize([ours, d2f], split_decodings=True)
-    assert [c["label"] for c in split["configurations"]] == ["synthetic, block 8", "D2F add_threshold=0.1, block 8"]
+    assert [c["label"] for c in split["configurations"]] == ["synthetic, block 8", "D2F add_threshold=0.1 confidence_threshold=1.0 decode_threshold=0.9, block 8"]
     assert split["invariance"] == []  # one block size per algorithm
     a, b = write(ours, tmp_path / "ours"), write(d2f, tmp_path / "d2f")
     assert main(["characterize", str(a), str(b)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "were decoded differently" in err[0] and "pass --split-decodings" in err[0]
     assert main(["characterize", str(a), str(b), "--split-decodings"]) == 0
-    assert "Denoising rounds — synthetic (synthetic-1); D2F add_threshold=0.1, block 8" in capsys.readouterr().out
+    shown = " ".join(capsys.readouterr().out.split())  # a long title wraps
+    assert ("Denoising rounds — synthetic (synthetic-1); D2F add_threshold=0.1 confidence_threshold=1.0 "
+            "decode_threshold=0.9, block 8") in shown
 
 
 def test_cli_reports_each_block_size_and_the_invariance_table(tmp_path, capsys):

@@ -461,3 +461,32 @@ def test_each_scheduler_process_says_once_that_the_hook_engaged(tmp_path, caplog
                                       None, 0, None, "dp0")
     assert "bundle b/, B = 8, k = 2, k*B = 16 of ? request rows" in recording
     assert recording.endswith(f"recording to {tmp_path / 'dp0'}")
+
+
+@pytest.mark.parametrize("config_text,refused", [
+    ("threshold: 0.95\n", None),
+    (None, None),  # SGLang's defaults
+    ("threshold: 1.5\n", "algorithm parameter threshold must be a number in"),
+    ("threshold: high\n", "algorithm parameter threshold must be a number in"),
+])
+def test_recording_a_decoding_the_engine_refuses_is_refused_before_sglang_loads_the_model(tmp_path, config_text,
+                                                                                          refused):
+    """SGLang runs whatever parameters it is given; a recording of one our rules refuse would be refused
+    by every reader of its traces, so `serve --record` refuses it in one line before the model loads
+    (not as a scheduler crash when the recorder writes its manifest)."""
+    from types import SimpleNamespace
+
+    path = None
+    if config_text is not None:
+        path = tmp_path / "algorithm.yaml"
+        path.write_text(config_text)
+    server_args = SimpleNamespace(dllm_algorithm="LowConfidence", dllm_algorithm_config=None if path is None else str(path),
+                                  model_path="m", tokenizer_path=None, max_running_requests=1024)
+    config = HookConfig(record=str(tmp_path / "rec"), block_size=32, hidden_size=16)
+    if refused is None:
+        assert resolved(config, server_args).block_size == 32
+    else:
+        with pytest.raises(ConfigError, match=f"^cannot record SGLang's LowConfidence decoding: {refused}") as err:
+            resolved(config, server_args)
+        assert "\n" not in str(err.value) and "correct the algorithm config file" in str(err.value)
+    assert not (tmp_path / "rec").exists()

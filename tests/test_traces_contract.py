@@ -195,3 +195,130 @@ def test_a_view_without_the_tensors_keeps_the_column(rounds_dir):
     assert not view.prompt_last.any() and len(view) == 96
     with pytest.raises(TraceError, match="but not 'round_states', 'round_signals'"):
         round_states(view)
+
+
+# --- the decoding a manifest records, checked by the engine's rules (issue 51) ---------------------
+# The traces package may not import the engine: every command that reads traces checks the manifest's
+# algorithm config through its TRACES argument (cli.options.checked_traces), by the rule `collect`
+# decodes with (engine.algorithms.check_recorded_config).
+
+D2F = {"add_threshold": 0.5, "decode_threshold": 0.9, "confidence_threshold": 1.0}
+
+
+@pytest.fixture(scope="module")
+def decoded_dir(tmp_path_factory):
+    """Small synthetic traces whose manifest says LowConfidence at SGLang's default threshold."""
+    traces = make_synthetic_traces(96, 16, seed=5)
+    traces.manifest["decoding"].update(algorithm="LowConfidence", algorithm_config={"threshold": 0.95})
+    return write_traces(traces, tmp_path_factory.mktemp("d") / "t")
+
+
+def _decoding(algorithm, config=None, drop=()):
+    """A manifest edit: the decoding's algorithm and config (its keys ``drop`` removed)."""
+    def edit(manifest):
+        manifest["decoding"].update(algorithm=algorithm, algorithm_config=config)
+        for key in drop:
+            manifest["decoding"].pop(key)
+    return edit
+
+
+# case -> (manifest edit, words of the one error line), which ends with the fix. NaN never reaches the
+# rule: the JSON reader refuses it first (no file of ours holds NaN).
+RULE_FIX = "the file was edited or damaged; collect the traces again, or correct its decoding block"
+JSON_FIX = "is not valid JSON (NaN is not a JSON number): the trace dataset is damaged; collect it again"
+BAD_DECODINGS = {
+    "d2f string": (_decoding("D2F", {**D2F, "decode_threshold": "<script>"}),
+                   "algorithm parameter decode_threshold must be a number in (0, 1], got '<script>'"),
+    "d2f nan": (_decoding("D2F", {**D2F, "decode_threshold": float("nan")}), JSON_FIX),
+    "d2f zero": (_decoding("D2F", {**D2F, "add_threshold": 0}), "add_threshold must be a number in (0, 1], got 0"),
+    "d2f over 1": (_decoding("D2F", {**D2F, "confidence_threshold": 1.5}),
+                   "confidence_threshold must be a number in [0.0, 1.0], got 1.5"),
+    "d2f unknown key": (_decoding("D2F", {**D2F, "threshold": 0.9}),
+                        "D2F has no parameter threshold: its parameters are add_threshold, decode_threshold, "
+                        "confidence_threshold"),
+    "d2f missing key": (_decoding("D2F", {"add_threshold": 0.5, "confidence_threshold": 1.0}),
+                        "D2F's parameters lack decode_threshold: a manifest records every one (or none, for the defaults)"),
+    "d2f list": (_decoding("D2F", {**D2F, "decode_threshold": [0.9]}), "decode_threshold must be a number in (0, 1], got [0.9]"),
+    "low string": (_decoding("LowConfidence", {"threshold": "high"}),
+                   "algorithm parameter threshold must be a number in [0.0, 1.0], got 'high'"),
+    "low nan": (_decoding("LowConfidence", {"threshold": float("nan")}), JSON_FIX),
+    "low negative": (_decoding("LowConfidence", {"threshold": -0.1}), "threshold must be a number in [0.0, 1.0], got -0.1"),
+    "low bool": (_decoding("LowConfidence", {"threshold": True}), "threshold must be a number in [0.0, 1.0], got True"),
+    "low unknown key": (_decoding("LowConfidence", {"threshold": 0.95, "edit_threshold": 0.1}),
+                        "LowConfidence has no parameter edit_threshold: its parameters are threshold"),
+    "low missing config": (_decoding("LowConfidence", drop=["algorithm_config"]),
+                           "the algorithm config must be a JSON object of parameters, got none"),
+    "low list config": (_decoding("LowConfidence", [0.95]), "the algorithm config must be a JSON object of parameters, got list"),
+    "algorithm not a name": (_decoding(["LowConfidence"], {"threshold": 0.95}),
+                             "the algorithm must be a name, got list ['LowConfidence']"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODINGS))
+def test_a_decoding_the_engine_refuses_is_one_line_in_every_reader(decoded_dir, tmp_path, capsys, case):
+    from dwise_predict.cli import main
+
+    edit, words = BAD_DECODINGS[case]
+    bad = _edit(decoded_dir, tmp_path / "bad", manifest=edit)
+    for argv in (["traces", "show", str(bad)], ["characterize", str(bad)],
+                 ["train", str(bad), "--out", str(tmp_path / "run")]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"error: {bad / 'manifest.json'} "), err
+        assert words in err and err.endswith((f"): {RULE_FIX}\n", f"{JSON_FIX}\n")), err
+        assert "--" not in err, err  # a manifest's key is no flag
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_manifest_check_is_collects_own_rule(decoded_dir):
+    """The words of each parameter refusal are the ones `collect` gives for the same config: one rule set."""
+    from dwise_predict.collectors.records import DecodingConfig
+    from dwise_predict.engine.algorithms import check_recorded_config
+    from dwise_predict.errors import ConfigError
+
+    for algorithm, config, words in (("D2F", {**D2F, "decode_threshold": "<script>"}, "decode_threshold must be"),
+                                     ("LowConfidence", {"threshold": float("nan")}, "got nan"),
+                                     ("LowConfidence", {"threshold": 2}, "got 2"),
+                                     ("LowConfidence", {"threshold": 0.9, "x": 1}, "no parameter x")):
+        with pytest.raises(ConfigError) as recorded:
+            check_recorded_config(algorithm, config)
+        with pytest.raises(ConfigError) as collected:
+            DecodingConfig(algorithm=algorithm, algorithm_config=config)
+        assert str(recorded.value) == str(collected.value) and words in str(recorded.value)
+
+
+def test_valid_decodings_still_load_and_show(decoded_dir, tmp_path, capsys):
+    """Every parameter (what collect writes), none (a recording older than manifests with SGLang's
+    defaults), and algorithms we run no rule for (synthetic, Gemma4Renoise) load as before."""
+    from dwise_predict.cli import main
+
+    for name, edit in (("low", None), ("d2f", _decoding("D2F", D2F)), ("old", _decoding("LowConfidence", {})),
+                       ("renoise", _decoding("Gemma4Renoise", {"steps": 4})), ("synthetic", _decoding("synthetic", {}))):
+        ok = _edit(decoded_dir, tmp_path / name, manifest=edit)
+        assert len(load_traces(ok)) == 96
+        assert main(["traces", "show", str(ok), "--json"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["categories"][-1]["category"] == "all" and shown["categories"][-1]["count"] == 96
+        assert shown["decoding"]["algorithm_config"] == json.loads((ok / "manifest.json").read_text())["decoding"]["algorithm_config"]
+
+
+def test_a_hostile_key_is_shown_escaped_and_merge_refuses_it(decoded_dir, tmp_path, capsys):
+    from dwise_predict.cli import main
+
+    bad = _edit(decoded_dir, tmp_path / "bad", manifest=_decoding("LowConfidence", {"threshold": 0.9, "\x1b]0;t\x07": 1}))
+    assert main(["traces", "merge", str(bad), "--out", str(tmp_path / "merged")]) == 1
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "LowConfidence has no parameter \\x1b]0;t\\x07" in err
+    assert not (tmp_path / "merged").exists()
+
+
+def test_a_recording_of_parameters_the_rule_refuses_is_refused_before_it_is_written():
+    """The live recorder's manifest goes through the same rule: SGLang runs what it is given, but
+    traces of it would be refused by every reader."""
+    from dwise_predict.collectors.live import live_manifest
+    from dwise_predict.errors import ConfigError
+
+    assert live_manifest({}, "LowConfidence", {}, 8, 64)["decoding"]["algorithm_config"] == {"threshold": 0.95}
+    for config, words in (({"threshold": 1.5}, "got 1.5"), ({"threshold": "high"}, "got 'high'")):
+        with pytest.raises(ConfigError, match=f"cannot record SGLang's LowConfidence decoding: .*{words}"):
+            live_manifest({}, "LowConfidence", config, 8, 64)

@@ -140,12 +140,13 @@ def test_ridge_recovers_the_hidden_difficulty():
 
 def test_the_registry_holds_every_candidate_once_in_the_order_they_are_tried():
     """The order is the choice's tie-break (the reference first); closed-form candidates calibrate on
-    their out-of-fold estimates; the ridge-within ones share the fold fits of the CV's other thread."""
-    from dwise_predict.training.candidates import REGISTRY, candidate
+    their out-of-fold estimates; the ridge-within ones have fits they need only to be chosen."""
+    from dwise_predict.training.candidates import REGISTRY, Candidate, candidate
 
     assert CANDIDATES == ("survival", "ridge", "survival+ridge", "ridge-within", "survival-pca", "ridge-within+signals")
     assert [c.name for c in REGISTRY if c.closed_form] == ["ridge", "ridge-within", "ridge-within+signals"]
-    assert [c.name for c in REGISTRY if c.uses_within_heads] == ["ridge-within", "ridge-within+signals"]
+    assert [c.name for c in REGISTRY if type(c).needs_to_be_chosen is not Candidate.needs_to_be_chosen] == [
+        "ridge-within", "ridge-within+signals"]
     assert candidate("survival-pca") is REGISTRY[4]
     with pytest.raises(ConfigError, match="no refinement candidate 'lasso'; known: survival, ridge, survival"):
         candidate("lasso")
@@ -233,6 +234,42 @@ def test_cv_scores_and_choice_are_the_same_in_one_thread_and_in_two(traces):
         assert json.dumps(one, sort_keys=True) == json.dumps(other, sort_keys=True)
         for name in CANDIDATES:
             np.testing.assert_array_equal(one_oof[name], other_oof[name])
+
+
+def test_skipping_the_refits_of_candidates_out_of_reach_changes_no_score_the_choice_reads(traces, monkeypatch):
+    """The ridge-within heads' leave-one-category-out refits are made only for a candidate that can still
+    be level with the best. Here both trail ridge by more than the band at every blend weight: the search
+    skips the refits, and against the full search (every candidate a contender) the choice, every overall
+    and within-category score and every out-of-fold estimate are the same, bar ridge-within+signals', which
+    is scored at the default blend weight instead of the weight the refits would have chosen."""
+    from unittest import mock
+
+    from dwise_predict.training import select
+
+    ds = load_traces(traces).split("train")
+    split = training_split(ds, Targets.of(ds), TrainConfig(width=16, members=2, max_epochs=3, cv_folds=2))
+    heads = mock.Mock(wraps=select.fold_heads)
+    monkeypatch.setattr(select, "fold_heads", heads)
+    pruned, pruned_oof = select.cross_validate(split, 2)
+    assert pruned["out_of_reach"]["candidates"] == ["ridge-within", "ridge-within+signals"]
+    # the ridge-within heads fitted without each grouped fold, and without no category
+    assert [call.args[4] is split.fold for call in heads.call_args_list] == [True, True]
+    monkeypatch.setattr(select, "contenders", lambda rest, cv, known: {c.name for c in rest})
+    full, full_oof = select.cross_validate(split, 2)
+    assert "out_of_reach" not in full and full["chosen"] == pruned["chosen"] == "ridge"
+    assert full["level_with_best"] == pruned["level_with_best"] and full["reason"] == pruned["reason"]
+    best = max(s["cv_spearman"] for s in full["candidates"].values())
+    assert full["candidates"]["ridge-within+signals"]["cv_spearman"] < best - LEVEL_BAND
+    for name in CANDIDATES[:5]:
+        assert pruned["candidates"][name]["cv_spearman"] == full["candidates"][name]["cv_spearman"], name
+        assert pruned["candidates"][name]["cv_within_category"] == full["candidates"][name]["cv_within_category"]
+        np.testing.assert_array_equal(pruned_oof[name], full_oof[name])
+    assert full["candidates"]["ridge-within"]["cv_held_out_category"] is not None
+    assert pruned["candidates"]["ridge-within"]["cv_held_out_category"] is None
+    assert pruned["blend_weight"] == DEFAULT_BLEND_WEIGHT and full["blend_cv"]["rule"]["best"] in BLEND_WEIGHTS
+    for w in map(str, BLEND_WEIGHTS):  # each weight's grouped-CV score stays; its held-out one is not measured
+        assert pruned["blend_cv"][w]["cv_within_category"] == full["blend_cv"][w]["cv_within_category"]
+        assert pruned["blend_cv"][w]["cv_held_out_category"] is None
 
 
 def test_linear_heads_out_of_fold_estimates_come_from_fits_without_the_fold(traces):
@@ -472,6 +509,24 @@ def test_signal_features_learn_what_a_linear_head_cannot_and_cv_prefers_their_sh
     rule = scores["rule"]
     assert rule["best"] == min(BLEND_WEIGHTS) and 0 < rule["gain_over_default"] < rule["standard_error"]
     assert weight == DEFAULT_BLEND_WEIGHT
+
+
+def test_a_candidate_within_reach_gets_the_refits_and_shares_them_with_one_out_of_reach():
+    """Work only in an interaction of two early signals: ridge-within+signals comes within the band of
+    ridge's overall rho at some blend weight, so the leave-one-category-out refits are made and its
+    weight is chosen on them; ridge-within, far out of reach itself, is reported in full from the same
+    refits."""
+    from dwise_predict.training.select import cross_validate
+
+    ds = _signal_traces().split("train")
+    out, _ = cross_validate(training_split(ds, Targets.of(ds), TrainConfig(cv_folds=3)), 3,
+                            candidates=("ridge", "ridge-within", "ridge-within+signals"))
+    scores = out["candidates"]
+    assert "out_of_reach" not in out and out["chosen"] == "ridge"
+    assert scores["ridge-within"]["cv_spearman"] < scores["ridge"]["cv_spearman"] - 0.3
+    assert scores["ridge-within+signals"]["cv_held_out_category"] > 0.3
+    assert scores["ridge-within"]["cv_held_out_category"] is not None
+    assert set(out["blend_cv"]) == {str(w) for w in BLEND_WEIGHTS} | {"rule"}
 
 
 def test_blend_weight_stays_at_the_default_when_the_weights_differ_by_noise():

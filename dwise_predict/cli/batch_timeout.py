@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import JsonOption, SeedOption, comma_list, console, log
+from dwise_predict.cli.options import JsonOption, SeedOption, checked_traces, comma_list, console, log
 from dwise_predict.errors import ConfigError
 
 # Monte Carlo sizes checked before anything is allocated (10**11 requests asked 745 GiB; a batch of
@@ -20,7 +20,7 @@ MAX_BATCH_SIZE = 4096
 
 def batch_timeout_command(
     service_times: Annotated[Optional[Path], typer.Option(help="Measured batch service times: JSON list, {\"batch_size\": B, \"service_s\": [...]}, or one number per line.")] = None,
-    traces: Annotated[Optional[Path], typer.Option(help="Derive service times from these traces and --round-profile: synchronized batches of B requests drawn from the eval split.")] = None,
+    traces: Annotated[Optional[Path], typer.Option(help="Derive service times from these traces and --round-profile: synchronized batches of B requests drawn from the eval split.", callback=checked_traces)] = None,
     round_profile: Annotated[Optional[Path], typer.Option(help="Round-cost profile JSON (with --traces): `dwise-predict profile-rounds` or your GPU's.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="B, requests per batch (default: the file's, 8 for the paper's figures).")] = None,
     paper_mean: Annotated[float, typer.Option(help="Without a file or traces: mean batch service time S, s (Amin et al.: 8.74).")] = 8.74,

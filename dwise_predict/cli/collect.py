@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import SEED_RANGE, JsonOption
+from dwise_predict.cli.options import SEED_RANGE, JsonOption, checked_traces
 from dwise_predict.cli.progress import ProgressLines
 from dwise_predict.collectors.records import DecodingConfig
 from dwise_predict.engine.algorithms import read_algorithm_file
@@ -135,7 +135,7 @@ def _algorithm_config(value: str | None) -> dict:
 
 
 def merge_command(
-    dirs: Annotated[list[Path], typer.Argument(help="Collection directories (e.g. one per --shard).")],
+    dirs: Annotated[list[Path], typer.Argument(help="Collection directories (e.g. one per --shard).", callback=checked_traces)],
     out: OutOption,
     json_out: JsonOption = False,
 ) -> None:
@@ -151,7 +151,7 @@ def merge_command(
 
 
 def show_command(
-    path: Annotated[Path, typer.Argument(help="A trace directory (consolidated, or still collecting).")],
+    path: Annotated[Path, typer.Argument(help="A trace directory (consolidated, or still collecting).", callback=checked_traces)],
     json_out: JsonOption = False,
 ) -> None:
     """Summarise a trace dataset per category: rounds, output tokens, finish reasons, accuracy.

@@ -12,14 +12,14 @@ from typing import Annotated, Callable, TypeVar
 
 import typer
 
+from dwise_predict.errors import DwiseError
+from dwise_predict.files import read_json_object
 from dwise_predict.training.config import MAX_SEED
 from dwise_predict.text import visible
 
 SEED_RANGE = {"min": 0, "max": MAX_SEED}  # what every --seed takes (a seed option with its own help spreads it in)
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
 SeedOption = Annotated[int, typer.Option("--seed", **SEED_RANGE, help="Seed of every random choice.")]
-TracesArgument = Annotated[Path, typer.Argument(help="Trace directory from `dwise-predict collect`.")]
-ManyTracesArgument = Annotated[list[Path], typer.Argument(help="Trace directories (of one model); their requests are pooled.")]
 
 # The one table from a library parameter to the flag that sets it. Library messages name a parameter
 # as a Python caller passes it, in backticks ("`slots` (B) must be ..."); the CLI prints the flag.
@@ -49,6 +49,31 @@ def as_flags(message: str) -> str:
 
 
 T = TypeVar("T")
+
+
+def checked_traces(value: T) -> T:
+    """The callback of every argument naming trace directories (a path, a list of them, or None): the
+    decoding each manifest records checked by the engine's rules before any stage reads it
+    (:func:`~dwise_predict.engine.algorithms.check_recorded_decoding`), here where every command that
+    reads traces passes (the traces package may not import the engine, nor may training or evaluation).
+    A manifest that is absent or unreadable is left to the command, whose reader names it."""
+    from dwise_predict.engine.algorithms import check_recorded_decoding
+    from dwise_predict.traces import MANIFEST_FILE
+
+    for path in [] if value is None else value if isinstance(value, (list, tuple)) else [value]:
+        manifest = Path(path) / MANIFEST_FILE
+        try:
+            recorded = read_json_object(manifest, DwiseError)
+        except (DwiseError, OSError):
+            continue
+        check_recorded_decoding(recorded.get("decoding", {}), str(manifest))
+    return value
+
+
+TracesArgument = Annotated[Path, typer.Argument(help="Trace directory from `dwise-predict collect`.",
+                                                callback=checked_traces)]
+ManyTracesArgument = Annotated[list[Path], typer.Argument(help="Trace directories (of one model); their requests are pooled.",
+                                                          callback=checked_traces)]
 
 
 def comma_items(text: str, item: Callable[[str], T]) -> list[T]:

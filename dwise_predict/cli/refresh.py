@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import JsonOption, SeedOption, console, log, table
+from dwise_predict.cli.options import JsonOption, SeedOption, checked_traces, console, log, table
 from dwise_predict.evaluation.document import fmt, fmt_interval
 from dwise_predict.refresh import RefreshConfig
 from dwise_predict.text import terminal
@@ -19,12 +19,12 @@ _LABELS = {"admission_rho": "admission ρ", "refined_rho": "refined ρ", "within
 
 
 def refresh_command(
-    recordings: Annotated[list[Path], typer.Argument(help="Recordings of live traffic (`serve --record` directories, one per DP rank: merged), or trace directories of recent requests.")],
+    recordings: Annotated[list[Path], typer.Argument(help="Recordings of live traffic (`serve --record` directories, one per DP rank: merged), or trace directories of recent requests.", callback=checked_traces)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Refresh directory: candidate/, run/, refresh.json (rerun to resume).")],
     bundle: Annotated[Optional[Path], typer.Option(help="The serving bundle (instead of --zoo/--name).")] = None,
     zoo: Annotated[Optional[Path], typer.Option(help="Zoo directory: the serving bundle is --name's latest version there, and a winner is published there.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Bundle name in --zoo (with --bundle: the name to publish under; default: the bundle's own).")] = None,
-    traces: Annotated[Optional[Path], typer.Option(help="The original training traces: their train split joins the window's.")] = None,
+    traces: Annotated[Optional[Path], typer.Option(help="The original training traces: their train split joins the window's.", callback=checked_traces)] = None,
     window: Annotated[Optional[int], typer.Option(min=1, help="Take the N most recent recorded requests (default: all).")] = None,
     round_profile: Annotated[Optional[Path], typer.Option(help="The server's round-cost profile (`dwise-predict profile-rounds`) for the simulated latency (default: the simulator's cost).")] = None,
     slots: Annotated[int, typer.Option(min=1, help="Simulated server: B block slots per round.")] = _DEFAULT.slots,

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dwise_predict.cli.options import SEED_RANGE, JsonOption, comma_items, comma_list, console, log
+from dwise_predict.cli.options import SEED_RANGE, JsonOption, checked_traces, comma_items, comma_list, console, log
 from dwise_predict.errors import ConfigError
 from dwise_predict.simulation.schedulers import PREFILL_FIRST, SCHEDULERS, needs_bundle
 from dwise_predict.text import terminal
@@ -49,7 +49,7 @@ class Split(str, Enum):
 
 
 def simulate_command(
-    traces: Annotated[Path, typer.Argument(help="Trace directory (contract 1) to replay.")],
+    traces: Annotated[Path, typer.Argument(help="Trace directory (contract 1) to replay.", callback=checked_traces)],
     bundle: Annotated[Optional[Path], typer.Option(help=f"Predictor bundle: enables {', '.join(_FROM_BUNDLE[:-1])} and {_FROM_BUNDLE[-1]}.")] = None,
     policies: Annotated[Optional[str], typer.Option(help=f"Comma list of schedulers (default: all the predictions allow): {', '.join(SCHEDULERS)}.")] = None,
     arrival: Annotated[Arrival, typer.Option(help="Arrival pattern: burst, burst-poisson, poisson, or both (burst and burst-poisson).")] = Arrival.both,
@@ -249,7 +249,7 @@ def _checked_retrain(budget_sweep: str | None, drop_category: list[str] | None, 
     if budget_sweep is None and not drop_category:
         return None
     problems = []
-    paths = [] if budget_sweep is None else comma_items(budget_sweep, lambda item: Path(item.strip()))
+    paths = [] if budget_sweep is None else checked_traces(comma_items(budget_sweep, lambda item: Path(item.strip())))
     if budget_sweep is not None and not paths:
         problems.append("--budget-sweep is empty: give the trace directories of the other budgets, e.g. t512/,t1024/")
     problems += [f"--budget-sweep {path} is not a trace directory" for path in paths if not path.is_dir()]

@@ -50,6 +50,7 @@ import signal
 import threading
 import time
 from collections import deque
+from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +59,8 @@ import pandas as pd
 from dwise_predict.collectors.collect import contract_row
 from dwise_predict.collectors.store import ORDER_COLUMN, SHARDS_DIR, TraceStore
 from dwise_predict.engine import ENGINE, tokenizer_stop_ids
-from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, served_decoding
-from dwise_predict.errors import BundleError, ModelError, StoreError
+from dwise_predict.engine.algorithms import DEFAULT_ALGORITHM, check_recorded_config, served_decoding
+from dwise_predict.errors import BundleError, ConfigError, ModelError, StoreError
 from dwise_predict.files import read_json_object
 from dwise_predict.traces.dataset import MANIFEST_FILE, REQUESTS_FILE
 from dwise_predict.versions import package_versions
@@ -123,12 +124,20 @@ def received_tokens(req, reason: dict) -> int:
 def live_manifest(model: dict, algorithm: str, algorithm_config: dict, block_size: int, budget: int,
                   dtype: str = "bfloat16", batch_size: int = 0) -> dict:
     """The manifest of a recording: model fingerprint, SGLang's decoding config (its parameters over
-    SGLang's defaults, as ``collect`` records them), engine, versions."""
+    SGLang's defaults, as ``collect`` records them), engine, versions. Parameters that the rule of
+    ``algorithm`` refuses (SGLang runs what it is given) raise :class:`ConfigError` before anything is
+    written: every reader of the recording would refuse it (``check_recorded_config``)."""
+    params = served_decoding(algorithm, algorithm_config, block_size)["algorithm_config"]
+    try:
+        check_recorded_config(algorithm, params)
+    except ConfigError as err:
+        raise ConfigError(f"cannot record SGLang's {algorithm} decoding: {err}; traces of it would be refused "
+                          "by every reader: correct the algorithm config file") from None
     return {
         "model": dict(model),
         "decoding": {
             "algorithm": algorithm,
-            "algorithm_config": served_decoding(algorithm, algorithm_config, block_size)["algorithm_config"],
+            "algorithm_config": params,
             "block_size": int(block_size),
             "budget": int(budget),
             "dtype": dtype,
@@ -220,6 +229,9 @@ def sglang_own_request(req, warmup: set[tuple[int, ...]] = frozenset({WARMUP_IDS
 
 class _Open:
     """What the recorder knows of one request between arrival and finish."""
+
+    __slots__ = ("index", "features", "block_size", "prompt_tokens", "started", "retracted", "prefill", "blocks",
+                 "current", "outputs", "first_round", "prompt_last", "signals")  # read every step: no instance dict
 
     def __init__(self, index, features, block_size, prompt_tokens):
         self.index = index
@@ -432,26 +444,54 @@ class LiveRecorder:
         prompt block of its own: the hook's kept row of its last full block after a prefix-cache hit,
         else the mean of its leftover prompt rows (as the decoder records a short prompt); None when
         SGLang computed none of its prompt rows in this process (see :meth:`finished`)."""
-        entry = self.open.get(str(req.rid))
-        if entry is None:
+        if str(req.rid) not in self.open:
             return
-        if entry.started is None:
-            entry.started = time.perf_counter()
-        if prompt:
-            entry.prefill += 1
-            if pooled_row is not None:
-                entry.prompt_last = _host_row(pooled_row)
+        if pooled_row is not None and not prompt:
+            self.first_rounds((req,), _host_row(pooled_row)[None],
+                              None if signals is None else np.asarray(signals, dtype=np.float64).reshape(1, -1),
+                              None if leftover_row is None else _host_row(leftover_row)[None],
+                              (leftover_row is not None,), (rounds,))
             return
-        if entry.first_round is None and pooled_row is not None:
-            entry.first_round = _host_row(pooled_row)  # the first denoising round's pooled rows
-            if signals is not None:
-                entry.signals = tuple(float(x) for x in np.asarray(signals, dtype=np.float64).reshape(-1))
-            if entry.prompt_last is None and leftover_row is not None:
-                entry.prompt_last = _host_row(leftover_row)
-        entry.current += rounds
-        if len(req.output_ids) > entry.outputs or req.finished():  # the step committed the block
-            entry.blocks.append(entry.current)
-            entry.current, entry.outputs = 0, len(req.output_ids)
+        if pooled_row is not None:
+            self.open[str(req.rid)].prompt_last = _host_row(pooled_row)
+        self.forwards((req,), (prompt,), (rounds,))
+
+    def first_rounds(self, reqs, pooled, signals, leftover, has_leftover, rounds) -> None:
+        """:meth:`forward` of requests in a denoising round with their pooled rows, many at once (the
+        first round's are kept): ``pooled`` and ``leftover`` (n, H) host arrays (each row read is
+        copied), ``signals`` (n, 4) or None, ``has_leftover`` whether each ``leftover`` row is one."""
+        entry_of = self.open.get
+        pooled = np.asarray(pooled, dtype=np.float32)
+        leftover = repeat(None) if leftover is None else np.asarray(leftover, dtype=np.float32)
+        signals = repeat(None) if signals is None else np.asarray(signals, dtype=np.float64).tolist()
+        for req, row, signal, last, has in zip(reqs, pooled, signals, leftover, has_leftover):
+            entry = entry_of(str(req.rid))
+            if entry is None or entry.first_round is not None:
+                continue
+            entry.first_round = row.copy()  # the first denoising round's pooled rows
+            if signal is not None:
+                entry.signals = tuple(signal)
+            if entry.prompt_last is None and has:
+                entry.prompt_last = last.copy()
+        self.forwards(reqs, repeat(False), rounds)
+
+    def forwards(self, reqs, prompts, rounds) -> None:
+        """:meth:`forward` without pooled rows, of many requests at once (``prompts``, ``rounds``: each
+        one's): one call a step for a batch's rows, not one per row (the scheduler's thread)."""
+        entry_of = self.open.get
+        for req, prompt, n in zip(reqs, prompts, rounds):
+            entry = entry_of(str(req.rid))
+            if entry is None:
+                continue
+            if entry.started is None:
+                entry.started = time.perf_counter()
+            if prompt:
+                entry.prefill += 1
+                continue
+            entry.current += n
+            if len(req.output_ids) > entry.outputs or req.finished():  # the step committed the block
+                entry.blocks.append(entry.current)
+                entry.current, entry.outputs = 0, len(req.output_ids)
 
     def finished(self, req, category: str = "live") -> None:
         """SGLang finished ``req``: queue its row for the writer (never a disk write here), or count

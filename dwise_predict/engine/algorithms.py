@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from dwise_predict.errors import BundleError, ConfigError
+from dwise_predict.errors import BundleError, ConfigError, TraceError
 
 
 @dataclass
@@ -415,6 +415,45 @@ def make_rule(name: str, mask_id: int, params: dict | None = None) -> StepRule:
     if params is not None and not isinstance(params, dict):
         raise ConfigError(f"`algorithm_config` must be a JSON object, got {type(params).__name__}")
     return info.rule(mask_id=mask_id, params=dict(params or {}))
+
+
+def check_recorded_config(algorithm, config) -> None:
+    """An algorithm config as a manifest records it (None: not recorded), checked by the rule of
+    ``algorithm`` (:func:`make_rule`): a parameter the rule has not, a value of the wrong type or out
+    of its range is refused in the words ``collect`` refuses it with (:class:`ConfigError`). A manifest
+    holds every parameter (:attr:`StepRule.params`), or none where a recording was made before
+    manifests carried SGLang's defaults (which SGLang then ran); some but not all, or no config at
+    all, is an edited file. An algorithm we run no rule for (Gemma4Renoise, a backend's own sampler,
+    synthetic traces) has no parameters known here: its config need only be a JSON object."""
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise ConfigError(f"the algorithm must be a name, got {type(algorithm).__name__} {algorithm!r}")
+    info = ALGORITHMS.get(algorithm or "")
+    rule = None if info is None else info.rule
+    if config is None and rule is None:
+        return
+    if not isinstance(config, dict):
+        got = "none" if config is None else type(config).__name__
+        raise ConfigError(f"the algorithm config must be a JSON object of parameters, got {got}")
+    if rule is None:
+        return
+    missing = [key for key in make_rule(algorithm, mask_id=0, params=config).DEFAULTS if key not in config]
+    if config and missing:
+        raise ConfigError(f"{algorithm}'s parameters lack {', '.join(missing)}: a manifest records every one "
+                          "(or none, for the defaults)")
+
+
+def check_recorded_decoding(decoding, where: str) -> None:
+    """Raise :class:`TraceError` when a trace manifest's ``decoding`` block (read from ``where``, the
+    manifest's path) records an algorithm config that :func:`check_recorded_config` refuses, naming
+    the file, the parameter, what is wrong and the fix. Called where the traces meet the engine's rules
+    (the traces package may not import the engine: tests/test_layering.py)."""
+    if not isinstance(decoding, dict):  # traces.check_manifest names that
+        return
+    try:
+        check_recorded_config(decoding.get("algorithm"), decoding.get("algorithm_config"))
+    except ConfigError as err:
+        raise TraceError(f"{where} records a decoding that the engine's rules refuse ({err}): the file was edited or "
+                         "damaged; collect the traces again, or correct its decoding block") from None
 
 
 # Keys of SGLang's ``--dllm-algorithm-config`` that are not a step rule's parameters.

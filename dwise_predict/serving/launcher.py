@@ -384,6 +384,8 @@ def startup_findings(config: HookConfig, server_args=None) -> Findings:
         trained = BundleIdentity.of(read_json_object(path, BundleError, str(path), "re-export the bundle"))
     if server_args is not None:
         findings = server_findings(config, trained, server_args)
+        if config.record:
+            check_recorded_algorithm(findings, server_args)
         if trained is not None:
             try:
                 check_served_algorithm(trained, config.bundle, server_args, findings.served.get("block_size"))
@@ -415,6 +417,21 @@ def served_algorithm(server_args, block_size: int | None = None) -> dict | None:
     raw = read_algorithm_file(path) if path else {}
     return served_decoding(algorithm, raw, AlgorithmConfig.from_mapping(raw, "--dllm-algorithm-config").block_size
                            or block_size)
+
+
+def check_recorded_algorithm(findings: Findings, server_args) -> None:
+    """Refuse recording a decoding that every reader of the recording would refuse (SGLang runs the
+    parameters it is given; the engine's rules, ``check_recorded_config``, are what traces are held to)."""
+    from dwise_predict.engine.algorithms import check_recorded_config
+
+    served = served_algorithm(server_args)
+    if served is None:
+        return
+    try:
+        check_recorded_config(served["algorithm"], served["algorithm_config"])
+    except ConfigError as err:
+        findings.refuse(ConfigError, f"cannot record SGLang's {served['algorithm']} decoding: {err}; traces of it "
+                                     "would be refused: correct the algorithm config file")
 
 
 def check_served_algorithm(trained: BundleIdentity, bundle: str, server_args, block_size: int | None = None) -> None:

@@ -70,18 +70,8 @@ class RidgeHead:
             out (the levels are for categories the fit has not seen); one such fit per hidden state,
             averaged. All of it is linear, so the result is one weight vector; serving needs no category.
         """
-        if not self.alphas or min(self.alphas) <= 0:
-            raise InputError(f"ridge penalties must be > 0, got {self.alphas}")
-        base = like if like is not None else SurvivalEnsemble(seeds=())
-        if like is None:
-            base.prepare(inputs, remaining, events)
-        self.base_ = base
-        remaining = np.asarray(remaining, dtype=np.float64)
-        done = np.ones(remaining.shape, dtype=bool) if events is None else np.asarray(events, dtype=bool)
-        if done.sum() < 4:
-            raise InputError(f"the ridge head needs at least 4 finished training requests, got {int(done.sum())}")
-        x = base.standardise(inputs)[done].double().numpy()  # (n, D)
-        y = np.log1p(remaining[done])  # (n,)
+        x, y = self._finished(inputs, remaining, events, like)
+        base = self.base_
         self.within_ = groups is not None
         if not self.within_:
             self.coef_, self.intercept_, self.alpha_, self.loo_mse_ = _ridge_loo(x, y, self.alphas)
@@ -90,7 +80,7 @@ class RidgeHead:
         # on 14 draws of the tiny model's traces this kept 0.03 more held-out-category rho than one
         # ridge over both states side by side, whose fit leans on whichever state orders the seen
         # categories best
-        g = np.asarray(groups).astype(str)[done]
+        g = np.asarray(groups).astype(str)[_done(remaining, events)]
         per_state, short = base.hidden_size_ // len(HIDDEN_STATES), np.arange(base.hidden_size_, x.shape[1])
         self.coef_, self.intercept_, self.states_ = np.zeros(x.shape[1]), 0.0, {}
         for k, name in enumerate(HIDDEN_STATES):
@@ -100,18 +90,34 @@ class RidgeHead:
             self.intercept_ += intercept / len(HIDDEN_STATES)
         return self
 
-    def held_out_scores(self, inputs: RefineInputs, remaining, events, groups) -> np.ndarray:
-        """Each request's predicted ``log1p(remaining)`` (N,) by this ridge refitted without its group
-        (category), at the same penalty and standardisation: exact without refitting
-        (:func:`ridge_held_out`); NaN for unfinished requests. Only for the one-stage ridge."""
-        if self.within_:
-            raise InputError("held_out_scores is for the one-stage ridge (fitted without groups)")
-        done = np.ones(len(remaining), dtype=bool) if events is None else np.asarray(events, dtype=bool)
-        x = self.base_.standardise(inputs)[done].double().numpy()
+    def fit_held_out(self, inputs: RefineInputs, remaining, events, groups) -> np.ndarray:
+        """Fit as :meth:`fit` does without groups, and return each request's predicted
+        ``log1p(remaining)`` (N,) by this ridge refitted without its group (category), at the same
+        penalty and standardisation: exact without refitting (:func:`ridge_held_out`), from the fit's
+        own eigendecomposition; NaN for unfinished requests (``ridge`` candidate's held-out estimates)."""
+        x, y = self._finished(inputs, remaining, events, None)
+        basis = _Basis(x, y)
+        self.within_ = False
+        self.coef_, self.intercept_, self.alpha_, self.loo_mse_ = _ridge_loo(x, y, self.alphas, basis=basis)
+        done = _done(remaining, events)
         out = np.full(len(remaining), np.nan)
-        out[done] = ridge_held_out(x, np.log1p(np.asarray(remaining, dtype=np.float64)[done]),
-                                   np.asarray(groups)[done], self.alpha_)
+        out[done] = ridge_held_out(basis, np.asarray(groups)[done], self.alpha_)
         return out
+
+    def _finished(self, inputs: RefineInputs, remaining, events, like: SurvivalEnsemble | None):
+        """The finished requests' standardised inputs (n, D) and ``log1p(remaining)`` (n,), float64;
+        the standardisation (``base_``) is ``like``'s, or fitted here."""
+        if not self.alphas or min(self.alphas) <= 0:
+            raise InputError(f"ridge penalties must be > 0, got {self.alphas}")
+        base = like if like is not None else SurvivalEnsemble(seeds=())
+        if like is None:
+            base.prepare(inputs, remaining, events)
+        self.base_ = base
+        done = _done(remaining, events)
+        if done.sum() < 4:
+            raise InputError(f"the ridge head needs at least 4 finished training requests, got {int(done.sum())}")
+        x = base.standardise(inputs)[done].double().numpy()  # (n, D)
+        return x, np.log1p(np.asarray(remaining, dtype=np.float64)[done])
 
     def member(self, width: int = 2) -> HazardMLP:
         """The fitted ridge as a :class:`HazardMLP` of ``width`` >= 2 (units beyond the first two are
@@ -143,6 +149,11 @@ class RidgeHead:
         if self.within_:
             return {"states": self.states_, "alphas": list(self.alphas)}
         return {"alpha": self.alpha_, "loo_mse": self.loo_mse_, "alphas": list(self.alphas)}
+
+
+def _done(remaining, events) -> np.ndarray:
+    """(N,) bool: the finished requests (all when ``events`` is None)."""
+    return np.ones(len(remaining), dtype=bool) if events is None else np.asarray(events, dtype=bool)
 
 
 def _ridge_two_stage(x: np.ndarray, y: np.ndarray, groups: np.ndarray, alphas) -> tuple[np.ndarray, float, dict]:
@@ -284,9 +295,11 @@ def linear_raw(score, num_rounds: int) -> np.ndarray:
     return expected_remaining(-score[:, None].expand(-1, int(num_rounds))).numpy()
 
 
-def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas, groups=None) -> tuple[np.ndarray, float, float, float]:
+def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas, groups=None,
+               basis: "_Basis | None" = None) -> tuple[np.ndarray, float, float, float]:
     """Ridge with intercept; penalty by exact leave-one-out MSE, or, given ``groups`` (n,), by exact
-    leave-one-group-out MSE. Returns (coef (D,), intercept, alpha, mse).
+    leave-one-group-out MSE. Returns (coef (D,), intercept, alpha, mse). ``basis``: ``_Basis(x, y)``
+    when the caller has it.
 
     One eigendecomposition of the smaller Gram matrix serves every alpha: with the centred
     ``X = U diag(s) V^T``, the fit is ``U diag(s^2 / (s^2 + a)) U^T y`` and the hat matrix
@@ -297,7 +310,7 @@ def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas, groups=None) -> tuple[np.nd
     torch thread count): numpy's OpenBLAS ``eigh`` of a 1,453 x 1,453 Gram matrix took 6.6 s on two
     busy cores against 0.9 s for torch's.
     """
-    basis = _Basis(x, y)
+    basis = _Basis(x, y) if basis is None else basis
     blocks = None if groups is None else _group_rows(groups)
     best = None
     for a in alphas:
@@ -313,11 +326,10 @@ def _ridge_loo(x: np.ndarray, y: np.ndarray, alphas, groups=None) -> tuple[np.nd
     return coef.numpy(), float(basis.y_mean - basis.x_mean @ coef), a, mse
 
 
-def ridge_held_out(x: np.ndarray, y: np.ndarray, groups, alpha: float) -> np.ndarray:
-    """Each request's prediction (n,) by the ridge of penalty ``alpha`` (with intercept) fitted
-    without its group: exact, from one eigendecomposition (``y - (I - H_gg)^{-1} r_g`` per group, as
-    :func:`_ridge_loo` scores groups)."""
-    basis = _Basis(x, y)
+def ridge_held_out(basis: "_Basis", groups, alpha: float) -> np.ndarray:
+    """Each request's prediction (n,) by the ridge of penalty ``alpha`` (with intercept) on ``basis``'s
+    data fitted without its group: exact, from the one eigendecomposition (``y - (I - H_gg)^{-1} r_g``
+    per group, as :func:`_ridge_loo` scores groups)."""
     blocks = _group_rows(groups)
     return (basis.yt - basis.held_out_residuals(alpha, blocks)).numpy()
 

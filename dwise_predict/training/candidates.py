@@ -21,18 +21,19 @@ every one sees only what the bundle receives (:class:`~dwise_predict.survival.in
   training split (:func:`~dwise_predict.training.within_heads.choose_blend_weight`).
 
 A candidate says how it is fitted on the training split (:meth:`Candidate.fit`), which of the fits
-the cross-validation shares it needs (:meth:`Candidate.needs`: the CV runs them in its threads), how
-its out-of-fold estimates are made from them (:meth:`Candidate.out_of_fold`, given a
-``training.select.CrossValidation``), whether it uses the ridge-within fold fits
-(``uses_within_heads``) and whether it is fitted in closed form (``closed_form``). Every out-of-fold
-estimate comes from fits that never saw the fold, standardisation and penalties included
+the cross-validation shares it needs for its overall score (:meth:`Candidate.needs`: the CV runs them
+in its threads) and which only where it can still be chosen (:meth:`Candidate.needs_to_be_chosen`,
+with :meth:`Candidate.score_range`: the ridge-within heads' leave-one-category-out refits), how its
+out-of-fold estimates are made from them (:meth:`Candidate.out_of_fold`, given a
+``training.select.CrossValidation``) and whether it is fitted in closed form (``closed_form``).
+Every out-of-fold estimate comes from fits that never saw the fold, standardisation and penalties included
 (docs/training.md, "Speed"). A new candidate is one class here, appended to :data:`REGISTRY`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable
 
 import numpy as np
@@ -43,7 +44,7 @@ from dwise_predict.survival.inputs import RefineInputs
 from dwise_predict.survival.linear import (
     RidgeHead, SignalFeatureHead, blend, blend_heads, fit_pca_survival, linear_raw,
 )
-from dwise_predict.training.within_heads import choose_blend_weight
+from dwise_predict.training.within_heads import BLEND_WEIGHTS, blended, choose_blend_weight, unchosen_blend_weight
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,6 +65,14 @@ class TrainingSplit:
         return TrainingSplit(self.inputs.rows(which), self.remaining[which], self.events[which],
                              self.categories[which], self.fold[which], self.seed, self.make_ensemble)
 
+    @cached_property
+    def ridge(self) -> tuple[RidgeHead, np.ndarray]:
+        """The one-stage ridge fitted on these requests and its held-out-category log-scores (N,)
+        (``RidgeHead.fit_held_out``), made once: the search's held-out estimates of ``ridge`` and
+        its final fit are the same fit (an eigendecomposition of the whole split's Gram matrix)."""
+        ridge = RidgeHead()
+        return ridge, ridge.fit_held_out(self.inputs, self.remaining, self.events, self.categories)
+
 
 # one candidate's out-of-fold raw estimates (N,) under the grouped folds, under leave-one-category-out
 # folds (NaN where not measured), and what it adds to candidates.json
@@ -77,7 +86,6 @@ class Candidate:
     # fitted in closed form: a fold's fit is the final fit on fewer requests, so its out-of-fold estimates
     # calibrate the final one (training.fit.calibrate); the survival networks' raw scale moves with training
     closed_form: bool = False
-    uses_within_heads: bool = False  # its CV estimates come from the shared ridge-within fold fits
     # what its graph's survival curves are: "fitted" (trained hazard networks), "blend" (those and a
     # ridge member) or "geometric" (one hazard in every round, a linear score's: survival.linear), which
     # the report does not draw as if fitted
@@ -92,12 +100,25 @@ class Candidate:
     def needs(self, cv) -> list[tuple]:
         """The fits of ``cv`` (a ``training.select.CrossValidation``) its out-of-fold estimates are
         made from: ``("survival", k)``, ``("pca", k)`` or ``("ridge", k)`` for fold ``k``'s fit,
-        ``("ridge-held",)`` for the ridge's held-out-category estimates and ``cv.within_keys()`` for
-        the ridge-within heads' fold fits."""
+        ``("ridge-held",)`` for the ridge's held-out-category estimates and ``cv.within_keys(0)`` for
+        the ridge-within heads' grouped fold fits."""
         raise NotImplementedError
 
-    def out_of_fold(self, cv) -> Estimates:
-        """Out-of-fold estimates from ``cv``, a ``training.select.CrossValidation``."""
+    def needs_to_be_chosen(self, cv) -> list[tuple]:
+        """The fits of ``cv`` it needs besides :meth:`needs` only where it can still be chosen (its
+        :meth:`score_range` reaches the best's level band, ``training.select``): what it is scored on
+        only to be reported (held-out-category ρ) or to settle a choice inside it (a blend weight)."""
+        return []
+
+    def score_range(self, cv) -> tuple[float, float]:
+        """The lowest and highest ``cv_spearman`` its out-of-fold estimates can have whatever the
+        :meth:`needs_to_be_chosen` fits give, from the :meth:`needs` fits alone (-inf: undefined);
+        asked only of a candidate that has such fits."""
+        raise NotImplementedError
+
+    def out_of_fold(self, cv, complete: bool = True) -> Estimates:
+        """Out-of-fold estimates from ``cv``, a ``training.select.CrossValidation``. ``complete``:
+        False where its :meth:`needs_to_be_chosen` fits were not made (it cannot be chosen)."""
         raise NotImplementedError
 
     def _not_held_out(self, cv) -> np.ndarray:
@@ -114,7 +135,7 @@ class Survival(Candidate):
     def needs(self, cv):
         return [("survival", k) for k in cv.folds]
 
-    def out_of_fold(self, cv):
+    def out_of_fold(self, cv, complete=True):
         # refitting a network per held-out category would more than double train's time
         return cv.out_of_fold(cv.survival_raw), self._not_held_out(cv), {}
 
@@ -124,14 +145,14 @@ class Ridge(Candidate):
     closed_form = True
 
     def fit(self, split, progress=None, blend_weight=None):
-        ridge = RidgeHead().fit(split.inputs, split.remaining, split.events)
+        ridge = split.ridge[0]
         return ridge.ensemble(), {"ridge": ridge.record()}
 
     def needs(self, cv):
         return [("ridge", k) for k in cv.folds] + [("ridge-held",)]
 
-    def out_of_fold(self, cv):
-        # each category held out exactly, without refits (RidgeHead.held_out_scores)
+    def out_of_fold(self, cv, complete=True):
+        # each category held out exactly, without refits (RidgeHead.fit_held_out)
         return cv.out_of_fold(cv.ridge_raw), cv.ridge_held_out(), {}
 
 
@@ -147,7 +168,7 @@ class SurvivalRidge(Candidate):
     def needs(self, cv):
         return [(kind, k) for kind in ("survival", "ridge") for k in cv.folds]
 
-    def out_of_fold(self, cv):
+    def out_of_fold(self, cv, complete=True):
         return cv.out_of_fold(partial(self._fold, cv)), self._not_held_out(cv), {}
 
     @staticmethod
@@ -160,18 +181,24 @@ class SurvivalRidge(Candidate):
 class RidgeWithin(Candidate):
     name = "ridge-within"
     closed_form = True
-    uses_within_heads = True
 
     def fit(self, split, progress=None, blend_weight=None):
         ridge = RidgeHead().fit(split.inputs, split.remaining, split.events, groups=split.categories)
         return ridge.ensemble(), {"ridge": ridge.record()}
 
     def needs(self, cv):
-        return cv.within_keys()
+        return cv.within_keys(0)
 
-    def out_of_fold(self, cv):
-        by_prompt, by_category = cv.within_scores()
-        return by_prompt[2], by_category[2], {}
+    def needs_to_be_chosen(self, cv):
+        return cv.within_keys(1)  # its held-out-category estimates
+
+    def score_range(self, cv):
+        rho = cv.overall_rho(cv.within_scores(0)[2])
+        return rho, rho
+
+    def out_of_fold(self, cv, complete=True):
+        held = cv.within_scores(1)[2] if complete else self._not_held_out(cv)
+        return cv.within_scores(0)[2], held, {}
 
 
 class SurvivalPCA(Candidate):
@@ -184,14 +211,13 @@ class SurvivalPCA(Candidate):
     def needs(self, cv):
         return [("pca", k) for k in cv.folds]
 
-    def out_of_fold(self, cv):
+    def out_of_fold(self, cv, complete=True):
         return cv.out_of_fold(cv.pca_raw), self._not_held_out(cv), {}
 
 
 class RidgeWithinSignals(Candidate):
     name = "ridge-within+signals"
     closed_form = True
-    uses_within_heads = True
 
     def fit(self, split, progress=None, blend_weight=None):
         record = {}
@@ -204,19 +230,31 @@ class RidgeWithinSignals(Candidate):
         return blend_heads(ridge, features, blend_weight), record
 
     def needs(self, cv):
-        return cv.within_keys()
+        return cv.within_keys(0)
 
-    def out_of_fold(self, cv):
+    def needs_to_be_chosen(self, cv):
+        return cv.within_keys(1)  # its held-out-category estimates, which the blend weight is chosen on too
+
+    def score_range(self, cv):
+        by_prompt = cv.within_scores(0)
+        rhos = [cv.overall_rho(linear_raw(blended(w, by_prompt), cv.num_rounds)) for w in BLEND_WEIGHTS]
+        return min(rhos), max(rhos)
+
+    def out_of_fold(self, cv, complete=True):
         """At the blend weight chosen on the same out-of-fold estimates (when the rule leaves the
         default, a choice made on the validation folds, so its scores are then slightly optimistic
-        against the others')."""
-        split, (by_prompt, by_category) = cv.split, cv.within_scores()
-        weight, by_weight, score = choose_blend_weight(split.inputs, split.remaining, split.events, split.categories,
-                                                       split.fold, split.seed, by_prompt=by_prompt,
-                                                       by_category=by_category)
-        held = weight * by_category[0] + (1.0 - weight) * by_category[1]
-        return (linear_raw(score, cv.num_rounds), linear_raw(held, cv.num_rounds),
-                {"blend_weight": weight, "blend_cv": by_weight})
+        against the others'); not ``complete``, at the default weight, none chosen."""
+        split, by_prompt = cv.split, cv.within_scores(0)
+        if complete:
+            by_category = cv.within_scores(1)
+            weight, by_weight, score = choose_blend_weight(split.inputs, split.remaining, split.events,
+                                                           split.categories, split.fold, split.seed,
+                                                           by_prompt=by_prompt, by_category=by_category)
+            held = linear_raw(blended(weight, by_category), cv.num_rounds)
+        else:
+            weight, by_weight, score = unchosen_blend_weight(split.remaining, split.events, split.categories, by_prompt)
+            held = self._not_held_out(cv)
+        return linear_raw(score, cv.num_rounds), held, {"blend_weight": weight, "blend_cv": by_weight}
 
 
 REGISTRY: tuple[Candidate, ...] = (Survival(), Ridge(), SurvivalRidge(), RidgeWithin(), SurvivalPCA(),

@@ -23,10 +23,18 @@ penalties would be faster, but those penalties saw the fold and lift the heads' 
 
 The fits several candidates share (:class:`CrossValidation`: per fold the survival, survival-pca and
 ridge fits, and the ridge-within heads) run in ``jobs`` threads (torch and numpy release the GIL inside
-their kernels), dearest first. Every one draws from generators of its own (a survival member seeds
+their kernels), dearest first. Every fit draws from generators of its own (a survival member seeds
 its own for its initialisation and dropout; the closed-form members are built blank, see
 ``HazardMLP.blank``), so the results are the same for any ``jobs`` (tested). The 2,048 x 2,048
 benchmark: docs/training.md, "Speed".
+
+The ridge-within heads' leave-one-category-out refits (a two-stage fit per category, about half the
+search's CPU time at H = 2,048) serve only the two ridge-within candidates' held-out-category ρ and the blend
+weight of ``ridge-within+signals``. So they are made only when one of those can still be level with
+the best (:func:`contenders`: its overall ρ, at its best blend weight, from the grouped folds alone,
+within :data:`LEVEL_BAND` of the best score sure to be reached); else both are recorded as out of
+reach (:data:`OUT_OF_REACH_NOTE`). No fit the choice depends on is skipped and none is made
+otherwise, so the choice is the one the full search makes (tested).
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ HELD_OUT_NOTE = ("cv_held_out_category: mean within-category rho, each category 
                  "ridge-within+signals (refitted); null for the survival networks, whose refits (one per category) "
                  "would more than double train's time (evaluate --loco measures the shipped one); reported, not "
                  "chosen on")
+OUT_OF_REACH_NOTE = ("these candidates cannot be level with the best: their overall rho (ridge-within+signals' at "
+                     "each blend weight), from the grouped folds alone, is more than level_band below a score "
+                     "another candidate reaches; so their leave-one-category-out refits were not made: "
+                     "cv_held_out_category null, ridge-within+signals scored at the default blend weight, none chosen "
+                     "(blend_cv: each weight's grouped-CV scores)")
 CRITERION = ("overall Spearman rho of the out-of-fold calibrated remaining rounds (train split only; the "
              "scheduler ranks all requests together); within level_band of the best, the best within-category rho")
 
@@ -91,8 +104,8 @@ def _other_thread(jobs: int) -> Iterator[Executor | None]:
     pool.shutdown(wait=True)
 
 
-# what a shared fit costs, roughly (a survival fold's three members the most): the CV's threads begin
-# with the dearest, see CrossValidation.start
+# what a shared fit costs, roughly (a survival fold's three members the most): the CV's threads take
+# the dearest first, see CrossValidation.start
 _COST = {"survival": 4, "within": 3, "pca": 2, "ridge": 1, "ridge-held": 1}
 
 
@@ -104,8 +117,10 @@ class CrossValidation:
     (``("ridge-held",)``); and the ridge-within heads fitted without each fold of either fold set
     (``("within", s, k)``: :meth:`within_keys`).
 
-    :meth:`start` queues them for the pool's threads, which take them from the front; the caller's
-    thread makes them from the back whenever it would wait (:meth:`result`). Every fit draws from
+    :meth:`start` queues them dearest first; the pool's threads take them from the front, and so does
+    the caller's thread whenever it would wait (:meth:`result`): each thread begins the dearest fit left,
+    so they finish close together (longest processing time first). It is called again for the fits only
+    the candidates that can still be chosen need (:func:`contenders`). Every fit draws from
     generators of its own (``SurvivalEnsemble``'s members, the heads' blank members), so where and
     when one runs changes no number."""
 
@@ -120,25 +135,21 @@ class CrossValidation:
         self._made: dict[tuple, object] = {}
 
     def start(self, keys: list[tuple]) -> None:
-        """Queue the fits ``keys`` (each once), dearest first, dealt alternately to the front (the
-        pool's end) and the back (this thread's), so both threads begin with a long one."""
-        by_cost = sorted(dict.fromkeys(keys), key=lambda key: -_COST[key[0]])
-        for key in by_cost[0::2] + by_cost[1::2][::-1]:
+        """Queue the fits ``keys`` (each once), dearest first."""
+        for key in sorted(dict.fromkeys(keys), key=lambda key: -_COST[key[0]]):
             self._queued[key] = self._pool.submit(self._fit, key) if self._pool is not None else Future()
 
     def result(self, key: tuple):
-        """The fit ``key`` (queued by :meth:`start`): made here if no thread has begun it; while a pool
-        thread makes it, this one makes the last queued fit nobody has begun, and waits when none is left."""
+        """The fit ``key`` (queued by :meth:`start`): until a thread has made it, this one makes the
+        first queued fit nobody has begun (``key`` itself in its turn), and waits when none is left."""
         while key not in self._made:
             queued = self._queued[key]
-            if queued.cancel():
-                self._made[key] = self._fit(key)
-            elif queued.done() or not self._make_another():
+            if queued.done() or not self._make_another():
                 self._made[key] = queued.result()
         return self._made[key]
 
     def _make_another(self) -> bool:
-        for key in reversed(self._queued):
+        for key in self._queued:
             if key not in self._made and self._queued[key].cancel():
                 self._made[key] = self._fit(key)
                 return True
@@ -181,18 +192,24 @@ class CrossValidation:
 
     def ridge_held_out(self) -> np.ndarray:
         """The ridge's raw estimates (N,) of each category by the whole split's ridge without it, at
-        that ridge's penalty and standardisation (exact without refitting: ``RidgeHead.held_out_scores``)."""
+        that ridge's penalty and standardisation (exact without refitting: ``RidgeHead.fit_held_out``)."""
         return self.result(("ridge-held",))
 
-    def within_keys(self) -> list[tuple]:
-        """The ridge-within heads' fold fits: ``("within", s, k)`` for fold ``k`` of fold set ``s``
-        (:attr:`fold_sets`)."""
-        return [("within", s, k) for s, fold in enumerate(self.fold_sets) for k in scored_folds(fold)]
+    def within_keys(self, s: int) -> list[tuple]:
+        """The ridge-within heads' fold fits ``("within", s, k)`` for each fold ``k`` of fold set ``s``
+        (:attr:`fold_sets`: 0 the grouped folds, 1 leave-one-category-out)."""
+        return [("within", s, k) for k in scored_folds(self.fold_sets[s])]
 
-    def within_scores(self) -> tuple:
-        """The ridge-within heads' out-of-fold scores (``within_heads.gather_heads``) under the grouped
-        folds and under leave-one-category-out folds."""
-        return tuple(gather_heads(fold, partial(self._within_result, s)) for s, fold in enumerate(self.fold_sets))
+    def within_scores(self, s: int) -> tuple:
+        """The ridge-within heads' out-of-fold scores (``within_heads.gather_heads``) under fold set ``s``."""
+        return gather_heads(self.fold_sets[s], partial(self._within_result, s))
+
+    def overall_rho(self, raw: np.ndarray) -> float:
+        """``cv_spearman`` of out-of-fold raw estimates ``raw`` (N,), as :func:`cross_validate` scores
+        them (-inf where undefined, as :func:`choose` ranks it)."""
+        scored = self.split.events & np.isfinite(raw)
+        calibrated = calibrated_out_of_fold(raw, self.split.remaining, scored, self.split.fold, self.num_rounds)
+        return _value(M.spearman(calibrated[scored], self.split.remaining[scored]))
 
     def _within_result(self, s: int, k: int) -> tuple:
         return self.result(("within", s, k))
@@ -211,10 +228,7 @@ class CrossValidation:
         return RidgeHead().fit(fit.inputs, fit.remaining, fit.events).ensemble().predict_raw(val)
 
     def _ridge_held(self) -> np.ndarray:
-        split = self.split
-        ridge = RidgeHead().fit(split.inputs, split.remaining, split.events)
-        return linear_raw(ridge.held_out_scores(split.inputs, split.remaining, split.events, split.categories),
-                          self.num_rounds)
+        return linear_raw(self.split.ridge[1], self.num_rounds)  # the split's ridge, the final fit's too
 
     def _within(self, s: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         split = self.split
@@ -231,8 +245,10 @@ def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...]
     scored as the scheduler uses them, all requests ranked together: ``cv_spearman``, the primary
     criterion; ``cv_within_category`` and, under leave-one-category-out folds,
     ``cv_held_out_category`` are reported beside it, and within-category ρ breaks ties
-    (:func:`choose`). ``jobs``: the threads the shared fits run in (see the module docstring);
-    results do not depend on it. ``log``: told as each candidate's estimates are done.
+    (:func:`choose`). The ridge-within candidates' leave-one-category-out refits are made only when one
+    of them can still be level with the best (:func:`contenders`; else ``out_of_reach`` names them).
+    ``jobs``: the threads the shared fits run in (see the module docstring); results do not depend on
+    it. ``log``: told as each candidate's estimates are done.
 
     Returns (the record, {candidate: out-of-fold raw estimates (N,) under the grouped folds, NaN where
     unscored}); a closed-form winner's calibration is fitted on its own (``training.fit.calibrate``)."""
@@ -240,10 +256,19 @@ def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...]
     with _other_thread(jobs) as pool:
         cv = CrossValidation(split, pool)
         cv.start([key for c in tried for key in c.needs(cv)])
-        # the ridge-within candidates last: both read the same fold fits
-        estimates = _estimates([c for c in tried if not c.uses_within_heads] + [c for c in tried if c.uses_within_heads],
-                               cv, {}, len(tried), log)
+        # the ridge-within candidates last: they may need more fits, once the others' scores are known
+        rest = [c for c in tried if c.needs_to_be_chosen(cv)]
+        estimates = _estimates([c for c in tried if c not in rest], cv, {}, len(tried), log)
+        in_reach = contenders(rest, cv, [cv.overall_rho(raw) for raw, *_ in estimates.values()])
+        made = [key for c in rest if c.name in in_reach for key in c.needs_to_be_chosen(cv)]
+        cv.start(made)
+        # a candidate out of reach whose fits a contender needs anyway is scored in full all the same
+        complete = {c.name for c in rest if set(c.needs_to_be_chosen(cv)) <= set(made)}
+        estimates = _estimates(rest, cv, estimates, len(tried), log, complete)
+    out_of_reach = [c.name for c in rest if c.name not in complete]
     record = {"held_out": HELD_OUT_NOTE}
+    if out_of_reach:
+        record["out_of_reach"] = {"candidates": out_of_reach, "note": OUT_OF_REACH_NOTE}
     for name in candidates:
         record.update(estimates[name][2])
     oof = {name: estimates[name][0] for name in candidates}
@@ -266,10 +291,23 @@ def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...]
     }, oof
 
 
-def _estimates(tried: list, cv: CrossValidation, done: dict, total: int, log: Callable[[str], None] | None) -> dict:
-    """``done`` with each of ``tried``'s out-of-fold estimates added, each told to ``log`` as it is done."""
+def contenders(rest: list, cv: CrossValidation, known: list[float]) -> set[str]:
+    """The names of the candidates of ``rest`` (those with fits they need only to be chosen,
+    ``Candidate.needs_to_be_chosen``) that can still be level with the best: the top of their
+    ``Candidate.score_range`` within :data:`LEVEL_BAND` of the best overall ρ sure to be reached (the
+    ``known`` scores of the others, the bottoms of the ranges). The others cannot be chosen, nor be the
+    best that the band is measured from, whatever those fits would give."""
+    ranges = {c.name: c.score_range(cv) for c in rest}
+    best = max([*known, *(low for low, _ in ranges.values())], default=-np.inf)
+    return {name for name, (_, high) in ranges.items() if high >= best - LEVEL_BAND}
+
+
+def _estimates(tried: list, cv: CrossValidation, done: dict, total: int, log: Callable[[str], None] | None,
+               complete: set[str] | None = None) -> dict:
+    """``done`` with each of ``tried``'s out-of-fold estimates added, each told to ``log`` as it is done;
+    ``complete``: the names of those whose ``Candidate.needs_to_be_chosen`` fits were made (None: all)."""
     for c in tried:
-        done[c.name] = c.out_of_fold(cv)
+        done[c.name] = c.out_of_fold(cv, complete is None or c.name in complete)
         if log:
             log(f"  candidate {len(done)} of {total} cross-validated: {c.name}")
     return done

@@ -73,7 +73,25 @@ def choose_blend_weight(inputs: RefineInputs, remaining, events, groups, fold, s
     scores["rule"] = {"default": DEFAULT_BLEND_WEIGHT, "best": best,
                       "gain_over_default": float(gain) if np.isfinite(gain) else None,
                       "standard_error": se if np.isfinite(se) else None}
-    return float(chosen), scores, chosen * by_prompt[0] + (1.0 - chosen) * by_prompt[1]
+    return float(chosen), scores, blended(chosen, by_prompt)
+
+
+def unchosen_blend_weight(remaining, events, groups, by_prompt: tuple) -> tuple[float, dict, np.ndarray]:
+    """:func:`choose_blend_weight`'s answer where the leave-one-category-out refits were not made (the
+    candidate cannot be chosen, ``training.select``): the default weight, each weight's grouped-CV
+    within-category ρ with its held-out ρ and the rule's figures null, and the blend's log-scores
+    under the grouped folds at the default (N,)."""
+    groups = np.asarray(groups).astype(str)
+    scores = {str(w): {"cv_within_category": _blend_within(w, by_prompt[0], by_prompt[1], remaining, events, groups)[0],
+                       "cv_held_out_category": None} for w in BLEND_WEIGHTS}
+    scores["rule"] = {"default": DEFAULT_BLEND_WEIGHT, "best": None, "gain_over_default": None, "standard_error": None}
+    return DEFAULT_BLEND_WEIGHT, scores, blended(DEFAULT_BLEND_WEIGHT, by_prompt)
+
+
+def blended(weight: float, heads: tuple) -> np.ndarray:
+    """The blend's log-scores (N,): ``weight`` of ridge-within's, the rest the signal-feature head's
+    (``heads``: :func:`out_of_fold_heads`' three arrays)."""
+    return weight * heads[0] + (1.0 - weight) * heads[1]
 
 
 def out_of_fold_heads(inputs: RefineInputs, remaining, events, groups, fold,

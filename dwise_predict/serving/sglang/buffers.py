@@ -105,9 +105,17 @@ class _PromptRows:
     def reserve_tokens(self, req, blocks: int, block_size: int) -> int:
         """:meth:`reserve` for the block of ``req`` ending at token ``blocks * block_size``, keyed by
         those tokens (:func:`block_key`) at the next lookup."""
-        slot = self._take()
-        self.pending.append((_block_keys(req), blocks, block_size, slot))
-        return slot
+        return self.reserve_blocks((req,), (blocks,), block_size)[0]
+
+    def reserve_blocks(self, reqs, blocks, block_size: int) -> list:
+        """:meth:`reserve_tokens` of each of ``reqs`` (``blocks``: each one's), in order: their rows."""
+        free, take, keep = self.free, self._take, self.pending.append
+        rows = []
+        for req, n in zip(reqs, blocks):
+            slot = free.pop() if free else take()
+            keep((_block_keys(req), n, block_size, slot))
+            rows.append(slot)
+        return rows
 
     def _take(self) -> int:
         if self.free:
@@ -258,7 +266,7 @@ class PoolingBuffers:
         self.scale[:, 0] = 1.0 / block_size
         self.leftover_mask, self.leftover_scale = self.mask[:, 1], self.scale[:, 1]
         self.weights_set = False  # leftover_mask holds a nonzero row
-        self.to_device = _ToDevice(device, 5 * rows)  # the step's per-row inputs
+        self.to_device = _ToDevice(device, (5 + block_size) * rows)  # the step's per-row inputs
         self.to_device_kept = _ToDevice(device, 4 * rows, "int64")  # its own buffer: the next step's copy may be in flight
         self.prompt_rows = prompt_rows  # the same for recent blocks of any request, by tokens
         # own_last: (k*B, H) device rows, each request's latest prompt-block row until its first round (a

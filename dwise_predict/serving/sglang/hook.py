@@ -83,10 +83,24 @@ from dwise_predict.serving.sglang.timeout import WaitingTimeout, waiting_timeout
 # per-request reads of SGLang's Req objects as C-level callables: a pass over a batch through map() runs
 # no Python frame per request (a list comprehension costs about twice as much on the scheduler thread)
 _rid = operator.attrgetter("rid")
+_extend_end = operator.attrgetter("extend_end")
 _phase = operator.attrgetter("dllm_phase")
 _slot = operator.attrgetter("_dwise_slot")
 _finished = operator.methodcaller("finished")
 logger = logging.getLogger(__name__)
+
+
+def _flat32(piece):
+    """``piece`` as a flat float32 tensor (no conversion call for one that is float32 already)."""
+    import torch  # imported by the time a step copies to the host; not at the hook's import
+
+    return (piece if piece.dtype == torch.float32 else piece.float()).reshape(-1)
+
+
+def _unknown(reqs: dict, queue: list) -> list:
+    """The requests of ``queue`` whose id is not in ``reqs``, in queue order (C-level passes)."""
+    known = list(map(reqs.__contains__, map(_rid, queue)))
+    return [] if all(known) else list(compress(queue, map(operator.not_, known)))
 
 
 def _rank_of(rank: dict, req) -> int:
@@ -233,7 +247,7 @@ class DwiseHook:
         reqs = table.reqs
         queue = scheduler.waiting_queue
         # SGLang's waiting queue holds the policy's waiting requests and any new ones (one pass, in C)
-        new = [] if all(map(reqs.__contains__, map(_rid, queue))) else [r for r in queue if r.rid not in reqs]
+        new = _unknown(reqs, queue)
         # the policy's waiting requests are in SGLang's waiting queue and its resident ones in the dLLM
         # manager's (SGLang's filter_finished_reqs has just dropped the finished): a count that differs
         # means SGLang aborted or queued again some of them, and only then are the queues walked
@@ -243,8 +257,8 @@ class DwiseHook:
             # a request under an id the table holds for another is no new one, and would make the
             # counts differ every step: refused now, once
             table.refuse_held_ids(scheduler)
-            new = [r for r in scheduler.waiting_queue if r.rid not in reqs]
-        step.foreign = [r for r in new if r.finished()] if new else []
+            new = _unknown(reqs, scheduler.waiting_queue)
+        step.foreign = list(compress(new, map(_finished, new))) if new else []
         if step.foreign:  # finished while waiting, never registered: SGLang's own path
             done = {id(r) for r in step.foreign}
             scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in done]
@@ -260,11 +274,11 @@ class DwiseHook:
         plan = step.plan = policy.schedule()
         self.stats.rounds += 1
         if len(plan.admitted):
-            admitted = {id(r) for r in table.req_at[plan.admitted].tolist()}
-            moving, staying = [], []
-            for r in scheduler.waiting_queue:
-                (moving if id(r) in admitted else staying).append(r)
-            scheduler.waiting_queue = staying
+            admitted = set(map(id, table.req_at[plan.admitted].tolist()))
+            queue = scheduler.waiting_queue
+            moves = list(map(admitted.__contains__, map(id, queue)))
+            moving = list(compress(queue, moves))
+            scheduler.waiting_queue = list(compress(queue, map(operator.not_, moves)))
             scheduler.dllm_manager.add_waiting_reqs(moving)
             self.stats.admitted += len(moving)
         step.picks = table.req_at[plan.run].tolist()
@@ -442,13 +456,13 @@ class DwiseHook:
         host = self.to_host(first) if first and run.first_pooled is not None else None
         refined = None
         if host is not None:
-            # their first round took their prompt-block rows
-            self.buffers.release_own(self.table.own_row, [slot_list[i] for i in first])
+            first_slots = list(map(slot_list.__getitem__, first))
+            self.buffers.release_own(self.table.own_row, first_slots)  # their first round took their prompt-block rows
             if host["refined"] is not None:
                 refined = np.full(n, math.nan)
                 refined[first] = host["refined"]
                 if self.monitor is not None:
-                    self.table.keep_refined([slot_list[i] for i in first], host["refined"])
+                    self.table.keep_refined(first_slots, host["refined"])
         # which requests finished: in FDFO (one algorithm step) SGLang finishes a request only on the
         # step that resolves its block (process_batch_result_dllm skips an unresolved one before any
         # finish check), so only those rows are asked; a synchronous step commits every row
@@ -487,18 +501,21 @@ class DwiseHook:
         """The step's forwards of each of our batch rows to the recorder: its own forwards, and for a
         first denoising round its pooled row, early signals and ``prompt_last`` row (``host``)."""
         step, recorder = self.step, self.recorder
-        batch, prompt, n = step.batch, step.batch_prompt, len(step.batch)
-        first = self.step_run.rows
-        at = dict(zip(first, range(len(first)))) if host is not None else {}
+        batch, prompt = step.batch, step.batch_prompt
+        first = self.step_run.rows if host is not None else ()
         done = self.step_run.row_forwards()
-        for i in (range(n) if step.batch_all_ours else step.batch_ours.nonzero()[0].tolist()):
-            r, j = batch[i], at.get(i)
-            own = int(done[i]) if done is not None else 0
-            if j is None:
-                recorder.forward(r, bool(prompt[i]), None, own or (1 if prompt[i] else steps))
-            else:
-                recorder.forward(r, False, host["pooled"][j], own or steps, host["signals"][j],
-                                 host["prompt"][j] if host["has_prompt"][j] else None)
+        # each row's forwards: its own, until its block reported done; else a prompt block, or the step's
+        rounds = np.where(prompt, 1, steps)
+        if done is not None:
+            rounds = np.where(done > 0, done, rounds)
+        rest = np.ones(len(batch), dtype=bool) if step.batch_all_ours else step.batch_ours.copy()
+        if first:
+            rest[first] = False  # the first rounds: their pooled rows go with them (first_rounds)
+        rest = rest.nonzero()[0]
+        recorder.forwards(list(map(batch.__getitem__, rest.tolist())), prompt[rest].tolist(), rounds[rest].tolist())
+        if first:
+            recorder.first_rounds(list(map(batch.__getitem__, first)), host["pooled"], host["signals"], host["prompt"],
+                                  host["has_prompt"], rounds[first].tolist())
 
     def keep_rows(self, scheduler, finished_at: list) -> None:
         """Copy the step's rows that later steps read into device rows (``kept_rows``), in one
@@ -538,22 +555,23 @@ class DwiseHook:
         """The batch rows whose block, reported done this step, the prompt-row cache keeps (a prompt
         block, or a finished request's last full block), and the cache row each goes to."""
         run, step = self.step_run, self.step
-        kept, into = [], []
-        if run.step_done and self.prompt_rows.capacity \
-                and not scheduler.dllm_config.requires_separate_context_encoding:
-            batch, prompt_at, bs = step.batch, step.batch_prompt_at, self.block_size
-            done = run.step_done[0][1] if len(run.step_done) == 1 else run.row_forwards()  # truthy: block done
-            reserve = self.prompt_rows.reserve_tokens
-            prompt_list = step.batch_prompt.tolist() if finished_at else ()
-            for i in sorted(set(prompt_at).union(finished_at)) if finished_at else prompt_at:
-                if not done[i]:
-                    continue
-                r = batch[i]
-                end = r.extend_end  # SGLang's prefix ends on a block boundary and the forward ran the block after it
-                if not finished_at or prompt_list[i] or len(r.origin_input_ids) + len(r.output_ids) >= end:
-                    kept.append(i)
-                    into.append(reserve(r, end // bs, bs))  # keyed when a lookup comes
-        return kept, into
+        if not (run.step_done and self.prompt_rows.capacity) \
+                or scheduler.dllm_config.requires_separate_context_encoding:
+            return [], []
+        batch, bs = step.batch, self.block_size
+        done = run.step_done[0][1] if len(run.step_done) == 1 else run.row_forwards()  # truthy: block done
+        rows = sorted(set(step.batch_prompt_at).union(finished_at)) if finished_at else step.batch_prompt_at
+        kept = list(compress(rows, map(done.__getitem__, rows)))
+        reqs = list(map(batch.__getitem__, kept))
+        # SGLang's prefix ends on a block boundary and the forward ran the block after it
+        ends = list(map(_extend_end, reqs))
+        if finished_at:  # a finished request's last block is kept when it is full
+            prompt = step.batch_prompt.tolist()
+            full = [prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end
+                    for i, r, end in zip(kept, reqs, ends)]
+            if not all(full):
+                kept, reqs, ends = (list(compress(x, full)) for x in (kept, reqs, ends))
+        return kept, self.prompt_rows.reserve_blocks(reqs, [end // bs for end in ends], bs)  # keyed at a lookup
 
     def to_host(self, first) -> dict:
         """The step's one device-to-host copy: the refined estimates of the first denoising rounds (the
@@ -577,9 +595,9 @@ class DwiseHook:
             pieces += [pooled, last]  # a row without prompt rows (has_prompt False) is not read
         if not self.checked:
             pieces.append(torch.isfinite(pooled).all().reshape(1))
-        host = torch.cat([piece.float().reshape(-1) for piece in pieces]).cpu().numpy()  # the transfer
+        host = torch.cat(list(map(_flat32, pieces))).cpu().numpy()  # the transfer
         self.stats.host_transfers += 1
-        out = {"refined": None, "has_prompt": has_prompt, "slots": self.step.batch_slots[first]}
+        out = {"refined": None, "has_prompt": has_prompt}
         at = 0
         if refine_here:
             out["refined"], at = host[:n], n
@@ -683,22 +701,32 @@ class DwiseHook:
         if not first:
             return
         rids = (getattr(forward_batch, "rids", None) or ())[: forward_batch.batch_size]
-        run.rows = [i for i, rid in enumerate(rids) if rid in first]
-        run.row_rids = [rids[i] for i in run.rows]
+        ours = list(map(first.__contains__, rids))
+        run.rows, run.row_rids = list(compress(range(len(rids)), ours)), list(compress(rids, ours))
         if not run.rows:
             return
-        n = len(run.rows)
-        inputs = np.asarray([first[rid] for rid in run.row_rids], dtype=np.float32)  # (n, 4)
-        staged = buffers.to_device(np.concatenate([np.asarray(run.rows, dtype=np.float32), inputs.T.reshape(-1)]))
+        n, bs = len(run.rows), self.block_size
+        inputs = np.array(list(map(first.__getitem__, run.row_rids)), dtype=np.float32)  # (n, 4)
+        leftover = inputs[:, 2]
+        weighted = bool(leftover.any())
+        # one host vector, one copy: rows, tokens, budgets, own_last rows (-1 as 0: the row gathered for a
+        # request without one is not read) and, with leftover rows to pool, each row's mask and 1/n
+        staged = np.empty(4 * n + (n * (bs + 1) if weighted else 0), dtype=np.float32)
+        staged[:n] = run.rows
+        staged[n:3 * n].reshape(2, n)[:] = inputs[:, :2].T
+        np.maximum(inputs[:, 3], 0, out=staged[3 * n:4 * n])
+        if weighted:
+            weights = staged[4 * n:].reshape(n, bs + 1)
+            np.less(np.arange(bs, dtype=np.float32), leftover[:, None], out=weights[:, :bs])
+            np.divide(np.float32(1.0), np.maximum(leftover, np.float32(1.0)), out=weights[:, bs])
+        staged = buffers.to_device(staged)
         run.rows_dev = staged[:n].long()
-        run.tokens_dev, run.budget_dev, leftover = staged[n:2 * n], staged[2 * n:3 * n], staged[3 * n:4 * n]
-        run.row_own, run.own_dev = inputs[:, 3], staged[4 * n:].long().clamp_min(0)
-        if inputs[:, 2].any():
-            import torch
-
-            positions = torch.arange(self.block_size, device=leftover.device)
-            buffers.leftover_mask.index_copy_(0, run.rows_dev, (positions[None, :] < leftover[:, None]).float())
-            buffers.leftover_scale.index_copy_(0, run.rows_dev, leftover.clamp_min(1.0).reciprocal()[:, None])
+        run.tokens_dev, run.budget_dev = staged[n:2 * n], staged[2 * n:3 * n]
+        run.row_own, run.own_dev = inputs[:, 3], staged[3 * n:4 * n].long()
+        if weighted:
+            weights = staged[4 * n:].view(n, bs + 1)
+            buffers.leftover_mask.index_copy_(0, run.rows_dev, weights[:, :bs])
+            buffers.leftover_scale.index_copy_(0, run.rows_dev, weights[:, bs:])
             buffers.weights_set = True
 
     def counted_forward(self, *args, **kwargs):

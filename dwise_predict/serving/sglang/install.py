@@ -117,8 +117,8 @@ def install(
         has ``max(max_batch, slots)`` rows. A forward with more rows fails loudly.
     hidden_size : the model's hidden size when recording without a bundle.
     recorder : an object with ``decoding`` (what it records SGLang to decode with: checked on the first
-        step), ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row, rounds, signals,
-        prompt_row)`` (rows as host float32 arrays, or None) and ``finished(req)``
+        step), ``arrived(req, block_size)``, ``forward(req, prompt, pooled_row, rounds, signals, prompt_row)`` (rows
+        as host float32 arrays, or None), its batch forms ``forwards``, ``first_rounds``, and ``finished(req)``
         (:class:`dwise_predict.collectors.live.LiveRecorder`): recording mode.
     prompt_cache : block rows kept for requests that a prefix-cache hit leaves without a prompt
         block of their own (:class:`~dwise_predict.serving.sglang.buffers._PromptRows`; ``prompt_cache`` x H floats on ``device``; 0: none,

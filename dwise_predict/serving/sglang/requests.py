@@ -27,7 +27,9 @@ requests are the first rank's on every rank (:class:`_RankShare`, over the sched
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
+from itertools import compress
 
 import numpy as np
 
@@ -38,6 +40,9 @@ from dwise_predict.engine import prefill_rounds
 CATEGORY_PARAM = "dwise_category"
 LIVE_CATEGORY = "live"  # a request that names none
 MAX_CATEGORY_CHARS = 64  # a client's string, kept in the window, the traces and the manifest: bounded
+
+
+_rid = operator.attrgetter("rid")
 
 
 def category_of(req) -> str:
@@ -266,7 +271,7 @@ class RequestTable:
         (:meth:`refuse`) with a message saying why, and the rest of the batch is registered.
         """
         bs = self.block_size
-        if len({r.rid for r in reqs}) < len(reqs):  # two arrivals under one id: the first is kept
+        if len(set(map(_rid, reqs))) < len(reqs):  # two arrivals under one id: the first is kept
             reqs = self.first_of_each_id(scheduler, reqs)
         # what is still to encode: the prompt, plus the output of a request queued again (re-encoded)
         seen = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
@@ -282,11 +287,9 @@ class RequestTable:
             if self.recorder is not None:
                 for req, _ in refused:
                     self.recorder.left_unfinished(req, "aborted")  # never registered: counted here, once
-        reqs = [r for r, ok in zip(reqs, fits) if ok]
-        if not reqs:
-            return
-        seen = [n for n, ok in zip(seen, fits) if ok]
-        kv = [k for k, ok in zip(kv, fits) if ok]
+            reqs, seen, kv = (list(compress(x, fits)) for x in (reqs, seen, kv))
+            if not reqs:
+                return
         # no prefix is matched before SGLang stages the request; P follows the match from then on
         P = [prefill_rounds(n, bs) for n in seen]
         estimates = np.zeros(len(reqs))
@@ -296,7 +299,7 @@ class RequestTable:
             if self.share is not None:
                 estimates = self.share(estimates, len(reqs))
         estimates = np.maximum(np.asarray(estimates, dtype=np.float64), 0.0)
-        slots = self.policy.add_many([r.rid for r in reqs], P, estimates, kv)
+        slots = self.policy.add_many(list(map(_rid, reqs)), P, estimates, kv)
         if len(self.req_at) <= slots.max():
             more = max(len(self.req_at), slots.max() + 1)
             self.req_at = np.concatenate([self.req_at, np.empty(more, dtype=object)])
