@@ -288,20 +288,7 @@ class JointThresholdInDel(StepRule):
                 top[stuck] = retry.argmax(dim=-1)
                 p[stuck] = probs[stuck, top[stuck]]
 
-        fill = torch.zeros_like(masked)
-        if n_masked:
-            confidence = torch.where(masked, p, float("-inf"))
-            if cleanup:
-                fill = masked & ~prompt
-            elif n_original:
-                needed = 1 + n_masked - n_original  # one more than the masks the edits introduced
-                confident = (confidence > self.params["threshold"]) & masked
-                if int(confident.sum()) >= needed:
-                    fill = confident
-                else:
-                    fill[confidence.topk(min(needed, n_masked)).indices] = True
-            else:
-                fill = masked
+        fill = self._fill(masked & ~prompt if cleanup else masked, p, n_masked, 0 if cleanup else n_original)
         if max_post == 0 and n_original and not (original & ~fill).any():
             cleanup = True
             fill = masked & ~prompt
@@ -320,15 +307,7 @@ class JointThresholdInDel(StepRule):
         old = block.tolist()
         key = tuple(old)
         if key in row["seen"] and not cleanup:  # a state seen before: perturb the least confident change
-            changing = write[top[write] != block[write]]
-            if len(changing):
-                position = int(changing[p[changing].argmin()])
-                retry = logits[position].clone()
-                for token in row["sampled"].get(position, ()):
-                    retry[token] = float("-inf")
-                if original[position]:
-                    retry[mask] = float("-inf")
-                top[position] = retry.argmax()
+            self._perturb(block, logits, top, p, write, original, row["sampled"])
         row["seen"].add(key)
 
         tokens, structural, changed = old.copy(), False, False
@@ -347,6 +326,34 @@ class JointThresholdInDel(StepRule):
             row["finished"] = True
             return not changed  # changed ids need one more forward to persist their KV
         return False
+
+    def _fill(self, masked: torch.Tensor, p: torch.Tensor, n_masked: int, n_original: int) -> torch.Tensor:
+        """The masked positions a step fills: all of ``masked`` in the cleanup step or when no original
+        mask is left (``n_original`` 0), else those over the threshold if at least one more than the
+        masks the edits introduced, else that many of the most confident."""
+        if not n_masked or not n_original:
+            return masked if n_masked else torch.zeros_like(masked)
+        confidence = torch.where(masked, p, float("-inf"))
+        needed = 1 + n_masked - n_original  # one more than the masks the edits introduced
+        confident = (confidence > self.params["threshold"]) & masked
+        if int(confident.sum()) >= needed:
+            return confident
+        fill = torch.zeros_like(masked)
+        fill[confidence.topk(min(needed, n_masked)).indices] = True
+        return fill
+
+    def _perturb(self, block, logits, top, p, write, original, sampled: dict) -> None:
+        """A state seen before: the least confident position about to change takes its best token not
+        sampled there yet (never the mask at an original mask), in place on ``top``."""
+        changing = write[top[write] != block[write]]
+        if len(changing):
+            position = int(changing[p[changing].argmin()])
+            retry = logits[position].clone()
+            for token in sampled.get(position, ()):
+                retry[token] = float("-inf")
+            if original[position]:
+                retry[self.mask_id] = float("-inf")
+            top[position] = retry.argmax()
 
     def _apply_edits(self, tokens: list[int], old: list[int], is_orig: list[bool], prompt_len: int):
         """DELETE drops a generated position, SPLIT puts a new mask before its old token; the block is
