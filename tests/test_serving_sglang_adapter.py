@@ -268,9 +268,9 @@ def test_early_signals_are_computed_for_first_round_rows_only(served, monkeypatc
 
     real, rows_given = signals_mod.early_signals, []
 
-    def counting(full_logits, input_ids, mask_id, block_size, threshold, stop_ids):
-        rows_given.append(input_ids.numel() // block_size)
-        return real(full_logits, input_ids, mask_id, block_size, threshold, stop_ids)
+    def counting(full_logits, input_ids, mask_id, block_size, threshold, stop_ids, rows=None, scratch=None):
+        rows_given.append(input_ids.numel() // block_size if rows is None else len(rows))
+        return real(full_logits, input_ids, mask_id, block_size, threshold, stop_ids, rows=rows, scratch=scratch)
 
     monkeypatch.setattr(signals_mod, "early_signals", counting)
     bundle = RecordingBundle(served[0])

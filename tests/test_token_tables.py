@@ -144,6 +144,17 @@ def test_the_hard_cases_are_there_and_take_the_exact_path(monkeypatch):
     assert TokenTables.from_tokenizer(fallback).counts(np.asarray(ids)) == (4, 1)
 
 
+def test_65536_slow_tokens_still_take_the_exact_path():
+    """The slow count is packed in 16 bits of each sum: 65,536 ids outside the vocabulary (slow: they
+    decode to nothing) wrap it to 0, and the fast path would count each as a word's piece."""
+    tokenizer = byte_level_bpe()
+    tables = TokenTables.from_tokenizer(tokenizer)
+    words = tokenizer.encode("hello world\nagain", add_special_tokens=False)
+    ids = np.asarray(words + [len(tables.slow_) - 1] * 65536 + words, dtype=np.int64)
+    assert tables.slow_[ids].astype(bool).sum() == 65536
+    assert tables.counts(ids) == (5, 2)  # "hello world\nagainhello world\nagain": the middle decodes to nothing
+
+
 def test_the_tiny_models_workload_counts_as_decoding_it_does():
     from dwise_predict.collectors.workloads import load_workload
 

@@ -476,6 +476,43 @@ def test_survival_pca_folds_the_projection_into_the_first_layer_exactly():
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n, hidden, censored", [(160, 96, 0), (160, 96, 12), (300, 16, 0)])
+def test_a_shared_standardisation_changes_no_number(n, hidden, censored, monkeypatch):
+    """The cross-validation's fits of one fold share one Standardised (training.select): the survival
+    ensemble, the ridge, ridge-within and survival-pca fitted through it give the same bits as each
+    fitted alone, with more columns than requests (the Gram matrix of the requests) and fewer (of the
+    columns), every request finished (the ridge takes survival-pca's decomposition) or some censored
+    (it makes its own)."""
+    from dwise_predict.survival import linear
+    from dwise_predict.survival.linear import Standardised, fit_pca_survival
+
+    tr = make_synthetic_traces(n, hidden, seed=9).split("train")
+    t, cats = Targets.of(tr), tr.requests["category"].to_numpy()
+    events = t.events.copy()
+    events[:censored] = False
+    x = inputs(tr)
+    make = lambda: SurvivalEnsemble(width=8, seeds=(0,), max_epochs=3, split_seed=0)  # noqa: E731
+    shared = Standardised(x, t.remaining, events)
+    pca_shared = fit_pca_survival(make, x, t.remaining, events, components=8, standardised=shared)
+    pca_alone = fit_pca_survival(make, x, t.remaining, events, components=8)
+    assert torch.equal(pca_shared.projection_, pca_alone.projection_)
+    assert torch.equal(pca_shared.members_[0].fc1.weight, pca_alone.members_[0].fc1.weight)
+    survival_shared = make().fit(x, t.remaining, events, like=shared.base)
+    survival_alone = make().fit(x, t.remaining, events)
+    assert torch.equal(survival_shared.input_std_, survival_alone.input_std_)
+    assert torch.equal(survival_shared.members_[0].fc1.weight, survival_alone.members_[0].fc1.weight)
+    for groups in (None, cats):
+        alone = RidgeHead().fit(x, t.remaining, events, groups=groups)
+        through = RidgeHead().fit(x, t.remaining, events, groups=groups, standardised=shared)
+        assert np.array_equal(through.coef_, alone.coef_) and through.intercept_ == alone.intercept_
+        assert through.record() == alone.record()
+    made = []
+    real = linear._gram_eigh
+    monkeypatch.setattr(linear, "_gram_eigh", lambda *a: made.append(1) or real(*a))
+    RidgeHead().fit(x, t.remaining, events, standardised=shared)
+    assert len(made) == (1 if censored else 0)  # all finished: survival-pca's decomposition is the ridge's
+
+
 def _signal_traces(n=900, seed=4):
     """Synthetic traces whose work is visible only through an interaction of two early signals: the
     hidden state is replaced by noise, ``frac_over_threshold`` is a random sign and

@@ -160,18 +160,21 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
     n_slots = min(config.batch_size, len(queue))
     backend.allocate(n_slots)
     mask_id, pad_id = backend.mask_token_id, backend.pad_token_id
-    # per-slot blocks as tensors on the model's device, so a denoising step is one vectorised pass and
-    # logits never leave the device; the per-slot counters and flags the loop reads every round stay
-    # on the host (a device tensor costs a dispatch, on CUDA a synchronisation, each time it is read)
+    # per-slot blocks as host lists: a round's input and the step rule's blocks are one tensor each,
+    # made from them, and the step's result comes back as one list; kept as device tensors, the
+    # gathers and scatters around each step cost a dozen dispatches a round (on CUDA the step's
+    # result is read on the host either way). Logits never leave the device.
     dev = backend.device
     s = _Slots(
-        blk=torch.full((n_slots, block), mask_id, dtype=torch.long, device=dev),
-        prompt_mask=torch.zeros((n_slots, block), dtype=torch.bool, device=dev),
-        prev=torch.full((n_slots, block), pad_id, dtype=torch.long, device=dev),
-        pending=[False] * n_slots,
+        blk=[[mask_id] * block for _ in range(n_slots)],
+        prompt_len=[0] * n_slots,
+        prev=[None] * n_slots,
         forwards=[0] * n_slots,
         rule_state=rule.new_state(n_slots, dev),
         active=[None] * n_slots,
+        device=dev,
+        stop_ids=torch.tensor(backend.eos_token_ids, dtype=torch.long, device=dev),
+        no_prompt=torch.zeros((n_slots, block), dtype=torch.bool, device=dev),
     )
     round_index = 0
 
@@ -186,10 +189,9 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
             return
         prefill = [i for i, slot in enumerate(active)
                    if s.active[slot].next_prompt_block < s.active[slot].layout.prompt_blocks]
-        batch, d_rows = _rows(active, prefill, s, block, pad_id)
-        d_slots = batch.slots[d_rows]
+        batch, d_rows, slots = _rows(active, prefill, s, block, pad_id)
         if hidden_layers is not None:  # a request's first denoising forward is in this round
-            batch.all_layers = any(s.active[active[i]].first_hidden is None for i in d_rows.tolist())
+            batch.all_layers = any(s.active[slot].first_hidden is None for slot in slots)
         out = backend.step(batch)
         round_index += 1
 
@@ -200,8 +202,8 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
                 a.prompt_hidden = out.hidden[i].float().mean(0).cpu().numpy()
 
         finished: list[int] = []
-        if len(d_rows):
-            finished = _denoise(out, d_rows, d_slots, s, rule, block, backend.eos_token_ids, mask_id, hidden_layers,
+        if slots:
+            finished = _denoise(out, d_rows, slots, s, rule, block, backend.eos_token_ids, mask_id, hidden_layers,
                                 rounds_hidden)
         for slot in finished:
             result = _result(s.active[slot], slot, round_index, rounds_hidden)
@@ -215,16 +217,20 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
 
 @dataclass
 class _Slots:
-    """Per-slot state: the current block and its prompt mask, a finished block awaiting its commit,
-    forwards spent on the current block, the step rule's state, and the request holding the slot."""
+    """Per-slot state: the current block's tokens and how many of its first positions are prompt
+    tokens, a finished block awaiting its commit (None: none), forwards spent on the current block,
+    the step rule's state, the request holding the slot; the model's device, the stop ids on it and
+    a prompt mask of no prompt position (read only), made once, not every round."""
 
-    blk: torch.Tensor
-    prompt_mask: torch.Tensor
-    prev: torch.Tensor
-    pending: list[bool]
+    blk: list[list[int]]
+    prompt_len: list[int]
+    prev: list[list[int] | None]
     forwards: list[int]
     rule_state: dict
     active: list
+    device: torch.device
+    stop_ids: torch.Tensor
+    no_prompt: torch.Tensor
 
     def admit(self, slot: int, req: DecodeRequest, block: int, round_index: int, rule: StepRule,
               mask_id: int) -> None:
@@ -232,68 +238,66 @@ class _Slots:
         self.active[slot] = _Active(request=req, prompt=list(req.prompt_ids), layout=layout,
                                     admit_round=round_index, t0=time.perf_counter())
         leftover = list(req.prompt_ids[layout.prompt_blocks * block:])  # shorter than a block
-        self.blk[slot] = torch.tensor(leftover + [mask_id] * (block - len(leftover)), dtype=torch.long)
-        self.prompt_mask[slot] = torch.tensor([True] * len(leftover) + [False] * (block - len(leftover)))
-        self.pending[slot] = False
+        self.blk[slot] = leftover + [mask_id] * (block - len(leftover))
+        self.prompt_len[slot] = len(leftover)
+        self.prev[slot] = None
         self.new_block(slot, rule)
 
     def new_block(self, slot: int, rule: StepRule) -> None:
         self.forwards[slot] = 0
         if self.rule_state:  # a rule without per-slot state (LowConfidence) has nothing to reset
-            rule.start_block(self.rule_state, torch.tensor([slot], device=self.blk.device))
+            rule.start_block(self.rule_state, torch.tensor([slot], device=self.device))
 
 
 def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
-          pad_id: int) -> tuple[StepBatch, torch.Tensor]:
+          pad_id: int) -> tuple[StepBatch, torch.Tensor | None, list[int]]:
     """The round's input: one row per active slot (``active`` in slot order); ``prefill`` holds the
-    row indices that take a prompt block. Returns the batch and the denoising row indices."""
-    n, dev = len(active), s.blk.device
-    slot_ids = torch.tensor(active, dtype=torch.long, device=dev)
+    row indices that take a prompt block. Returns the batch, the denoising row indices (None: every
+    row) and those rows' slots."""
+    n, dev = len(active), s.device
     taking_prompt = set(prefill)
     denoising = [i for i in range(n) if i not in taking_prompt]
-    carrying = [i for i in denoising if s.pending[active[i]]]  # these rows carry their finished block's commit
-    d_rows = torch.tensor(denoising, dtype=torch.long, device=dev) if prefill else torch.arange(n, device=dev)
-
-    # whole-row copies (index_select / index_copy_): a fraction of the cost of 2-D index assignment
-    ids = s.blk.index_select(0, slot_ids)  # (n, block): each row's current block
-    if prefill:  # each takes its next full prompt block
-        taking = [s.active[active[i]] for i in prefill]
-        blocks = [a.prompt[a.next_prompt_block * block:(a.next_prompt_block + 1) * block] for a in taking]
-        ids.index_copy_(0, torch.tensor(prefill, dtype=torch.long, device=dev),
-                        torch.tensor(blocks, dtype=torch.long, device=dev))
-    if carrying:  # [finished block | current block], the rest padding
-        carry = torch.tensor(carrying, dtype=torch.long, device=dev)
-        carry_slots = slot_ids.index_select(0, carry)
-        current = torch.full((n, block), pad_id, dtype=torch.long, device=dev)
-        current.index_copy_(0, carry, s.blk.index_select(0, carry_slots))
-        ids.index_copy_(0, carry, s.prev.index_select(0, carry_slots))
-        ids = torch.cat([ids, current], dim=1)
-    n_valid, commit, out_start = [block] * n, [0] * n, [0] * n
-    for i in carrying:  # a carrying row's current block comes after the committed one
-        n_valid[i], commit[i], out_start[i] = 2 * block, block, block
-    for i in prefill:
-        commit[i] = block
+    # a row carrying its finished block's commit is [finished block | current block]; then every row
+    # is two blocks wide, the rest padding
+    width = 2 * block if any(s.prev[active[i]] is not None for i in denoising) else block
+    rows, n_valid, commit, out_start = [], [block] * n, [0] * n, [0] * n
+    for i, slot in enumerate(active):
+        if i in taking_prompt:  # its next full prompt block
+            a = s.active[slot]
+            row = a.prompt[a.next_prompt_block * block:(a.next_prompt_block + 1) * block]
+            commit[i] = block
+        elif s.prev[slot] is not None:  # the current block comes after the committed one
+            row = s.prev[slot] + s.blk[slot]
+            n_valid[i], commit[i], out_start[i] = 2 * block, block, block
+        else:
+            row = s.blk[slot]
+        rows.append(row + [pad_id] * (width - len(row)))
+    slot_ids = torch.tensor(active, dtype=torch.long, device=dev)
+    ids = _tensor(rows, np.int64, dev)
+    d_rows = torch.tensor(denoising, dtype=torch.long, device=dev) if prefill else None
     lengths = torch.tensor([n_valid, commit, out_start], dtype=torch.long, device=dev)
     batch = StepBatch(slots=slot_ids, input_ids=ids, n_valid=lengths[0], commit_len=lengths[1],
                       out_start=lengths[2], window=block)
-    return batch, d_rows
+    return batch, d_rows, [active[i] for i in denoising]
 
 
-def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_ids: tuple[int, ...],
-             mask_id: int, hidden_layers: HiddenExtra | None, rounds_hidden: int) -> list[int]:
-    """One step of the algorithm for every denoising row; returns the slots whose request ended."""
-    every_row = len(d_rows) == len(out.logits)
-    logits = (out.logits if every_row else out.logits.index_select(0, d_rows)).float()  # (n_d, block, V), read only
-    ids, prompt_mask = s.blk.index_select(0, d_slots), s.prompt_mask.index_select(0, d_slots)
-    slots = d_slots.tolist()
+def _denoise(out, d_rows: torch.Tensor | None, slots: list[int], s: _Slots, rule: StepRule, block: int,
+             eos_ids: tuple[int, ...], mask_id: int, hidden_layers: HiddenExtra | None, rounds_hidden: int) -> list[int]:
+    """One step of the algorithm for the denoising rows ``d_rows`` (None: every row) of the round's
+    output, held by ``slots``; returns the slots whose request ended."""
+    logits = (out.logits if d_rows is None else out.logits.index_select(0, d_rows)).float()  # (n_d, block, V), read only
+    dev = s.device
+    d_slots = torch.tensor(slots, dtype=torch.long, device=dev)
+    ids = _tensor([s.blk[slot] for slot in slots], np.int64, dev)
+    prompt_mask = _prompt_mask(s, slots, block)
     for slot in slots:
         s.forwards[slot] += 1
     forwards = [s.forwards[slot] for slot in slots]
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(slots, forwards)]
     if any(first):
-        _record_first_round(out, d_rows, d_slots, first, logits, ids, s, rule, mask_id, eos_ids, hidden_layers)
+        _record_first_round(out, d_rows, slots, first, logits, ids, s, rule, mask_id, hidden_layers)
     if rounds_hidden:
-        _record_rounds(out, d_rows, d_slots, logits, ids, s, rule, mask_id, eos_ids, rounds_hidden)
+        _record_rounds(out, d_rows, slots, logits, ids, s, rule, mask_id, rounds_hidden)
 
     new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
     capped = [forwards_exhausted(rule, f, block) for f in forwards]  # the engine's loop ends these unstepped
@@ -301,13 +305,12 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
         capped_rows = torch.tensor(capped, dtype=torch.bool, device=done.device)
         new = torch.where(capped_rows[:, None], ids, new)
         done = done | capped_rows
-    s.blk.index_copy_(0, d_slots, new)
-    for slot in slots:
-        s.pending[slot] = False  # a carried commit happened in this round's forward
+    done_rows, tokens_by_row = done.tolist(), new.tolist()
+    for slot, tokens in zip(slots, tokens_by_row):
+        s.blk[slot] = tokens
+        s.prev[slot] = None  # a carried commit happened in this round's forward
 
     finished, going_on = [], []
-    done_rows = done.tolist()
-    tokens_by_row = new.tolist() if any(done_rows) else []
     for j, slot in enumerate(slots):
         if not done_rows[j]:
             continue
@@ -322,41 +325,61 @@ def _denoise(out, d_rows, d_slots, s: _Slots, rule: StepRule, block: int, eos_id
             finished.append(slot)
         else:
             going_on.append(j)
-    if going_on:  # the finished block is committed in front of the next one (its row's next forward)
-        rows = torch.tensor(going_on, dtype=torch.long, device=d_slots.device)
-        next_slots = d_slots.index_select(0, rows)
-        s.prev.index_copy_(0, next_slots, new.index_select(0, rows))
-        s.blk.index_fill_(0, next_slots, mask_id)
-        s.prompt_mask.index_fill_(0, next_slots, False)
-        for j in going_on:
-            s.pending[slots[j]] = True
-            s.new_block(slots[j], rule)
+    for j in going_on:  # the finished block is committed in front of the next one (its row's next forward)
+        slot = slots[j]
+        s.prev[slot], s.blk[slot], s.prompt_len[slot] = tokens_by_row[j], [mask_id] * block, 0
+        s.new_block(slot, rule)
     return finished
 
 
-def _record_first_round(out, d_rows, d_slots, first, logits, ids, s: _Slots, rule: StepRule, mask_id: int,
-                        eos_ids: tuple[int, ...], hidden_layers: HiddenExtra | None) -> None:
-    """Early signals and pooled hidden rows of the first denoising forward of a request's first block."""
+def _tensor(rows: list[list], dtype, device) -> torch.Tensor:
+    """``rows`` as a tensor on ``device``, through numpy: ``torch.tensor`` reads a nested list
+    element by element, 2-3x slower at a round's sizes."""
+    return torch.from_numpy(np.array(rows, dtype=dtype)).to(device)
+
+
+def _prompt_mask(s: _Slots, slots: list[int], block: int) -> torch.Tensor:
+    """(n, block) bool: the leftover prompt positions of each slot's current block (only a
+    request's first output block has any)."""
+    lengths = [s.prompt_len[slot] for slot in slots]
+    if not any(lengths):
+        return s.no_prompt[: len(slots)]
+    return _tensor([[i < k for i in range(block)] for k in lengths], np.bool_, s.device)
+
+
+def _output_rows(d_rows: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor:
+    """The round's output rows of the denoising rows ``at`` (indices into ``d_rows``; None: every row)."""
+    return at if d_rows is None else d_rows.index_select(0, at)
+
+
+def _record_first_round(out, d_rows, slots: list[int], first: list[bool], logits, ids, s: _Slots, rule: StepRule,
+                        mask_id: int, hidden_layers: HiddenExtra | None) -> None:
+    """Early signals and pooled hidden rows of the first denoising forward of a request's first block
+    (``logits``, ``ids``, ``first``: the denoising rows', in ``slots`` order)."""
     rows = [j for j, is_first in enumerate(first) if is_first]
-    signals = _signals(logits, ids, rows, rule, mask_id, eos_ids)
-    for j, row_signals in zip(rows, signals):
-        a = s.active[int(d_slots[j])]
+    at = torch.tensor(rows, dtype=torch.long, device=ids.device)
+    signals = _signals(logits, ids, at, rule, mask_id, s.stop_ids)
+    source = _output_rows(d_rows, at)
+    states = out.hidden.index_select(0, source).float()  # (k, block, H)
+    pooled = states.mean(1).cpu().numpy()  # each row's mean, bit for bit the mean of that row alone
+    layers = None if hidden_layers is None else out.layers.index_select(0, source)
+    for k, (j, row_signals) in enumerate(zip(rows, signals)):
+        a = s.active[slots[j]]
         a.signals = tuple(row_signals)
-        hidden = out.hidden[d_rows[j]].float()
-        a.first_hidden = hidden.mean(0).cpu().numpy()
+        a.first_hidden = pooled[k]
         if hidden_layers is not None:
-            a.layer_hidden = pool_first_round(out.layers[d_rows[j]], hidden_layers)
+            a.layer_hidden = pool_first_round(layers[k], hidden_layers)
         if a.prompt_hidden is None:  # a prompt shorter than a block: its rows sit in this forward
-            a.prompt_hidden = hidden[: a.layout.leftover].mean(0).cpu().numpy()
+            a.prompt_hidden = states[k, : a.layout.leftover].mean(0).cpu().numpy()
 
 
-def _record_rounds(out, d_rows, d_slots, logits, ids, s: _Slots, rule: StepRule, mask_id: int,
-                   eos_ids: tuple[int, ...], keep: int) -> None:
+def _record_rounds(out, d_rows, slots: list[int], logits, ids, s: _Slots, rule: StepRule, mask_id: int,
+                   keep: int) -> None:
     """Each denoising row's pooled window rows and early signals, while its request has run at most
     ``keep`` denoising forwards (`collect --rounds-hidden`). Round 1 copies the first round's record
     (after :func:`_record_first_round`), so that row equals ``first_round`` bit for bit."""
     later = []
-    for j, slot in enumerate(d_slots.tolist()):
+    for j, slot in enumerate(slots):
         a = s.active[slot]
         if len(a.round_states) >= keep:
             continue
@@ -365,19 +388,22 @@ def _record_rounds(out, d_rows, d_slots, logits, ids, s: _Slots, rule: StepRule,
             a.round_signals.append(a.signals)
         else:
             later.append(j)
-    for j, row_signals in zip(later, _signals(logits, ids, later, rule, mask_id, eos_ids)):
-        a = s.active[int(d_slots[j])]
-        a.round_states.append(out.hidden[d_rows[j]].float().mean(0).cpu().numpy())  # pooled as first_round
+    if not later:
+        return
+    at = torch.tensor(later, dtype=torch.long, device=ids.device)
+    pooled = out.hidden.index_select(0, _output_rows(d_rows, at)).float().mean(1).cpu().numpy()  # as first_round
+    for k, (j, row_signals) in enumerate(zip(later, _signals(logits, ids, at, rule, mask_id, s.stop_ids))):
+        a = s.active[slots[j]]
+        a.round_states.append(pooled[k])
         a.round_signals.append(tuple(row_signals))
 
 
-def _signals(logits, ids, rows: list[int], rule: StepRule, mask_id: int, eos_ids: tuple[int, ...]) -> list[list[float]]:
-    """Early signals of the given denoising rows over their blocks' masked positions (``engine.signals``)."""
-    if not rows:
-        return []
+def _signals(logits, ids, rows: torch.Tensor, rule: StepRule, mask_id: int, stop_ids: torch.Tensor) -> list[list[float]]:
+    """Early signals of the given denoising rows (a non-empty index tensor) over their blocks' masked
+    positions (``engine.signals``)."""
     # the leftover prompt tokens of the first output block hold token ids, never the mask id
-    return early_signals(logits[rows].flatten(0, 1), ids[rows].flatten(), mask_id, ids.shape[1],
-                         rule.params.get("threshold", 0.0), torch.tensor(eos_ids, device=logits.device)).tolist()
+    return early_signals(logits.index_select(0, rows).flatten(0, 1), ids.index_select(0, rows).flatten(), mask_id,
+                         ids.shape[1], rule.params.get("threshold", 0.0), stop_ids).tolist()
 
 
 def _result(a: _Active, slot: int, round_index: int, rounds_hidden: int = 0) -> DecodeResult:

@@ -26,24 +26,56 @@ SIGNAL_THRESHOLD = 0.9
 
 
 def early_signals(full_logits: torch.Tensor, input_ids: torch.Tensor, mask_id: int, block_size: int,
-                  threshold: float, stop_ids: torch.Tensor) -> torch.Tensor:
+                  threshold: float, stop_ids: torch.Tensor, rows: torch.Tensor | None = None,
+                  scratch=None) -> torch.Tensor:
     """(B, 4) float32 signals of a forward over B blocks, columns in ``names.EARLY_SIGNALS`` order:
     ``full_logits`` (B * block, V), ``input_ids`` (B * block,), ``stop_ids`` (S,) int64 token ids that
-    end a request (on the logits' device). Device tensor ops only, no host synchronisation."""
+    end a request (on the logits' device). ``rows``: an int64 index of the blocks to compute, on the
+    logits' device ((n, 4) signals, in its order; None: every block). ``scratch``: a callable ``shape
+    -> (a, b)``, two float32 tensors of that shape on the logits' device that a chunk is computed in
+    (its gathered logits, then its probabilities; its log-probabilities), or None (fresh tensors).
+    Device tensor ops only, no host synchronisation. The values are the same either way, bit for bit."""
     batch = input_ids.numel() // block_size
     logits = full_logits.view(batch, block_size, -1)
-    masked = (input_ids.view(batch, block_size) == mask_id).to(device=logits.device, dtype=torch.float32)
+    ids = input_ids.view(batch, block_size)
+    if rows is not None:
+        ids = ids.index_select(0, rows.to(ids.device))
+    masked = (ids == mask_id).to(device=logits.device, dtype=torch.float32)
     count = masked.sum(dim=1).clamp_min(1.0)
     chunk = max(CHUNK_REQUESTS, CHUNK_FLOATS // max(block_size * logits.shape[-1], 1))
     out = []
-    for start in range(0, batch, chunk):
-        logp = torch.log_softmax(logits[start:start + chunk].float(), dim=-1)  # (b, bs, V)
-        top = logp.max(dim=-1).values.exp()  # (b, bs)
-        entropy = -(logp.exp() * logp).sum(dim=-1)  # exp(-inf) * -inf would be NaN: log_softmax is finite
+    for start in range(0, len(ids), chunk):
+        logp, probs = _log_probs(logits, start, chunk, rows, scratch)  # (b, bs, V)
+        top = logp.amax(dim=-1).exp()  # (b, bs)
         stop = logp.index_select(-1, stop_ids).exp().sum(dim=-1)  # (b, bs)
+        # exp(-inf) * -inf would be NaN: log_softmax is finite
+        entropy = -torch.exp(logp, out=probs).mul_(logp).sum(dim=-1) if probs is not None \
+            else -logp.exp().mul_(logp).sum(dim=-1)
         m = masked[start:start + chunk]
         n = count[start:start + chunk]
         no_end = (torch.log1p(-stop.clamp(max=1.0 - 1e-7)) * m).sum(1)  # log P(no stop anywhere in the block)
         out.append(torch.stack([((top > threshold).float() * m).sum(1) / n, (top * m).sum(1) / n,
                                 (entropy * m).sum(1) / n, -torch.expm1(no_end)], 1))
     return torch.cat(out) if out else masked.new_zeros((0, 4))
+
+
+def _log_probs(logits: torch.Tensor, start: int, chunk: int, rows, scratch) -> tuple:
+    """The fp32 log-probabilities of the blocks ``[start, start + chunk)`` (of ``rows`` where given), and
+    a tensor of their shape to write the probabilities in (None: a fresh one). With ``scratch``, the
+    chunk's logits go into one of its buffers (gathered straight there when fp32) and their log-softmax
+    into the other (the kernel ``torch.log_softmax`` runs, given an ``out``); the first holds the
+    probabilities after."""
+    if rows is None:
+        part = logits[start:start + chunk]
+    elif scratch is None or logits.dtype != torch.float32:
+        part = logits.index_select(0, rows[start:start + chunk])
+    else:
+        picked = rows[start:start + chunk]
+        gathered, logp = scratch((len(picked), *logits.shape[1:]))
+        torch.index_select(logits, 0, picked, out=gathered)
+        return torch._log_softmax(gathered, -1, False, out=logp), gathered
+    if scratch is None:
+        return torch.log_softmax(part.float(), dim=-1), None
+    gathered, logp = scratch(tuple(part.shape))
+    gathered.copy_(part)  # in fp32
+    return torch._log_softmax(gathered, -1, False, out=logp), gathered

@@ -140,7 +140,9 @@ class TokenTables:
     def counts(self, ids: np.ndarray) -> tuple[int, int]:
         """(words, newlines) of ``tokenizer.decode(ids)``; ``ids`` an int64 array (n,)."""
         total = int(self.counts_.take(ids, mode="clip").sum())
-        if total >> SLOW_SHIFT:
+        # the slow field holds 16 bits: 65,536 slow tokens (or a multiple) sum to 0 there, so an input
+        # that long is checked token by token
+        if total >> SLOW_SHIFT or (len(ids) >> (64 - SLOW_SHIFT) and self.slow_.take(ids, mode="clip").any()):
             return self._slow_counts(ids)
         return _fields(total, self.flags_.take(ids, mode="clip"))
 

@@ -241,12 +241,13 @@ class DwisePolicy:
             raise InputError(f"add_many got {n} ids but {len(P)} prompt_blocks, {len(est)} estimates, {len(kv)} reservations")
         if n == 0:
             return np.zeros(0, dtype=np.int64)
-        if (P < 0).any():
+        # ufunc reductions (C-level) for the checks; the offending request is looked up only on failure
+        if np.minimum.reduce(P) < 0:
             raise InputError(f"request {ids[int(np.argmax(P < 0))]!r} has negative prompt blocks")
-        if not np.isfinite(est).all() or (est < 0).any():
+        if not (np.minimum.reduce(est) >= 0 and np.maximum.reduce(est) < math.inf):  # False on a NaN too
             bad = int(np.argmax(~np.isfinite(est) | (est < 0)))
             raise InputError(f"request {ids[bad]!r} has estimate {est[bad]}: estimates must be finite and >= 0")
-        if (kv > self.kv_budget).any():
+        if np.maximum.reduce(kv) > self.kv_budget:
             bad = int(np.argmax(kv > self.kv_budget))
             raise ConfigError(
                 f"KV budget {self.kv_budget:g} is smaller than request {ids[bad]!r}'s worst-case reservation "
@@ -352,7 +353,8 @@ class DwisePolicy:
             self._state[res] = PAUSED
             paused = np.concatenate([standby, held_back])
         self._state[run] = RUNNING
-        self._preemptions[preempted] += 1
+        if len(preempted):
+            self._preemptions[preempted] += 1
         self._kept = (run, standby) if held_back is None and self.ranking in RANKINGS else None
         return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
                          preempted, standby)
@@ -369,6 +371,7 @@ class DwisePolicy:
         slots admitted, taken off the waiting list, their KV counted)."""
         if not self._waiting or len(res) >= self.max_resident:
             return None, []
+        rank = None
         if len(res) >= self.slots:
             # the common case of a busy server: the best waiting request ranks below the B-th resident,
             # so none is admitted (the waiting list is sorted: its head is its best)
@@ -377,7 +380,7 @@ class DwisePolicy:
             if not self._waiting[0] < (float(keys[kth]), int(self._seq[res[kth]]), math.inf):
                 return rank, []
         head = self._waiting[: self.slots]
-        thr = self._threshold(keys, self._seq[res], head)
+        thr = self._threshold(keys, self._seq[res], rank, head)
         admitted, kept = [], []
         n_res = len(res)
         for pos, entry in enumerate(head):
@@ -472,16 +475,30 @@ class DwisePolicy:
         self._kept = (run, standby)
         return RoundPlan(run, self._P[run] > 0, NONE, standby, NONE, standby)
 
-    def _threshold(self, res_keys: np.ndarray, res_seq: np.ndarray, head: list) -> tuple:
-        """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off)."""
-        if len(res_keys) + len(head) <= self.slots:
+    def _threshold(self, res_keys: np.ndarray, res_seq: np.ndarray, rank: np.ndarray | None, head: list) -> tuple:
+        """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off); ``rank`` is
+        the residents' ranking where already computed.
+
+        Both sides are sorted by (key, seq) (seqs are unique), so the cut-off is found by a binary
+        search for how many of the ``B`` best come from ``head``: a few tuple comparisons instead of
+        building and sorting the union on every call."""
+        b, m, h = self.slots, len(res_keys), len(head)
+        if m + h <= b:
             return (math.inf, 0, 0)
-        head_keys = np.fromiter((e[0] for e in head), dtype=np.float64, count=len(head))
-        head_seq = np.fromiter((e[1] for e in head), dtype=np.int64, count=len(head))
-        all_keys = np.concatenate([res_keys, head_keys])
-        all_seq = np.concatenate([res_seq, head_seq])
-        i = np.lexsort((all_seq, all_keys))[self.slots - 1]
-        return (float(all_keys[i]), int(all_seq[i]), math.inf)
+        if rank is None:
+            rank = np.lexsort((res_seq, res_keys))
+        top = rank[:b]
+        res = list(zip(res_keys[top].tolist(), res_seq[top].tolist()))
+        lo, hi = max(0, b - m), min(b, h)
+        while lo < hi:  # the smallest j (taken from head) whose next head entry is not better than res[b - j - 1]
+            j = (lo + hi) // 2
+            if head[j][:2] < res[b - j - 1]:
+                lo = j + 1
+            else:
+                hi = j
+        i = b - lo  # taken from the residents
+        cut = res[i - 1] if lo == 0 else head[lo - 1][:2] if i == 0 else max(res[i - 1], head[lo - 1][:2])
+        return (cut[0], cut[1], math.inf)
 
     def ran(self, plan: RoundPlan, slots) -> None:
         """The server ran ``slots`` this round instead of ``plan.run``: its own budgets left some
@@ -543,32 +560,41 @@ class DwisePolicy:
         -------
         int64 array: the slots that finished and were freed.
         """
-        # C-level array calls only (no numpy function written in Python): a server runs this every step
+        # C-level array calls only (no numpy function written in Python): a server runs this every step,
+        # and the phase it skips when no slot is in it (on a busy server most rounds are all denoising)
         slots = np.asarray(slots, dtype=np.int64)
         prompt = np.asarray(prompt, dtype=bool)
-        denoise = ~prompt
-        pr = slots[prompt]
-        dn = slots[denoise]
-        if not (isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)):
-            steps = int(rounds)
-            self._P[pr] = np.maximum(self._P[pr] - steps, 0)
-        else:  # one count per request (a synchronous server's block-long steps)
-            rounds = np.asarray(rounds, dtype=np.int64)
-            self._P[pr] = np.maximum(self._P[pr] - rounds[prompt], 0)
-            steps = rounds[denoise]
-        done_rounds = self._rounds[dn]
-        rhat = np.maximum(self._rhat[dn] - steps, 0.0)
+        per_request = isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)
+        steps = np.asarray(rounds, dtype=np.int64) if per_request else int(rounds)  # per request: a synchronous server
+        n_prompt = np.count_nonzero(prompt)
+        if n_prompt:
+            pr = slots if n_prompt == len(slots) else slots[prompt]
+            self._P[pr] = np.maximum(self._P[pr] - (steps[prompt] if per_request else steps), 0)
         if refined is not None:  # r̂ may rise: the next round ranks everything
             self._kept = None
-            ref = np.asarray(refined, dtype=np.float64)[denoise]
-            rhat = np.where((done_rounds == 0) & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
-        self._rounds[dn] = done_rounds + steps
-        self._rhat[dn] = rhat
+        if n_prompt < len(slots):
+            if n_prompt:
+                denoise = ~prompt
+                self._denoised(slots[denoise], steps[denoise] if per_request else steps,
+                               None if refined is None else np.asarray(refined, dtype=np.float64)[denoise])
+            else:
+                self._denoised(slots, steps, None if refined is None else np.asarray(refined, dtype=np.float64))
         if finished is None:
             return NONE.copy()
         done = slots[np.asarray(finished, dtype=bool)]
         self._release(done)
         return done
+
+    def _denoised(self, dn: np.ndarray, steps, ref: np.ndarray | None) -> None:
+        """Count ``steps`` denoising rounds run by ``dn`` and lower their ``r̂`` (not below zero); where
+        this was a request's first denoising round and ``ref`` is finite, ``r̂`` becomes ``ref``
+        counted from the first of those rounds."""
+        done_rounds = self._rounds[dn]
+        rhat = np.maximum(self._rhat[dn] - steps, 0.0)
+        if ref is not None:
+            rhat = np.where((done_rounds == 0) & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
+        self._rounds[dn] = done_rounds + steps
+        self._rhat[dn] = rhat
 
     def refine(self, slots, remaining) -> None:
         """Replace ``r̂`` of resident requests by fresh estimates of their remaining denoising rounds

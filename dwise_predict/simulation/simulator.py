@@ -372,6 +372,10 @@ class _RoundLoop:
                  refined: np.ndarray | None, kv: np.ndarray, later: LaterRefinements | None, record: bool):
         n = len(workload)
         self.workload, self.pol, self.cost, self.later = workload, pol, cost, later
+        self.total_rounds, self.first_block_rounds = workload.total_rounds, workload.first_block_rounds
+        # the denoising rounds done at which each request's next stamp falls: its first output block,
+        # then (once that is stamped) its last round
+        self.next_stamp = workload.first_block_rounds.copy()
         self.estimate, self.refined, self.kv = estimate, refined, kv
         self.steady_limit = getattr(pol, "steady_limit", None)
         self.req_of_slot = np.full(n + 1, -1, dtype=np.int64)
@@ -402,59 +406,83 @@ class _RoundLoop:
     def run_round(self, next_arrival: float, fast_forward: bool) -> None:
         """Run the policy's next plan: one round, or with ``fast_forward`` as many as it provably
         stays the same (:func:`_steady_rounds`; never a round that admits)."""
+        # a replay runs ~10^5 rounds: each is a handful of C-level array calls over the <= B runners,
+        # the rare stamps (a first output block, a finish) apart
         plan = self.pol.schedule()
         run = self.req_of_slot[plan.run]
-        dn_pos = np.flatnonzero(~plan.prompt)
-        dn = run[dn_pos]
+        denoise = ~plan.prompt
+        dn = run[denoise]
+        done, stamp = self.done_rounds[dn], self.next_stamp[dn]
+        starting = len(dn) > 0 and not done.all()  # a runner's first denoising round: its refinement is due
         dt = float(self.cost.seconds(len(run) - len(dn), len(dn)))
-        repeat = self._repeat(plan, dn, dt, next_arrival) if fast_forward and len(plan.admitted) == 0 else 1
-        self._advance(plan, run, dn, dt, repeat)
-        finished = np.zeros(len(run), dtype=bool)
-        finished[dn_pos] = self.done_rounds[dn] >= self.workload.total_rounds[dn]
-        self._complete(plan, dn_pos, dn, finished, repeat)
-        fin = run[finished]
-        self.finish_round[fin], self.finish_s[fin] = self.rounds, self.clock
-        self.n_done += len(fin)
+        repeat = 1
+        if fast_forward and len(plan.admitted) == 0:
+            repeat = self._repeat(plan, done, stamp, starting, dt, next_arrival)
+        done += repeat  # a copy (gathered): the rounds done after this plan
+        self.done_rounds[dn] = done
+        self._count(plan, len(run), len(dn), dt, repeat)
+        stamped = done >= stamp  # never past it: a plan repeats only up to the next stamp
+        finished = self._stamp(dn, done, stamped.nonzero()[0]) if np.count_nonzero(stamped) else None
+        self._complete(plan, denoise, dn, done, finished, repeat, starting and repeat == 1)
         if self.log is not None:
             self.log.append((self.workload.request_ids[run].tolist(), plan.prompt.tolist()))
 
-    def _repeat(self, plan, dn: np.ndarray, dt: float, next_arrival: float) -> int:
-        done = self.done_rounds[dn]
-        repeat = _steady_rounds(self.pol, plan, done, self.workload.total_rounds[dn],
-                                self.workload.first_block_rounds[dn], next_arrival - self.clock, dt,
+    def _repeat(self, plan, done: np.ndarray, stamp: np.ndarray, starting: bool, dt: float,
+                next_arrival: float) -> int:
+        repeat = _steady_rounds(self.pol, plan, done, stamp, starting, next_arrival - self.clock, dt,
                                 None if self.later is None else self.later.gaps(done))
         if self.steady_limit is not None:
             repeat = max(1, min(repeat, self.steady_limit(plan)))
         return repeat
 
-    def _advance(self, plan, run: np.ndarray, dn: np.ndarray, dt: float, repeat: int) -> None:
-        """The clock, the rounds done and the counters after ``repeat`` rounds of ``plan``; first
-        output blocks completed are stamped."""
+    def _count(self, plan, n_run: int, n_dn: int, dt: float, repeat: int) -> None:
+        """The clock and the counters after ``repeat`` rounds of ``plan`` (``n_run`` rows, ``n_dn`` of
+        them denoising)."""
         pol = self.pol
         self.cap_blocked += repeat * (pol.n_waiting > 0 and pol.n_resident >= pol.max_resident)
-        self.done_rounds[dn] += repeat
         self.clock += dt * repeat
         self.rounds += repeat
-        self.used_slots += len(run) * repeat
-        self.prefill_only += repeat * (len(dn) == 0)
-        self.prefill_only_s += dt * repeat * (len(dn) == 0)
+        self.used_slots += n_run * repeat
+        self.prefill_only += repeat * (n_dn == 0)
+        self.prefill_only_s += dt * repeat * (n_dn == 0)
         self.preemptions += len(plan.preempted)
-        first_hit = dn[self.done_rounds[dn] == self.workload.first_block_rounds[dn]]
-        self.ttfb_round[first_hit], self.ttfb_s[first_hit] = self.rounds, self.clock
 
-    def _complete(self, plan, dn_pos: np.ndarray, dn: np.ndarray, finished: np.ndarray, repeat: int) -> None:
-        """Tell the policy the round is over: who finished, and the refinements now due (the first
-        denoising round's; with later refinements, theirs too, counted)."""
+    def _stamp(self, dn: np.ndarray, done: np.ndarray, at: np.ndarray) -> np.ndarray | None:
+        """Stamp the requests ``dn[at]`` that reached their next stamp: a first output block (the next
+        stamp becomes the last round) or the last round. Returns which of ``dn`` finished, or None."""
+        hit, hit_done = dn[at], done[at]
+        first = hit[hit_done == self.first_block_rounds[hit]]
+        self.ttfb_round[first], self.ttfb_s[first] = self.rounds, self.clock
+        self.next_stamp[first] = self.total_rounds[first]
+        last = hit_done >= self.total_rounds[hit]
+        if not last.any():
+            return None
+        fin = hit[last]
+        self.finish_round[fin], self.finish_s[fin] = self.rounds, self.clock
+        self.n_done += len(fin)
+        finished = np.zeros(len(dn), dtype=bool)
+        finished[at[last]] = True
+        return finished
+
+    def _complete(self, plan, denoise: np.ndarray, dn: np.ndarray, done: np.ndarray, finished: np.ndarray | None,
+                  repeat: int, refine_due: bool) -> None:
+        """Tell the policy the round is over: who finished (``finished``, per ``dn``; None: nobody), and
+        the refinements now due (``refine_due``: a first denoising round ran alone; with later
+        refinements, theirs too, counted)."""
         refined_now = None
-        if self.refined is not None and repeat == 1:  # the policy uses it only on the first denoising round
-            now_first = self.done_rounds[dn] == 1
-            if now_first.any():
-                refined_now = np.full(len(finished), np.nan)
-                refined_now[dn_pos[now_first]] = self.refined[dn[now_first]]
-        self.pol.complete_round(plan, finished, refined_now, repeat)
+        if self.refined is not None and refine_due:  # the policy uses it only on the first denoising round
+            now_first = done == 1
+            refined_now = np.full(len(denoise), np.nan)
+            refined_now[denoise.nonzero()[0][now_first]] = self.refined[dn[now_first]]
+        finished_run = None  # nobody finished: None, which the policy reads as all False
+        if finished is not None:
+            finished_run = np.zeros(len(denoise), dtype=bool)
+            finished_run[denoise] = finished
+        self.pol.complete_round(plan, finished_run, refined_now, repeat)
         if self.later is not None and repeat == 1:
             count = int(np.isfinite(refined_now).sum()) if refined_now is not None else 0
-            count += self.later.apply(self.pol, plan.run[dn_pos], dn, self.done_rounds[dn], finished[dn_pos])
+            finished = np.zeros(len(dn), dtype=bool) if finished is None else finished
+            count += self.later.apply(self.pol, plan.run[denoise], dn, done, finished)
             self.refinements += count
             self.refining_rounds += count > 0
 
@@ -576,7 +604,12 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
     kv_budget, kv_used = (math.inf if config.kv_budget is None else config.kv_budget), 0.0
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
     cost = config.cost
-    blocks = workload.block_rounds
+    # every request's block rounds end to end: request i's block j is flat[start[i] + j]
+    n_blocks = np.array([len(b) for b in workload.block_rounds], dtype=np.int64)
+    if (n_blocks == 0).any():
+        raise TraceError("sglang-sync needs at least one output block per request: rounds_per_block is empty")
+    flat = np.concatenate([np.asarray(b, dtype=np.int64) for b in workload.block_rounds])
+    start = np.cumsum(n_blocks) - n_blocks
     P = workload.prompt_blocks.copy()
     nxt = np.zeros(n, dtype=np.int64)  # index of the current output block
     arrive_round = np.zeros(n, dtype=np.int64)
@@ -587,8 +620,7 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
     c = dict(used_slots=0, prefill_only=0, prefill_only_s=0.0, preemptions=0, cap_blocked=0)
     while n_done < n:
         end = int(np.searchsorted(times, clock, side="right"))
-        for pos in range(ptr, end):
-            arrive_round[order[pos]], arrive_s[order[pos]] = rounds, times[pos]
+        arrive_round[order[ptr:end]], arrive_s[order[ptr:end]] = rounds, times[ptr:end]
         ptr = end
         while len(held) < config.slots and queued < ptr and kv_used + kv[order[queued]] <= kv_budget:
             held.append(int(order[queued]))
@@ -599,31 +631,49 @@ def _simulate_sync(workload: SimRequests, policy: str, config: SimConfig, arriva
             continue
         idx = np.asarray(held)
         prefill = idx[P[idx] > 0]
-        if len(prefill):
-            steps, dt = 1, float(cost.seconds(len(prefill), 0))
-            P[prefill] -= 1
-            c["prefill_only"] += 1
-            c["prefill_only_s"] += dt
-            c["used_slots"] += len(prefill)
-        else:
-            steps = int(max(blocks[i][nxt[i]] for i in held))
-            dt = steps * float(cost.seconds(0, len(held)))
-            c["used_slots"] += steps * len(held)
+        if len(prefill):  # prefill steps, up to the first request out of prompt blocks or the next arrival
+            steps, clock, c["prefill_only_s"] = _prefill_steps(
+                clock, c["prefill_only_s"], float(cost.seconds(len(prefill), 0)), int(P[prefill].min()),
+                float(times[ptr]) if ptr < n else math.inf)
+            P[prefill] -= steps
+            c["prefill_only"] += steps
+            c["used_slots"] += steps * len(prefill)
+            c["cap_blocked"] += steps * (queued < ptr and len(held) >= config.slots)
+            rounds += steps
+            continue
+        steps = int(flat[start[idx] + nxt[idx]].max())
+        dt = steps * float(cost.seconds(0, len(held)))
+        c["used_slots"] += steps * len(held)
         c["cap_blocked"] += steps * (queued < ptr and len(held) >= config.slots)
         clock += dt
         rounds += steps
-        if len(prefill):
-            continue
-        nxt[idx] += 1
-        first = idx[nxt[idx] == 1]
+        at = nxt[idx] + 1
+        nxt[idx] = at
+        first = idx[at == 1]
         ttfb_round[first], ttfb_s[first] = rounds, clock
-        done = [i for i in held if nxt[i] >= len(blocks[i])]
+        last = at >= n_blocks[idx]
+        done = idx[last]
         finish_round[done], finish_s[done] = rounds, clock
         n_done += len(done)
         kv_used -= float(kv[done].sum())
-        held = [i for i in held if nxt[i] < len(blocks[i])]
+        held = idx[~last].tolist()
     c.update(rounds=rounds, clock=clock, rhat_zero_pct=float("nan"))
     return _result(policy, config, cost, times, arrive_round, arrive_s, finish_round, finish_s, ttfb_round, ttfb_s, c)
+
+
+def _prefill_steps(clock: float, spent: float, dt: float, limit: int, next_arrival: float) -> tuple[int, float, float]:
+    """Up to ``limit`` prefill steps of ``dt`` seconds from ``clock``, the last one the first to reach
+    ``next_arrival`` (the loop must stamp it and may admit it); returns (steps, clock, spent) with the
+    clock and the prefill-only seconds ``spent`` advanced one step at a time, as a loop of single steps
+    adds them (so the sums are the same floats)."""
+    steps = 0
+    while steps < limit:
+        clock += dt
+        spent += dt
+        steps += 1
+        if clock >= next_arrival:
+            break
+    return steps, clock, spent
 
 
 def rhat_zero_share(spec, estimate: np.ndarray, refined: np.ndarray | None, total: np.ndarray,
@@ -688,8 +738,8 @@ def kv_reservations(workload: SimRequests, config: SimConfig) -> np.ndarray:
     return kv
 
 
-def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arrival: float, dt: float,
-                   refine_gaps: np.ndarray | None = None) -> int:
+def _steady_rounds(pol: DwisePolicy, plan, done: np.ndarray, stamp: np.ndarray, starting: bool, until_arrival: float,
+                   dt: float, refine_gaps: np.ndarray | None = None) -> int:
     """How many rounds in a row ``plan`` provably repeats unchanged (at least 1).
 
     Between events the same requests keep running: runners' keys only fall (``P`` or ``r̂`` drop
@@ -699,21 +749,20 @@ def _steady_rounds(pol: DwisePolicy, plan, done, total, first_block, until_arriv
     denoising round (refinement), a first output block or a request finishing, or an arrival.
     ``refine_gaps`` (``--refine-every``): rounds until a runner's next refinement, which must run
     alone too. The caller skips this when the round admitted anyone.
+
+    ``done``: the denoising runners' rounds done; ``stamp``: the rounds done at each one's next stamp
+    (its first output block, then its last round); ``starting``: one of them is at its first
+    denoising round.
     """
-    if len(done) and (done == 0).any():
+    if starting:
         return 1
     steps = []
     if refine_gaps is not None and len(refine_gaps):
         steps.append(int(refine_gaps.min()) - 1)  # 0 when this round refines: it runs alone
-    prompt_P = pol._P[plan.run[plan.prompt]]
-    if len(prompt_P):
-        steps.append(int(prompt_P.min()))
+    if len(done) < len(plan.run):
+        steps.append(int(pol._P[plan.run[plan.prompt]].min()))
     if len(done):
-        steps.append(int((total - done).min()))
-        before_first = first_block - done
-        before_first = before_first[before_first > 0]
-        if len(before_first):
-            steps.append(int(before_first.min()))
+        steps.append(int((stamp - done).min()))
     if math.isfinite(until_arrival):
         # round j of the span starts at clock + j * dt and must start before the next arrival
         steps.append(max(1, math.ceil(until_arrival / dt) - 1))

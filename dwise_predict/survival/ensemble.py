@@ -77,7 +77,8 @@ class SurvivalEnsemble:
 
     # --- fit ----------------------------------------------------------------------------------
 
-    def fit(self, inputs: RefineInputs, remaining, events=None, progress=None) -> "SurvivalEnsemble":
+    def fit(self, inputs: RefineInputs, remaining, events=None, progress=None,
+            like: "SurvivalEnsemble | None" = None) -> "SurvivalEnsemble":
         """Fit every member.
 
         Parameters
@@ -87,12 +88,13 @@ class SurvivalEnsemble:
         remaining : array of shape (N,), remaining denoising rounds after the first (``total - 1``).
         events : array of shape (N,), 1 = finished, 0 = collection cut short (censored); all 1 if None.
         progress : optional callable ``(member, epoch, train_loss, val_loss)`` called after each epoch.
+        like : a prepared ensemble on the same requests whose standardisation to take (:meth:`prepare`).
         """
         if not 0.0 < self.val_fraction < 1.0:
             raise InputError(f"val_fraction must lie in (0, 1), got {self.val_fraction}")
         if not self.seeds:
             raise InputError("the ensemble needs at least one seed (one member per seed)")
-        x, idx, ev = self.prepare(inputs, remaining, events)
+        x, idx, ev = self.prepare(inputs, remaining, events, like)
 
         perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(self.split_seed))
         n_val = min(max(1, round(self.val_fraction * x.shape[0])), x.shape[0] - 1)
@@ -108,12 +110,14 @@ class SurvivalEnsemble:
             self.history_.append({"seed": seed, **history})
         return self
 
-    def prepare(self, inputs: RefineInputs, remaining, events=None):
+    def prepare(self, inputs: RefineInputs, remaining, events=None, like: "SurvivalEnsemble | None" = None):
         """Fit K, the input norms and the standardisation on the informative requests; return their
         standardised inputs (n, 2H + 2 + S) and survival labels (idx (n,), event (n,)).
 
         Shared with :class:`~dwise_predict.survival.linear.RidgeHead`, so every refinement candidate
-        standardises its input the same way (the graph's ``input_mean`` / ``input_std``).
+        standardises its input the same way (the graph's ``input_mean`` / ``input_std``). ``like``: an
+        ensemble prepared on the same requests, whose norms and standardisation are taken instead of
+        fitted again (the same numbers: the cross-validation's fits of a fold share one).
         """
         if len(remaining) != len(inputs):
             raise InputError(f"{len(inputs)} hidden rows but {len(remaining)} remaining-round counts")
@@ -122,15 +126,21 @@ class SurvivalEnsemble:
         if keep.sum() < 4:
             raise InputError(f"survival model needs at least 4 informative training requests, got {int(keep.sum())}")
         self.num_rounds_ = labels.out_features
-        self.prompt_norm_ = float(max(1.0, inputs.prompt_tokens.max()))
-        self.budget_norm_ = float(max(1.0, inputs.budget.max()))
-        self.hidden_size_ = inputs.hidden_size  # both states' columns: 2H
         self._standardised = None
-        x = self._assemble(*_as_tensors(inputs))[keep]  # (n, 2H + 2 + S)
-        self.input_mean_ = x.mean(dim=0)
-        std = x.std(dim=0, unbiased=False)
-        self.input_std_ = torch.where(std > _MIN_STD, std, torch.ones_like(std))
-        x = (x - self.input_mean_) / self.input_std_
+        if like is not None:
+            self.prompt_norm_, self.budget_norm_ = like.prompt_norm_, like.budget_norm_
+            self.hidden_size_ = like.hidden_size_
+            self.input_mean_, self.input_std_ = like.input_mean_, like.input_std_
+            x = like.standardise(inputs)[keep]  # each value as below: the same elementwise steps
+        else:
+            self.prompt_norm_ = float(max(1.0, inputs.prompt_tokens.max()))
+            self.budget_norm_ = float(max(1.0, inputs.budget.max()))
+            self.hidden_size_ = inputs.hidden_size  # both states' columns: 2H
+            x = self._assemble(*_as_tensors(inputs))[keep]  # (n, 2H + 2 + S)
+            self.input_mean_ = x.mean(dim=0)
+            std = x.std(dim=0, unbiased=False)
+            self.input_std_ = torch.where(std > _MIN_STD, std, torch.ones_like(std))
+            x = (x - self.input_mean_) / self.input_std_
         kept_events = None if events is None else np.asarray(events)[keep]
         idx, ev = (torch.from_numpy(a) for a in labels.transform(np.asarray(remaining)[keep], kept_events))
         return x, idx, ev
@@ -273,10 +283,14 @@ class SurvivalEnsemble:
     def standardise(self, inputs: RefineInputs) -> torch.Tensor:
         """(N, 2H + 2 + S) standardised inputs, as the graph computes them before its members; not to be
         modified. The last result is kept: the closed-form heads that share this standardisation
-        (``survival.linear``) ask for the same inputs several times in one fit."""
-        if self._standardised is None or self._standardised[0] is not inputs:
-            self._standardised = (inputs, (self._assemble(*self._tensors(inputs)) - self.input_mean_) / self.input_std_)
-        return self._standardised[1]
+        (``survival.linear``) ask for the same inputs several times in one fit. Safe from several threads
+        (the cross-validation's fits of one fold share one standardisation, ``survival.linear.Standardised``):
+        each call returns what it read or made, whatever another call keeps meanwhile."""
+        kept = self._standardised
+        if kept is None or kept[0] is not inputs:
+            kept = (inputs, (self._assemble(*self._tensors(inputs)) - self.input_mean_) / self.input_std_)
+            self._standardised = kept
+        return kept[1]
 
     def _tensors(self, inputs: RefineInputs) -> tuple[torch.Tensor, ...]:
         """The inputs as tensors, once their sizes are this model's."""

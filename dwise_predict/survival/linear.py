@@ -29,6 +29,8 @@ Hastie, Tibshirani & Friedman (2009), *The Elements of Statistical Learning*, §
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -54,7 +56,7 @@ class RidgeHead:
         self.alphas = tuple(alphas)
 
     def fit(self, inputs: RefineInputs, remaining, events=None, like: SurvivalEnsemble | None = None,
-            groups=None) -> "RidgeHead":
+            groups=None, standardised: "Standardised | None" = None) -> "RidgeHead":
         """Fit on finished requests.
 
         Parameters
@@ -69,12 +71,17 @@ class RidgeHead:
             inputs for the levels between categories, its penalty chosen by leaving one category
             out (the levels are for categories the fit has not seen); one such fit per hidden state,
             averaged. All of it is linear, so the result is one weight vector; serving needs no category.
+        standardised : these requests' :class:`Standardised` (``like`` its ``base``), whose float64
+            inputs and Gram decomposition the one-stage fit takes when every request is finished.
         """
-        x, y = self._finished(inputs, remaining, events, like)
+        shared = standardised is not None and bool(_done(remaining, events).all())
+        x, y = self._finished(inputs, remaining, events, standardised.base if standardised is not None else like,
+                              standardised.x.numpy() if shared else None)
         base = self.base_
         self.within_ = groups is not None
         if not self.within_:
-            self.coef_, self.intercept_, self.alpha_, self.loo_mse_ = _ridge_loo(x, y, self.alphas)
+            basis = _Basis(x, y, standardised) if shared else None
+            self.coef_, self.intercept_, self.alpha_, self.loo_mse_ = _ridge_loo(x, y, self.alphas, basis=basis)
             return self
         # one two-stage ridge per hidden state (its columns and the short inputs), scores averaged:
         # on 14 draws of the tiny model's traces this kept 0.03 more held-out-category rho than one
@@ -104,9 +111,11 @@ class RidgeHead:
         out[done] = ridge_held_out(basis, np.asarray(groups)[done], self.alpha_)
         return out
 
-    def _finished(self, inputs: RefineInputs, remaining, events, like: SurvivalEnsemble | None):
+    def _finished(self, inputs: RefineInputs, remaining, events, like: SurvivalEnsemble | None,
+                  standardised_x: np.ndarray | None = None):
         """The finished requests' standardised inputs (n, D) and ``log1p(remaining)`` (n,), float64;
-        the standardisation (``base_``) is ``like``'s, or fitted here."""
+        the standardisation (``base_``) is ``like``'s, or fitted here. ``standardised_x``: those inputs
+        already made (``Standardised.x`` of ``like``'s requests, all finished)."""
         if not self.alphas or min(self.alphas) <= 0:
             raise InputError(f"ridge penalties must be > 0, got {self.alphas}")
         base = like if like is not None else SurvivalEnsemble(seeds=())
@@ -116,7 +125,7 @@ class RidgeHead:
         done = _done(remaining, events)
         if done.sum() < 4:
             raise InputError(f"the ridge head needs at least 4 finished training requests, got {int(done.sum())}")
-        x = base.standardise(inputs)[done].double().numpy()  # (n, D)
+        x = base.standardise(inputs)[done].double().numpy() if standardised_x is None else standardised_x  # (n, D)
         return x, np.log1p(np.asarray(remaining, dtype=np.float64)[done])
 
     def member(self, width: int = 2) -> HazardMLP:
@@ -340,16 +349,23 @@ def _group_rows(groups) -> list[torch.Tensor]:
 
 
 class _Basis:
-    """The centred data's eigenbasis that every penalty of one ridge shares (see :func:`_ridge_loo`)."""
+    """The centred data's eigenbasis that every penalty of one ridge shares (see :func:`_ridge_loo`).
+    ``shared``: the :class:`Standardised` whose ``x`` is ``x``, its centring and decomposition taken."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray):
+    def __init__(self, x: np.ndarray, y: np.ndarray, shared: "Standardised | None" = None):
         self.n, d = x.shape
-        xt = torch.as_tensor(x, dtype=torch.float64)
         self.yt = torch.as_tensor(y, dtype=torch.float64)
-        self.x_mean, self.y_mean = xt.mean(dim=0), self.yt.mean()
-        xc, self.yc = xt - self.x_mean, self.yt - self.y_mean
         self.small = self.n <= d
-        lam, vecs = torch.linalg.eigh(xc @ xc.T if self.small else xc.T @ xc)  # (r,), (n or d, r)
+        if shared is None:
+            xt = torch.as_tensor(x, dtype=torch.float64)
+            self.x_mean = xt.mean(dim=0)
+            xc = xt - self.x_mean
+            lam, vecs = _gram_eigh(xc, self.small)  # (r,), (n or d, r)
+        else:
+            self.x_mean, xc = shared.mean, shared.xc
+            lam, vecs = shared.gram_eigh(self.small)
+        self.y_mean = self.yt.mean()
+        self.yc = self.yt - self.y_mean
         keep = lam > max(float(lam.max()), 1e-300) * 1e-12
         self.lam = lam[keep]
         if self.small:
@@ -383,20 +399,55 @@ class _Basis:
         return self.v @ (torch.sqrt(self.lam) * self.uty / (self.lam + a))
 
 
-def _top_directions(xc: torch.Tensor, k: int) -> torch.Tensor:
-    """The top ``k`` principal directions of the centred ``xc`` (n, D) as columns (D, k), from one
-    eigendecomposition of the smaller Gram matrix: the SVD of a 1,453 x 4,102 matrix took 4.9 s on
-    one core, this 0.9 s. A direction's sign is arbitrary, as in an SVD."""
+def _gram_eigh(xc: torch.Tensor, rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh`` of ``xc @ xc.T`` (``rows``) or of ``xc.T @ xc``: eigenvalues ascending."""
+    return torch.linalg.eigh(xc @ xc.T if rows else xc.T @ xc)
+
+
+class Standardised:
+    """Requests standardised once, for several heads fitted on exactly them: ``base`` (a prepared
+    ``SurvivalEnsemble(seeds=())``: mean, deviation, K and norms), their standardised inputs in
+    float64 (``x`` (N, D), its column ``mean`` and centred ``xc``) and the eigendecompositions of
+    ``xc``'s Gram matrices (:meth:`gram_eigh`), each made once. The ridge's leave-one-out basis
+    (:class:`RidgeHead`, every request finished) and survival-pca's principal directions
+    (:func:`fit_pca_survival`) decompose the same matrix, the same numbers as each made it alone; the
+    cross-validation fits both on each fold (``training.select``). Safe to share between threads: a
+    decomposition two ask for is made by the first, the other waits for it."""
+
+    def __init__(self, inputs: RefineInputs, remaining, events=None):
+        self.inputs, self.remaining, self.events = inputs, remaining, events
+        self.base = SurvivalEnsemble(seeds=())
+        self.base.prepare(inputs, remaining, events)
+        self.x = self.base.standardise(inputs).double()
+        self.mean = self.x.mean(dim=0)
+        self.xc = self.x - self.mean
+        self._made: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def gram_eigh(self, rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`_gram_eigh` of ``xc``, made on the first call."""
+        with self._lock:
+            if rows not in self._made:
+                self._made[rows] = _gram_eigh(self.xc, rows)
+            return self._made[rows]
+
+
+def _top_directions(standardised: Standardised, k: int) -> torch.Tensor:
+    """The top ``k`` principal directions of the centred ``standardised.xc`` (n, D) as columns (D, k),
+    from one eigendecomposition of the smaller Gram matrix (:meth:`Standardised.gram_eigh`): the SVD of
+    a 1,453 x 4,102 matrix took 4.9 s on one core, this 0.9 s. A direction's sign is arbitrary, as in
+    an SVD."""
+    xc = standardised.xc
     n, d = xc.shape
     if n >= d:
-        return torch.linalg.eigh(xc.T @ xc)[1].flip(1)[:, :k].contiguous()
-    lam, u = torch.linalg.eigh(xc @ xc.T)  # ascending
+        return standardised.gram_eigh(False)[1].flip(1)[:, :k].contiguous()
+    lam, u = standardised.gram_eigh(True)  # ascending
     lam, u = lam.flip(0)[:k], u.flip(1)[:, :k]
     return ((xc.T @ u) / torch.sqrt(torch.clamp(lam, min=1e-12))).contiguous()  # v = X^T u / s
 
 
 def fit_pca_survival(make_ensemble, inputs: RefineInputs, remaining, events=None, components: int = 32,
-                     progress=None) -> SurvivalEnsemble:
+                     progress=None, standardised: Standardised | None = None) -> SurvivalEnsemble:
     """The survival ensemble trained on the top ``components`` principal components of the standardised
     input, folded back into ordinary members on the full input (candidate ``"survival-pca"``).
 
@@ -404,15 +455,14 @@ def fit_pca_survival(make_ensemble, inputs: RefineInputs, remaining, events=None
     reference has far more weights than requests; projecting first is the classic remedy. The
     projection is linear, so it folds into ``fc1``: with ``z = P^T x_std`` standardised again by the
     inner ensemble (mean ``m``, deviation ``s``), ``fc1(z_std) = (W diag(1/s) P^T) x_std + (b - W m/s)``
-    — a plain ``HazardMLP`` on the bundle's input, and the graph is unchanged.
+    — a plain ``HazardMLP`` on the bundle's input, and the graph is unchanged. ``standardised``: these
+    requests' :class:`Standardised`, whose standardisation and decomposition to take.
     """
-    base = SurvivalEnsemble(seeds=())
-    base.prepare(inputs, remaining, events)
-    x = base.standardise(inputs).double()  # (N, D)
-    xc = x - x.mean(dim=0)
+    standardised = standardised or Standardised(inputs, remaining, events)
+    base, x, xc = standardised.base, standardised.x, standardised.xc  # (N, D)
     # even: the inner ensemble reads the components as its two hidden states' columns
     k = max(2, min(components, *xc.shape) // 2 * 2)
-    proj = _top_directions(xc, k)  # (D, k)
+    proj = _top_directions(standardised, k)  # (D, k)
     z = (x @ proj).float().numpy()  # (N, k)
     zeros = np.zeros(z.shape[0], dtype=np.float32)  # the projection already holds every other input
     projected = RefineInputs(z, zeros, zeros, np.zeros((z.shape[0], 0), np.float32))

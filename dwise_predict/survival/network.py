@@ -41,13 +41,13 @@ class HazardMLP(nn.Module):
     @classmethod
     def blank(cls, *args, **kwargs) -> "HazardMLP":
         """A member with every weight zero, for one whose weights are set rather than trained (a
-        closed-form head, a file). Built on the meta device, so it draws nothing from any RNG."""
+        closed-form head, a file). Built on the meta device, so it draws nothing from any RNG, and given
+        zero tensors in place of its meta ones (``to_empty`` makes them through torch's Python reference
+        of ``empty_like``, whose first call imports sympy: 0.5 s of a train)."""
         with torch.device("meta"):
             net = cls(*args, **kwargs)
-        net = net.to_empty(device="cpu")
-        with torch.no_grad():
-            for p in net.parameters():
-                p.zero_()
+        zeros = {name: torch.zeros(t.shape, dtype=t.dtype) for name, t in net.state_dict().items()}
+        net.load_state_dict(zeros, assign=True)
         return net
 
     @classmethod

@@ -39,6 +39,7 @@ otherwise, so the choice is the one the full search makes (tested).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -50,7 +51,7 @@ from dwise_predict import metrics as M
 from dwise_predict.survival.calibration import IsotonicCalibrator
 from dwise_predict.survival.inputs import RefineInputs
 from dwise_predict.survival.labels import RemainingRoundsLabels
-from dwise_predict.survival.linear import RidgeHead, fit_pca_survival, linear_raw
+from dwise_predict.survival.linear import RidgeHead, Standardised, fit_pca_survival, linear_raw
 from dwise_predict.traces import TraceDataset
 from dwise_predict.training.candidates import NAMES, TrainingSplit, candidate
 from dwise_predict.training.within_heads import category_folds, fold_heads, gather_heads, scored_folds
@@ -104,9 +105,11 @@ def _other_thread(jobs: int) -> Iterator[Executor | None]:
     pool.shutdown(wait=True)
 
 
-# what a shared fit costs, roughly (a survival fold's three members the most): the CV's threads take
-# the dearest first, see CrossValidation.start
-_COST = {"survival": 4, "within": 3, "pca": 2, "ridge": 1, "ridge-held": 1}
+# what a shared fit costs, roughly: CPU seconds of each on the 2,048 x 2,048 benchmark (a survival fold's
+# three members the most; a ridge fold takes its decomposition from survival-pca's, or the other way
+# round). The CV's threads take the dearest first, see CrossValidation.start: the whole split's ridge
+# (ridge-held) last of all left one thread working alone for a second at the end
+_COST = {"survival": 6.0, "within": 2.5, "pca": 2.5, "ridge-held": 1.3, "ridge": 0.3}
 
 
 class CrossValidation:
@@ -122,7 +125,9 @@ class CrossValidation:
     so they finish close together (longest processing time first). It is called again for the fits only
     the candidates that can still be chosen need (:func:`contenders`). Every fit draws from
     generators of its own (``SurvivalEnsemble``'s members, the heads' blank members), so where and
-    when one runs changes no number."""
+    when one runs changes no number. The fits of fold ``k`` (survival, survival-pca, the ridge, the
+    grouped ridge-within heads) share one standardisation of its requests, and the ridge and
+    survival-pca one decomposition of its Gram matrix (:meth:`standardised`)."""
 
     def __init__(self, split: TrainingSplit, pool: Executor | None):
         self.split = split
@@ -133,6 +138,8 @@ class CrossValidation:
         self._pool = pool
         self._queued: dict[tuple, Future] = {}  # in the order the pool takes them
         self._made: dict[tuple, object] = {}
+        self._standardised: dict[int, Standardised] = {}
+        self._fold_locks = {k: threading.Lock() for k in self.folds}
 
     def start(self, keys: list[tuple]) -> None:
         """Queue the fits ``keys`` (each once), dearest first."""
@@ -173,6 +180,15 @@ class CrossValidation:
         """Fold ``k``'s requests to fit on, and the inputs of its validation requests."""
         fit_rows = self.split.fold != k
         return self.split.rows(fit_rows), self.split.inputs.rows(~fit_rows)
+
+    def standardised(self, k: int) -> Standardised:
+        """Fold ``k``'s requests to fit on, standardised (``survival.linear.Standardised``): made by the
+        first fit that asks, the same object for the others (a second thread asking meanwhile waits)."""
+        with self._fold_locks[k]:
+            if k not in self._standardised:
+                fit, _ = self.fold_split(k)
+                self._standardised[k] = Standardised(fit.inputs, fit.remaining, fit.events)
+            return self._standardised[k]
 
     def survival_fold(self, k: int) -> tuple[np.ndarray, int]:
         """The survival ensemble fitted for fold ``k``: its raw estimates of the validation rows and its
@@ -215,25 +231,31 @@ class CrossValidation:
         return self.result(("within", s, k))
 
     def _survival(self, k: int) -> tuple[np.ndarray, int]:
-        fit, val = self.fold_split(k)
-        ensemble = fit.make_ensemble().fit(fit.inputs, fit.remaining, fit.events)
+        fit, val = self._standardised_split(k)
+        ensemble = self.split.make_ensemble().fit(fit.inputs, fit.remaining, fit.events, like=fit.base)
         return ensemble.predict_raw(val), len(ensemble.members_)
 
     def _pca(self, k: int) -> np.ndarray:
-        fit, val = self.fold_split(k)
-        return fit_pca_survival(fit.make_ensemble, fit.inputs, fit.remaining, fit.events).predict_raw(val)
+        fit, val = self._standardised_split(k)
+        return fit_pca_survival(self.split.make_ensemble, fit.inputs, fit.remaining, fit.events,
+                                standardised=fit).predict_raw(val)
 
     def _ridge(self, k: int) -> np.ndarray:
-        fit, val = self.fold_split(k)
-        return RidgeHead().fit(fit.inputs, fit.remaining, fit.events).ensemble().predict_raw(val)
+        fit, val = self._standardised_split(k)
+        return RidgeHead().fit(fit.inputs, fit.remaining, fit.events, standardised=fit).ensemble().predict_raw(val)
+
+    def _standardised_split(self, k: int) -> tuple[Standardised, RefineInputs]:
+        """:meth:`fold_split` with the requests to fit on standardised (:meth:`standardised`)."""
+        return self.standardised(k), self.split.inputs.rows(self.split.fold == k)
 
     def _ridge_held(self) -> np.ndarray:
         return linear_raw(self.split.ridge[1], self.num_rounds)  # the split's ridge, the final fit's too
 
     def _within(self, s: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         split = self.split
+        # the grouped folds' fits are the other fits' of fold k; leave-one-category-out's are their own
         return fold_heads(split.inputs, split.remaining, split.events, split.categories, self.fold_sets[s], k,
-                          split.seed)
+                          split.seed, self.standardised(k) if s == 0 else None)
 
 
 def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...] = NAMES,

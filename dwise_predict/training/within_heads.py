@@ -19,17 +19,19 @@ import numpy as np
 
 from dwise_predict import metrics as M
 from dwise_predict.survival.inputs import RefineInputs
-from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead
+from dwise_predict.survival.linear import RidgeHead, SignalFeatureHead, Standardised
 
 BLEND_WEIGHTS = (0.25, 0.4, 0.5, 0.6, 0.75)  # share of ridge-within in ridge-within+signals
 DEFAULT_BLEND_WEIGHT = 0.5  # both heads alike, kept unless CV finds a weight clearly better
 
 
 def head_scores(fit_in: RefineInputs, val_in: RefineInputs, remaining, events, groups,
-                seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                seed, standardised: Standardised | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validation log-scores of ridge-within and of the signal-feature head fitted on ``fit_in``, and
-    ridge-within's raw estimate (its graph's output: candidate ``ridge-within``)."""
-    ridge = RidgeHead().fit(fit_in, remaining, events, groups=groups)
+    ridge-within's raw estimate (its graph's output: candidate ``ridge-within``). ``standardised``:
+    ``fit_in``'s, when other heads fitted on those requests share it."""
+    like = None if standardised is None else standardised.base
+    ridge = RidgeHead().fit(fit_in, remaining, events, like=like, groups=groups)
     features = SignalFeatureHead(seed=seed).fit(ridge.base_, fit_in, remaining, events)
     return ridge.score(val_in), features.score(val_in), ridge.ensemble().predict_raw(val_in)
 
@@ -108,11 +110,13 @@ def scored_folds(fold: np.ndarray) -> list[int]:
 
 
 def fold_heads(inputs: RefineInputs, remaining, events, groups, fold, k: int,
-               seed) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`head_scores` of fold ``k``'s requests, the heads fitted on the other folds' requests."""
+               seed, standardised: Standardised | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`head_scores` of fold ``k``'s requests, the heads fitted on the other folds' requests
+    (``standardised``: theirs, made already, its ``inputs`` fitted on)."""
     fit_rows, val_rows = fold != k, fold == k
-    return head_scores(inputs.rows(fit_rows), inputs.rows(val_rows), remaining[fit_rows], events[fit_rows],
-                       groups[fit_rows], seed)
+    fit_in = inputs.rows(fit_rows) if standardised is None else standardised.inputs
+    return head_scores(fit_in, inputs.rows(val_rows), remaining[fit_rows], events[fit_rows],
+                       groups[fit_rows], seed, standardised)
 
 
 def gather_heads(fold: np.ndarray, scores: Callable[[int], tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

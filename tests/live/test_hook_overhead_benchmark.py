@@ -24,7 +24,7 @@ ROW = re.compile(rf"^\s*(\d+)\s+(pass-through|dwise)\s+(\d+)\s+({NUMBER})\s+({NU
                  rf"\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER})\s+({NUMBER}|-)\s*$", re.MULTILINE)
 COLUMNS = ("rows", "server", "steps", "rows/step", "arrivals/step", "first/step", "finished/step", "period p50 ms",
            "period p99 ms", "hook p50 µs", "hook p99 µs", "µs/arrival")
-TARGETS = (("hook p50", 500), ("hook p99", 2000), ("hook per arrival", 20))
+TARGETS = (("hook host p50", 500), ("hook host p99", 2000), ("hook per arrival", 20))
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ from dwise_predict.serving.sglang.buffers import UNWRITTEN, block_key
 from dwise_predict.serving.sglang.follow import bundle_version
 from dwise_predict.serving.sglang.metrics import MonitorGauges, MonitorPublisher
 from dwise_predict.serving.sglang.requests import HookStats, RequestTable, _RankShare, category_of
-from dwise_predict.serving.sglang.signals import row_signals
+from dwise_predict.serving.sglang.signals import row_signals, signal_scratch
 from dwise_predict.serving.sglang.step import Step, StepRun
 from dwise_predict.serving.sglang.surface import stop_token_ids
 from dwise_predict.serving.sglang.timeout import WaitingTimeout, waiting_timeout
@@ -142,6 +142,7 @@ class DwiseHook:
         self.signal_threshold = None  # for an algorithm without one of its own: set by check_decoding
         self.tokenizer_stop_ids: set[int] = set()  # the scheduler tokenizer's stop ids (bind)
         self.stop_ids = None  # (S,) the model's end-of-sequence ids on the logits' device (first forward)
+        self.signal_scratch = None  # the early signals' buffers on a CPU (signals.signal_scratch; first forward)
         self.checked = False  # the first refinement checked that the buffer was written
         # with a bundle: kept (bind) only on the rank that refines, whose estimates the others take
         self.monitor = QualityMonitor(monitor_window) if bundle is not None else None
@@ -753,9 +754,10 @@ class DwiseHook:
             if run.rows and logits_out is not None:
                 if self.stop_ids is None:
                     self.stop_ids = stop_token_ids(model_runner, self.tokenizer_stop_ids, logits_out.device)
+                    self.signal_scratch = signal_scratch(logits_out.device)
                 run.first_signals = row_signals(
                     logits_out, forward_batch.input_ids, run.rows_dev, algorithm.mask_id, algorithm.block_size,
-                    float(getattr(algorithm, "threshold", self.signal_threshold)), self.stop_ids)
+                    float(getattr(algorithm, "threshold", self.signal_threshold)), self.stop_ids, self.signal_scratch)
         run.forwards += 1
         return out
 

@@ -173,6 +173,13 @@ class RequestTable:
         self.policy, self.share, self.block_size, self.slack_blocks = policy, share, block_size, slack_blocks
         self.bundle, self.features, self.recorder, self.stats = bundle, features, recorder, stats
         self.sglang, self.buffers, self.monitor = sglang, buffers, monitor
+        self.health_prefix = None  # the rid prefix of SGLang's health probe, which the monitor leaves out
+        if monitor is not None:
+            # imported as the table is made (the scheduler's first step), not at the first finish mid-serving:
+            # collectors.live loads the collect stack (0.1 s holding the scheduler thread)
+            from dwise_predict.collectors.live import HEALTH_CHECK_RID_PREFIX
+
+            self.health_prefix = HEALTH_CHECK_RID_PREFIX
         self.reqs: dict = {}  # rid -> Req, for requests the policy holds
         self.req_at = np.empty(0, dtype=object)  # policy slot -> its Req (each also carries its _dwise_slot)
         # per policy slot (Python lists, indexed like the policy's own arrays, grown with them in register:
@@ -252,13 +259,11 @@ class RequestTable:
         any is reused): what each was served with beside the denoising rounds the policy counted for
         it. Left out: an abort (its rounds were cut short), SGLang's own health probe, and a request
         that ran no denoising round."""
-        from dwise_predict.collectors.live import HEALTH_CHECK_RID_PREFIX  # SGLang's; loaded with torch there
-
         rounds = self.policy.denoising_rounds(slots).tolist()
         admission, refined, version = self.served_admission, self.served_refined, self.served_version
-        observe = self.monitor.observe
+        observe, health = self.monitor.observe, self.health_prefix
         for req, slot, n in zip(reqs, slots, rounds):
-            if n > 0 and not _aborted(req) and not str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
+            if n > 0 and not _aborted(req) and not str(req.rid).startswith(health):
                 observe(admission[slot], refined[slot], n, category_of(req), version[slot])
 
     def register(self, scheduler, reqs: list, version: str = "none") -> None:
