@@ -573,12 +573,9 @@ class DwisePolicy:
         if refined is not None:  # r̂ may rise: the next round ranks everything
             self._kept = None
         if n_prompt < len(slots):
-            if n_prompt:
-                denoise = ~prompt
-                self._denoised(slots[denoise], steps[denoise] if per_request else steps,
-                               None if refined is None else np.asarray(refined, dtype=np.float64)[denoise])
-            else:
-                self._denoised(slots, steps, None if refined is None else np.asarray(refined, dtype=np.float64))
+            denoise = ~prompt if n_prompt else slice(None)  # all denoising: views, no mask
+            self._denoised(slots[denoise], steps[denoise] if per_request else steps,
+                           None if refined is None else np.asarray(refined, dtype=np.float64)[denoise])
         if finished is None:
             return NONE.copy()
         done = slots[np.asarray(finished, dtype=bool)]
