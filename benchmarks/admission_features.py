@@ -7,8 +7,10 @@ inside it. ``tables`` is :class:`~dwise_predict.features.token_tables.TokenFeatu
 (the array viewed as numpy without a copy, a gather per table); ``decode`` is what the hook did before:
 ``PromptFeaturizer.user_text`` (strip the template, ``tokenizer.decode``) and ``str.split``. Two
 tokenizers: the tiny dLLM's (607 words, a chat template) and a word-level one of SDAR's vocabulary
-size (151,680 ids, as the live tests serve), whose tables are as large as a real model's. Medians
-over repeated calls, one thread; the machine's load moves them, so both paths run in one process.
+size (151,680 ids, as the live tests serve), whose tables are as large as a real model's. Also the
+cost per call on prompts of 2-11 ids (the first ids of each input), as short as ``hook_overhead.py``'s
+arrivals: what is left there is the fixed cost of a call. Medians over repeated calls, one thread;
+the machine's load moves them, so both paths run in one process.
 
     python benchmarks/admission_features.py [--repeats 300] [--smoke] [--json PATH]
 """
@@ -26,6 +28,7 @@ from targets import Figure, add_options, report
 TARGET_US = 20.0
 LENGTHS = (2048, 8192)
 SMOKE_LENGTHS = (256, 1024)  # building 8k-token inputs alone re-templates a growing text for ~20 s
+SHORT = range(2, 12)  # ids of the short prompts
 
 
 def median_us(fn, inputs: list, repeats: int) -> float:
@@ -75,8 +78,9 @@ def tiny_inputs(tokenizer, length: int, n: int) -> list[list[int]]:
     return out
 
 
-def run(name: str, tokenizer, inputs: dict[int, list], repeats: int) -> float:
-    """Print both paths per prompt length; return the tables' slowest median (µs per arrival)."""
+def run(name: str, tokenizer, inputs: dict[int, list], repeats: int) -> tuple[float, float]:
+    """Print both paths per prompt length; return the tables' slowest median and their median on
+    short prompts (µs per arrival)."""
     from dwise_predict.features.prompt import PromptFeaturizer
     from dwise_predict.features.token_tables import TokenFeaturizer
 
@@ -93,7 +97,11 @@ def run(name: str, tokenizer, inputs: dict[int, list], repeats: int) -> float:
         tokens = np.mean([len(ids) for ids in batch])
         print(f"  {tokens:6.0f}-token prompt: tables {fast:8.1f} µs per arrival (target <= {TARGET_US:g} µs), decode {slow:8.1f} µs: {slow / fast:5.1f}x")
         slowest = max(slowest, fast)
-    return slowest
+    short = [ids[:n] for ids, n in zip(next(iter(inputs.values())) * len(SHORT), SHORT)]
+    assert all(tables(ids) == decode(ids) for ids in short), "the tables disagree with decoding"
+    short_us = median_us(tables, short, repeats)
+    print(f"  {SHORT[0]}-{SHORT[-1]}-token prompts: tables {short_us:6.1f} µs per arrival (the fixed cost of a call)")
+    return slowest, short_us
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -109,16 +117,19 @@ def main(argv: list[str] | None = None) -> None:
     from dwise_predict.dllm import TINY_MODEL_DIR
 
     tiny = AutoTokenizer.from_pretrained(str(TINY_MODEL_DIR))
-    tiny_us = run("tiny dLLM tokenizer", tiny, {length: tiny_inputs(tiny, length, n) for length in lengths}, repeats)
+    tiny_us, tiny_short = run("tiny dLLM tokenizer", tiny, {length: tiny_inputs(tiny, length, n) for length in lengths},
+                              repeats)
     size = 16_384 if args.smoke else 151_680
     big = sdar_sized_tokenizer(size)
     rng = np.random.default_rng(1)
     inputs = {length: [array("q", rng.integers(1, size, length).tolist()) for _ in range(n)] for length in lengths}
-    big_us = run("word-level tokenizer of SDAR's vocabulary size", big, inputs, repeats)
+    big_us, big_short = run("word-level tokenizer of SDAR's vocabulary size", big, inputs, repeats)
     longest = f"slowest of {' and '.join(f'{n:,}' for n in lengths)}-token prompts"
     report("admission_features", [
         Figure("token-table features per arrival, tiny tokenizer", tiny_us, "µs", TARGET_US, context=longest),
         Figure(f"token-table features per arrival, {size:,}-id vocabulary", big_us, "µs", TARGET_US, context=longest),
+        Figure("token-table features per short arrival, slower tokenizer", max(tiny_short, big_short), "µs",
+               context=f"{SHORT[0]}-{SHORT[-1]}-token prompts: the fixed cost of a call"),
     ], args, repeats=repeats, prompts_per_length=n, vocabulary=size)
 
 

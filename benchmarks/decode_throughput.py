@@ -1,11 +1,16 @@
 """Decoding throughput of the tiny dLLM: requests/s at batch 1 vs batch B (step-level batching).
 
-Prints, per batch size: the best wall time of ``--repeats`` runs, requests/s, rounds, and where a
+Prints, per batch size: the median wall time of ``--repeats`` runs, requests/s, rounds, and where a
 round's time goes (from one more, profiled run: the linear layers, attention, KV-cache reads/writes,
 other tensor ops, and Python between ops — the model's and the decoder's; the profiler adds a few
 µs to every op, which inflates "other ops" most), then the B-vs-1 ratio (target >= 6x on 2
 cores). Uses the shipped weights and the built-in corpus prompts when present, else a randomly
 initialised model on random prompts (said on stderr).
+
+Steadiness: the B=1 and B=16 runs alternate (B=1, B=16, B=1, ...: a busy spell on the shared
+machine slows both sides of a pair, not one batch size's every run), each pair gives a ratio, and
+the figure is the median of the ``--repeats`` pairs' ratios (each printed). It was the best of 3
+runs per batch size, all B=1 runs first, which swung by +-3 points from run to run.
 
 Why the ratio stops near 4x in float32 on this 2-core machine (192 requests):
 - a B=1 round takes ~1.2 ms, nearly all of it fixed cost (Python and hundreds of op dispatches); its
@@ -33,7 +38,9 @@ Decoding follows SGLang's algorithms (``dwise_predict/engine/algorithms.py``): `
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -123,11 +130,25 @@ def run_once(backend, requests, config: DecodingConfig):
     return time.perf_counter() - w, results
 
 
-def measure(backend, requests, config: DecodingConfig, repeats: int, profiled_rounds: int = 200) -> dict:
-    """Best of ``repeats`` timed runs, then one run that profiles up to ``profiled_rounds`` steady-state rounds."""
-    counted = CountedRounds(backend)
-    wall, results = min((run_once(counted, requests, config) for _ in range(repeats)), key=lambda r: r[0])
-    rounds = counted.rounds // repeats
+def interleaved(backend, requests, configs: list[DecodingConfig],
+                repeats: int) -> tuple[list[list[float]], list, list[int]]:
+    """``repeats`` timed runs of each config, alternating (one of each, then again): each config's wall
+    times, its last run's results and its rounds per run."""
+    counted = [CountedRounds(backend) for _ in configs]
+    walls: list[list[float]] = [[] for _ in configs]
+    results: list = [None] * len(configs)
+    for _ in range(repeats):
+        for k, config in enumerate(configs):
+            wall, results[k] = run_once(counted[k], requests, config)
+            walls[k].append(wall)
+    return walls, results, [c.rounds // repeats for c in counted]
+
+
+def measure(backend, requests, config: DecodingConfig, walls: list[float], results, rounds: int,
+            profiled_rounds: int = 200) -> dict:
+    """One batch size's row from its timed runs (``walls``: the median counts), then one run that
+    profiles up to ``profiled_rounds`` steady-state rounds."""
+    wall = statistics.median(walls)
     window = max(1, min(profiled_rounds, rounds // 2))
     profiled = CountedRounds(backend, skip=max(1, window // 4), n=window)
     run_once(profiled, requests, config)
@@ -146,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threshold", type=float, default=None,
                     help="the algorithm's `threshold` parameter (default: SGLang's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the target is for 2 cores)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per batch size; the best counts")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed runs per batch size, alternating; the figure is the median pair's ratio")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=TINY_MODEL_DIR, help="model directory (default: shipped)")
     add_options(ap, "8 requests, budget 16, B = 1 and 4, one timed run each, 8 rounds profiled, one thread: "
@@ -161,17 +183,21 @@ def main(argv: list[str] | None = None) -> None:
     config = DecodingConfig(algorithm=args.algorithm, algorithm_config=params, batch_size=4)
     list(decode(backend, requests[:4], config))  # warm-up
     profiled = 8 if args.smoke else 200  # the profiler's events cost seconds to gather over dozens of rounds
-    rows = [measure(backend, requests, replace(config, batch_size=b), args.repeats, profiled)
-            for b in (1, args.batch_size)]
+    configs = [replace(config, batch_size=b) for b in (1, args.batch_size)]
+    walls, results, rounds = interleaved(backend, requests, configs, max(1, args.repeats))
+    rows = [measure(backend, requests, c, w, r, n, profiled) for c, w, r, n in zip(configs, walls, results, rounds)]
     print(f"{'B':>3} {'wall s':>7} {'req/s':>7} {'rounds':>7} {'req-rounds':>10} {'ms/round':>9}  "
           + " ".join(f"{g:>9}" for g in GROUPS) + "  (ms per round, profiled run)")
     for r in rows:
         print(f"{r['B']:>3} {r['wall_s']:>7.2f} {r['req_per_s']:>7.1f} {r['rounds']:>7} {r['request_rounds']:>10} "
               f"{r['ms_per_round']:>9.2f}  " + " ".join(f"{r['ms'][g]:>9.2f}" for g in GROUPS))
     one, many = rows
-    ratio = many["req_per_s"] / one["req_per_s"]
+    ratios = [w1 / w16 for w1, w16 in zip(*walls)]  # the same requests: requests/s over requests/s
+    ratio = statistics.median(ratios)
     same = one["tokens"] == many["tokens"]
-    print(f"ratio B={many['B']} / B=1: {ratio:.2f}x (target >= {TARGET_RATIO:g}x on 2 cores; threads={args.threads}, "
+    print(f"pairs' ratios: {', '.join(f'{r:.2f}x' for r in ratios)}; load {os.getloadavg()[0]:.1f}")
+    print(f"ratio B={many['B']} / B=1: {ratio:.2f}x, the median pair's (target >= {TARGET_RATIO:g}x on 2 cores; "
+          f"threads={args.threads}, "
           f"requests={len(requests)}, budget={args.budget}, {config.algorithm or 'LowConfidence'} "
           f"{config.algorithm_config or 'at its defaults'}); identical tokens: {same}")
     report("decode_throughput", [

@@ -49,7 +49,11 @@ def spearman(pred, true) -> float | None:
     pred, true = _pair(pred, true)
     if not _defined(pred, true):
         return None
-    return float(_stats().spearmanr(pred, true).statistic)
+    # what scipy.stats.spearmanr computes for two finite columns (their average ranks, then numpy's
+    # corrcoef: the same bits), without its argument handling, which costs as much again (~0.2 ms a
+    # call, paid under the GIL beside SGLang's scheduler thread by the serving quality monitor)
+    ranks = _stats().rankdata(np.column_stack((pred, true)), axis=0)
+    return float(np.corrcoef(ranks, rowvar=False)[1, 0])
 
 
 def kendall(pred, true) -> float | None:

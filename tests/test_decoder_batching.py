@@ -67,3 +67,22 @@ def test_b1_and_b16_agree(backend_and_requests):
     # slots were refilled: 96 requests through 16 slots, later admissions mid-run
     admits = sorted(r.extra["admit_round"] for r in batched.values())
     assert admits[16] > 0 and len(set(admits)) > 3
+
+
+def early_signals(result) -> tuple:
+    return result.frac_over_threshold, result.mean_confidence, result.mean_entropy, result.end_probability
+
+
+def test_first_rounds_computed_early_at_the_cap_keep_their_bits(backend_and_requests, monkeypatch):
+    # the early signals and pooled rows of first rounds wait for a finish, or for the cap on how many
+    # wait (each holds its block's logits): computed at every round instead, every bit is the same
+    from dwise_predict.collectors import decoder
+
+    backend, requests = backend_and_requests
+    waited = run(backend, requests[:32], 16)
+    monkeypatch.setattr(decoder, "MAX_PENDING_FIRST_ROUNDS", 1)
+    capped = run(backend, requests[:32], 16)
+    assert set(waited) == set(capped) and len(capped) == 32
+    for k in waited:
+        assert early_signals(waited[k]) == early_signals(capped[k])
+        assert waited[k].first_round_hidden.tobytes() == capped[k].first_round_hidden.tobytes()

@@ -21,6 +21,18 @@ def test_spearman_kendall_match_scipy_and_hand_values():
     assert M.kendall(a, b) == pytest.approx(stats.kendalltau(a, b).statistic)
 
 
+def test_spearman_is_scipys_statistic_to_the_bit():
+    # metrics.spearman ranks and correlates as scipy.stats.spearmanr does, without its wrapper: every
+    # figure the project reports must keep its bits (ties on either side, both, none; n from 2 up)
+    rng = np.random.default_rng(1)
+    for n in (2, 3, 7, 50, 513):
+        for _ in range(40):
+            a = rng.integers(0, 4, n) if rng.random() < 0.5 else rng.normal(size=n)
+            b = rng.integers(0, 6, n) * 0.5 if rng.random() < 0.5 else rng.lognormal(size=n)
+            if np.ptp(a) > 0 and np.ptp(b) > 0:
+                assert M.spearman(a, b) == float(stats.spearmanr(a, b).statistic)
+
+
 def test_larger_estimate_means_more_work():
     true = np.array([1, 5, 9, 20])
     assert M.spearman(true * 2.0, true) == pytest.approx(1.0)

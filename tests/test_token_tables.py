@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dwise_predict.dllm import TINY_MODEL_DIR
 from dwise_predict.features.prompt import PromptFeaturizer, count_newlines, count_words
-from dwise_predict.features.token_tables import JOINT, TokenFeaturizer, TokenTables
+from dwise_predict.features.token_tables import FEW, JOINT, SPECIAL, TokenFeaturizer, TokenTables, text_counts
 
 # the hard characters: split across byte-level tokens (3- and 4-byte UTF-8), whitespace that is not
 # ASCII (str.split() splits on it: NBSP, U+3000, em space, NEL, line separator), combining marks
@@ -145,8 +145,8 @@ def test_the_hard_cases_are_there_and_take_the_exact_path(monkeypatch):
 
 
 def test_65536_slow_tokens_still_take_the_exact_path():
-    """The slow count is packed in 16 bits of each sum: 65,536 ids outside the vocabulary (slow: they
-    decode to nothing) wrap it to 0, and the fast path would count each as a word's piece."""
+    """65,536 ids outside the vocabulary (slow: they decode to nothing), as many as once wrapped a
+    16-bit count of slow tokens to 0, so that the fast path counted each as a word's piece."""
     tokenizer = byte_level_bpe()
     tables = TokenTables.from_tokenizer(tokenizer)
     words = tokenizer.encode("hello world\nagain", add_special_tokens=False)
@@ -168,3 +168,23 @@ def test_the_tiny_models_workload_counts_as_decoding_it_does():
         assert prompt.user_span(ids) is not None  # the template is stripped, as collect counts
         assert featurizer(ids) == decoded_features(prompt, ids)
         assert featurizer(ids)[:2] == (count_words(request.prompt), count_newlines(request.prompt))
+
+
+def test_a_few_ids_count_in_python_as_many_do_in_numpy():
+    """Up to ``FEW`` ids are counted in plain Python: the same counts as numpy's path and as decoding,
+    at every length; None (numpy's path then) wherever a token is not plain ("\\n\\n\\n": three
+    newlines in one token) or an id is outside the vocabulary."""
+    tokenizer = byte_level_bpe()
+    tables = TokenTables.from_tokenizer(tokenizer)
+    plain = tokenizer.encode("hello world\nthe cat's  naïve x=1; don't hello world the cat", add_special_tokens=False)
+    special = tokenizer.encode("hello\n\n\nworld", add_special_tokens=False)
+    assert len(plain) > FEW and tables.codes_[plain].max() < SPECIAL
+    assert (tables.codes_[special] >= SPECIAL).sum() == 1
+    for ids in (plain, special):
+        for k in range(len(ids) + 1):
+            want = text_counts(tokenizer.decode(ids[:k]))
+            assert tables.counts(np.asarray(ids[:k], dtype=np.int64)) == want
+            not_plain = k and tables.codes_[ids[:k]].max() >= SPECIAL
+            assert tables.few_counts(ids[:k]) == (None if not_plain else want)
+    assert tables.counts(np.asarray(special)) == (2, 3)
+    assert tables.few_counts([0, len(tables.codes_)]) is None and tables.few_counts([-1]) is None

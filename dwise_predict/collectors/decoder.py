@@ -68,6 +68,10 @@ from dwise_predict.engine.signals import early_signals
 from dwise_predict.errors import ConfigError, InputError
 from dwise_predict.traces.hidden_extra import HiddenExtra
 
+# first denoising forwards whose early signals wait to be computed in one batch (_PendingFirstRounds):
+# each holds its block's logits (block x vocabulary floats, 16 MiB for LLaDA's 32 x 126,464), so
+# they are computed at a request's finish or at this many, whichever comes first
+MAX_PENDING_FIRST_ROUNDS = 64
 
 @dataclass
 class _Active:
@@ -174,7 +178,8 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
         active=[None] * n_slots,
         device=dev,
         stop_ids=torch.tensor(backend.eos_token_ids, dtype=torch.long, device=dev),
-        no_prompt=torch.zeros((n_slots, block), dtype=torch.bool, device=dev),
+        no_prompt=[False] * block,
+        pending=_PendingFirstRounds(),
     )
     round_index = 0
 
@@ -191,7 +196,7 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
                    if s.active[slot].next_prompt_block < s.active[slot].layout.prompt_blocks]
         batch, d_rows, slots = _rows(active, prefill, s, block, pad_id)
         if hidden_layers is not None:  # a request's first denoising forward is in this round
-            batch.all_layers = any(s.active[slot].first_hidden is None for slot in slots)
+            batch.all_layers = any(not s.active[slot].rounds_per_block and s.forwards[slot] == 0 for slot in slots)
         out = backend.step(batch)
         round_index += 1
 
@@ -205,6 +210,8 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
         if slots:
             finished = _denoise(out, d_rows, slots, s, rule, block, backend.eos_token_ids, mask_id, hidden_layers,
                                 rounds_hidden)
+        if s.pending.held >= MAX_PENDING_FIRST_ROUNDS or any(s.active[slot].signals is None for slot in finished):
+            s.pending.flush(rule, mask_id, s.stop_ids)
         for slot in finished:
             result = _result(s.active[slot], slot, round_index, rounds_hidden)
             s.active[slot] = None
@@ -220,7 +227,8 @@ class _Slots:
     """Per-slot state: the current block's tokens and how many of its first positions are prompt
     tokens, a finished block awaiting its commit (None: none), forwards spent on the current block,
     the step rule's state, the request holding the slot; the model's device, the stop ids on it and
-    a prompt mask of no prompt position (read only), made once, not every round."""
+    a prompt mask row of no prompt position (read only), made once, not every round; the first
+    denoising forwards whose records are still to compute."""
 
     blk: list[list[int]]
     prompt_len: list[int]
@@ -230,7 +238,8 @@ class _Slots:
     active: list
     device: torch.device
     stop_ids: torch.Tensor
-    no_prompt: torch.Tensor
+    no_prompt: list[bool]
+    pending: _PendingFirstRounds
 
     def admit(self, slot: int, req: DecodeRequest, block: int, round_index: int, rule: StepRule,
               mask_id: int) -> None:
@@ -250,7 +259,7 @@ class _Slots:
 
 
 def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
-          pad_id: int) -> tuple[StepBatch, torch.Tensor | None, list[int]]:
+          pad_id: int) -> tuple[StepBatch, list[int] | None, list[int]]:
     """The round's input: one row per active slot (``active`` in slot order); ``prefill`` holds the
     row indices that take a prompt block. Returns the batch, the denoising row indices (None: every
     row) and those rows' slots."""
@@ -272,40 +281,40 @@ def _rows(active: list[int], prefill: list[int], s: _Slots, block: int,
         else:
             row = s.blk[slot]
         rows.append(row + [pad_id] * (width - len(row)))
-    slot_ids = torch.tensor(active, dtype=torch.long, device=dev)
     ids = _tensor(rows, np.int64, dev)
-    d_rows = torch.tensor(denoising, dtype=torch.long, device=dev) if prefill else None
-    lengths = torch.tensor([n_valid, commit, out_start], dtype=torch.long, device=dev)
-    batch = StepBatch(slots=slot_ids, input_ids=ids, n_valid=lengths[0], commit_len=lengths[1],
-                      out_start=lengths[2], window=block)
-    return batch, d_rows, [active[i] for i in denoising]
+    # the four per-row vectors in one copy, as views of one tensor
+    slot_ids, n_valid_t, commit_t, out_start_t = _tensor([active, n_valid, commit, out_start], np.int64, dev).unbind()
+    batch = StepBatch(slots=slot_ids, input_ids=ids, n_valid=n_valid_t, commit_len=commit_t,
+                      out_start=out_start_t, window=block)
+    return batch, (denoising if prefill else None), [active[i] for i in denoising]
 
 
-def _denoise(out, d_rows: torch.Tensor | None, slots: list[int], s: _Slots, rule: StepRule, block: int,
+def _denoise(out, d_rows: list[int] | None, slots: list[int], s: _Slots, rule: StepRule, block: int,
              eos_ids: tuple[int, ...], mask_id: int, hidden_layers: HiddenExtra | None, rounds_hidden: int) -> list[int]:
     """One step of the algorithm for the denoising rows ``d_rows`` (None: every row) of the round's
     output, held by ``slots``; returns the slots whose request ended."""
-    logits = (out.logits if d_rows is None else out.logits.index_select(0, d_rows)).float()  # (n_d, block, V), read only
+    # every row's, read only: a denoising row's are at its output row (not gathered: the rule and the
+    # records read only the rows they need)
+    logits = out.logits.float()
     dev = s.device
-    d_slots = torch.tensor(slots, dtype=torch.long, device=dev)
-    ids = _tensor([s.blk[slot] for slot in slots], np.int64, dev)
-    prompt_mask = _prompt_mask(s, slots, block)
+    d_slots = torch.tensor(slots, dtype=torch.long, device=dev) if s.rule_state else None  # a stateless rule reads none
+    blocks = [s.blk[slot] for slot in slots]
     for slot in slots:
         s.forwards[slot] += 1
     forwards = [s.forwards[slot] for slot in slots]
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(slots, forwards)]
+    ids = _tensor(blocks, np.int64, dev) if any(first) or rounds_hidden else None  # the signals' input
     if any(first):
-        _record_first_round(out, d_rows, slots, first, logits, ids, s, rule, mask_id, hidden_layers)
-    if rounds_hidden:
+        _record_first_round(out, d_rows, slots, first, logits, ids, s, hidden_layers)
+    if rounds_hidden:  # round 1 copies the first round's record: computed now
+        s.pending.flush(rule, mask_id, s.stop_ids)
         _record_rounds(out, d_rows, slots, logits, ids, s, rule, mask_id, rounds_hidden)
 
-    new, done = rule.step(ids, logits, prompt_mask, s.rule_state, d_slots)
-    capped = [forwards_exhausted(rule, f, block) for f in forwards]  # the engine's loop ends these unstepped
-    if any(capped):
-        capped_rows = torch.tensor(capped, dtype=torch.bool, device=done.device)
-        new = torch.where(capped_rows[:, None], ids, new)
-        done = done | capped_rows
-    done_rows, tokens_by_row = done.tolist(), new.tolist()
+    tokens_by_row, done_rows = rule.step_lists(blocks, _prompt_rows(s, slots, block), logits, s.rule_state, d_slots,
+                                               logit_rows=d_rows)
+    for j, f in enumerate(forwards):
+        if forwards_exhausted(rule, f, block):  # the engine's loop ends these unstepped
+            tokens_by_row[j], done_rows[j] = blocks[j], True
     for slot, tokens in zip(slots, tokens_by_row):
         s.blk[slot] = tokens
         s.prev[slot] = None  # a carried commit happened in this round's forward
@@ -338,39 +347,71 @@ def _tensor(rows: list[list], dtype, device) -> torch.Tensor:
     return torch.from_numpy(np.array(rows, dtype=dtype)).to(device)
 
 
-def _prompt_mask(s: _Slots, slots: list[int], block: int) -> torch.Tensor:
-    """(n, block) bool: the leftover prompt positions of each slot's current block (only a
+def _prompt_rows(s: _Slots, slots: list[int], block: int) -> list[list[bool]]:
+    """(n, block) bool lists: the leftover prompt positions of each slot's current block (only a
     request's first output block has any)."""
-    lengths = [s.prompt_len[slot] for slot in slots]
-    if not any(lengths):
-        return s.no_prompt[: len(slots)]
-    return _tensor([[i < k for i in range(block)] for k in lengths], np.bool_, s.device)
+    return [[i < k for i in range(block)] if k else s.no_prompt for k in (s.prompt_len[slot] for slot in slots)]
 
 
-def _output_rows(d_rows: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor:
+def _output_rows(d_rows: list[int] | None, at: list[int], device) -> torch.Tensor:
     """The round's output rows of the denoising rows ``at`` (indices into ``d_rows``; None: every row)."""
-    return at if d_rows is None else d_rows.index_select(0, at)
+    return torch.tensor(at if d_rows is None else [d_rows[j] for j in at], dtype=torch.long, device=device)
 
 
-def _record_first_round(out, d_rows, slots: list[int], first: list[bool], logits, ids, s: _Slots, rule: StepRule,
-                        mask_id: int, hidden_layers: HiddenExtra | None) -> None:
-    """Early signals and pooled hidden rows of the first denoising forward of a request's first block
-    (``logits``, ``ids``, ``first``: the denoising rows', in ``slots`` order)."""
+def _record_first_round(out, d_rows, slots: list[int], first: list[bool], logits, ids, s: _Slots,
+                        hidden_layers: HiddenExtra | None) -> None:
+    """The first denoising forward of a request's first block (``ids``, ``first``: the denoising rows',
+    in ``slots`` order; ``logits``: the round's every row): its rows are kept for the early signals and
+    the pooled hidden row (:class:`_PendingFirstRounds`); the `collect --layers` poolings and a short
+    prompt's pooled rows are taken now."""
     rows = [j for j, is_first in enumerate(first) if is_first]
-    at = torch.tensor(rows, dtype=torch.long, device=ids.device)
-    signals = _signals(logits, ids, at, rule, mask_id, s.stop_ids)
-    source = _output_rows(d_rows, at)
+    at, source = torch.tensor(rows, dtype=torch.long, device=ids.device), _output_rows(d_rows, rows, ids.device)
     states = out.hidden.index_select(0, source).float()  # (k, block, H)
-    pooled = states.mean(1).cpu().numpy()  # each row's mean, bit for bit the mean of that row alone
+    requests = [s.active[slots[j]] for j in rows]
+    s.pending.add(requests, logits.index_select(0, source), ids.index_select(0, at), states)
     layers = None if hidden_layers is None else out.layers.index_select(0, source)
-    for k, (j, row_signals) in enumerate(zip(rows, signals)):
-        a = s.active[slots[j]]
-        a.signals = tuple(row_signals)
-        a.first_hidden = pooled[k]
+    for k, a in enumerate(requests):
         if hidden_layers is not None:
             a.layer_hidden = pool_first_round(layers[k], hidden_layers)
         if a.prompt_hidden is None:  # a prompt shorter than a block: its rows sit in this forward
             a.prompt_hidden = states[k, : a.layout.leftover].mean(0).cpu().numpy()
+
+
+@dataclass
+class _PendingFirstRounds:
+    """First denoising forwards whose early signals and pooled hidden rows are not computed yet: one
+    entry a round (its requests, and their logits (k, block, V), input ids (k, block) and final
+    hidden rows (k, block, H)). :meth:`flush` computes every kept request's at once, before a result
+    needs them: ~40 dispatches for many rounds' requests, where each round's own call paid them.
+    Each row's values are its own (a position's softmax, a block's sums), bit for bit the same in
+    any batch."""
+
+    requests: list[list[_Active]] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    ids: list[torch.Tensor] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)
+    held: int = 0  # requests kept (each holds its block's logits: flushed at MAX_PENDING_FIRST_ROUNDS)
+
+    def add(self, requests: list[_Active], logits: torch.Tensor, ids: torch.Tensor, states: torch.Tensor) -> None:
+        self.held += len(requests)
+        self.requests.append(requests)
+        self.logits.append(logits)
+        self.ids.append(ids)
+        self.states.append(states)
+
+    def flush(self, rule: StepRule, mask_id: int, stop_ids: torch.Tensor) -> None:
+        """Set ``signals`` and ``first_hidden`` of every kept request; keep none after."""
+        if not self.requests:
+            return
+        logits, ids = torch.cat(self.logits), torch.cat(self.ids)
+        signals = early_signals(logits.flatten(0, 1), ids.flatten(), mask_id, ids.shape[1],
+                                rule.params.get("threshold", 0.0), stop_ids).tolist()
+        pooled = torch.cat(self.states).mean(1).cpu().numpy()  # each row's mean, bit for bit that row's alone
+        for k, a in enumerate(a for requests in self.requests for a in requests):
+            a.signals, a.first_hidden = tuple(signals[k]), pooled[k]
+        for kept in (self.requests, self.logits, self.ids, self.states):
+            kept.clear()
+        self.held = 0
 
 
 def _record_rounds(out, d_rows, slots: list[int], logits, ids, s: _Slots, rule: StepRule, mask_id: int,
@@ -390,19 +431,21 @@ def _record_rounds(out, d_rows, slots: list[int], logits, ids, s: _Slots, rule: 
             later.append(j)
     if not later:
         return
-    at = torch.tensor(later, dtype=torch.long, device=ids.device)
-    pooled = out.hidden.index_select(0, _output_rows(d_rows, at)).float().mean(1).cpu().numpy()  # as first_round
-    for k, (j, row_signals) in enumerate(zip(later, _signals(logits, ids, at, rule, mask_id, s.stop_ids))):
+    at, source = torch.tensor(later, dtype=torch.long, device=ids.device), _output_rows(d_rows, later, ids.device)
+    pooled = out.hidden.index_select(0, source).float().mean(1).cpu().numpy()  # as first_round
+    for k, (j, row_signals) in enumerate(zip(later, _signals(logits, ids, source, at, rule, mask_id, s.stop_ids))):
         a = s.active[slots[j]]
         a.round_states.append(pooled[k])
         a.round_signals.append(tuple(row_signals))
 
 
-def _signals(logits, ids, rows: torch.Tensor, rule: StepRule, mask_id: int, stop_ids: torch.Tensor) -> list[list[float]]:
-    """Early signals of the given denoising rows (a non-empty index tensor) over their blocks' masked
-    positions (``engine.signals``)."""
-    # the leftover prompt tokens of the first output block hold token ids, never the mask id
-    return early_signals(logits.index_select(0, rows).flatten(0, 1), ids.index_select(0, rows).flatten(), mask_id,
+def _signals(logits, ids, logit_rows: torch.Tensor, rows: torch.Tensor, rule: StepRule, mask_id: int,
+             stop_ids: torch.Tensor) -> list[list[float]]:
+    """Early signals of the given denoising rows (``rows`` of ``ids``, ``logit_rows`` of ``logits``: non-empty
+    index tensors) over their blocks' masked positions (``engine.signals``)."""
+    # the leftover prompt tokens of the first output block hold token ids, never the mask id (so too
+    # in _PendingFirstRounds.flush)
+    return early_signals(logits.index_select(0, logit_rows).flatten(0, 1), ids.index_select(0, rows).flatten(), mask_id,
                          ids.shape[1], rule.params.get("threshold", 0.0), stop_ids).tolist()
 
 

@@ -28,6 +28,7 @@ for Amin et al.'s measurements; its :class:`AlgorithmInfo` says SGLang does not 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,21 @@ class StepRule:
         """
         raise NotImplementedError
 
+    def step_lists(self, blocks: list[list[int]], prompt_rows: list[list[bool]], logits: torch.Tensor,
+                   state: dict[str, torch.Tensor], slots: torch.Tensor | None,
+                   logit_rows: list[int] | None = None) -> tuple[list[list[int]], list[bool]]:
+        """:meth:`step` on host lists, the decoder's call: ``blocks`` and ``prompt_rows`` are ``ids`` and
+        ``prompt_mask`` as lists, and the next blocks and ``done`` come back as lists; ``slots`` may be
+        None for a rule that keeps no state; ``logit_rows``: the row of ``logits`` holding each block's
+        (None: the block's own row). Through the tensors here; a rule that decides on the host
+        (``LowConfidence``) skips them."""
+        if logit_rows is not None:
+            logits = logits.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=logits.device))
+        ids = torch.from_numpy(np.array(blocks, dtype=np.int64)).to(logits.device)
+        prompt_mask = torch.from_numpy(np.array(prompt_rows, dtype=np.bool_)).to(logits.device)
+        new, done = self.step(ids, logits, prompt_mask, state, slots)
+        return new.tolist(), done.tolist()
+
 
 def _check_number(name: str, value, low: float, high: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -122,27 +138,37 @@ class LowConfidence(StepRule):
         _check_number("threshold", self.params["threshold"], 0.0, 1.0)
 
     def step(self, ids, logits, prompt_mask, state, slots):
+        new, done = self.step_lists(ids.tolist(), prompt_mask.tolist(), logits, state, slots)
+        # through numpy: torch.tensor reads a nested list element by element, 2-3x slower
+        return (torch.from_numpy(np.array(new, dtype=np.int64).reshape(ids.shape)).to(device=ids.device,
+                                                                                      dtype=ids.dtype),
+                torch.tensor(done, dtype=torch.bool, device=ids.device))
+
+    def step_lists(self, blocks, prompt_rows, logits, state, slots, logit_rows=None):
         # decided on the host, row by row: a block of 8 to 32 positions takes a few list operations,
         # where the same decisions as tensor operations cost ~20 dispatches a step (collect's main
         # cost outside the forward); only the logits' work stays a tensor operation
-        blocks, prompts = ids.tolist(), prompt_mask.tolist()
         masked = [[token == self.mask_id and not prompt for token, prompt in zip(row, in_prompt)]
-                  for row, in_prompt in zip(blocks, prompts)]
-        width = ids.shape[1]
-        at = [r * width + i for r, row in enumerate(masked) for i, m in enumerate(row) if m]
+                  for row, in_prompt in zip(blocks, prompt_rows)]
+        width = len(blocks[0]) if blocks else 0
+        rows = logit_rows or range(len(blocks))
+        at = [rows[r] * width + i for r, row in enumerate(masked) for i, m in enumerate(row) if m]
         top, confidence = _masked_top(logits, at)
         # compared as the logits' dtype compares: `confidence > threshold` casts the threshold to it
-        threshold = torch.tensor(self.params["threshold"], dtype=logits.dtype).item()
+        threshold = _as_dtype(self.params["threshold"], logits.dtype)
         new, k = [], 0
         for row, row_masked in zip(blocks, masked):
             n = sum(row_masked)
             new.append(_fill_row(row, row_masked, top[k:k + n], confidence[k:k + n], threshold))
             k += n
-        done = [not any(row) for row in masked]
-        # through numpy: torch.tensor reads a nested list element by element, 2-3x slower
-        return (torch.from_numpy(np.array(new, dtype=np.int64).reshape(ids.shape)).to(device=ids.device,
-                                                                                      dtype=ids.dtype),
-                torch.tensor(done, dtype=torch.bool, device=ids.device))
+        return new, [not any(row) for row in masked]
+
+
+@functools.lru_cache(maxsize=None)
+def _as_dtype(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (as a comparison with a tensor of that dtype casts it); cached:
+    a tensor round trip every step cost two dispatches."""
+    return torch.tensor(value, dtype=dtype).item()
 
 
 def _masked_top(logits: torch.Tensor, at: list[int]) -> tuple[list[int], list[float]]:
@@ -153,8 +179,12 @@ def _masked_top(logits: torch.Tensor, at: list[int]) -> tuple[list[int], list[fl
     if not at:
         return [], []
     rows = logits.reshape(-1, logits.shape[-1]).index_select(0, torch.tensor(at, device=logits.device))
-    top = rows.argmax(dim=-1)
-    return top.tolist(), F.softmax(rows, dim=-1).gather(-1, top.unsqueeze(-1)).squeeze(-1).tolist()
+    # numpy's argmax breaks ties as torch's does (the first; a NaN first of all), 8x faster on the CPU
+    on_host = rows.device.type == "cpu" and rows.dtype == torch.float32
+    top = rows.numpy().argmax(-1) if on_host else rows.argmax(dim=-1)
+    # the top-1's probability is the largest, bit for bit: exp(0) over the sum every position shares,
+    # and no other position's exp(logit - max) exceeds 1 (NaN rows stay NaN either way)
+    return top.tolist(), F.softmax(rows, dim=-1).amax(dim=-1).tolist()
 
 
 def _fill_row(row: list[int], masked: list[bool], top: list[int], confidence: list[float],

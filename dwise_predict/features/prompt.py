@@ -13,6 +13,8 @@ and onnxruntime alone. The feature matrix of a whole request table (pandas) is
 
 from __future__ import annotations
 
+from array import array
+
 FEATURE_NAMES = ("words", "newlines", "prompt_tokens")
 
 
@@ -56,6 +58,8 @@ class PromptFeaturizer:
             prefix, _, suffix = rendered.partition(self._PLACEHOLDER)
             self._wrapper = (self._ids(prefix), self._ids(suffix))
             self.template_tokens_ = len(self._wrapper[0]) + len(self._wrapper[1])
+        # the same as SGLang's ``Req`` holds ids: compared to a slice of one without a copy to a list
+        self._wrapper_q = tuple(array("q", ids) for ids in self._wrapper) if self._wrapper else None
 
     def _ids(self, text: str) -> list[int]:
         if not text:
@@ -87,7 +91,11 @@ class PromptFeaturizer:
         (prefix, suffix), n = self._wrapper, len(input_ids)
         if n < len(prefix) + len(suffix):
             return None
-        if list(input_ids[:len(prefix)]) != prefix or list(input_ids[n - len(suffix):]) != suffix:
+        head, tail = input_ids[:len(prefix)], input_ids[n - len(suffix):]
+        if isinstance(head, array):
+            if (head, tail) != self._wrapper_q:
+                return None
+        elif list(head) != prefix or list(tail) != suffix:
             return None
         return len(prefix), n - len(suffix)
 

@@ -14,8 +14,8 @@ summed over the tokens instead, from tables built once per tokenizer:
 
 The words of a sequence are then the sum of its tokens' words less one for each pair of
 neighbours where a word runs across the boundary (the first ends, the second starts, with a
-non-whitespace character); the newlines are a plain sum. One gather per table over the ids
-(vectorised numpy), no text.
+non-whitespace character); the newlines are a plain sum. One gather of a byte per id and three
+vectorised passes over those bytes (:meth:`TokenTables.counts`), plain Python for a few ids; no text.
 
 Where this is not exact, and what is done there (the *slow* tokens, decoded after all):
 
@@ -57,9 +57,13 @@ from dwise_predict.features.prompt import PromptFeaturizer, count_newlines, coun
 
 LEAD, TRAIL = 1, 2  # flag bits: the piece starts / ends with a non-whitespace character
 JOINT, EMPTY, ALONE = 1, 2, 3  # why a token is slow: not countable alone (see the module docstring)
-# one int64 per token, so that one gather and one sum give all three: its words, its newlines and
-# whether it is slow, in fields of 24, 24 and 15 bits (a prompt would need 16M words to overflow one)
-NEWLINES_SHIFT, SLOW_SHIFT, FIELD = 24, 48, (1 << 24) - 1
+# a piece's words and newlines in one int64, fields of 24 bits (a prompt would need 16M words to overflow)
+NEWLINES_SHIFT, FIELD = 24, (1 << 24) - 1
+# each token's *code*, one byte, all the fast path gathers (see TokenTables.counts): bits 0-3 are read
+# of a token itself, bits 4-7 of the token before it (its code shifted right by 4 meets the next one's)
+INNER, NEWLINE = 0x02, 0x04  # bit 0 is LEAD; a word starts inside the piece; the piece holds one newline
+OPEN, ALWAYS, SLOW, SPECIAL = 0x10, 0x20, 0x40, 0x80  # ends with whitespace; set in every code; slow; not plain
+FEW = 16  # ids up to which plain Python counts faster than numpy (each of whose calls costs about a µs)
 RUNS_PER_DECODE = 16  # ids per run of joint tokens above which decoding the whole sequence is cheaper
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>\Z")  # SentencePiece's byte fallback tokens
 ANCHORS = ("a", "x", "e", "0", "the")  # texts tried as the anchor token, then the vocabulary in order
@@ -83,7 +87,7 @@ def _packed(text: str) -> int:
 def _fields(total: int, flags: np.ndarray) -> tuple[int, int]:
     """(words, newlines) of a sequence of pieces from the sum of their packed counts and their flags: a
     word runs across a boundary where the left piece ends and the right one starts with a non-space."""
-    joins = np.count_nonzero((flags[:-1] >> 1) & flags[1:])  # TRAIL of the left, LEAD of the right
+    joins = int(np.count_nonzero((flags[:-1] >> 1) & flags[1:]))  # TRAIL of the left, LEAD of the right
     return (total & FIELD) - joins, (total >> NEWLINES_SHIFT) & FIELD
 
 
@@ -92,10 +96,13 @@ class TokenTables:
 
     Attributes
     ----------
-    counts_ : int64 array (V + 1,), ``words + (newlines << 24) + (slow << 48)`` of each token's piece
-        (one sum gives all three); the last row stands for every id outside the vocabulary.
+    counts_ : int64 array (V + 1,), ``words + (newlines << 24)`` of each token's piece (0 for a slow
+        token); the last row stands for every id outside the vocabulary.
     flags_ : uint8 array (V + 1,), ``LEAD | TRAIL`` bits of each piece.
     slow_ : int8 array (V + 1,), why a slow token is slow (``JOINT``, ``EMPTY``, ``ALONE``), else 0.
+    codes_ : uint8 array (V + 1,), each token's code (:meth:`counts`).
+    extra_ : int64 array (V + 1, 2), what a token that is not plain adds to the word starts the codes
+        count (its words less ``LEAD``), and its newlines.
     anchor_ : the anchor token id; ``prefix_``, ``suffix_``: its text before and after a piece.
     """
 
@@ -103,6 +110,8 @@ class TokenTables:
         self.tokenizer = tokenizer
         self.counts_, self.flags_, self.slow_ = counts, flags, slow
         self.anchor_, self.prefix_, self.suffix_ = anchor, prefix, suffix
+        self.codes_, self.extra_ = _codes(counts, flags, slow)
+        self._code_list = self.codes_.tolist()  # for :meth:`few_counts`
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "TokenTables":
@@ -134,17 +143,56 @@ class TokenTables:
             counts[token] = _packed(piece)
             flags[token] = _flags(piece)
         slow[size] = EMPTY  # ids outside the vocabulary decode to nothing
-        counts[slow != 0] = 1 << SLOW_SHIFT
+        counts[slow != 0] = 0
         return cls(tokenizer, counts, flags, slow, anchor, prefix, suffix)
 
     def counts(self, ids: np.ndarray) -> tuple[int, int]:
-        """(words, newlines) of ``tokenizer.decode(ids)``; ``ids`` an int64 array (n,)."""
-        total = int(self.counts_.take(ids, mode="clip").sum())
-        # the slow field holds 16 bits: 65,536 slow tokens (or a multiple) sum to 0 there, so an input
-        # that long is checked token by token
-        if total >> SLOW_SHIFT or (len(ids) >> (64 - SLOW_SHIFT) and self.slow_.take(ids, mode="clip").any()):
+        """(words, newlines) of ``tokenizer.decode(ids)``; ``ids`` an int64 array (n,) or a buffer of
+        int64 (a memoryview of an ``array('q')``: numpy's ``take`` reads it without a copy).
+
+        The words are counted as their starts: a token's piece adds one where a word starts inside
+        it (after whitespace) and one at its first character where that is no space (``LEAD``) and
+        the piece before it ends with whitespace or there is none (``OPEN``). A *plain* token (at
+        most one word and one newline, not slow) adds at most one start, so one gather of the codes
+        and two passes count them all: ``code[t - 1] >> 4 & code[t]`` is nonzero exactly where token
+        ``t`` adds a start (bit 0: ``OPEN`` before, ``LEAD`` here; bit 1: ``ALWAYS`` before,
+        ``INNER`` here; bit 2 only where a token is slow, bit 3 never); a third pass counts the
+        newlines, a fourth (the codes' maximum) finds any other token. Such a token is ``SPECIAL``: its
+        code says only whether a start comes at its edges, and what more it adds is read from
+        ``extra_`` at its position (few are); a slow one sends the whole input to the exact path.
+        """
+        codes = self.codes_.take(ids, mode="clip")
+        if not len(codes):
+            return 0, 0
+        first = codes.item(0)  # no token before it: a start at its first character wherever that is no space
+        starts = codes[:-1] >> 4
+        starts &= codes[1:]  # in place: one array fewer to allocate
+        words = int(np.count_nonzero(starts)) + (first & LEAD) + (first & INNER) // INNER
+        newlines = int(np.count_nonzero(codes & NEWLINE))
+        if np.maximum.reduce(codes) < SPECIAL:  # the ufunc itself: ndarray.max adds a Python-level call
+            return words, newlines
+        special, ids = np.flatnonzero(codes >= SPECIAL), np.asarray(ids)
+        if (codes[special] & SLOW).any():
             return self._slow_counts(ids)
-        return _fields(total, self.flags_.take(ids, mode="clip"))
+        more_words, more_newlines = self.extra_.take(ids[special], axis=0, mode="clip").sum(axis=0).tolist()
+        return words + more_words, newlines + more_newlines
+
+    def few_counts(self, ids) -> tuple[int, int] | None:
+        """:meth:`counts` of a few ids (a list or an ``array('q')``) in plain Python, where numpy's cost
+        per call would be most of the time; None where a token is not plain or an id is outside the
+        vocabulary (:meth:`counts` then)."""
+        table = self._code_list
+        try:
+            codes = [table[token] for token in ids]
+        except IndexError:  # past the vocabulary
+            return None
+        if not codes:
+            return 0, 0
+        if max(codes) >= SPECIAL or min(ids) < 0:  # numpy clips a negative id to 0, a list counts from its end
+            return None
+        first = codes[0]
+        words = sum(1 for before, code in zip(codes, codes[1:]) if before >> 4 & code)
+        return words + (first & LEAD) + (first & INNER) // INNER, sum(code & NEWLINE for code in codes) // NEWLINE
 
     def _slow_counts(self, ids: np.ndarray) -> tuple[int, int]:
         """:meth:`counts` where some token is slow: each run of joint tokens decoded as one piece,
@@ -179,6 +227,18 @@ class TokenTables:
         if not all(t.startswith(self.prefix_) and t.endswith(self.suffix_) for t in texts):
             return None
         return [t[cut] for t in texts]
+
+
+def _codes(counts: np.ndarray, flags: np.ndarray, slow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's code and what a special one adds (see :meth:`TokenTables.counts`)."""
+    words, newlines = counts & FIELD, (counts >> NEWLINES_SHIFT) & FIELD
+    lead = (flags & LEAD).astype(np.int64)
+    plain = (slow == 0) & (words <= 1) & (newlines <= 1)
+    codes = lead | np.where(flags & TRAIL, 0, OPEN) | ALWAYS
+    codes |= np.where(plain, np.where(words > lead, INNER, 0) | np.where(newlines == 1, NEWLINE, 0),
+                      SPECIAL | np.where(slow != 0, SLOW, 0))
+    extra = np.where(plain[:, None], 0, np.stack([words - lead, newlines], axis=1))
+    return codes.astype(np.uint8), extra.astype(np.int64)
 
 
 def _decode_all(tokenizer, sequences: list[list[int]]) -> list[str]:
@@ -234,12 +294,14 @@ class TokenFeaturizer:
         n = len(input_ids)
         span = self.prompt.user_span(input_ids)
         start, stop = span if span is not None else (0, n)
-        if isinstance(input_ids, array) and input_ids.itemsize == 8:
-            ids = np.frombuffer(input_ids, dtype=np.int64, count=n)  # SGLang's Req holds array('q'): no copy
+        found = self.tables.few_counts(input_ids[start:stop]) if stop - start <= FEW else None
+        if found is not None:
+            return (*found, n)
+        if isinstance(input_ids, array) and input_ids.typecode in "ql":  # SGLang's Req holds array('q'): no copy
+            ids = memoryview(input_ids)[start:stop]  # cheaper than a numpy view, which take makes itself
         else:
-            ids = np.fromiter(input_ids, dtype=np.int64, count=n)  # one C-level pass over a list
-        words, newlines = self.tables.counts(ids[start:stop])
-        return words, newlines, n
+            ids = np.fromiter(input_ids[start:stop], dtype=np.int64, count=stop - start)  # one C-level pass
+        return (*self.tables.counts(ids), n)
 
     def text(self, input_ids) -> str:
         """The text the counts are of (decoded: for a recording, never on the admission path)."""

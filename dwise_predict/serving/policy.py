@@ -52,7 +52,9 @@ baselines and DWISE differ only where the policies do.
 
 State lives in flat NumPy arrays indexed by a slot number, so a round costs a few vectorised
 operations over the resident set (at most ``k * B`` requests) plus a walk over at most ``B``
-waiting candidates kept in a sorted list.
+waiting candidates kept in a sorted list. The resident set is kept in the order of the last ranking:
+a round changes the keys of its ``B`` runners only, so the next ranking sorts nearly sorted input,
+which a stable sort (timsort) does in about linear time.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -73,8 +75,14 @@ NONE.flags.writeable = False
 MAX_WAIT = 4096  # the wait cap's default, in rounds (docs/serving.md, "Starvation guard": how it was chosen)
 
 
-@dataclass(frozen=True)
-class RoundPlan:
+def _key_seq(z: np.ndarray, at: int) -> tuple[float, int]:
+    """(key, arrival sequence) of entry ``at`` of sort keys ``key + i·seq`` (:meth:`DwisePolicy._ranked`),
+    comparable with the waiting list's entries."""
+    v = z.item(at)
+    return v.real, int(v.imag)
+
+
+class RoundPlan(NamedTuple):
     """What one round does, in policy slot numbers (see :meth:`DwisePolicy.ids` for request ids).
 
     run : int64 array (n_run,), the slots that process one block this round, best rank first.
@@ -85,6 +93,8 @@ class RoundPlan:
     preempted : int64 array, slots that ran last round, still have work, and are paused now.
     standby : int64 array, the paused slots that could run (the rank's candidates), best rank
         first: the order in which a server fills a slot that one of ``run`` could not take.
+
+    A named tuple (immutable, built in C) rather than a dataclass: a server builds one every step.
     """
 
     run: np.ndarray
@@ -169,7 +179,8 @@ class DwisePolicy:
         # the wait cap's line: a heap of (arrival round, key, seq, slot) over the waiting requests, whose
         # entries for requests no longer waiting under that key are dropped when they reach its front
         self._wait_line: list[tuple[float, float, int, int]] = []
-        self._resident = np.zeros(0, dtype=np.int64)
+        self._resident = np.zeros(0, dtype=np.int64)  # in the last ranking's order, admissions after it
+        self._entered_next = 0  # the next admission sequence (kept with prefill_first only: _make_resident)
         self._kept = None  # (run, standby) of the last plan while only its runs have happened since (_replan)
         self._alloc(64)
 
@@ -193,14 +204,18 @@ class DwisePolicy:
         grow("_kv", np.float64, 0.0)  # KV reservation
         grow("_state", np.int8, FREE)
         grow("_preemptions", np.int64, 0)
+        grow("_tie", np.complex128, 0)  # i·seq: the key's tie-break as an imaginary part (_ranked)
+        grow("_entered", np.int64, 0)  # admission sequence: the prefill-first barrier's held-back order
         self._ids.extend([None] * (capacity - n_old))
         self._free.extend(range(capacity - 1, n_old - 1, -1))  # pop() hands out low slots first
 
     def _take_slots(self, n: int) -> np.ndarray:
         while len(self._free) < n:
             self._alloc(2 * len(self._P))
-        taken = [self._free.pop() for _ in range(n)]
-        return np.asarray(taken, dtype=np.int64)
+        free, cut = self._free, len(self._free) - n
+        taken = free[cut:][::-1]  # as n pops would hand them out: low slots first
+        del free[cut:]
+        return np.array(taken, dtype=np.int64)
 
     # --- arrivals ------------------------------------------------------------------------------
 
@@ -253,46 +268,49 @@ class DwisePolicy:
                 f"KV budget {self.kv_budget:g} is smaller than request {ids[bad]!r}'s worst-case reservation "
                 f"{kv[bad]:g}: raise the KV budget (it must hold at least one request)"
             )
-        seen: set = set()
-        dup = next((i for i in ids if i in self._slot_of or i in seen or seen.add(i)), None)
-        if dup is not None:
+        if len(set(ids)) < n or not self._slot_of.keys().isdisjoint(ids):  # set operations in C; the walk on failure
+            seen: set = set()
+            dup = next(i for i in ids if i in self._slot_of or i in seen or seen.add(i))
             raise InputError(f"request id {dup!r} is already queued: ids must be unique")
 
-        order = np.arange(n) if arrival is None else np.lexsort((np.array([str(i) for i in ids]), np.asarray(arrival, dtype=np.float64)))
         slots = self._take_slots(n)
         self._kept = None  # a new waiting request may rank into the top B
-        seq = np.empty(n, dtype=np.int64)
-        seq[order] = self._seq_next + np.arange(n)
+        seq = self._seq_next + np.arange(n)  # the arrival sequence, in the order given
+        if arrival is not None:  # ... or by (arrival, request id)
+            order = np.lexsort((np.array([str(i) for i in ids]), np.asarray(arrival, dtype=np.float64)))
+            seq[order] = self._seq_next + np.arange(n)
         self._seq_next += n
         self._P[slots], self._rhat[slots], self._kv[slots], self._seq[slots] = P, est, kv, seq
+        self._tie[slots] = 1j * seq
         self._rounds[slots] = 0
         self._born[slots] = self.rounds
         self._preemptions[slots] = 0
         self._state[slots] = WAITING
-        for slot, rid in zip(slots.tolist(), ids):
+        slot_list = slots.tolist()
+        self._slot_of.update(zip(ids, slot_list))
+        for slot, rid in zip(slot_list, ids):
             self._ids[slot] = rid
-            self._slot_of[rid] = slot
-        keys = self._keys(slots)
-        entries = sorted(zip(keys.tolist(), seq.tolist(), slots.tolist()))
+        entries = sorted(zip(self._keys(slots).tolist(), seq.tolist(), slot_list))
         if self._waiting and entries[0] < self._waiting[-1]:
             for entry in entries:
                 bisect.insort(self._waiting, entry)
         else:
             self._waiting.extend(entries)
         if self.max_wait is not None:
-            self._line_up(entries)
+            self._line_up(entries, float(self.rounds))  # the round just stamped in _born
         return slots
 
-    def _line_up(self, entries: list) -> None:
-        """Put waiting-list entries in the wait cap's line (rebuilt from the waiting list when stale
-        entries outnumber the live ones, so it stays within twice the waiting list)."""
+    def _line_up(self, entries: list, born: float) -> None:
+        """Put waiting-list entries of requests that arrived in round ``born`` in the wait cap's line
+        (rebuilt from the waiting list when stale entries outnumber the live ones, so it stays within
+        twice the waiting list)."""
         line = self._wait_line
         if len(line) + len(entries) > 2 * len(self._waiting) + 64:
             line[:] = [(float(self._born[slot]), key, seq, slot) for key, seq, slot in self._waiting]
             heapq.heapify(line)
             return
         for key, seq, slot in entries:
-            heapq.heappush(line, (float(self._born[slot]), key, seq, slot))
+            heapq.heappush(line, (born, key, seq, slot))
 
     # --- the round -----------------------------------------------------------------------------
 
@@ -321,66 +339,79 @@ class DwisePolicy:
             plan = self._replan(*self._kept)
             if plan is not None:
                 return plan
-        res = self._resident
-        keys = self._keys(res)
+        res, z = self._ranked(self._resident)
         admitted, blocked = self._admit_due(len(res))
         if admitted:
-            res, keys = self._make_resident(res, keys, admitted)
-        rank = None
+            res, z = self._make_resident(res, z, admitted)
         if not blocked:
-            rank, ranked_in = self._admit_ranked(res, keys)
+            ranked_in = self._admit_ranked(res, z)
             if ranked_in:
-                res, keys = self._make_resident(res, keys, ranked_in)
+                res, z = self._make_resident(res, z, ranked_in)
                 admitted += ranked_in
-        pool, pool_keys, held_back = res, keys, None
+        self._resident = res
+        pool, held_back = res, None
         if self.prefill_first:
             prefill = self._P[res] > 0
-            if prefill.any():
-                pool, pool_keys, rank, held_back = res[prefill], keys[prefill], None, res[~prefill]
-        if rank is None:
-            rank = np.lexsort((self._seq[pool], pool_keys))
-        ranked = pool[rank]
-        run, standby = ranked[: self.slots], ranked[self.slots:]
+            if prefill.any():  # a subsequence of the ranking keeps its order; the held back keep admission order
+                pool, held_back = res[prefill], res[~prefill]
+                held_back = held_back[self._entered[held_back].argsort()]
+        run, standby = pool[: self.slots], pool[self.slots:]
 
         # A preemption is a request displaced by ranking: one that ran last round and is still a
         # candidate now. Decoders held back by the prefill-first barrier are stalled, not preempted.
-        # (A handful of array operations: on a server this runs on the scheduler thread every step.)
+        # Residents are running or paused (admitted ones paused), so only the displaced runners
+        # change state among the standby ones. (A handful of array operations: on a server this
+        # runs on the scheduler thread every step.)
         preempted = standby[self._state[standby] == RUNNING]
         if held_back is None:
-            self._state[standby] = PAUSED
             paused = standby
         else:
             self._state[res] = PAUSED
             paused = np.concatenate([standby, held_back])
-        self._state[run] = RUNNING
         if len(preempted):
+            self._state[preempted] = PAUSED
             self._preemptions[preempted] += 1
+        self._state[run] = RUNNING
         self._kept = (run, standby) if held_back is None and self.ranking in RANKINGS else None
         return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
                          preempted, standby)
 
-    def _make_resident(self, res: np.ndarray, keys: np.ndarray, admitted: list) -> tuple[np.ndarray, np.ndarray]:
-        """The resident slots and their keys with ``admitted`` (just taken off the waiting list) added."""
-        adm = np.asarray(admitted, dtype=np.int64)
-        self._resident = np.concatenate([res, adm])
-        return self._resident, np.concatenate([keys, self._keys(adm)])
+    def _ranked(self, slots: np.ndarray, z: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``slots`` sorted by (key, arrival sequence), with their sort keys ``z`` (computed where not given).
 
-    def _admit_ranked(self, res: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray | None, list]:
-        """Admit the waiting requests that rank in the top ``B`` and fit (Algorithm 1's admission);
-        returns (the ranking of ``res`` where it was computed and nobody was admitted, else None; the
-        slots admitted, taken off the waiting list, their KV counted)."""
+        ``z = key + i·seq``: NumPy orders complex numbers by real part, then imaginary part, and seqs are
+        unique and exact in a float64 (keys are finite: NaN or infinite estimates are refused or ignored
+        where they come in), so one sort ranks them, as a lexsort of (key, seq) would; a stable
+        sort (timsort) takes the nearly sorted resident set (see the module docstring) in about linear time.
+        """
+        if z is None:
+            z = self._keys(slots) + self._tie[slots]
+        order = z.argsort(kind="stable")  # the method: np.argsort adds a Python-level wrapper per call
+        return slots[order], z[order]
+
+    def _make_resident(self, res: np.ndarray, z: np.ndarray, admitted: list) -> tuple[np.ndarray, np.ndarray]:
+        """The ranked resident slots and their sort keys with ``admitted`` (just taken off the waiting
+        list) added; they are paused until they run."""
+        adm = np.asarray(admitted, dtype=np.int64)
+        if self.prefill_first:
+            self._entered[adm] = self._entered_next + np.arange(len(adm))
+            self._entered_next += len(adm)
+        self._state[adm] = PAUSED
+        return self._ranked(np.concatenate([res, adm]), np.concatenate([z, self._keys(adm) + self._tie[adm]]))
+
+    def _admit_ranked(self, res: np.ndarray, z: np.ndarray) -> list:
+        """Admit the waiting requests that rank in the top ``B`` and fit (Algorithm 1's admission), given
+        the ranked residents and their sort keys; returns the slots admitted, taken off the waiting list,
+        their KV counted."""
         if not self._waiting or len(res) >= self.max_resident:
-            return None, []
-        rank = None
+            return []
         if len(res) >= self.slots:
             # the common case of a busy server: the best waiting request ranks below the B-th resident,
             # so none is admitted (the waiting list is sorted: its head is its best)
-            rank = np.lexsort((self._seq[res], keys))
-            kth = rank[self.slots - 1]
-            if not self._waiting[0] < (float(keys[kth]), int(self._seq[res[kth]]), math.inf):
-                return rank, []
+            if not self._waiting[0] < (*_key_seq(z, self.slots - 1), math.inf):
+                return []
         head = self._waiting[: self.slots]
-        thr = self._threshold(keys, self._seq[res], rank, head)
+        thr = self._threshold(z, head)
         admitted, kept = [], []
         n_res = len(res)
         for pos, entry in enumerate(head):
@@ -388,9 +419,10 @@ class DwisePolicy:
                 kept.extend(head[pos:])
                 break
             slot = entry[2]
-            if self.kv_used + self._kv[slot] <= self.kv_budget:
+            need = self._kv.item(slot)  # a Python float: the KV sums stay out of NumPy scalars
+            if self.kv_used + need <= self.kv_budget:
                 admitted.append(slot)
-                self.kv_used += self._kv[slot]
+                self.kv_used += need
                 n_res += 1
             elif self.blocking_admission:
                 kept.extend(head[pos:])
@@ -399,7 +431,7 @@ class DwisePolicy:
                 kept.append(entry)
         if admitted:
             self._waiting[: len(head)] = kept
-        return None, admitted
+        return admitted
 
     def _due(self) -> tuple | None:
         """The waiting-list entry (key, seq, slot) of the first request in the wait cap's line (the
@@ -419,7 +451,7 @@ class DwisePolicy:
 
     def _fits(self, slot: int, n_res: int) -> bool:
         """Whether ``slot`` can be admitted beside ``n_res`` residents: a row free, its KV free."""
-        return n_res < self.max_resident and self.kv_used + self._kv[slot] <= self.kv_budget
+        return n_res < self.max_resident and self.kv_used + self._kv.item(slot) <= self.kv_budget
 
     def _admit_due(self, n_res: int) -> tuple[list, bool]:
         """Admit the requests past the wait cap, first in line first, each whatever its rank, while
@@ -432,7 +464,7 @@ class DwisePolicy:
                 return admitted, True
             del self._waiting[bisect.bisect_left(self._waiting, entry)]
             heapq.heappop(self._wait_line)  # the entry _due() just found at its front
-            self.kv_used += self._kv[slot]
+            self.kv_used += self._kv.item(slot)
             admitted.append(slot)
             n_res += 1
         return admitted, False
@@ -458,8 +490,7 @@ class DwisePolicy:
         own order needs sorting. On a busy server that is most rounds (a handful of array calls over
         ``B`` requests instead of a ranking of the whole resident set).
         """
-        keys, seq = self._keys(run), self._seq[run]
-        order = np.lexsort((seq, keys))
+        run, z = self._ranked(run)
         due = self._due()
         if due is not None:
             if self._fits(due[2], len(self._resident)):
@@ -468,36 +499,36 @@ class DwisePolicy:
         elif self._waiting and len(self._resident) < self.max_resident:
             if len(run) < self.slots:
                 return None
-            worst = order[-1]  # the B-th best request: a waiting one ahead of it would be admitted
-            if self._waiting[0] < (float(keys[worst]), int(seq[worst]), math.inf):
+            # the B-th best request: a waiting one ahead of it would be admitted
+            if self._waiting[0] < (*_key_seq(z, len(z) - 1), math.inf):
                 return None
-        run = run[order]
         self._kept = (run, standby)
         return RoundPlan(run, self._P[run] > 0, NONE, standby, NONE, standby)
 
-    def _threshold(self, res_keys: np.ndarray, res_seq: np.ndarray, rank: np.ndarray | None, head: list) -> tuple:
-        """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off); ``rank`` is
-        the residents' ranking where already computed.
+    def _threshold(self, z: np.ndarray, head: list) -> tuple:
+        """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off), given the
+        ranked residents' sort keys ``z`` (see :meth:`_ranked`) and the head of the waiting list.
 
         Both sides are sorted by (key, seq) (seqs are unique), so the cut-off is found by a binary
-        search for how many of the ``B`` best come from ``head``: a few tuple comparisons instead of
+        search for how many of the ``B`` best come from ``head``: a few comparisons instead of
         building and sorting the union on every call."""
-        b, m, h = self.slots, len(res_keys), len(head)
+        b, m, h = self.slots, len(z), len(head)
         if m + h <= b:
             return (math.inf, 0, 0)
-        if rank is None:
-            rank = np.lexsort((res_seq, res_keys))
-        top = rank[:b]
-        res = list(zip(res_keys[top].tolist(), res_seq[top].tolist()))
         lo, hi = max(0, b - m), min(b, h)
-        while lo < hi:  # the smallest j (taken from head) whose next head entry is not better than res[b - j - 1]
+        while lo < hi:  # the smallest j (taken from head) whose next head entry is not better than resident b - j - 1
             j = (lo + hi) // 2
-            if head[j][:2] < res[b - j - 1]:
+            if head[j][:2] < _key_seq(z, b - j - 1):
                 lo = j + 1
             else:
                 hi = j
         i = b - lo  # taken from the residents
-        cut = res[i - 1] if lo == 0 else head[lo - 1][:2] if i == 0 else max(res[i - 1], head[lo - 1][:2])
+        if lo == 0:
+            cut = _key_seq(z, i - 1)
+        elif i == 0:
+            cut = head[lo - 1][:2]
+        else:
+            cut = max(_key_seq(z, i - 1), head[lo - 1][:2])
         return (cut[0], cut[1], math.inf)
 
     def ran(self, plan: RoundPlan, slots) -> None:
@@ -512,15 +543,17 @@ class DwisePolicy:
             A slot that is not resident (waiting or free).
         """
         slots = np.asarray(slots, dtype=np.int64)
-        outside = (self._state[slots] == WAITING) | (self._state[slots] == FREE)
+        state = self._state[slots]
+        outside = (state == WAITING) | (state == FREE)
         if outside.any():
             raise InputError(f"ran() got slots {slots[outside].tolist()} that are not resident: only the plan's "
                              "picks and its standby requests can run")
         self._kept = None
         self._state[plan.run] = PAUSED
         self._state[slots] = RUNNING
-        # a request the plan displaced but the server ran after all was not preempted
-        self._preemptions[plan.preempted[np.isin(plan.preempted, slots)]] -= 1
+        if len(plan.preempted):  # a request the plan displaced but the server ran after all was not preempted
+            ran_now = set(slots.tolist())  # a handful of slots: a set beats np.isin's setup
+            self._preemptions[[s for s in plan.preempted.tolist() if s in ran_now]] -= 1
 
     def complete_round(self, plan: RoundPlan, finished=None, refined=None, repeat: int = 1) -> np.ndarray:
         """Update the fields of the requests that ran (Algorithm 1, lines 11-20).
@@ -636,7 +669,8 @@ class DwisePolicy:
             entry = (float(self._keys(np.array([slot]))[0]), old[1], slot)
             bisect.insort(self._waiting, entry)
             if self.max_wait is not None:
-                self._line_up([entry])  # its old entry there no longer matches: dropped when met
+                # its old entry there no longer matches: dropped when met
+                self._line_up([entry], float(self._born[slot]))
         else:
             self._P[slot] = prompt_blocks
 
@@ -647,7 +681,7 @@ class DwisePolicy:
         if self._state[slot] == WAITING:
             self._waiting = [e for e in self._waiting if e[2] != slot]
             self._state[slot] = FREE
-            self._free_slot(slot)
+            self._free_slots([slot])
         else:
             self._release(np.array([slot], dtype=np.int64))
 
@@ -658,13 +692,14 @@ class DwisePolicy:
         self.kv_used = max(self.kv_used - float(np.add.reduce(self._kv[slots])), 0.0)
         self._state[slots] = FREE
         self._resident = self._resident[self._state[self._resident] != FREE]
-        for slot in slots.tolist():
-            self._free_slot(slot)
+        self._free_slots(slots.tolist())
 
-    def _free_slot(self, slot: int) -> None:
-        del self._slot_of[self._ids[slot]]
-        self._ids[slot] = None
-        self._free.append(slot)
+    def _free_slots(self, slots: list) -> None:
+        slot_of, ids = self._slot_of, self._ids
+        for slot in slots:
+            del slot_of[ids[slot]]
+            ids[slot] = None
+        self._free.extend(slots)
 
     def _slot(self, request_id) -> int:
         try:

@@ -332,13 +332,15 @@ def simulate(
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
     pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging, config.max_wait)
     loop = _RoundLoop(workload, pol, config.cost, estimate, refined, kv, later, record)
-    ptr = 0
+    ptr, next_arrival = 0, float(times[0]) if n else math.inf
     while loop.n_done < n:
-        ptr = loop.admit(order, times, ptr)
+        if next_arrival <= loop.clock:  # the check admit makes first, without its call on most rounds
+            ptr = loop.admit(order, times, ptr)
+            next_arrival = float(times[ptr]) if ptr < n else math.inf
         if pol.n_resident == 0 and pol.n_waiting == 0:
             loop.clock = float(times[ptr])  # idle server: jump to the next arrival
             continue
-        loop.run_round(float(times[ptr]) if ptr < n else math.inf, fast_forward and not record)
+        loop.run_round(next_arrival, fast_forward and not record)
     counters = {**loop.counters(), "rhat_zero_pct": rhat_zero_share(spec, estimate, refined, workload.total_rounds, later)}
     result = _result(policy, config, config.cost, times, loop.arrive_round, loop.arrive_s, loop.finish_round,
                      loop.finish_s, loop.ttfb_round, loop.ttfb_s, counters, loop.log)
@@ -413,7 +415,8 @@ class _RoundLoop:
         denoise = ~plan.prompt
         dn = run[denoise]
         done, stamp = self.done_rounds[dn], self.next_stamp[dn]
-        starting = len(dn) > 0 and not done.all()  # a runner's first denoising round: its refinement is due
+        # a runner's first denoising round: its refinement is due (count_nonzero: the cheapest numpy call)
+        starting = np.count_nonzero(done) < len(done)
         dt = float(self.cost.seconds(len(run) - len(dn), len(dn)))
         repeat = 1
         if fast_forward and len(plan.admitted) == 0:
@@ -455,7 +458,7 @@ class _RoundLoop:
         self.ttfb_round[first], self.ttfb_s[first] = self.rounds, self.clock
         self.next_stamp[first] = self.total_rounds[first]
         last = hit_done >= self.total_rounds[hit]
-        if not last.any():
+        if not np.count_nonzero(last):
             return None
         fin = hit[last]
         self.finish_round[fin], self.finish_s[fin] = self.rounds, self.clock
@@ -760,9 +763,9 @@ def _steady_rounds(pol: DwisePolicy, plan, done: np.ndarray, stamp: np.ndarray, 
     if refine_gaps is not None and len(refine_gaps):
         steps.append(int(refine_gaps.min()) - 1)  # 0 when this round refines: it runs alone
     if len(done) < len(plan.run):
-        steps.append(int(pol._P[plan.run[plan.prompt]].min()))
+        steps.append(int(np.minimum.reduce(pol._P[plan.run[plan.prompt]])))
     if len(done):
-        steps.append(int((stamp - done).min()))
+        steps.append(int(np.minimum.reduce(stamp - done)))
     if math.isfinite(until_arrival):
         # round j of the span starts at clock + j * dt and must start before the next arrival
         steps.append(max(1, math.ceil(until_arrival / dt) - 1))

@@ -13,8 +13,10 @@ locked for the whole run, so a second ``train`` into the same ``RUN`` is refused
 
 from __future__ import annotations
 
+import io
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -61,13 +63,17 @@ def train_run(
         predictors = fit_predictors(train, config, progress, jobs, log)
         if log:
             log(f"scoring the eval split ({len(eval_ds)} requests)")
-        with torch_threads(config.num_threads):
-            metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
-        if config.exclude:
-            metrics["excluded"] = _excluded_summary(metrics, config.exclude, len(ds.split("train")) - len(train))
+        # the training curves are drawn (matplotlib's import and the PNG, ~1 s) on the core the evaluation
+        # leaves idle; a failure there is raised when write_run asks for the picture
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dwise-curves") as pool:
+            curves = pool.submit(_plot_curves, predictors.ensemble.history_)
+            with torch_threads(config.num_threads):
+                metrics = evaluate_predictors(predictors, eval_ds, config.bootstrap, config.seed)
+            if config.exclude:
+                metrics["excluded"] = _excluded_summary(metrics, config.exclude, len(ds.split("train")) - len(train))
 
-        with atomic_dir(out) as tmp:
-            write_run(tmp, ds, predictors, metrics, config)
+            with atomic_dir(out) as tmp:
+                write_run(tmp, ds, predictors, metrics, config, curves=curves.result)
     return metrics
 
 
@@ -101,8 +107,10 @@ def _excluded_summary(metrics: dict, exclude, n_removed: int) -> dict:
     }
 
 
-def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict, config: TrainConfig) -> None:
-    """Write every file of the run directory format (:mod:`dwise_predict.runs`) into ``run``."""
+def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict, config: TrainConfig,
+              curves: Callable[[], bytes] | None = None) -> None:
+    """Write every file of the run directory format (:mod:`dwise_predict.runs`) into ``run``.
+    ``curves``: returns curves.png's bytes when the caller drew them already (else drawn here)."""
     from safetensors.torch import save
 
     predictors.admission.save(run)
@@ -111,7 +119,7 @@ def write_run(run: Path, ds: TraceDataset, predictors: Predictors, metrics: dict
     _write_json(run / "calibration.json", predictors.calibrator.to_json())
     _write_json(run / "candidates.json", predictors.selection)
     _write_json(run / "curves.json", {"members": predictors.ensemble.history_})
-    _plot_curves(predictors.ensemble.history_, run / "curves.png")
+    (run / "curves.png").write_bytes(curves() if curves is not None else _plot_curves(predictors.ensemble.history_))
     _write_json(run / "metrics.json", metrics)
     _write_json(
         run / "config.json",
@@ -133,13 +141,12 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def _plot_curves(history: list[dict], path: Path) -> None:
-    import matplotlib
+def _plot_curves(history: list[dict]) -> bytes:
+    """curves.png's bytes. Drawn on a bare ``Figure`` (no pyplot state), so it may run in any thread."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for m, h in enumerate(history):
         line = ax.plot(h["train_loss"], label=f"member {m} (seed {h['seed']}) train")[0]
         ax.plot(h["val_loss"], "--", color=line.get_color(), label=f"member {m} val")
@@ -150,8 +157,9 @@ def _plot_curves(history: list[dict], path: Path) -> None:
     if history:  # the ridge candidate has no training curves
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100, metadata={"Software": None})
+    return png.getvalue()
 
 
 def load_predictors(run: str | os.PathLike | RunFiles) -> Predictors:

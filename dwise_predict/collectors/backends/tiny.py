@@ -43,7 +43,7 @@ class TinyBackend:
         cache = self.cache
         if (cache is not None and cache.n_slots == n_slots and cache.k[0].device == self.device
                 and cache.k[0].dtype == self.model.dtype):
-            # the last call's cache, emptied: zeroing its ~70 MB again cost ~40 ms of CPU a `collect` shard;
+            # the last call's cache, emptied: a fresh one zeroes its positions again as forwards reach them;
             # its stale entries are finite and masked out, as a reused slot's always are (TinyKVCache)
             cache.lengths.zero_()
             return

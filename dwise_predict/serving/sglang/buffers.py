@@ -266,6 +266,13 @@ class PoolingBuffers:
         self.scale[:, 0] = 1.0 / block_size
         self.leftover_mask, self.leftover_scale = self.mask[:, 1], self.scale[:, 1]
         self.weights_set = False  # leftover_mask holds a nonzero row
+        # a row's leftover mask and 1/n by its n leftover prompt positions (0 to block - 1), made once: a step
+        # stages its rows' by one lookup (DwiseHook.stage_rows)
+        n = np.arange(block_size, dtype=np.float32)
+        self.leftover_weights = np.empty((block_size, block_size + 1), dtype=np.float32)
+        np.less(n, n[:, None], out=self.leftover_weights[:, :block_size])
+        np.divide(np.float32(1.0), np.maximum(n, np.float32(1.0)), out=self.leftover_weights[:, block_size])
+        self.views: dict = {}  # batch size -> (pooled[:size], leftover_pooled[:size]) (rows_of)
         self.to_device = _ToDevice(device, (5 + block_size) * rows)  # the step's per-row inputs
         self.to_device_kept = _ToDevice(device, 4 * rows, "int64")  # its own buffer: the next step's copy may be in flight
         self.prompt_rows = prompt_rows  # the same for recent blocks of any request, by tokens
@@ -295,6 +302,15 @@ class PoolingBuffers:
         else:
             torch.bmm(mask, blocks.float(), out=out)
         out.mul_(self.scale[:rows])
+
+    def rows_of(self, size: int) -> tuple:
+        """``(pooled[:size], leftover_pooled[:size])``, the rows a forward of ``size`` requests writes:
+        views of the static buffers, made once per size (a view is a tensor op, microseconds of the
+        scheduler thread every step)."""
+        views = self.views.get(size)
+        if views is None:
+            views = self.views[size] = (self.pooled[:size], self.leftover_pooled[:size])
+        return views
 
     def hold_own(self, own_row: list, slot: int) -> int:
         """The row of ``own_last`` of the request in policy slot ``slot`` (``own_row``: the request

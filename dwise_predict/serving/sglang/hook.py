@@ -61,7 +61,7 @@ import logging
 import math
 import operator
 from functools import partial
-from itertools import compress
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -388,7 +388,7 @@ class DwiseHook:
         # blocks for (P > 0) but SGLang runs as denoising (a prefix hit covered them): the policy's P > 0
         # rows number the checked prompt rows that have P > 0 unless there is such a row
         check = prompt_at
-        if sum(P[i] > 0 for i in prompt_at) != with_prompt:
+        if sum(map(operator.gt, map(P.__getitem__, prompt_at), repeat(0))) != with_prompt:
             check = [i for i in range(n) if slot_list[i] >= 0 and (prompt_list[i] or P[i] > 0)]
         expect = self.table.expect_prefix
         for i in check:
@@ -561,14 +561,16 @@ class DwiseHook:
             return [], []
         batch, bs = step.batch, self.block_size
         done = run.step_done[0][1] if len(run.step_done) == 1 else run.row_forwards()  # truthy: block done
-        rows = sorted(set(step.batch_prompt_at).union(finished_at)) if finished_at else step.batch_prompt_at
+        rows = prompt_at = step.batch_prompt_at
+        if finished_at:
+            prompt_at = set(prompt_at)
+            rows = sorted(prompt_at.union(finished_at))
         kept = list(compress(rows, map(done.__getitem__, rows)))
         reqs = list(map(batch.__getitem__, kept))
         # SGLang's prefix ends on a block boundary and the forward ran the block after it
         ends = list(map(_extend_end, reqs))
         if finished_at:  # a finished request's last block is kept when it is full
-            prompt = step.batch_prompt.tolist()
-            full = [prompt[i] or len(r.origin_input_ids) + len(r.output_ids) >= end
+            full = [i in prompt_at or len(r.origin_input_ids) + len(r.output_ids) >= end
                     for i, r, end in zip(kept, reqs, ends)]
             if not all(full):
                 kept, reqs, ends = (list(compress(x, full)) for x in (kept, reqs, ends))
@@ -576,8 +578,8 @@ class DwiseHook:
 
     def to_host(self, first) -> dict:
         """The step's one device-to-host copy: the refined estimates of the first denoising rounds (the
-        bundle's graph run once over all of them), their early signals and, when recording, their
-        pooled rows and ``prompt_last`` rows; on the first refinement, whether the forward wrote the
+        bundle's graph run once over all of them) and, when recording, their early signals, pooled rows
+        and ``prompt_last`` rows; on the first refinement, whether the forward wrote the
         pooling buffer. ``first``: their batch rows, in the order the forward's rows were staged."""
         import torch
 
@@ -591,19 +593,20 @@ class DwiseHook:
         refine_here = self.bundle is not None and (self.share is None or self.share.is_source)
         if refine_here:
             pieces.append(self.bundle.refine(pooled.float(), last.float(), run.tokens_dev, run.budget_dev, signals))
-        pieces.append(signals)
-        if self.recorder is not None:
-            pieces += [pooled, last]  # a row without prompt rows (has_prompt False) is not read
+        if self.recorder is not None:  # the host reads the early signals only to record them
+            pieces += [signals, pooled, last]  # a row without prompt rows (has_prompt False) is not read
         if not self.checked:
             pieces.append(torch.isfinite(pooled).all().reshape(1))
-        host = torch.cat(list(map(_flat32, pieces))).cpu().numpy()  # the transfer
-        self.stats.host_transfers += 1
+        host = None  # a TP rank that neither refines nor records, once checked, needs nothing of the step
+        if pieces:
+            host = torch.cat(list(map(_flat32, pieces))).cpu().numpy()  # the transfer
+            self.stats.host_transfers += 1
         out = {"refined": None, "has_prompt": has_prompt}
         at = 0
         if refine_here:
             out["refined"], at = host[:n], n
-        out["signals"], at = host[at:at + 4 * n].reshape(n, 4), at + 4 * n
         if self.recorder is not None:
+            out["signals"], at = host[at:at + 4 * n].reshape(n, 4), at + 4 * n
             out["pooled"] = host[at:at + n * width].reshape(n, width)
             out["prompt"] = host[at + n * width:at + 2 * n * width].reshape(n, width)
             at += 2 * n * width
@@ -624,7 +627,7 @@ class DwiseHook:
         leftover prompt rows in this forward, else none (a block-aligned prompt cached whole: SGLang
         ran none of its rows here), where the refinement takes the training mean."""
         run, buffers = self.step_run, self.buffers
-        own = run.row_own >= 0
+        own = np.greater_equal(run.row_own, 0)
         rows = buffers.own_last.index_select(0, run.own_dev)
         if own.all():
             return rows, own
@@ -675,7 +678,7 @@ class DwiseHook:
                 # a block SGLang emits ran its last forward over its final tokens: that forward writes
                 # the block's KV cache (LowConfidence reports done on a forward with no masks left;
                 # JointThresholdInDel keeps a block whose ids its step changed for one more forward)
-                run.last_pooled = run.first_pooled if run.forwards == 1 else buffers.pooled[:size]  # read this step
+                run.last_pooled = run.first_pooled if run.forwards == 1 else buffers.rows_of(size)[0]  # read this step
             return out
         finally:
             run.running = None
@@ -707,23 +710,20 @@ class DwiseHook:
         if not run.rows:
             return
         n, bs = len(run.rows), self.block_size
-        inputs = np.array(list(map(first.__getitem__, run.row_rids)), dtype=np.float32)  # (n, 4)
-        leftover = inputs[:, 2]
-        weighted = bool(leftover.any())
-        # one host vector, one copy: rows, tokens, budgets, own_last rows (-1 as 0: the row gathered for a
-        # request without one is not read) and, with leftover rows to pool, each row's mask and 1/n
+        tokens, budgets, leftover, own = zip(*map(first.__getitem__, run.row_rids))  # the inputs' columns
+        weighted = any(leftover)
+        # one host vector, one copy: rows and own_last rows (-1 as 0: the row gathered for a request without
+        # one is not read) first, as they are read as int64 (one conversion), then tokens, budgets and,
+        # with leftover rows to pool, each row's mask and 1/n
         staged = np.empty(4 * n + (n * (bs + 1) if weighted else 0), dtype=np.float32)
-        staged[:n] = run.rows
-        staged[n:3 * n].reshape(2, n)[:] = inputs[:, :2].T
-        np.maximum(inputs[:, 3], 0, out=staged[3 * n:4 * n])
+        staged[:4 * n] = [*run.rows, *map(max, own, repeat(0)), *tokens, *budgets]
         if weighted:
-            weights = staged[4 * n:].reshape(n, bs + 1)
-            np.less(np.arange(bs, dtype=np.float32), leftover[:, None], out=weights[:, :bs])
-            np.divide(np.float32(1.0), np.maximum(leftover, np.float32(1.0)), out=weights[:, bs])
+            np.take(buffers.leftover_weights, leftover, axis=0, out=staged[4 * n:].reshape(n, bs + 1))
         staged = buffers.to_device(staged)
-        run.rows_dev = staged[:n].long()
-        run.tokens_dev, run.budget_dev = staged[n:2 * n], staged[2 * n:3 * n]
-        run.row_own, run.own_dev = inputs[:, 3], staged[3 * n:4 * n].long()
+        indices = staged[:2 * n].long()
+        run.rows_dev, run.own_dev = indices[:n], indices[n:]
+        run.tokens_dev, run.budget_dev = staged[2 * n:3 * n], staged[3 * n:4 * n]
+        run.row_own = own
         if weighted:
             weights = staged[4 * n:].view(n, bs + 1)
             buffers.leftover_mask.index_copy_(0, run.rows_dev, weights[:, :bs])
@@ -744,8 +744,8 @@ class DwiseHook:
         out = forward(*args, **kwargs)
         if run.forwards == 0 and self.buffers is not None:
             size = forward_batch.batch_size  # views of the buffer, valid until the step's next forward
-            run.first_pooled = self.buffers.pooled[:size]
-            run.first_leftover = self.buffers.leftover_pooled[:size] if run.rows else None
+            run.first_pooled, leftover = self.buffers.rows_of(size)
+            run.first_leftover = leftover if run.rows else None
             # the first forward's early signals, before the step fills masks: the refinement
             # graph's last input (and recorded). From the forward's output, after any graph replay;
             # an algorithm without a threshold of its own (Gemma4Renoise) counts over the one the

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -43,6 +43,9 @@ MAX_CATEGORY_CHARS = 64  # a client's string, kept in the window, the traces and
 
 
 _rid = operator.attrgetter("rid")
+_origin = operator.attrgetter("origin_input_ids")
+_output = operator.attrgetter("output_ids")
+_max_new_tokens = operator.attrgetter("sampling_params.max_new_tokens")
 
 
 def category_of(req) -> str:
@@ -86,7 +89,8 @@ class HookStats:
         out, where the adder still took requests (its ``budget_state`` said CONTINUE).
     idle : IDLE forwards (DP attention's MLP sync: no requests) that went through the hook.
     host_transfers : device-to-host copies the hook made: one per step that ran a first denoising
-        round (refinement or recording), none in any other step.
+        round (refinement or recording), none in any other step (nor on a TP rank that neither
+        refines nor records).
     refined : requests refined on their first denoising round.
     prompt_from_cache : refined requests that ran no prompt block of their own after a prefix-cache
         hit on every full block: their ``prompt_last`` input was the row an earlier request's forward
@@ -174,6 +178,7 @@ class RequestTable:
         self.bundle, self.features, self.recorder, self.stats = bundle, features, recorder, stats
         self.sglang, self.buffers, self.monitor = sglang, buffers, monitor
         self.health_prefix = None  # the rid prefix of SGLang's health probe, which the monitor leaves out
+        self.abort_kinds: dict = {}  # finish-reason class -> whether it is an abort (aborted)
         if monitor is not None:
             # imported as the table is made (the scheduler's first step), not at the first finish mid-serving:
             # collectors.live loads the collect stack (0.1 s holding the scheduler thread)
@@ -263,8 +268,19 @@ class RequestTable:
         admission, refined, version = self.served_admission, self.served_refined, self.served_version
         observe, health = self.monitor.observe, self.health_prefix
         for req, slot, n in zip(reqs, slots, rounds):
-            if n > 0 and not _aborted(req) and not str(req.rid).startswith(health):
+            if n > 0 and not self.aborted(req) and not str(req.rid).startswith(health):
                 observe(admission[slot], refined[slot], n, category_of(req), version[slot])
+
+    def aborted(self, req) -> bool:
+        """:func:`_aborted`, asked once per finish-reason class: each of SGLang's classes has one type
+        (``FINISH_ABORT``'s is "abort"), and its ``to_json`` builds a dict per call."""
+        kind = type(req.finished_reason)
+        known = self.abort_kinds.get(kind)
+        if known is None:
+            known = _aborted(req)
+            if hasattr(kind, "to_json"):  # not a bare string (the test fake's)
+                self.abort_kinds[kind] = known
+        return known
 
     def register(self, scheduler, reqs: list, version: str = "none") -> None:
         """Add newly arrived requests to the policy, admission estimates in one batch (the first TP
@@ -279,11 +295,12 @@ class RequestTable:
         if len(set(map(_rid, reqs))) < len(reqs):  # two arrivals under one id: the first is kept
             reqs = self.first_of_each_id(scheduler, reqs)
         # what is still to encode: the prompt, plus the output of a request queued again (re-encoded)
-        seen = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
-        kv = [(math.ceil((len(r.origin_input_ids) + r.sampling_params.max_new_tokens) / bs) + self.slack_blocks) * bs
-              for r in reqs]
-        fits = [k <= self.policy.kv_budget for k in kv]
-        if not all(fits):
+        prompt = list(map(len, map(_origin, reqs)))
+        seen = list(map(operator.add, prompt, map(len, map(_output, reqs))))
+        slack = self.slack_blocks  # a reservation: ceil((prompt + max_new_tokens) / bs) blocks, plus the slack
+        kv = [(-(-(n + m) // bs) + slack) * bs for n, m in zip(prompt, map(_max_new_tokens, reqs))]
+        if not max(kv) <= self.policy.kv_budget:  # (not `>`: a NaN budget refuses every request, as each `<=` does)
+            fits = [k <= self.policy.kv_budget for k in kv]
             refused = [(req, f"dwise: request {req.rid} needs a worst-case KV reservation of {k:g} tokens (prompt + "
                              f"max_new_tokens + slack) but the DWISE KV budget is {self.policy.kv_budget:g}: lower "
                              "max_new_tokens or raise the budget") for req, k, ok in zip(reqs, kv, fits) if not ok]
@@ -296,7 +313,7 @@ class RequestTable:
             if not reqs:
                 return
         # no prefix is matched before SGLang stages the request; P follows the match from then on
-        P = [prefill_rounds(n, bs) for n in seen]
+        P = list(map(prefill_rounds, seen, repeat(bs)))
         estimates = np.zeros(len(reqs))
         if self.bundle is not None:
             if self.share is None or self.share.is_source:

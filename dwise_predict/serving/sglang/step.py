@@ -56,7 +56,7 @@ class StepRun:
     forwards : forwards so far; step_done : (forwards so far, the algorithm step's done list) per
     step call. rows : batch rows of the step's first denoising forwards; row_rids : their request
     ids; rows_dev, tokens_dev, budget_dev : the same, their prompt tokens and budgets on the device;
-    row_own, own_dev : their own_last rows (-1: none), host and device. first_pooled : (B, H) the
+    row_own, own_dev : their own_last rows (-1: none), host (a tuple) and device. first_pooled : (B, H) the
     first forward's rows (a view of the pooling buffer; copied if a second forward runs);
     first_leftover : the same of the leftover buffer (when the step has first-round rows);
     first_signals : (n_rows, 4) early signals of ``rows`` in the first forward; last_pooled : (B, H)
