@@ -178,13 +178,17 @@ def _masked_top(logits: torch.Tensor, at: list[int]) -> tuple[list[int], list[fl
     collecting): each position's softmax and argmax are its own, so they equal the whole block's."""
     if not at:
         return [], []
-    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, torch.tensor(at, device=logits.device))
-    # numpy's argmax breaks ties as torch's does (the first; a NaN first of all), 8x faster on the CPU
-    on_host = rows.device.type == "cpu" and rows.dtype == torch.float32
-    top = rows.numpy().argmax(-1) if on_host else rows.argmax(dim=-1)
+    flat = logits.reshape(-1, logits.shape[-1])
     # the top-1's probability is the largest, bit for bit: exp(0) over the sum every position shares,
     # and no other position's exp(logit - max) exceeds 1 (NaN rows stay NaN either way)
-    return top.tolist(), F.softmax(rows, dim=-1).amax(dim=-1).tolist()
+    if flat.device.type == "cpu" and flat.dtype == torch.float32:
+        # on the host numpy gathers, takes the argmax (ties as torch breaks them: the first, a NaN first
+        # of all; 8x faster) and the max (exact, NaN kept) with no index tensor or dispatch per call;
+        # the softmax stays torch's, for its bits
+        rows = flat.numpy()[at]
+        return rows.argmax(-1).tolist(), F.softmax(torch.from_numpy(rows), dim=-1).numpy().max(-1).tolist()
+    rows = flat.index_select(0, torch.tensor(at, device=logits.device))
+    return rows.argmax(dim=-1).tolist(), F.softmax(rows, dim=-1).amax(dim=-1).tolist()
 
 
 def _fill_row(row: list[int], masked: list[bool], top: list[int], confidence: list[float],

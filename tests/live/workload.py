@@ -20,7 +20,9 @@ from tiny_sdar import BLOCK, words
 BURST = 30
 LENGTHS = tuple(10 + 4 * i for i in range(BURST))  # prompt tokens: 10..126, each its own prompt-block count
 BUDGET = 16  # new tokens of a burst request: 5 output blocks, 23 forwards (module docstring of tiny_sdar)
-FILLER_TOKENS, FILLER_BUDGET = 8, 64  # a filler runs 80 forwards, ~1.5 s: the burst arrives meanwhile
+# a filler runs 240 forwards, ~4.5 s on idle cores: the burst must arrive whole meanwhile, and on busy
+# cores (CI beside other work) its 30 requests took more than the 1.5 s of 64 tokens
+FILLER_TOKENS, FILLER_BUDGET = 8, 192
 ARRIVAL_SEED = 0
 
 
