@@ -70,7 +70,8 @@ from dwise_predict.traces.hidden_extra import HiddenExtra
 
 # first denoising forwards whose early signals wait to be computed in one batch (_PendingFirstRounds):
 # each holds its block's logits (block x vocabulary floats, 16 MiB for LLaDA's 32 x 126,464), so
-# they are computed at a request's finish or at this many, whichever comes first
+# they are computed once a slot count of finished requests waits for them, at the end, or at this
+# many, whichever comes first
 MAX_PENDING_FIRST_ROUNDS = 64
 
 @dataclass
@@ -92,6 +93,9 @@ class _Active:
     layer_hidden: dict[str, np.ndarray] = field(default_factory=dict)  # `collect --layers` tensors
     round_states: list[np.ndarray] = field(default_factory=list)  # `collect --rounds-hidden`: (H,) per round
     round_signals: list[tuple[float, ...]] = field(default_factory=list)  # and its signals
+    slot: int = -1  # from its finish on (its result may wait for its first round's signals: _release)
+    finish_round: int = 0
+    wall_s: float = 0.0
 
 
 def _validate(requests: list[DecodeRequest], block: int, max_context: int) -> None:
@@ -133,8 +137,10 @@ def decode(backend: BlockBackend, requests: Iterable[DecodeRequest], config: Dec
     config : algorithm and its parameters (``None``: SGLang's default), block size (None = the
         model's), batch size; ``config.budget`` is recorded by the caller, each request's own
         ``budget`` is what the decoder enforces.
-    on_result : called with each result as it finishes (before it is yielded).
-    progress : called with the number of requests finished in a round (for a progress bar).
+    on_result : called with each result before it is yielded. Results come in the order requests
+        finish, released together once their first rounds' early signals are computed (at the
+        latest when ``batch_size`` of them wait, or at the end).
+    progress : called with the number of results released together (for a progress bar).
     hidden_layers : layers and poolings of the first denoising forward to keep besides ``first_round``
         (resolved against ``backend`` by :func:`.layers.resolve_layers`); None keeps none.
     rounds_hidden : keep the pooled rows and early signals of each request's first this many
@@ -180,6 +186,7 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
         stop_ids=torch.tensor(backend.eos_token_ids, dtype=torch.long, device=dev),
         no_prompt=[False] * block,
         pending=_PendingFirstRounds(),
+        waiting=[],
     )
     round_index = 0
 
@@ -210,16 +217,13 @@ def _run(backend: BlockBackend, queue: deque, config: DecodingConfig, rule: Step
         if slots:
             finished = _denoise(out, d_rows, slots, s, rule, block, backend.eos_token_ids, mask_id, hidden_layers,
                                 rounds_hidden)
-        if s.pending.held >= MAX_PENDING_FIRST_ROUNDS or any(s.active[slot].signals is None for slot in finished):
+        s.finish(finished, round_index)
+        # finished requests wait for their first rounds' signals, computed for a slot count of them at
+        # once (or at the cap, or at the end): one batch of ~40 dispatches where each finish paid one
+        if s.pending.held >= MAX_PENDING_FIRST_ROUNDS or s.waiting and (
+                len(s.waiting) >= n_slots or not queue and s.active.count(None) == n_slots):
             s.pending.flush(rule, mask_id, s.stop_ids)
-        for slot in finished:
-            result = _result(s.active[slot], slot, round_index, rounds_hidden)
-            s.active[slot] = None
-            if on_result is not None:
-                on_result(result)
-            yield result
-        if progress is not None and finished:
-            progress(len(finished))
+        yield from _release(s, rounds_hidden, on_result, progress)
 
 
 @dataclass
@@ -228,7 +232,8 @@ class _Slots:
     tokens, a finished block awaiting its commit (None: none), forwards spent on the current block,
     the step rule's state, the request holding the slot; the model's device, the stop ids on it and
     a prompt mask row of no prompt position (read only), made once, not every round; the first
-    denoising forwards whose records are still to compute."""
+    denoising forwards whose records are still to compute, and the finished requests whose results
+    wait for them (in finish order)."""
 
     blk: list[list[int]]
     prompt_len: list[int]
@@ -240,6 +245,7 @@ class _Slots:
     stop_ids: torch.Tensor
     no_prompt: list[bool]
     pending: _PendingFirstRounds
+    waiting: list[_Active]
 
     def admit(self, slot: int, req: DecodeRequest, block: int, round_index: int, rule: StepRule,
               mask_id: int) -> None:
@@ -251,6 +257,15 @@ class _Slots:
         self.prompt_len[slot] = len(leftover)
         self.prev[slot] = None
         self.new_block(slot, rule)
+
+    def finish(self, slots: list[int], round_index: int) -> None:
+        """Free ``slots``, whose requests ended in round ``round_index``: they join :attr:`waiting`."""
+        now = time.perf_counter()
+        for slot in slots:
+            a = self.active[slot]
+            a.slot, a.finish_round, a.wall_s = slot, round_index, now - a.t0
+            self.waiting.append(a)
+            self.active[slot] = None
 
     def new_block(self, slot: int, rule: StepRule) -> None:
         self.forwards[slot] = 0
@@ -303,9 +318,9 @@ def _denoise(out, d_rows: list[int] | None, slots: list[int], s: _Slots, rule: S
         s.forwards[slot] += 1
     forwards = [s.forwards[slot] for slot in slots]
     first = [(not s.active[slot].rounds_per_block) and f == 1 for slot, f in zip(slots, forwards)]
-    ids = _tensor(blocks, np.int64, dev) if any(first) or rounds_hidden else None  # the signals' input
+    ids = _tensor(blocks, np.int64, dev) if rounds_hidden else None  # the signals' input
     if any(first):
-        _record_first_round(out, d_rows, slots, first, logits, ids, s, hidden_layers)
+        _record_first_round(out, d_rows, slots, first, logits, blocks, s, hidden_layers)
     if rounds_hidden:  # round 1 copies the first round's record: computed now
         s.pending.flush(rule, mask_id, s.stop_ids)
         _record_rounds(out, d_rows, slots, logits, ids, s, rule, mask_id, rounds_hidden)
@@ -343,8 +358,9 @@ def _denoise(out, d_rows: list[int] | None, slots: list[int], s: _Slots, rule: S
 
 def _tensor(rows: list[list], dtype, device) -> torch.Tensor:
     """``rows`` as a tensor on ``device``, through numpy: ``torch.tensor`` reads a nested list
-    element by element, 2-3x slower at a round's sizes."""
-    return torch.from_numpy(np.array(rows, dtype=dtype)).to(device)
+    element by element, 2-3x slower at a round's sizes (on the host, no ``to``: a dispatch a call)."""
+    tensor = torch.from_numpy(np.array(rows, dtype=dtype))
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 def _prompt_rows(s: _Slots, slots: list[int], block: int) -> list[list[bool]]:
@@ -358,17 +374,17 @@ def _output_rows(d_rows: list[int] | None, at: list[int], device) -> torch.Tenso
     return torch.tensor(at if d_rows is None else [d_rows[j] for j in at], dtype=torch.long, device=device)
 
 
-def _record_first_round(out, d_rows, slots: list[int], first: list[bool], logits, ids, s: _Slots,
+def _record_first_round(out, d_rows, slots: list[int], first: list[bool], logits, blocks: list[list[int]], s: _Slots,
                         hidden_layers: HiddenExtra | None) -> None:
-    """The first denoising forward of a request's first block (``ids``, ``first``: the denoising rows',
+    """The first denoising forward of a request's first block (``blocks``, ``first``: the denoising rows',
     in ``slots`` order; ``logits``: the round's every row): its rows are kept for the early signals and
     the pooled hidden row (:class:`_PendingFirstRounds`); the `collect --layers` poolings and a short
     prompt's pooled rows are taken now."""
     rows = [j for j, is_first in enumerate(first) if is_first]
-    at, source = torch.tensor(rows, dtype=torch.long, device=ids.device), _output_rows(d_rows, rows, ids.device)
+    source = _output_rows(d_rows, rows, s.device)
     states = out.hidden.index_select(0, source).float()  # (k, block, H)
     requests = [s.active[slots[j]] for j in rows]
-    s.pending.add(requests, logits.index_select(0, source), ids.index_select(0, at), states)
+    s.pending.add(requests, logits.index_select(0, source), [blocks[j] for j in rows], states)
     layers = None if hidden_layers is None else out.layers.index_select(0, source)
     for k, a in enumerate(requests):
         if hidden_layers is not None:
@@ -380,19 +396,19 @@ def _record_first_round(out, d_rows, slots: list[int], first: list[bool], logits
 @dataclass
 class _PendingFirstRounds:
     """First denoising forwards whose early signals and pooled hidden rows are not computed yet: one
-    entry a round (its requests, and their logits (k, block, V), input ids (k, block) and final
-    hidden rows (k, block, H)). :meth:`flush` computes every kept request's at once, before a result
-    needs them: ~40 dispatches for many rounds' requests, where each round's own call paid them.
-    Each row's values are its own (a position's softmax, a block's sums), bit for bit the same in
-    any batch."""
+    entry a round (its requests, and their logits (k, block, V), input blocks (k lists of block ids,
+    made one tensor at the flush) and final hidden rows (k, block, H)). :meth:`flush` computes every
+    kept request's at once, before a result needs them: ~40 dispatches for many rounds' requests,
+    where each round's own call paid them. Each row's values are its own (a position's softmax, a
+    block's sums), bit for bit the same in any batch."""
 
     requests: list[list[_Active]] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
-    ids: list[torch.Tensor] = field(default_factory=list)
+    ids: list[list[list[int]]] = field(default_factory=list)
     states: list[torch.Tensor] = field(default_factory=list)
     held: int = 0  # requests kept (each holds its block's logits: flushed at MAX_PENDING_FIRST_ROUNDS)
 
-    def add(self, requests: list[_Active], logits: torch.Tensor, ids: torch.Tensor, states: torch.Tensor) -> None:
+    def add(self, requests: list[_Active], logits: torch.Tensor, ids: list[list[int]], states: torch.Tensor) -> None:
         self.held += len(requests)
         self.requests.append(requests)
         self.logits.append(logits)
@@ -403,7 +419,8 @@ class _PendingFirstRounds:
         """Set ``signals`` and ``first_hidden`` of every kept request; keep none after."""
         if not self.requests:
             return
-        logits, ids = torch.cat(self.logits), torch.cat(self.ids)
+        logits = torch.cat(self.logits)
+        ids = _tensor([row for rows in self.ids for row in rows], np.int64, logits.device)
         signals = early_signals(logits.flatten(0, 1), ids.flatten(), mask_id, ids.shape[1],
                                 rule.params.get("threshold", 0.0), stop_ids).tolist()
         pooled = torch.cat(self.states).mean(1).cpu().numpy()  # each row's mean, bit for bit that row's alone
@@ -449,7 +466,22 @@ def _signals(logits, ids, logit_rows: torch.Tensor, rows: torch.Tensor, rule: St
                          ids.shape[1], rule.params.get("threshold", 0.0), stop_ids).tolist()
 
 
-def _result(a: _Active, slot: int, round_index: int, rounds_hidden: int = 0) -> DecodeResult:
+def _release(s: _Slots, rounds_hidden: int, on_result, progress) -> Iterator[DecodeResult]:
+    """The results of the waiting requests, in finish order, once every one has its first round's
+    records (none before: results come in the order requests finish)."""
+    if not s.waiting or any(a.signals is None for a in s.waiting):
+        return
+    released, s.waiting = s.waiting, []
+    for a in released:
+        result = _result(a, rounds_hidden)
+        if on_result is not None:
+            on_result(result)
+        yield result
+    if progress is not None:
+        progress(len(released))
+
+
+def _result(a: _Active, rounds_hidden: int = 0) -> DecodeResult:
     frac, conf, entropy, end = a.signals
     return DecodeResult(
         request_id=a.request.request_id,
@@ -463,10 +495,10 @@ def _result(a: _Active, slot: int, round_index: int, rounds_hidden: int = 0) -> 
         mean_confidence=conf,
         mean_entropy=entropy,
         end_probability=end,
-        wall_s=time.perf_counter() - a.t0,
+        wall_s=a.wall_s,
         first_round_hidden=a.first_hidden.astype(np.float32),
         prompt_last_hidden=a.prompt_hidden.astype(np.float32),
-        extra={"admit_round": a.admit_round, "finish_round": round_index, "slot": slot},
+        extra={"admit_round": a.admit_round, "finish_round": a.finish_round, "slot": a.slot},
         first_round_layers=a.layer_hidden,
         round_states=np.stack(a.round_states).astype(np.float32) if rounds_hidden else None,
         round_signals=np.asarray(a.round_signals, dtype=np.float32) if rounds_hidden else None,

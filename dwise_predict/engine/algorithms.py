@@ -148,20 +148,21 @@ class LowConfidence(StepRule):
         # decided on the host, row by row: a block of 8 to 32 positions takes a few list operations,
         # where the same decisions as tensor operations cost ~20 dispatches a step (collect's main
         # cost outside the forward); only the logits' work stays a tensor operation
-        masked = [[token == self.mask_id and not prompt for token, prompt in zip(row, in_prompt)]
-                  for row, in_prompt in zip(blocks, prompt_rows)]
+        mask_id = self.mask_id
+        masked = [[i for i, (token, prompt) in enumerate(zip(row, in_prompt)) if token == mask_id and not prompt]
+                  for row, in_prompt in zip(blocks, prompt_rows)]  # each row's masked positions
         width = len(blocks[0]) if blocks else 0
         rows = logit_rows or range(len(blocks))
-        at = [rows[r] * width + i for r, row in enumerate(masked) for i, m in enumerate(row) if m]
+        at = [r * width + i for r, positions in zip(rows, masked) for i in positions]
         top, confidence = _masked_top(logits, at)
         # compared as the logits' dtype compares: `confidence > threshold` casts the threshold to it
         threshold = _as_dtype(self.params["threshold"], logits.dtype)
         new, k = [], 0
-        for row, row_masked in zip(blocks, masked):
-            n = sum(row_masked)
-            new.append(_fill_row(row, row_masked, top[k:k + n], confidence[k:k + n], threshold))
+        for row, positions in zip(blocks, masked):
+            n = len(positions)
+            new.append(_fill_row(row, positions, top[k:k + n], confidence[k:k + n], threshold) if n else row)
             k += n
-        return new, [not any(row) for row in masked]
+        return new, [not positions for positions in masked]
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,33 +179,33 @@ def _masked_top(logits: torch.Tensor, at: list[int]) -> tuple[list[int], list[fl
     collecting): each position's softmax and argmax are its own, so they equal the whole block's."""
     if not at:
         return [], []
-    flat = logits.reshape(-1, logits.shape[-1])
     # the top-1's probability is the largest, bit for bit: exp(0) over the sum every position shares,
     # and no other position's exp(logit - max) exceeds 1 (NaN rows stay NaN either way)
-    if flat.device.type == "cpu" and flat.dtype == torch.float32:
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
         # on the host numpy gathers, takes the argmax (ties as torch breaks them: the first, a NaN first
-        # of all; 8x faster) and the max (exact, NaN kept) with no index tensor or dispatch per call;
+        # of all; 8x faster) and reads the probability at it, with no index tensor or dispatch per call;
         # the softmax stays torch's, for its bits
-        rows = flat.numpy()[at]
-        return rows.argmax(-1).tolist(), F.softmax(torch.from_numpy(rows), dim=-1).numpy().max(-1).tolist()
-    rows = flat.index_select(0, torch.tensor(at, device=logits.device))
+        rows = logits.numpy().reshape(-1, logits.shape[-1])[at]
+        top = rows.argmax(-1)
+        probs = torch.from_numpy(rows).softmax(-1).numpy()
+        return top.tolist(), probs[np.arange(len(top)), top].tolist()
+    rows = logits.reshape(-1, logits.shape[-1]).index_select(0, torch.tensor(at, device=logits.device))
     return rows.argmax(dim=-1).tolist(), F.softmax(rows, dim=-1).amax(dim=-1).tolist()
 
 
-def _fill_row(row: list[int], masked: list[bool], top: list[int], confidence: list[float],
+def _fill_row(row: list[int], positions: list[int], top: list[int], confidence: list[float],
               threshold: float) -> list[int]:
-    """One block after a ``LowConfidence`` step: its masked positions (``top`` and ``confidence``
-    given for them, in order) above ``threshold`` take their top-1 token; if none is, the most
-    confident one does (the first on ties, a NaN before any number, as ``argmax`` picks)."""
-    out, filled, best = list(row), False, None  # best: (confidence, position, its top-1)
-    positions = (i for i, m in enumerate(masked) if m)
+    """One block after a ``LowConfidence`` step: its masked ``positions`` (at least one; ``top`` and
+    ``confidence`` given for them, in order) above ``threshold`` take their top-1 token; if none is,
+    the most confident one does (the first on ties, a NaN before any number, as ``argmax`` picks)."""
+    out, filled = list(row), False
     for i, token, c in zip(positions, top, confidence):
         if c > threshold:
             out[i], filled = token, True
-        if best is None or (best[0] == best[0] and (c != c or c > best[0])):  # a NaN wins and stays
-            best = (c, i, token)
-    if not filled and best is not None:  # a row without masks keeps its tokens
-        out[best[1]] = best[2]
+    if not filled:
+        nan = [k for k, c in enumerate(confidence) if c != c]
+        best = nan[0] if nan else confidence.index(max(confidence))  # max keeps the first of equals
+        out[positions[best]] = top[best]
     return out
 
 

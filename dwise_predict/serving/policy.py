@@ -72,6 +72,15 @@ WAITING, RUNNING, PAUSED, FREE = 0, 1, 2, 3
 RANKINGS = ("remaining", "arrival")
 NONE = np.zeros(0, dtype=np.int64)  # an empty slot array, shared (read-only)
 NONE.flags.writeable = False
+# 0-d arrays of the fields' dtypes for the per-round comparisons and updates: a Python scalar operand
+# costs NumPy a type resolution on every call (~0.7 µs, as much as the operation on B rows); the
+# results are the same
+_ZERO = np.zeros((), dtype=np.int64)
+_ZERO_F = np.zeros((), dtype=np.float64)
+_RUNNING = np.array(RUNNING, dtype=np.int8)
+_FREE = np.array(FREE, dtype=np.int8)
+for _const in (_ZERO, _ZERO_F, _RUNNING, _FREE):
+    _const.flags.writeable = False
 MAX_WAIT = 4096  # the wait cap's default, in rounds (docs/serving.md, "Starvation guard": how it was chosen)
 
 
@@ -182,6 +191,10 @@ class DwisePolicy:
         self._resident = np.zeros(0, dtype=np.int64)  # in the last ranking's order, admissions after it
         self._entered_next = 0  # the next admission sequence (kept with prefill_first only: _make_resident)
         self._kept = None  # (run, standby) of the last plan while only its runs have happened since (_replan)
+        self._kept_z = None  # the sort keys of the kept runners where a round leaves keys as they were, else None
+        # how a round moves its runners' keys: "fall" (P + r̂: lower or kept), "none" (arrival: kept); a
+        # subclass whose keys can "rise" turns the short path (_replan) off
+        self._key_motion = "fall" if ranking == "remaining" else "none"
         self._alloc(64)
 
     # --- storage -------------------------------------------------------------------------------
@@ -262,7 +275,7 @@ class DwisePolicy:
         if not (np.minimum.reduce(est) >= 0 and np.maximum.reduce(est) < math.inf):  # False on a NaN too
             bad = int(np.argmax(~np.isfinite(est) | (est < 0)))
             raise InputError(f"request {ids[bad]!r} has estimate {est[bad]}: estimates must be finite and >= 0")
-        if np.maximum.reduce(kv) > self.kv_budget:
+        if self.kv_budget < math.inf and np.maximum.reduce(kv) > self.kv_budget:  # nothing exceeds no budget
             bad = int(np.argmax(kv > self.kv_budget))
             raise ConfigError(
                 f"KV budget {self.kv_budget:g} is smaller than request {ids[bad]!r}'s worst-case reservation "
@@ -274,8 +287,9 @@ class DwisePolicy:
             raise InputError(f"request id {dup!r} is already queued: ids must be unique")
 
         slots = self._take_slots(n)
-        self._kept = None  # a new waiting request may rank into the top B
-        seq = self._seq_next + np.arange(n)  # the arrival sequence, in the order given
+        # the kept plan stays: the short path (_replan) checks whether the waiting list's head, a new
+        # request among them, would be admitted (and then ranks everything)
+        seq = np.arange(self._seq_next, self._seq_next + n)  # the arrival sequence, in the order given
         if arrival is not None:  # ... or by (arrival, request id)
             order = np.lexsort((np.array([str(i) for i in ids]), np.asarray(arrival, dtype=np.float64)))
             seq[order] = self._seq_next + np.arange(n)
@@ -351,7 +365,7 @@ class DwisePolicy:
         self._resident = res
         pool, held_back = res, None
         if self.prefill_first:
-            prefill = self._P[res] > 0
+            prefill = self._P[res] > _ZERO
             if prefill.any():  # a subsequence of the ranking keeps its order; the held back keep admission order
                 pool, held_back = res[prefill], res[~prefill]
                 held_back = held_back[self._entered[held_back].argsort()]
@@ -362,7 +376,7 @@ class DwisePolicy:
         # Residents are running or paused (admitted ones paused), so only the displaced runners
         # change state among the standby ones. (A handful of array operations: on a server this
         # runs on the scheduler thread every step.)
-        preempted = standby[self._state[standby] == RUNNING]
+        preempted = standby[self._state[standby] == _RUNNING]
         if held_back is None:
             paused = standby
         else:
@@ -372,8 +386,9 @@ class DwisePolicy:
             self._state[preempted] = PAUSED
             self._preemptions[preempted] += 1
         self._state[run] = RUNNING
-        self._kept = (run, standby) if held_back is None and self.ranking in RANKINGS else None
-        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
+        self._kept = (run, standby) if held_back is None and self._key_motion != "rise" else None
+        self._kept_z = z[: len(run)] if self._key_motion == "none" else None
+        return RoundPlan(run, self._P[run] > _ZERO, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
                          preempted, standby)
 
     def _ranked(self, slots: np.ndarray, z: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -479,18 +494,28 @@ class DwisePolicy:
         return int(self._wait_line[0][0]) + self.max_wait + 1 - self.rounds
 
     def _replan(self, run: np.ndarray, standby: np.ndarray) -> RoundPlan | None:
-        """This round's plan when only the last plan's runs have happened since it (no arrival, finish,
-        refinement, override or change of ``P`` from outside): the same plan with its runs re-ordered,
-        or None where a waiting request may now be admitted (then :meth:`schedule` ranks everything).
+        """This round's plan when only the last plan's runs, finishes and arrivals have happened since
+        it (no refinement, override or change of ``P`` from outside): the same plan with its runs
+        re-ordered and the rows of finished runners given to the best standby requests, or None where
+        a waiting request may now be admitted (then :meth:`schedule` ranks everything).
 
         Running a round lowers a runner's key or keeps it (``P`` or ``r̂`` drop, not below zero; with
         ``aging`` its arrival term stays) and leaves every other key as it was, so each runner still
         ranks ahead of every paused request it ranked ahead of, and the paused ones keep their order:
-        the same ``B`` run, the standby list is unchanged, nobody is preempted, and only the runners'
-        own order needs sorting. On a busy server that is most rounds (a handful of array calls over
-        ``B`` requests instead of a ranking of the whole resident set).
+        the ranking is the runners re-sorted, then the standby list as it was. So the same ``B`` run
+        (less those that finished, whose rows go to the head of the standby list), nobody is
+        preempted, and only the runners' own order needs sorting (none where keys stay). On a busy
+        server that is most rounds (a handful of array calls over ``B`` requests instead of a ranking
+        of the whole resident set).
         """
-        run, z = self._ranked(run)
+        z = self._kept_z
+        if z is None:
+            run, z = self._ranked(run)
+        promoted = standby[: self.slots - len(run)]
+        if len(promoted):
+            standby = standby[len(promoted):]
+            run = np.concatenate([run, promoted])
+            z = np.concatenate([z, self._keys(promoted) + self._tie[promoted]])
         due = self._due()
         if due is not None:
             if self._fits(due[2], len(self._resident)):
@@ -502,8 +527,11 @@ class DwisePolicy:
             # the B-th best request: a waiting one ahead of it would be admitted
             if self._waiting[0] < (*_key_seq(z, len(z) - 1), math.inf):
                 return None
+        if len(promoted):
+            self._state[promoted] = RUNNING
         self._kept = (run, standby)
-        return RoundPlan(run, self._P[run] > 0, NONE, standby, NONE, standby)
+        self._kept_z = z if self._key_motion == "none" else None
+        return RoundPlan(run, self._P[run] > _ZERO, NONE, standby, NONE, standby)
 
     def _threshold(self, z: np.ndarray, head: list) -> tuple:
         """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off), given the
@@ -598,11 +626,12 @@ class DwisePolicy:
         slots = np.asarray(slots, dtype=np.int64)
         prompt = np.asarray(prompt, dtype=bool)
         per_request = isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)
-        steps = np.asarray(rounds, dtype=np.int64) if per_request else int(rounds)  # per request: a synchronous server
+        # per request: a synchronous server; else one count as a 0-d array (see _ZERO)
+        steps = np.asarray(rounds, dtype=np.int64) if per_request else np.array(int(rounds), dtype=np.int64)
         n_prompt = np.count_nonzero(prompt)
         if n_prompt:
             pr = slots if n_prompt == len(slots) else slots[prompt]
-            self._P[pr] = np.maximum(self._P[pr] - (steps[prompt] if per_request else steps), 0)
+            self._P[pr] = np.maximum(self._P[pr] - (steps[prompt] if per_request else steps), _ZERO)
         if refined is not None:  # r̂ may rise: the next round ranks everything
             self._kept = None
         if n_prompt < len(slots):
@@ -611,8 +640,14 @@ class DwisePolicy:
                            None if refined is None else np.asarray(refined, dtype=np.float64)[denoise])
         if finished is None:
             return NONE.copy()
-        done = slots[np.asarray(finished, dtype=bool)]
+        finished = np.asarray(finished, dtype=bool)
+        done = slots[finished]
+        kept = self._kept
         self._release(done)
+        if len(done) and kept is not None and slots is kept[0]:  # the kept plan's runners: the rest keep it (_replan)
+            self._kept = (slots[~finished], kept[1])
+            if self._kept_z is not None:
+                self._kept_z = self._kept_z[~finished]
         return done
 
     def _denoised(self, dn: np.ndarray, steps, ref: np.ndarray | None) -> None:
@@ -620,7 +655,7 @@ class DwisePolicy:
         this was a request's first denoising round and ``ref`` is finite, ``r̂`` becomes ``ref``
         counted from the first of those rounds."""
         done_rounds = self._rounds[dn]
-        rhat = np.maximum(self._rhat[dn] - steps, 0.0)
+        rhat = np.maximum(self._rhat[dn] - steps, _ZERO_F)
         if ref is not None:
             rhat = np.where((done_rounds == 0) & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
         self._rounds[dn] = done_rounds + steps
@@ -691,7 +726,7 @@ class DwisePolicy:
         self._kept = None
         self.kv_used = max(self.kv_used - float(np.add.reduce(self._kv[slots])), 0.0)
         self._state[slots] = FREE
-        self._resident = self._resident[self._state[self._resident] != FREE]
+        self._resident = self._resident[self._state[self._resident] != _FREE]
         self._free_slots(slots.tolist())
 
     def _free_slots(self, slots: list) -> None:

@@ -197,9 +197,13 @@ class ScheduledPolicy(DwisePolicy):
         super().__init__(slots, k, kv_budget, ranking=base, prefill_first=prefill_first,
                          blocking_admission=blocking_admission, max_wait=max_wait)
         self.ranking = ranking
+        # a fixed key never moves (the short path holds, with no re-sort); an MLFQ level rises with work
+        self._key_motion = {"fixed": "none", "mlfq": "rise"}.get(ranking, self._key_motion)
         self.quantum = float(quantum)
         self._fixed = np.zeros(len(self._P))
         self._P0 = np.zeros(len(self._P), dtype=np.int64)
+        # MLFQ's level of each whole amount of work, and the work to the next level (_grow_levels)
+        self._level_of = self._to_next_level = np.zeros(0)
 
     def _alloc(self, capacity: int) -> None:
         super()._alloc(capacity)
@@ -232,11 +236,31 @@ class ScheduledPolicy(DwisePolicy):
     def _work(self, slots: np.ndarray) -> np.ndarray:
         return self._P0[slots] + self._rounds[slots]
 
+    def _grow_levels(self, work: np.ndarray) -> None:
+        """Tabulate the MLFQ level ``floor(log2(1 + work / quantum))`` of every whole amount of work up to
+        ``work``'s largest (at least doubling the table), and the rounds from it to the next level. Work
+        is a whole number (prompt blocks plus rounds), so a round's keys and its steady limit are
+        lookups: the same float operations, done once per amount instead of every round."""
+        size = max(2 * len(self._level_of), int(np.maximum.reduce(work)) + 1, 64)
+        amounts = np.arange(size, dtype=np.int64).astype(np.float64)
+        level = np.floor(np.log2(1.0 + amounts / self.quantum))
+        next_work = self.quantum * (2.0 ** (level + 1) - 1.0)  # work at which the level goes up
+        self._level_of, self._to_next_level = level, np.ceil(next_work - amounts)
+
+    def _tabulated(self, table: str, slots: np.ndarray) -> np.ndarray:
+        """``table`` (``_level_of`` or ``_to_next_level``) at the work of each of ``slots``."""
+        work = self._work(slots)
+        try:
+            return getattr(self, table)[work]
+        except IndexError:  # more work than tabulated so far
+            self._grow_levels(work)
+            return getattr(self, table)[work]
+
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         if self.ranking == "fixed":
             return self._fixed[slots]
         if self.ranking == "mlfq":
-            return np.floor(np.log2(1.0 + self._work(slots) / self.quantum))
+            return self._tabulated("_level_of", slots)
         return super()._keys(slots)
 
     def steady_limit(self, plan) -> int:
@@ -248,10 +272,7 @@ class ScheduledPolicy(DwisePolicy):
         dn = plan.run[~plan.prompt]
         if len(dn) == 0:
             return cap
-        work = self._work(dn).astype(np.float64)
-        level = np.floor(np.log2(1.0 + work / self.quantum))
-        next_work = self.quantum * (2.0 ** (level + 1) - 1.0)  # work at which the level goes up
-        return min(cap, max(1, int(np.min(np.ceil(next_work - work)))))
+        return min(cap, max(1, int(np.minimum.reduce(self._tabulated("_to_next_level", dn)))))
 
 
 def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None, aging: float = 0.0,

@@ -396,10 +396,10 @@ class _RoundLoop:
         returns the position of the next arrival."""
         if ptr >= len(order) or times[ptr] > self.clock:
             return ptr
-        end = int(np.searchsorted(times, self.clock, side="right"))
+        end = int(times.searchsorted(self.clock, side="right"))  # the method: np.searchsorted wraps it in Python
         new = order[ptr:end]
         slots = self.pol.add_many(new, self.workload.prompt_blocks[new], self.estimate[new], self.kv[new])
-        if len(self.req_of_slot) <= slots.max():
+        if len(self.req_of_slot) <= np.maximum.reduce(slots):
             self.req_of_slot = np.concatenate([self.req_of_slot, np.full(len(self.req_of_slot), -1, dtype=np.int64)])
         self.req_of_slot[slots] = new
         self.arrive_round[new], self.arrive_s[new] = self.rounds, times[ptr:end]
@@ -414,27 +414,30 @@ class _RoundLoop:
         run = self.req_of_slot[plan.run]
         denoise = ~plan.prompt
         dn = run[denoise]
-        done, stamp = self.done_rounds[dn], self.next_stamp[dn]
+        done = self.done_rounds[dn]
+        # rounds from each denoising runner to its next stamp, and the nearest: a plan repeats only up
+        # to it, and the round reaching it stamps (one reduction answers both)
+        to_stamp = self.next_stamp[dn] - done
+        nearest = int(np.minimum.reduce(to_stamp)) if len(dn) else math.inf
         # a runner's first denoising round: its refinement is due (count_nonzero: the cheapest numpy call)
         starting = np.count_nonzero(done) < len(done)
         dt = float(self.cost.seconds(len(run) - len(dn), len(dn)))
         repeat = 1
         if fast_forward and len(plan.admitted) == 0:
-            repeat = self._repeat(plan, done, stamp, starting, dt, next_arrival)
+            repeat = self._repeat(plan, done, nearest, starting, dt, next_arrival)
         done += repeat  # a copy (gathered): the rounds done after this plan
         self.done_rounds[dn] = done
         self._count(plan, len(run), len(dn), dt, repeat)
-        stamped = done >= stamp  # never past it: a plan repeats only up to the next stamp
-        finished = self._stamp(dn, done, stamped.nonzero()[0]) if np.count_nonzero(stamped) else None
+        finished = self._stamp(dn, done, (to_stamp <= repeat).nonzero()[0]) if nearest <= repeat else None
         self._complete(plan, denoise, dn, done, finished, repeat, starting and repeat == 1)
         if self.log is not None:
             self.log.append((self.workload.request_ids[run].tolist(), plan.prompt.tolist()))
 
-    def _repeat(self, plan, done: np.ndarray, stamp: np.ndarray, starting: bool, dt: float,
+    def _repeat(self, plan, done: np.ndarray, nearest: float, starting: bool, dt: float,
                 next_arrival: float) -> int:
-        repeat = _steady_rounds(self.pol, plan, done, stamp, starting, next_arrival - self.clock, dt,
+        repeat = _steady_rounds(self.pol, plan, done, nearest, starting, next_arrival - self.clock, dt,
                                 None if self.later is None else self.later.gaps(done))
-        if self.steady_limit is not None:
+        if self.steady_limit is not None and repeat > 1:  # it cannot go below one round
             repeat = max(1, min(repeat, self.steady_limit(plan)))
         return repeat
 
@@ -741,7 +744,7 @@ def kv_reservations(workload: SimRequests, config: SimConfig) -> np.ndarray:
     return kv
 
 
-def _steady_rounds(pol: DwisePolicy, plan, done: np.ndarray, stamp: np.ndarray, starting: bool, until_arrival: float,
+def _steady_rounds(pol: DwisePolicy, plan, done: np.ndarray, nearest: float, starting: bool, until_arrival: float,
                    dt: float, refine_gaps: np.ndarray | None = None) -> int:
     """How many rounds in a row ``plan`` provably repeats unchanged (at least 1).
 
@@ -753,22 +756,22 @@ def _steady_rounds(pol: DwisePolicy, plan, done: np.ndarray, stamp: np.ndarray, 
     ``refine_gaps`` (``--refine-every``): rounds until a runner's next refinement, which must run
     alone too. The caller skips this when the round admitted anyone.
 
-    ``done``: the denoising runners' rounds done; ``stamp``: the rounds done at each one's next stamp
-    (its first output block, then its last round); ``starting``: one of them is at its first
-    denoising round.
+    ``done``: the denoising runners' rounds done; ``nearest``: the fewest rounds from one of them to
+    its next stamp (its first output block, then its last round; ``inf`` with none denoising);
+    ``starting``: one of them is at its first denoising round.
     """
-    if starting:
+    if starting or nearest <= 1:  # a refinement, or a stamp after this round (common on a busy server)
         return 1
     steps = []
     if refine_gaps is not None and len(refine_gaps):
         steps.append(int(refine_gaps.min()) - 1)  # 0 when this round refines: it runs alone
-    if len(done) < len(plan.run):
-        steps.append(int(np.minimum.reduce(pol._P[plan.run[plan.prompt]])))
     if len(done):
-        steps.append(int(np.minimum.reduce(stamp - done)))
+        steps.append(nearest)
     if math.isfinite(until_arrival):
         # round j of the span starts at clock + j * dt and must start before the next arrival
         steps.append(max(1, math.ceil(until_arrival / dt) - 1))
+    if len(done) < len(plan.run) and not (steps and min(steps) <= 1):  # the costliest bound, unless moot
+        steps.append(int(np.minimum.reduce(pol._P[plan.run[plan.prompt]])))
     return max(1, min(steps)) if steps else 1
 
 

@@ -160,19 +160,22 @@ class _PromptRows:
 class _BlockKeys:
     """The keys of one request's leading blocks (:func:`block_key`): one running hash over its tokens
     (prompt, then output), fed block by block, so its keys cost one pass over its tokens however many
-    blocks ask, in whatever order. It holds the request's token lists, not the request."""
+    blocks ask, in whatever order. It holds the request's token lists, not the request; its hash starts
+    at the first key asked (most requests' kept rows are never looked up)."""
 
     __slots__ = ("origin", "output", "keys", "running", "hashed")
 
     def __init__(self, req):
         self.origin, self.output = req.origin_input_ids, req.output_ids
         self.keys: dict = {}  # blocks -> key
-        self.running = hashlib.blake2b(digest_size=16)
+        self.running = None  # the running hash (blake2b), made by the first key
         self.hashed = 0  # blocks in the running hash
 
     def key(self, blocks: int, block_size: int) -> bytes:
         key = self.keys.get(blocks)
         if key is None:
+            if self.running is None:
+                self.running = hashlib.blake2b(digest_size=16)
             running, hashed = self.running, self.hashed
             if blocks < hashed:  # behind the running hash: hash those tokens afresh
                 running, hashed = hashlib.blake2b(digest_size=16), 0
@@ -212,11 +215,12 @@ def _token_bytes(origin, output, start: int, stop: int):
 
 
 class _ToDevice:
-    """Host vectors (float32, or int64 indices) onto the model's device in one copy that does not block the host: a
-    copy from pageable memory may synchronise the stream, so on CUDA it goes through a pinned buffer.
+    """Host vectors (float32, or int64 indices; a list or an array) onto the model's device in one copy
+    that does not block the host: a copy from pageable memory may synchronise the stream, so on CUDA it
+    goes through a pinned buffer.
     One call per step and buffer: it is written again only after the step's own synchronisation
     (SGLang's, when it commits the step's tokens) has passed. On a CPU device no copy is made: the
-    caller's array (a fresh one each call) becomes the tensor."""
+    caller's vector, as one fresh array, becomes the tensor."""
 
     def __init__(self, device, capacity: int, dtype: str = "float32"):
         import torch
@@ -267,11 +271,13 @@ class PoolingBuffers:
         self.leftover_mask, self.leftover_scale = self.mask[:, 1], self.scale[:, 1]
         self.weights_set = False  # leftover_mask holds a nonzero row
         # a row's leftover mask and 1/n by its n leftover prompt positions (0 to block - 1), made once: a step
-        # stages its rows' by one lookup (DwiseHook.stage_rows)
+        # stages its rows' by one lookup each (DwiseHook.stage_rows). Python floats holding fp32 values, so
+        # the staged fp32 vector is built from one list, in one conversion
         n = np.arange(block_size, dtype=np.float32)
-        self.leftover_weights = np.empty((block_size, block_size + 1), dtype=np.float32)
-        np.less(n, n[:, None], out=self.leftover_weights[:, :block_size])
-        np.divide(np.float32(1.0), np.maximum(n, np.float32(1.0)), out=self.leftover_weights[:, block_size])
+        weights = np.empty((block_size, block_size + 1), dtype=np.float32)
+        np.less(n, n[:, None], out=weights[:, :block_size])
+        np.divide(np.float32(1.0), np.maximum(n, np.float32(1.0)), out=weights[:, block_size])
+        self.leftover_weights = weights.tolist()
         self.views: dict = {}  # batch size -> (pooled[:size], leftover_pooled[:size]) (rows_of)
         self.to_device = _ToDevice(device, (5 + block_size) * rows)  # the step's per-row inputs
         self.to_device_kept = _ToDevice(device, 4 * rows, "int64")  # its own buffer: the next step's copy may be in flight

@@ -61,7 +61,7 @@ import logging
 import math
 import operator
 from functools import partial
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 
 import numpy as np
 
@@ -460,10 +460,15 @@ class DwiseHook:
             first_slots = list(map(slot_list.__getitem__, first))
             self.buffers.release_own(self.table.own_row, first_slots)  # their first round took their prompt-block rows
             if host["refined"] is not None:
-                refined = np.full(n, math.nan)
-                refined[first] = host["refined"]
+                # per batch row: its first round's refinement, else NaN; a list made into one array (a fill
+                # and a scatter by a list of rows cost more numpy calls on the scheduler thread)
+                values = host["refined"].tolist()
+                refined = [math.nan] * n
+                for i, value in zip(first, values):
+                    refined[i] = value
+                refined = np.array(refined)
                 if self.monitor is not None:
-                    self.table.keep_refined(first_slots, host["refined"])
+                    self.table.keep_refined(first_slots, values)
         # which requests finished: in FDFO (one algorithm step) SGLang finishes a request only on the
         # step that resolves its block (process_batch_result_dllm skips an unresolved one before any
         # finish check), so only those rows are asked; a synchronous step commits every row
@@ -541,11 +546,11 @@ class DwiseHook:
             return
         if last is pooled or not kept:  # one forward this step (FDFO): one gather, one copy into kept_rows
             base = len(buffers.own_last)
-            index = buffers.to_device_kept(np.array(own + kept + own_into + [base + j for j in into], dtype=np.int64))
+            index = buffers.to_device_kept(own + kept + own_into + [base + j for j in into])
             a = len(own) + len(kept)
             buffers.kept_rows.index_copy_(0, index[a:], pooled.index_select(0, index[:a]))
             return
-        index = buffers.to_device_kept(np.array(own + own_into + kept + into, dtype=np.int64))
+        index = buffers.to_device_kept(own + own_into + kept + into)
         a, b = len(own), 2 * len(own)
         if a:
             buffers.own_last.index_copy_(0, index[a:b], pooled.index_select(0, index[:a]))
@@ -627,13 +632,13 @@ class DwiseHook:
         leftover prompt rows in this forward, else none (a block-aligned prompt cached whole: SGLang
         ran none of its rows here), where the refinement takes the training mean."""
         run, buffers = self.step_run, self.buffers
-        own = np.greater_equal(run.row_own, 0)
         rows = buffers.own_last.index_select(0, run.own_dev)
-        if own.all():
-            return rows, own
-        has, from_cache, leftover = own.copy(), 0, 0
+        has = list(map(operator.le, repeat(0), run.row_own))  # own_last row >= 0 (plain Python: a few rows)
+        if all(has):
+            return rows, has
         batch, bs = self.step.batch, self.block_size
-        for j in np.flatnonzero(~own).tolist():
+        from_cache, leftover, mean = 0, 0, 0
+        for j in compress(range(len(has)), map(operator.not_, has)):
             i = first[j]
             r = batch[i]
             blocks, rest = divmod(len(r.origin_input_ids), bs)
@@ -642,14 +647,14 @@ class DwiseHook:
             if row is None and rest:
                 row, leftover = run.first_leftover[i], leftover + 1
             if row is None:
-                row = buffers.prompt_mean if buffers.prompt_mean is not None else rows.new_zeros(rows.shape[1])
+                row, mean = buffers.prompt_mean if buffers.prompt_mean is not None else 0.0, mean + 1
             else:
                 has[j] = True
             rows[j] = row
         if self.bundle is not None:
             self.stats.prompt_from_cache += from_cache
             self.stats.prompt_from_leftover += leftover
-            self.stats.prompt_from_training_mean += int((~has).sum())
+            self.stats.prompt_from_training_mean += mean
         return rows, has
 
     # --- the forward (DllmAlgorithm, LogitsProcessor) ---------------------------------------------------
@@ -714,11 +719,11 @@ class DwiseHook:
         weighted = any(leftover)
         # one host vector, one copy: rows and own_last rows (-1 as 0: the row gathered for a request without
         # one is not read) first, as they are read as int64 (one conversion), then tokens, budgets and,
-        # with leftover rows to pool, each row's mask and 1/n
-        staged = np.empty(4 * n + (n * (bs + 1) if weighted else 0), dtype=np.float32)
-        staged[:4 * n] = [*run.rows, *map(max, own, repeat(0)), *tokens, *budgets]
+        # with leftover rows to pool, each row's mask and 1/n; built as one list (a numpy call per piece
+        # costs more on the scheduler thread, whose caches the forward has just swept)
+        staged = [*run.rows, *map(max, own, repeat(0)), *tokens, *budgets]
         if weighted:
-            np.take(buffers.leftover_weights, leftover, axis=0, out=staged[4 * n:].reshape(n, bs + 1))
+            staged += chain.from_iterable(map(buffers.leftover_weights.__getitem__, leftover))
         staged = buffers.to_device(staged)
         indices = staged[:2 * n].long()
         run.rows_dev, run.own_dev = indices[:n], indices[n:]

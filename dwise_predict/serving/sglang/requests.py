@@ -250,13 +250,13 @@ class RequestTable:
         if self.own_row[slot] >= 0:
             self.buffers.release_own(self.own_row, (slot,))
 
-    def keep_refined(self, slots: list, refined: np.ndarray) -> None:
+    def keep_refined(self, slots: list, refined: list) -> None:
         """The refinements of the requests in ``slots``, whose first denoising round this step was, as
         the policy takes them (remaining rounds after that round, clamped at zero), kept in total
         rounds as the monitor compares them: that first round plus the remaining. NaN stays NaN (none:
         the policy keeps ranking by the admission estimate)."""
         served = self.served_refined
-        for slot, value in zip(slots, refined.tolist()):
+        for slot, value in zip(slots, refined):
             served[slot] = 1.0 + max(value, 0.0) if math.isfinite(value) else math.nan
 
     def observe_finished(self, reqs: list, slots: list) -> None:
@@ -317,13 +317,15 @@ class RequestTable:
         estimates = np.zeros(len(reqs))
         if self.bundle is not None:
             if self.share is None or self.share.is_source:
-                estimates = self.bundle.admission(np.asarray([self.features(r) for r in reqs], dtype=np.float32))
+                estimates = self.bundle.admission(np.asarray(list(map(self.features, reqs)), dtype=np.float32))
             if self.share is not None:
                 estimates = self.share(estimates, len(reqs))
         estimates = np.maximum(np.asarray(estimates, dtype=np.float64), 0.0)
-        slots = self.policy.add_many(list(map(_rid, reqs)), P, estimates, kv)
-        if len(self.req_at) <= slots.max():
-            more = max(len(self.req_at), slots.max() + 1)
+        rids = list(map(_rid, reqs))
+        slots = self.policy.add_many(rids, P, estimates, kv)
+        slot_list = slots.tolist()
+        if len(self.req_at) <= max(slot_list):
+            more = max(len(self.req_at), max(slot_list) + 1)
             self.req_at = np.concatenate([self.req_at, np.empty(more, dtype=object)])
             self.own_row.extend([-1] * more)
             self.expect_prefix.extend([-1] * more)
@@ -331,11 +333,11 @@ class RequestTable:
             self.served_refined.extend([math.nan] * more)
             self.served_version.extend([version] * more)
         if self.monitor is not None:
-            for slot, estimate in zip(slots.tolist(), estimates.tolist()):
+            for slot, estimate in zip(slot_list, estimates.tolist()):
                 self.served_admission[slot], self.served_refined[slot] = estimate, math.nan
                 self.served_version[slot] = version
-        for r, slot in zip(reqs, slots.tolist()):
-            self.reqs[r.rid] = r
+        self.reqs.update(zip(rids, reqs))
+        for r, slot in zip(reqs, slot_list):
             self.req_at[slot] = r
             self.expect_prefix[slot] = -1  # (own_row is -1 already: forget released the slot's row)
             r._dwise_slot = slot
