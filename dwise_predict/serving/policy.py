@@ -72,15 +72,6 @@ WAITING, RUNNING, PAUSED, FREE = 0, 1, 2, 3
 RANKINGS = ("remaining", "arrival")
 NONE = np.zeros(0, dtype=np.int64)  # an empty slot array, shared (read-only)
 NONE.flags.writeable = False
-# 0-d arrays of the fields' dtypes for the per-round comparisons and updates: a Python scalar operand
-# costs NumPy a type resolution on every call (~0.7 µs, as much as the operation on B rows); the
-# results are the same
-_ZERO = np.zeros((), dtype=np.int64)
-_ZERO_F = np.zeros((), dtype=np.float64)
-_RUNNING = np.array(RUNNING, dtype=np.int8)
-_FREE = np.array(FREE, dtype=np.int8)
-for _const in (_ZERO, _ZERO_F, _RUNNING, _FREE):
-    _const.flags.writeable = False
 MAX_WAIT = 4096  # the wait cap's default, in rounds (docs/serving.md, "Starvation guard": how it was chosen)
 
 
@@ -365,7 +356,7 @@ class DwisePolicy:
         self._resident = res
         pool, held_back = res, None
         if self.prefill_first:
-            prefill = self._P[res] > _ZERO
+            prefill = self._P[res] > 0
             if prefill.any():  # a subsequence of the ranking keeps its order; the held back keep admission order
                 pool, held_back = res[prefill], res[~prefill]
                 held_back = held_back[self._entered[held_back].argsort()]
@@ -376,7 +367,7 @@ class DwisePolicy:
         # Residents are running or paused (admitted ones paused), so only the displaced runners
         # change state among the standby ones. (A handful of array operations: on a server this
         # runs on the scheduler thread every step.)
-        preempted = standby[self._state[standby] == _RUNNING]
+        preempted = standby[self._state[standby] == RUNNING]
         if held_back is None:
             paused = standby
         else:
@@ -388,7 +379,7 @@ class DwisePolicy:
         self._state[run] = RUNNING
         self._kept = (run, standby) if held_back is None and self._key_motion != "rise" else None
         self._kept_z = z[: len(run)] if self._key_motion == "none" else None
-        return RoundPlan(run, self._P[run] > _ZERO, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
+        return RoundPlan(run, self._P[run] > 0, np.asarray(admitted, dtype=np.int64) if admitted else NONE, paused,
                          preempted, standby)
 
     def _ranked(self, slots: np.ndarray, z: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -531,7 +522,7 @@ class DwisePolicy:
             self._state[promoted] = RUNNING
         self._kept = (run, standby)
         self._kept_z = z if self._key_motion == "none" else None
-        return RoundPlan(run, self._P[run] > _ZERO, NONE, standby, NONE, standby)
+        return RoundPlan(run, self._P[run] > 0, NONE, standby, NONE, standby)
 
     def _threshold(self, z: np.ndarray, head: list) -> tuple:
         """(key, seq) of the ``B``-th best request in waiting ∪ resident (the top-B cut-off), given the
@@ -626,12 +617,12 @@ class DwisePolicy:
         slots = np.asarray(slots, dtype=np.int64)
         prompt = np.asarray(prompt, dtype=bool)
         per_request = isinstance(rounds, (list, tuple)) or getattr(rounds, "ndim", 0)
-        # per request: a synchronous server; else one count as a 0-d array (see _ZERO)
+        # per request: a synchronous server; else one count, as a 0-d array
         steps = np.asarray(rounds, dtype=np.int64) if per_request else np.array(int(rounds), dtype=np.int64)
         n_prompt = np.count_nonzero(prompt)
         if n_prompt:
             pr = slots if n_prompt == len(slots) else slots[prompt]
-            self._P[pr] = np.maximum(self._P[pr] - (steps[prompt] if per_request else steps), _ZERO)
+            self._P[pr] = np.maximum(self._P[pr] - (steps[prompt] if per_request else steps), 0)
         if refined is not None:  # r̂ may rise: the next round ranks everything
             self._kept = None
         if n_prompt < len(slots):
@@ -655,7 +646,7 @@ class DwisePolicy:
         this was a request's first denoising round and ``ref`` is finite, ``r̂`` becomes ``ref``
         counted from the first of those rounds."""
         done_rounds = self._rounds[dn]
-        rhat = np.maximum(self._rhat[dn] - steps, _ZERO_F)
+        rhat = np.maximum(self._rhat[dn] - steps, 0.0)
         if ref is not None:
             rhat = np.where((done_rounds == 0) & np.isfinite(ref), np.maximum(ref - (steps - 1), 0.0), rhat)
         self._rounds[dn] = done_rounds + steps
@@ -726,7 +717,7 @@ class DwisePolicy:
         self._kept = None
         self.kv_used = max(self.kv_used - float(np.add.reduce(self._kv[slots])), 0.0)
         self._state[slots] = FREE
-        self._resident = self._resident[self._state[self._resident] != _FREE]
+        self._resident = self._resident[self._state[self._resident] != FREE]
         self._free_slots(slots.tolist())
 
     def _free_slots(self, slots: list) -> None:
