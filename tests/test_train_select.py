@@ -236,6 +236,33 @@ def test_cv_scores_and_choice_are_the_same_in_one_thread_and_in_two(traces):
             np.testing.assert_array_equal(one_oof[name], other_oof[name])
 
 
+def test_cv_members_fits_the_network_candidates_folds_with_the_first_members_and_blends_as_shipped(traces, monkeypatch):
+    """``cv_members`` = 2 of 3: each network candidate's fold fits are the first two seeds' members, the
+    same members a 2-member run fits, and survival+ridge's fold blend still gives the ridge the one share
+    in four it has in the shipped graph; the shipped ensemble keeps all three members. 0 (the default)
+    is every member."""
+    from dwise_predict.training import select
+
+    ds = load_traces(traces).split("train")
+    base = dict(width=16, max_epochs=3, cv_folds=2)
+    fits = []
+    real = SurvivalEnsemble.fit
+    monkeypatch.setattr(SurvivalEnsemble, "fit", lambda self, *a, **k: fits.append(self.seeds) or real(self, *a, **k))
+    trimmed, trimmed_oof = select.cross_validate(training_split(ds, Targets.of(ds), TrainConfig(members=3, cv_members=2, **base)), 2)
+    assert fits == [(0, 1)] * 4 and trimmed["fold_members"] == 2  # survival and survival-pca, two folds each
+    two, two_oof = select.cross_validate(training_split(ds, Targets.of(ds), TrainConfig(members=2, **base)), 2)
+    assert two["fold_members"] == 2
+    for name in ("survival", "survival-pca", "ridge"):
+        np.testing.assert_array_equal(trimmed_oof[name], two_oof[name])
+    np.testing.assert_allclose(trimmed_oof["survival+ridge"], (3 * two_oof["survival"] + two_oof["ridge"]) / 4)
+    np.testing.assert_allclose(two_oof["survival+ridge"], (2 * two_oof["survival"] + two_oof["ridge"]) / 3)
+    fits.clear()
+    train_split = training_split(ds, Targets.of(ds), TrainConfig(members=3, **base))
+    assert train_split.make_fold_ensemble().seeds == (0, 1, 2) and train_split.members == 3
+    with pytest.raises(ConfigError, match=r"cv_members must be >= 0, 0 for all members \(got -1\)"):
+        TrainConfig(cv_members=-1).check()
+
+
 def test_skipping_the_refits_of_candidates_out_of_reach_changes_no_score_the_choice_reads(traces, monkeypatch):
     """The ridge-within heads' leave-one-category-out refits are made only for a candidate that can still
     be level with the best. Here both trail ridge by more than the band at every blend weight: the search

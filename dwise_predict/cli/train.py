@@ -31,6 +31,7 @@ def train_command(
     val_fraction: Annotated[float, typer.Option(help="Share of the train split held out for early stopping.")] = _DEFAULT.val_fraction,
     refine: Annotated[str, typer.Option(help="Refinement predictor to ship: auto (pick by grouped K-fold CV on the train split: overall rho of the calibrated out-of-fold estimates, within-category rho breaking near-ties), survival (the paper's ensemble), ridge, survival+ridge, survival-pca, ridge-within or ridge-within+signals (see docs/training.md).")] = _DEFAULT.refine,
     cv_folds: Annotated[int, typer.Option(help="Folds of the cross-validation that --refine auto uses.")] = _DEFAULT.cv_folds,
+    cv_members: Annotated[int, typer.Option(help="Members of the network candidates' fold fits in that cross-validation (0: all --members). 2 of 3 cut train's CPU time by about a quarter, and changed the choice on 4 of 18 synthetic sets (docs/training.md).")] = _DEFAULT.cv_members,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Leave this category out of training (both predictors and calibration); repeatable. The eval split keeps it (reported as held out).")] = None,
     threads: Annotated[int, typer.Option(help="CPU threads for torch and LightGBM (fixed for reproducible bytes; 1 is fastest on shared cores).")] = _DEFAULT.num_threads,
     jobs: Annotated[Optional[int], typer.Option(help="Threads for the refinement candidates' cross-validation (1 or 2; more adds nothing; default: 2 when the cores hold two of --threads). The run does not depend on it.")] = None,
@@ -66,7 +67,7 @@ def train_command(
              "--members": ("members", members), "--width": ("width", width), "--lr": ("lr", lr),
              "--batch-size": ("batch_size", batch_size), "--val-fraction": ("val_fraction", val_fraction),
              "--threads": ("num_threads", threads), "--refine": ("refine", refine), "--cv-folds": ("cv_folds", cv_folds),
-             "--exclude": ("exclude", tuple(exclude or ()))}
+             "--cv-members": ("cv_members", cv_members), "--exclude": ("exclude", tuple(exclude or ()))}
     problems = []
     if config is not None and not config.is_file():
         problems.append(f"--config {config} is not a file")

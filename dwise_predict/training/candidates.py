@@ -50,7 +50,9 @@ from dwise_predict.training.within_heads import BLEND_WEIGHTS, blended, choose_b
 @dataclass(frozen=True, eq=False)
 class TrainingSplit:
     """What every candidate is fitted on: the training requests' inputs and targets (N each), their
-    categories, their grouped CV folds, the seed and how to make an unfitted survival ensemble."""
+    categories, their grouped CV folds, the seed, how to make an unfitted survival ensemble (all its
+    members, or its first ``n`` with ``make_ensemble(n)``) and how many members the cross-validation's
+    fold fits of the network candidates have (``TrainConfig.cv_members``)."""
 
     inputs: RefineInputs
     remaining: np.ndarray  # (N,) remaining rounds after the first
@@ -58,12 +60,23 @@ class TrainingSplit:
     categories: np.ndarray  # (N,) str
     fold: np.ndarray  # (N,) grouped CV fold (training.select.grouped_folds)
     seed: int
-    make_ensemble: Callable[[], SurvivalEnsemble]
+    make_ensemble: Callable[..., SurvivalEnsemble]
+    cv_members: int
 
     def rows(self, which) -> "TrainingSplit":
         """The requests selected by the boolean mask ``which``."""
         return TrainingSplit(self.inputs.rows(which), self.remaining[which], self.events[which],
-                             self.categories[which], self.fold[which], self.seed, self.make_ensemble)
+                             self.categories[which], self.fold[which], self.seed, self.make_ensemble, self.cv_members)
+
+    def make_fold_ensemble(self) -> SurvivalEnsemble:
+        """An unfitted ensemble of the cross-validation's fold fits: the first ``cv_members`` members
+        (all when 0)."""
+        return self.make_ensemble(self.cv_members or None)
+
+    @property
+    def members(self) -> int:
+        """The shipped ensemble's members (one per seed)."""
+        return len(self.make_ensemble().seeds)
 
     @cached_property
     def ridge(self) -> tuple[RidgeHead, np.ndarray]:
@@ -173,9 +186,11 @@ class SurvivalRidge(Candidate):
 
     @staticmethod
     def _fold(cv, k: int) -> np.ndarray:
-        """The blend's raw estimate: the mean over the survival members and the ridge member."""
-        (survival, members), ridge = cv.survival_fold(k), cv.ridge_raw(k)
-        return (members * survival + ridge) / (members + 1)
+        """The blend's raw estimate: the mean over the survival members and the ridge member, each
+        weighted as in the shipped graph (the ridge one share in ``members + 1``, whatever number of
+        members the fold fits have)."""
+        members = cv.split.members
+        return (members * cv.survival_raw(k) + cv.ridge_raw(k)) / (members + 1)
 
 
 class RidgeWithin(Candidate):

@@ -174,12 +174,13 @@ def _fit_refinement(train: TraceDataset, targets: Targets, config: TrainConfig, 
     return ensemble, calibrate(ensemble, split.inputs, targets, config.calibration, out_of_fold), selection
 
 
-def survival_ensemble(config: TrainConfig) -> SurvivalEnsemble:
-    """An unfitted survival ensemble with ``config``'s knobs (each candidate that trains one makes its own)."""
+def survival_ensemble(config: TrainConfig, members: int | None = None) -> SurvivalEnsemble:
+    """An unfitted survival ensemble with ``config``'s knobs (each candidate that trains one makes its
+    own); ``members``: only its first that many seeds' members (the cross-validation's fold fits)."""
     return SurvivalEnsemble(
         width=config.width,
         dropout=config.dropout,
-        seeds=config.seeds,
+        seeds=config.seeds[:members],
         max_epochs=config.max_epochs,
         patience=config.patience,
         lr=config.lr,
@@ -196,7 +197,7 @@ def training_split(train: TraceDataset, targets: Targets, config: TrainConfig) -
     return TrainingSplit(refine_inputs(train), targets.remaining, targets.events,
                          train.requests["category"].astype(str).to_numpy(),
                          grouped_folds(train, config.cv_folds, config.seed), config.seed,
-                         partial(survival_ensemble, config))
+                         partial(survival_ensemble, config), config.cv_members)
 
 
 def calibrate(ensemble: SurvivalEnsemble, inputs: RefineInputs, targets: Targets, statistic: str,

@@ -25,8 +25,11 @@ The fits several candidates share (:class:`CrossValidation`: per fold the surviv
 ridge fits, and the ridge-within heads) run in ``jobs`` threads (torch and numpy release the GIL inside
 their kernels), dearest first. Every fit draws from generators of its own (a survival member seeds
 its own for its initialisation and dropout; the closed-form members are built blank, see
-``HazardMLP.blank``), so the results are the same for any ``jobs`` (tested). The 2,048 x 2,048
-benchmark: docs/training.md, "Speed".
+``HazardMLP.blank``), so the results are the same for any ``jobs`` (tested). The network candidates'
+fold fits have the shipped ensemble's members, or its first ``TrainConfig.cv_members`` (faster, and
+another choice on some sets: docs/training.md, "Speed"); ``survival+ridge``'s fold blend gives its
+ridge member the share it has in the shipped graph either way. The 2,048 x 2,048 benchmark:
+docs/training.md, "Speed".
 
 The ridge-within heads' leave-one-category-out refits (a two-stage fit per category, about half the
 search's CPU time at H = 2,048) serve only the two ridge-within candidates' held-out-category ρ and the blend
@@ -190,13 +193,10 @@ class CrossValidation:
                 self._standardised[k] = Standardised(fit.inputs, fit.remaining, fit.events)
             return self._standardised[k]
 
-    def survival_fold(self, k: int) -> tuple[np.ndarray, int]:
-        """The survival ensemble fitted for fold ``k``: its raw estimates of the validation rows and its
-        number of members."""
-        return self.result(("survival", k))
-
     def survival_raw(self, k: int) -> np.ndarray:
-        return self.survival_fold(k)[0]
+        """The survival ensemble fitted for fold ``k`` (``split.cv_members`` members): its raw
+        estimates of the validation rows."""
+        return self.result(("survival", k))
 
     def pca_raw(self, k: int) -> np.ndarray:
         """The survival-pca ensemble fitted for fold ``k``: its raw estimates of the validation rows."""
@@ -230,14 +230,14 @@ class CrossValidation:
     def _within_result(self, s: int, k: int) -> tuple:
         return self.result(("within", s, k))
 
-    def _survival(self, k: int) -> tuple[np.ndarray, int]:
+    def _survival(self, k: int) -> np.ndarray:
         fit, val = self._standardised_split(k)
-        ensemble = self.split.make_ensemble().fit(fit.inputs, fit.remaining, fit.events, like=fit.base)
-        return ensemble.predict_raw(val), len(ensemble.members_)
+        ensemble = self.split.make_fold_ensemble().fit(fit.inputs, fit.remaining, fit.events, like=fit.base)
+        return ensemble.predict_raw(val)
 
     def _pca(self, k: int) -> np.ndarray:
         fit, val = self._standardised_split(k)
-        return fit_pca_survival(self.split.make_ensemble, fit.inputs, fit.remaining, fit.events,
+        return fit_pca_survival(self.split.make_fold_ensemble, fit.inputs, fit.remaining, fit.events,
                                 standardised=fit).predict_raw(val)
 
     def _ridge(self, k: int) -> np.ndarray:
@@ -301,6 +301,7 @@ def cross_validate(split: TrainingSplit, folds: int, candidates: tuple[str, ...]
     return {
         "mode": "cv",
         "folds": folds,
+        "fold_members": min(split.cv_members or split.members, split.members),
         "grouping": "prompt text, dealt per category",
         "criterion": CRITERION,
         "level_band": LEVEL_BAND,
