@@ -260,3 +260,35 @@ def test_requests_decoded_by_other_code_are_kept_and_named_in_the_manifest(tmp_p
     counts = ", ".join(sorted([f"{now[:12]}: 1", "oldoldoldold: 3"]))  # listed in fingerprint order
     assert err.strip() == (f"note: {tmp_path / 'resumed'}'s requests were decoded by 2 versions of dwise-predict's "
                            f"code (source fingerprint: requests; {counts}); delete its shards and collect again for one")
+
+
+def _collect_resumed(out, keep, damage=None):
+    """One shard from an earlier run on disk, two written by this store (kept in memory when ``keep``),
+    then consolidated; ``damage(shards_dir)`` runs just before the consolidation."""
+    with TraceStore(out, _manifest()) as store:
+        store.write_shard(*_rows([4, 5, 6, 7]))
+    with TraceStore(out, _manifest(), keep_shards=keep) as store:
+        store.write_shard(*_rows([0, 1, 2, 3]))
+        store.write_shard(*_rows([8, 9]))
+        if damage:
+            damage(out / SHARDS_DIR)
+        store.consolidate({"requests": 10})
+
+
+def test_kept_shards_consolidate_to_the_bytes_a_fresh_read_gives(tmp_path):
+    _collect_resumed(tmp_path / "read", keep=False)
+    _collect_resumed(tmp_path / "kept", keep=True)
+    for name in ("requests.parquet", "hidden.safetensors", "manifest.json"):
+        assert (tmp_path / "read" / name).read_bytes() == (tmp_path / "kept" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".safetensors"])
+def test_a_kept_shard_damaged_on_disk_after_its_write_is_refused(tmp_path, suffix):
+    def flip(shards):
+        path = shards / f"shard-000001{suffix}"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+
+    with pytest.raises(StoreError, match="shard-000001.parquet"):
+        _collect_resumed(tmp_path, keep=True, damage=flip)

@@ -152,7 +152,8 @@ def collect(
     _refuse_idle_shard(owned, shard, len(requests), per_shard)
     planned = [requests[i] for run in owned for i in run]
     source_types = {name: entry.get("type") for name, entry in plan_workload.sources.items()}
-    with torch_threads(collect_threads(shard)), TraceStore(out) as store:  # locked before the model load
+    # locked before the model load; the shards it commits stay in memory for the consolidation at the end
+    with torch_threads(collect_threads(shard)), TraceStore(out, keep_shards=True) as store:
         backend, decoding, hidden_extra = _ready_backend(model, decoding, layer_request, rounds_hidden,
                                                          trust_remote_code, device)
         manifest = _manifest(backend, decoding, plan_workload, workload, limit, shard, per_shard, device, planned,

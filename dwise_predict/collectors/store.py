@@ -156,35 +156,59 @@ def read_shards(out: Path) -> list[Shard]:
     Raises :class:`StoreError` naming a shard that cannot be read, whose two files disagree, or whose
     content differs from the checksums recorded when it was written (a bit flipped on disk).
     """
+    return [read_shard(table) for table in committed_tables(out)]
+
+
+def committed_tables(out: Path) -> list[Path]:
+    """The Parquet files of the committed shards under ``out/shards``, in write order."""
+    return sorted((out / SHARDS_DIR).glob("shard-*.parquet"))
+
+
+def read_shard(table: Path) -> Shard:
+    """The committed shard whose Parquet file is ``table``, checked as :func:`read_shards` says."""
     from safetensors import safe_open
 
-    shards = []
-    for table in sorted((out / SHARDS_DIR).glob("shard-*.parquet")):
-        tensors = table.with_suffix(".safetensors")
-        redo = f"delete {table.name} and {tensors.name} and rerun to decode those requests again"
+    tensors = table.with_suffix(".safetensors")
+    redo = f"delete {table.name} and {tensors.name} and rerun to decode those requests again"
+    try:
+        table_bytes = table.read_bytes()
+        requests = pd.read_parquet(io.BytesIO(table_bytes))
+        with safe_open(str(tensors), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            ids = loads_json(metadata["request_ids"], StoreError, f"the request ids of {tensors}")
+            hidden = {name: f.get_tensor(name) for name in f.keys()}
+        first_round, prompt_last = hidden.pop("first_round"), hidden.pop("prompt_last")
+    except Exception as err:  # pyarrow / safetensors / json raise many types for a damaged file
+        raise StoreError(f"shard {table} cannot be read ({err}): {redo}") from None
+    if ids != requests["request_id"].tolist() or len(first_round) != len(requests):
+        raise StoreError(
+            f"shard {table} and {tensors.name} disagree on their requests: delete both and rerun to decode "
+            "those requests again"
+        )
+    recorded = [metadata.get(key) for key in CHECKSUM_KEYS]
+    found = [hashlib.sha256(table_bytes).hexdigest(),
+             _tensors_digest({"first_round": first_round, "prompt_last": prompt_last, **hidden})]
+    if any(r is not None and r != f for r, f in zip(recorded, found)):
+        raise StoreError(f"shard {table} is damaged: its content differs from the checksum recorded when it was "
+                         f"written: {redo}")
+    return Shard(requests, first_round, prompt_last, table, hidden, metadata.get("source", UNRECORDED))
+
+
+@dataclass
+class _KeptShard:
+    """A shard this store committed, as it handed it to the files, and the sha256 of each file's bytes
+    (Parquet, safetensors): while a file still holds those bytes, reading it back gives this shard."""
+
+    shard: Shard
+    file_digests: tuple[str, str]
+
+    def matches_files(self) -> bool:
+        files = (self.shard.path, self.shard.path.with_suffix(".safetensors"))
         try:
-            table_bytes = table.read_bytes()
-            requests = pd.read_parquet(io.BytesIO(table_bytes))
-            with safe_open(str(tensors), framework="numpy") as f:
-                metadata = f.metadata() or {}
-                ids = loads_json(metadata["request_ids"], StoreError, f"the request ids of {tensors}")
-                hidden = {name: f.get_tensor(name) for name in f.keys()}
-            first_round, prompt_last = hidden.pop("first_round"), hidden.pop("prompt_last")
-        except Exception as err:  # pyarrow / safetensors / json raise many types for a damaged file
-            raise StoreError(f"shard {table} cannot be read ({err}): {redo}") from None
-        if ids != requests["request_id"].tolist() or len(first_round) != len(requests):
-            raise StoreError(
-                f"shard {table} and {tensors.name} disagree on their requests: delete both and rerun to decode "
-                "those requests again"
-            )
-        recorded = [metadata.get(key) for key in CHECKSUM_KEYS]
-        found = [hashlib.sha256(table_bytes).hexdigest(),
-                 _tensors_digest({"first_round": first_round, "prompt_last": prompt_last, **hidden})]
-        if any(r is not None and r != f for r, f in zip(recorded, found)):
-            raise StoreError(f"shard {table} is damaged: its content differs from the checksum recorded when it was "
-                             f"written: {redo}")
-        shards.append(Shard(requests, first_round, prompt_last, table, hidden, metadata.get("source", UNRECORDED)))
-    return shards
+            return all(hashlib.sha256(path.read_bytes()).hexdigest() == digest
+                       for path, digest in zip(files, self.file_digests))
+        except OSError:  # gone or unreadable: read_shard says which and what to do
+            return False
 
 
 def _tensors_digest(tensors: dict[str, np.ndarray]) -> str:
@@ -266,13 +290,19 @@ class TraceStore:
     out : output directory (created if missing).
     manifest : the run's manifest (``model``, ``decoding``, ``workload``, ``versions`` ...), or
         ``None`` to pass it later to :meth:`begin`.
+    keep_shards : keep each shard :meth:`write_shard` commits in memory (its arrays as given, not
+        copied), so :meth:`consolidate` parses and re-hashes only the shards of earlier runs; a kept
+        shard's two files are still checked, byte for byte against what was written (sha256), and one
+        that changed on disk is read and refused as any damaged shard is. For `collect`, which
+        consolidates every shard at its end anyway; not for a recording server that writes for days.
     """
 
-    def __init__(self, out: str | os.PathLike, manifest: dict | None = None) -> None:
+    def __init__(self, out: str | os.PathLike, manifest: dict | None = None, keep_shards: bool = False) -> None:
         self.out = Path(out)
         self.manifest = manifest
         self._file_lock: FileLock | None = None
         self._created = False  # whether __enter__ made the directory
+        self._kept: dict[Path, _KeptShard] | None = {} if keep_shards else None  # by Parquet path
 
     # -- opening -----------------------------------------------------------------------------------
 
@@ -393,14 +423,20 @@ class TraceStore:
             "prompt_last": np.ascontiguousarray(prompt_last, dtype=np.float32),
             **{name: np.ascontiguousarray(v, dtype=np.float32) for name, v in extra.items()},
         }
+        table_digest, source = hashlib.sha256(table.getvalue()).hexdigest(), source_fingerprint()
         blob = save(hidden, metadata={
-            "request_ids": json.dumps(requests["request_id"].tolist()), "source": source_fingerprint(),
-            **dict(zip(CHECKSUM_KEYS, (hashlib.sha256(table.getvalue()).hexdigest(), _tensors_digest(hidden))))})
+            "request_ids": json.dumps(requests["request_id"].tolist()), "source": source,
+            **dict(zip(CHECKSUM_KEYS, (table_digest, _tensors_digest(hidden))))})
+        path = stem.with_suffix(".parquet")
         with _store_errors(self.out):
             # safetensors first: the Parquet file's arrival is what commits the shard.
             atomic_write_bytes(stem.with_suffix(".safetensors"), blob, durable=True)
-            atomic_write_bytes(stem.with_suffix(".parquet"), table.getvalue(), durable=True)
-        return stem.with_suffix(".parquet")
+            atomic_write_bytes(path, table.getvalue(), durable=True)
+        if self._kept is not None:
+            first, last = hidden.pop("first_round"), hidden.pop("prompt_last")
+            self._kept[path] = _KeptShard(Shard(requests.reset_index(drop=True), first, last, path, hidden, source),
+                                          (table_digest, hashlib.sha256(blob).hexdigest()))
+        return path
 
     def mark_incomplete(self) -> None:
         """Before decoding more requests into a finished collection (a larger ``--limit``): remove its
@@ -416,13 +452,19 @@ class TraceStore:
 
     def consolidate(self, counts: dict | None = None) -> Path:
         """Write ``requests.parquet`` + ``hidden.safetensors`` + the final manifest from every shard."""
-        shards = read_shards(self.out)
+        shards = [self._committed_shard(table) for table in committed_tables(self.out)]
         manifest = with_sources(self.manifest, request_sources(shards))
         manifest["counts"] = dict(counts or {})
         dataset = concat_shards(shards, manifest)
         with _store_errors(self.out):
             write_traces(dataset, self.out)
         return self.out
+
+    def _committed_shard(self, table: Path) -> Shard:
+        """The shard committed as ``table``: the one kept in memory while its files hold what was
+        written (so it reads back as that shard), else read from the files and checked."""
+        kept = self._kept.get(table) if self._kept is not None else None
+        return kept.shard if kept is not None and kept.matches_files() else read_shard(table)
 
 
 def merge(dirs: list[str | os.PathLike], out: str | os.PathLike) -> Path:
