@@ -1,5 +1,7 @@
 """Round-level simulator: hand-computed schedules, oracle vs FCFS, fast-forward equivalence, bad input."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -142,6 +144,38 @@ def test_fast_forward_gives_the_same_schedule(synthetic_workload):
         assert fast.completion_round.tolist() == slow.completion_round.tolist(), policy
         assert fast.metrics["preemptions_per_request"] == slow.metrics["preemptions_per_request"]
         np.testing.assert_allclose(fast.latency_s, slow.latency_s, rtol=1e-9, atol=1e-6)
+
+
+@pytest.mark.parametrize("guard", [{}, {"aging": 0.05, "max_wait": 60}])
+def test_spans_run_the_rounds_the_policy_would_have_planned(synthetic_workload, monkeypatch, guard):
+    """Where every resident request runs and nobody waits, the simulator runs the rounds up to the next
+    arrival without asking the policy each round (``_RoundLoop._run_span``). Every metric and every
+    per-request stamp is the one asking it every round gives, bit for bit, for each scheduler (those
+    that never take a span too: MLFQ, the prefill-first ones), with and without the starvation guard
+    (whose clock a span advances); and the spans did run."""
+    from dwise_predict.simulation import simulator
+    from dwise_predict.simulation.schedulers import SCHEDULERS
+
+    spans, real_span, real_init = [], simulator._RoundLoop._run_span, simulator._RoundLoop.__init__
+    monkeypatch.setattr(simulator._RoundLoop, "_run_span", lambda self, *a: spans.append(1) or real_span(self, *a))
+
+    def without_spans(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.spans = False
+
+    w = synthetic_workload
+    w.probe, w.raw_refined = w.refined + 1.0, w.refined * 1.3
+    # below the service rate (~1.3 requests/s here): after the burst, the server often keeps up
+    cfg = SimConfig(slots=16, k=2, arrival="burst-poisson", rate=1.0, seed=5, **guard)
+    arrivals = make_arrivals(len(w), cfg)
+    with_spans = {p: simulate(w, p, cfg, arrivals) for p in SCHEDULERS}
+    assert len(spans) > 1000
+    monkeypatch.setattr(simulator._RoundLoop, "__init__", without_spans)
+    for policy in SCHEDULERS:
+        asked, fast = simulate(w, policy, cfg, arrivals), with_spans[policy]
+        assert json.dumps(fast.metrics, sort_keys=True) == json.dumps(asked.metrics, sort_keys=True), policy  # NaN too
+        for name in ("completion_round", "latency_rounds", "latency_s", "ttfb_rounds", "ttfb_s"):
+            np.testing.assert_array_equal(getattr(fast, name), getattr(asked, name), err_msg=f"{policy} {name}")
 
 
 def test_same_seed_same_result_and_arrivals(synthetic_workload):

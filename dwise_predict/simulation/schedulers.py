@@ -272,7 +272,8 @@ class ScheduledPolicy(DwisePolicy):
         dn = plan.run[~plan.prompt]
         if len(dn) == 0:
             return cap
-        return min(cap, max(1, int(np.minimum.reduce(self._tabulated("_to_next_level", dn)))))
+        to_next = self._tabulated("_to_next_level", dn)
+        return min(cap, max(1, int(to_next[to_next.argmin()])))
 
 
 def make_policy(spec: SchedulerSpec, slots: int, k: float, kv_budget: float | None, aging: float = 0.0,

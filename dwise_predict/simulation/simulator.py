@@ -5,7 +5,9 @@ rounds of its first output block. A serving round runs at most ``B`` blocks (one
 request: a prompt block or one denoising round) and takes ``round_ms + slot_ms * blocks`` ms. The
 policy (:class:`~dwise_predict.serving.policy.DwisePolicy`, the class a server drives) decides
 admission and which requests run; the simulator only advances the true state and the clock, so the
-simulated policy is the served one, line for line.
+simulated policy is the served one, line for line. (Where every resident request runs and nobody
+waits, the rounds up to the next arrival are run without asking it each round, since its plans can
+only hold those requests, and it is told what ran at the end.)
 
 Schedulers (:data:`POLICIES`, the registry of :mod:`~dwise_predict.simulation.schedulers`), among
 them SGLang's default (FDFO, ``--dllm-fdfo``) and its synchronous loop (``sglang-sync``,
@@ -26,6 +28,7 @@ round-time model); time to first block (TTFB) is when the first output block is 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -315,7 +318,9 @@ def simulate(
         policy of a comparison sees the identical arrival trace.
     record : keep the request ids run in each round (``run_log``) for inspection and tests.
     fast_forward : run a plan several rounds at once while it provably stays the same (see
-        :func:`_steady_rounds`); results in rounds are identical either way (a test checks it).
+        :func:`_steady_rounds`), and where every resident runs and nobody waits, the rounds up to the
+        next arrival without asking the policy each round (``_RoundLoop._run_span``: the same groups
+        of rounds, so the same results); results in rounds are identical either way (a test checks it).
     refine_every : ``n``: besides the first denoising round, re-estimate ``r̂`` after rounds
         ``1 + n, 1 + 2n, …`` while the workload's ``round_refined`` has them (the DWISE paper's Table 6; ``inf``:
         once, as without it); the metrics then also count the refinements. Only for ``dwise-refined``.
@@ -331,7 +336,8 @@ def simulate(
     n = len(workload)
     order, times = make_arrivals(n, config) if arrivals is None else arrivals
     pol = make_policy(spec, config.slots, config.k, config.kv_budget, config.aging, config.max_wait)
-    loop = _RoundLoop(workload, pol, config.cost, estimate, refined, kv, later, record)
+    loop = _RoundLoop(workload, pol, config.cost, estimate, refined, kv, later, record,
+                      spans=later is None and spec.ranking != "mlfq" and not spec.prefill_first)
     ptr, next_arrival = 0, float(times[0]) if n else math.inf
     while loop.n_done < n:
         if next_arrival <= loop.clock:  # the check admit makes first, without its call on most rounds
@@ -371,9 +377,16 @@ class _RoundLoop:
     first-block and finish stamps (rounds and seconds) and the run's counters."""
 
     def __init__(self, workload: SimRequests, pol: DwisePolicy, cost: RoundCost, estimate: np.ndarray,
-                 refined: np.ndarray | None, kv: np.ndarray, later: LaterRefinements | None, record: bool):
+                 refined: np.ndarray | None, kv: np.ndarray, later: LaterRefinements | None, record: bool,
+                 spans: bool = False):
         n = len(workload)
+        # whether rounds where every resident runs may go without asking the policy (:meth:`_run_span`):
+        # not with later refinements (they act mid-span), nor under MLFQ (its steady limit reads the
+        # runners' progress, which the policy learns only at a span's end), nor with the prefill-first
+        # barrier (it holds back the runners whose prompt is done while another's is not)
+        self.spans = spans
         self.workload, self.pol, self.cost, self.later = workload, pol, cost, later
+        self.round_s: dict[tuple[int, int], float] = {}  # (prompt rows, denoising rows) -> round seconds
         self.total_rounds, self.first_block_rounds = workload.total_rounds, workload.first_block_rounds
         # the denoising rounds done at which each request's next stamp falls: its first output block,
         # then (once that is stamped) its last round
@@ -399,7 +412,7 @@ class _RoundLoop:
         end = int(times.searchsorted(self.clock, side="right"))  # the method: np.searchsorted wraps it in Python
         new = order[ptr:end]
         slots = self.pol.add_many(new, self.workload.prompt_blocks[new], self.estimate[new], self.kv[new])
-        if len(self.req_of_slot) <= np.maximum.reduce(slots):
+        if len(self.req_of_slot) <= slots[slots.argmax()]:  # argmax: cheaper than a ufunc reduction
             self.req_of_slot = np.concatenate([self.req_of_slot, np.full(len(self.req_of_slot), -1, dtype=np.int64)])
         self.req_of_slot[slots] = new
         self.arrive_round[new], self.arrive_s[new] = self.rounds, times[ptr:end]
@@ -407,51 +420,163 @@ class _RoundLoop:
 
     def run_round(self, next_arrival: float, fast_forward: bool) -> None:
         """Run the policy's next plan: one round, or with ``fast_forward`` as many as it provably
-        stays the same (:func:`_steady_rounds`; never a round that admits)."""
+        stays the same (:func:`_steady_rounds`; never a round that admits), or where every resident
+        runs and nobody waits, every round up to the next arrival (:meth:`_run_span`)."""
         # a replay runs ~10^5 rounds: each is a handful of C-level array calls over the <= B runners,
         # the rare stamps (a first output block, a finish) apart
         plan = self.pol.schedule()
+        self.preemptions += len(plan.preempted)
+        if fast_forward and self.spans and len(plan.paused) == 0 and self.pol.n_waiting == 0:
+            self._run_span(plan, next_arrival)
+            return
+        steady = fast_forward and len(plan.admitted) == 0
         run = self.req_of_slot[plan.run]
         denoise = ~plan.prompt
         dn = run[denoise]
         done = self.done_rounds[dn]
         # rounds from each denoising runner to its next stamp, and the nearest: a plan repeats only up
-        # to it, and the round reaching it stamps (one reduction answers both)
+        # to it, and the round reaching it stamps (one lookup answers both)
         to_stamp = self.next_stamp[dn] - done
-        nearest = int(np.minimum.reduce(to_stamp)) if len(dn) else math.inf
+        nearest = _least(to_stamp) if len(dn) else math.inf
         # a runner's first denoising round: its refinement is due (count_nonzero: the cheapest numpy call)
         starting = np.count_nonzero(done) < len(done)
-        dt = float(self.cost.seconds(len(run) - len(dn), len(dn)))
+        dt = self._round_seconds(len(run) - len(dn), len(dn))
         repeat = 1
-        if fast_forward and len(plan.admitted) == 0:
-            repeat = self._repeat(plan, done, nearest, starting, dt, next_arrival)
+        if steady:
+            repeat = self._repeat(plan, len(run), len(dn), nearest, starting, dt, next_arrival,
+                                  lambda: _least(self.pol.prompt_blocks(plan.run[plan.prompt])),
+                                  None if self.later is None else self.later.gaps(done))
         done += repeat  # a copy (gathered): the rounds done after this plan
         self.done_rounds[dn] = done
-        self._count(plan, len(run), len(dn), dt, repeat)
+        self._count(len(run), len(dn), dt, repeat)
         finished = self._stamp(dn, done, (to_stamp <= repeat).nonzero()[0]) if nearest <= repeat else None
         self._complete(plan, denoise, dn, done, finished, repeat, starting and repeat == 1)
         if self.log is not None:
             self.log.append((self.workload.request_ids[run].tolist(), plan.prompt.tolist()))
 
-    def _repeat(self, plan, done: np.ndarray, nearest: float, starting: bool, dt: float,
-                next_arrival: float) -> int:
-        repeat = _steady_rounds(self.pol, plan, done, nearest, starting, next_arrival - self.clock, dt,
-                                None if self.later is None else self.later.gaps(done))
-        if self.steady_limit is not None and repeat > 1:  # it cannot go below one round
+    def _run_span(self, plan, next_arrival: float) -> None:
+        """Every round up to the next arrival (or until the runners are done) while every resident
+        request runs and nobody waits, from ``plan`` (this round's; one that admitted runs its round
+        alone first), without asking the policy each round.
+
+        No request joins before the next arrival and the resident set only loses the finished, so
+        each of these rounds the policy would run the same requests (less those finished), each a
+        prompt block while it has one left: only their order would differ, which the replay does not
+        read. All of them move in step, so each one's events fall on known rounds of the span: its
+        prompt runs out, its first denoising round, its stamps. The rounds are grouped as
+        :meth:`run_round` groups them (the same repeats from the same bounds: the same steps of the
+        clock, so the same floats and stamps), a few integer operations per group; the policy is then
+        told what ran (:meth:`_tell_span`)."""
+        req = self.req_of_slot[plan.run]
+        start_P, start_done = self.pol.prompt_blocks(plan.run), self.done_rounds[req]
+        P, done0 = start_P.tolist(), start_done.tolist()
+        ends = sorted(p for p in P if p > 0)  # the span rounds from which a prompt is done
+        firsts = {p for p, d in zip(P, done0) if d == 0}  # the span rounds that are a first denoising round
+        # each runner's next stamp: (the span round whose end reaches it, runner)
+        stamps = [(p + s - d - 1, i) for i, (p, d, s) in enumerate(zip(P, done0, self.next_stamp[req].tolist()))]
+        heapq.heapify(stamps)
+        finished: list[int] = []
+        steady = len(plan.admitted) == 0
+        t = k = 0  # rounds run in the span; prompts done by then (ends[:k])
+        while True:
+            while k < len(ends) and ends[k] <= t:
+                k += 1
+            n_prompt = len(ends) - k
+            n_run = len(P) - len(finished)
+            n_dn = n_run - n_prompt
+            # the heap holds the prompt runners' stamps too, but each falls after that runner's prompt
+            # is done, past the prompt bound of the repeat: the nearest of all gives the same repeat
+            nearest = stamps[0][0] - t + 1 if n_dn else math.inf
+            dt = self._round_seconds(n_prompt, n_dn)
+            repeat = 1
+            if steady or t:
+                repeat = self._repeat(None, n_run, n_dn, nearest, t in firsts, dt, next_arrival, lambda: ends[k] - t,
+                                      None)
+            self._count(n_run, n_dn, dt, repeat)
+            t += repeat
+            while stamps and stamps[0][0] < t:  # the stamps of the group's last round
+                i = heapq.heappop(stamps)[1]
+                r, d = int(req[i]), done0[i] + t - P[i]
+                if self._stamp_one(r, d):
+                    finished.append(i)
+                else:
+                    heapq.heappush(stamps, (t - 1 + int(self.next_stamp[r]) - d, i))
+            if len(finished) == len(P) or next_arrival <= self.clock:
+                break
+        self._tell_span(plan.run, req, start_P, start_done, t, np.array(finished, dtype=np.int64))
+
+    def _stamp_one(self, r: int, done: int) -> bool:
+        """:meth:`_stamp` for one request ``r`` that reached its next stamp with ``done`` rounds done;
+        returns whether it finished."""
+        if done == self.first_block_rounds[r]:
+            self.ttfb_round[r], self.ttfb_s[r] = self.rounds, self.clock
+            self.next_stamp[r] = self.total_rounds[r]
+        if done < self.total_rounds[r]:
+            return False
+        self.finish_round[r], self.finish_s[r] = self.rounds, self.clock
+        self.n_done += 1
+        return True
+
+    def _tell_span(self, slots: np.ndarray, req: np.ndarray, start_P: np.ndarray, start_done: np.ndarray,
+                   rounds: int, finished: np.ndarray) -> None:
+        """Record the rounds done, and tell the policy what a span of ``rounds`` rounds ran
+        (:meth:`_run_span`): ``slots`` (requests ``req``) began it with ``start_P`` prompt blocks and
+        ``start_done`` denoising rounds; those at positions ``finished`` finished. The policy's
+        per-round updates add up (they move integers, and ``r̂`` by whole rounds, exact in float64):
+        its state ends as after them, but for which free slots later arrivals take (ties are broken
+        by arrival sequence, never by slot)."""
+        pol = self.pol
+        pol.rounds += rounds - 1  # schedule() counted the first, as complete_round counts a repeat
+        prompt_ran = np.minimum(start_P, rounds)
+        denoise_ran = np.maximum(rounds - start_P, 0)
+        denoise_ran[finished] = self.total_rounds[req[finished]] - start_done[finished]
+        self.done_rounds[req] = start_done + denoise_ran
+        ran = prompt_ran > 0
+        n_ran = np.count_nonzero(ran)  # (count_nonzero: cheaper than any())
+        if n_ran:
+            pol.complete_slots(slots[ran], np.ones(n_ran, dtype=bool), rounds=prompt_ran[ran])
+        ran = denoise_ran > 0
+        n_ran = np.count_nonzero(ran)
+        if not n_ran:
+            return
+        gone = np.zeros(len(slots), dtype=bool)
+        gone[finished] = True
+        refined = None  # where a first denoising round ran (the policy applies one only at that round)
+        if self.refined is not None and np.count_nonzero(start_done[ran] == 0):
+            refined = self.refined[req[ran]]
+        pol.complete_slots(slots[ran], np.zeros(n_ran, dtype=bool), gone[ran], refined,
+                           rounds=denoise_ran[ran])
+
+    def _round_seconds(self, n_prompt: int, n_denoise: int) -> float:
+        """Seconds of a round of ``n_prompt`` prompt and ``n_denoise`` denoising rows, by the cost model
+        once per mix (a replay meets a few hundred mixes over ~10^5 plans)."""
+        mix = (n_prompt, n_denoise)
+        dt = self.round_s.get(mix)
+        if dt is None:
+            dt = self.round_s[mix] = float(self.cost.seconds(n_prompt, n_denoise))
+        return dt
+
+    def _repeat(self, plan, n_run: int, n_dn: int, nearest: float, starting: bool, dt: float, next_arrival: float,
+                least_prompt: Callable[[], int], refine_gaps: np.ndarray | None) -> int:
+        """Rounds the plan repeats (:func:`_steady_rounds`), within the policy's steady limit for ``plan``
+        (None: no limit applies)."""
+        repeat = _steady_rounds(n_run, n_dn, nearest, starting, next_arrival - self.clock, dt, least_prompt,
+                                refine_gaps)
+        if plan is not None and self.steady_limit is not None and repeat > 1:  # it cannot go below one round
             repeat = max(1, min(repeat, self.steady_limit(plan)))
         return repeat
 
-    def _count(self, plan, n_run: int, n_dn: int, dt: float, repeat: int) -> None:
-        """The clock and the counters after ``repeat`` rounds of ``plan`` (``n_run`` rows, ``n_dn`` of
-        them denoising)."""
+    def _count(self, n_run: int, n_dn: int, dt: float, repeat: int) -> None:
+        """The clock and the counters after ``repeat`` rounds of ``n_run`` rows, ``n_dn`` of them
+        denoising (preemptions are counted per plan, by :meth:`run_round`)."""
         pol = self.pol
         self.cap_blocked += repeat * (pol.n_waiting > 0 and pol.n_resident >= pol.max_resident)
         self.clock += dt * repeat
         self.rounds += repeat
         self.used_slots += n_run * repeat
-        self.prefill_only += repeat * (n_dn == 0)
-        self.prefill_only_s += dt * repeat * (n_dn == 0)
-        self.preemptions += len(plan.preempted)
+        if n_dn == 0:  # a prefill-only span (skipped otherwise: adding 0.0 leaves the sum as it is)
+            self.prefill_only += repeat
+            self.prefill_only_s += dt * repeat
 
     def _stamp(self, dn: np.ndarray, done: np.ndarray, at: np.ndarray) -> np.ndarray | None:
         """Stamp the requests ``dn[at]`` that reached their next stamp: a first output block (the next
@@ -744,9 +869,9 @@ def kv_reservations(workload: SimRequests, config: SimConfig) -> np.ndarray:
     return kv
 
 
-def _steady_rounds(pol: DwisePolicy, plan, done: np.ndarray, nearest: float, starting: bool, until_arrival: float,
-                   dt: float, refine_gaps: np.ndarray | None = None) -> int:
-    """How many rounds in a row ``plan`` provably repeats unchanged (at least 1).
+def _steady_rounds(n_run: int, n_denoise: int, nearest: float, starting: bool, until_arrival: float, dt: float,
+                   least_prompt: Callable[[], int], refine_gaps: np.ndarray | None = None) -> int:
+    """How many rounds in a row a plan of ``n_run`` rows provably repeats unchanged (at least 1).
 
     Between events the same requests keep running: runners' keys only fall (``P`` or ``r̂`` drop
     by one per round, or ``r̂`` stays at 0) while paused and waiting keys stay fixed, so no paused
@@ -756,23 +881,29 @@ def _steady_rounds(pol: DwisePolicy, plan, done: np.ndarray, nearest: float, sta
     ``refine_gaps`` (``--refine-every``): rounds until a runner's next refinement, which must run
     alone too. The caller skips this when the round admitted anyone.
 
-    ``done``: the denoising runners' rounds done; ``nearest``: the fewest rounds from one of them to
-    its next stamp (its first output block, then its last round; ``inf`` with none denoising);
-    ``starting``: one of them is at its first denoising round.
+    ``n_denoise``: the runners that run a denoising round; ``nearest``: the fewest rounds from one of
+    them to its next stamp (its first output block, then its last round; ``inf`` with none denoising);
+    ``starting``: one of them is at its first denoising round; ``least_prompt``: the fewest prompt
+    blocks left of the other runners (asked only where that bound is not moot).
     """
     if starting or nearest <= 1:  # a refinement, or a stamp after this round (common on a busy server)
         return 1
     steps = []
     if refine_gaps is not None and len(refine_gaps):
         steps.append(int(refine_gaps.min()) - 1)  # 0 when this round refines: it runs alone
-    if len(done):
+    if n_denoise:
         steps.append(nearest)
     if math.isfinite(until_arrival):
         # round j of the span starts at clock + j * dt and must start before the next arrival
         steps.append(max(1, math.ceil(until_arrival / dt) - 1))
-    if len(done) < len(plan.run) and not (steps and min(steps) <= 1):  # the costliest bound, unless moot
-        steps.append(int(np.minimum.reduce(pol._P[plan.run[plan.prompt]])))
+    if n_denoise < n_run and not (steps and min(steps) <= 1):  # the costliest bound, unless moot
+        steps.append(least_prompt())
     return max(1, min(steps)) if steps else 1
+
+
+def _least(values: np.ndarray) -> int:
+    """The least of a few integers (argmin: a fraction of a ufunc reduction's cost on a handful)."""
+    return int(values[values.argmin()])
 
 
 def available_policies(workload: SimRequests, batch_former: str = "mixed") -> list[str]:
