@@ -108,11 +108,13 @@ def _other_thread(jobs: int) -> Iterator[Executor | None]:
     pool.shutdown(wait=True)
 
 
-# what a shared fit costs, roughly: CPU seconds of each on the 2,048 x 2,048 benchmark (a survival fold's
-# three members the most; a ridge fold takes its decomposition from survival-pca's, or the other way
-# round). The CV's threads take the dearest first, see CrossValidation.start: the whole split's ridge
-# (ridge-held) last of all left one thread working alone for a second at the end
-_COST = {"survival": 6.0, "within": 2.5, "pca": 2.5, "ridge-held": 1.3, "ridge": 0.3}
+# the order the CV's threads take the shared fits in (CrossValidation.start): dearest first, by rough CPU
+# seconds on the 2,048 x 2,048 benchmark (a survival fold's three members the most; a ridge fold takes its
+# decomposition from survival-pca's, or the other way round). Except the whole split's ridge
+# (ridge-held, ~1.3 s): taken in its turn, the last but the ridge folds' few milliseconds, it left one
+# thread working alone for ~1.1 s while the other had finished (an idle run, 2026-12-06); ranked after
+# the survival folds, the threads end on the per-fold fits of ~2.5 s each, within a few tenths
+_COST = {"survival": 6.0, "ridge-held": 3.0, "within": 2.5, "pca": 2.5, "ridge": 0.3}
 
 
 class CrossValidation:
