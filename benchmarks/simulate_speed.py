@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ntotal: {total:.2f} s wall ({cpu:.2f} s CPU of this process: the figure on a busy machine) "
           f"for {2 * len(POLICIES)} simulations, the median of {len(passes)} passes "
           f"({', '.join(f'{w:.2f}' for w, _ in passes)} s; target <= {TARGET_S:g} s)")
-    at = f"{len(workload)} requests, B = {args.slots}, median of {len(passes)}"
+    at = f"{len(workload)} requests, B = {args.slots}" + (f", median of {len(passes)}" if len(passes) > 1 else "")
     report("simulate_speed", [
         Figure(f"simulator, {2 * len(POLICIES)} runs, wall time", total, "s", TARGET_S, context=at),
         Figure(f"simulator, {2 * len(POLICIES)} runs, CPU time", cpu, "s", context=at),
