@@ -69,7 +69,8 @@ class TrainConfig:
     cv_folds: int = 3
     # members of each network candidate's fold fits in that cross-validation (survival, survival+ridge,
     # survival-pca: their first seeds; 0 = all `members`, the shipped ensemble's). 2 of 3 cut train's CPU
-    # time by a quarter to a third, and changed the choice on 4 of 18 synthetic sets (docs/training.md, "Speed")
+    # time by a quarter (median over 18 synthetic sets) and changed the choice on 4 of them
+    # (docs/training.md, "Speed")
     cv_members: int = 0
     # categories left out of training (both predictors and the calibration); the eval split keeps them
     exclude: tuple[str, ...] = ()
