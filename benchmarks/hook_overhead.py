@@ -24,7 +24,10 @@ server runs SGLang's own scheduling. Both are timed inside the scheduler process
   the early signals' softmax over the vocabulary, the refinement graph, the pooling product), p50 and
   p99: the figure the p50 and p99 targets are held to, and the hook's total is printed beside it;
 - **µs/arrival**: ``RequestTable.register``'s time (features from token ids, the admission model,
-  the policy's insert) over the requests it registered.
+  the policy's insert) over the requests it registered;
+- **the caches** (printed last; in the benchmark's own process once both servers are stopped): two of
+  the hook's per-step calls, the admission model and a policy round, warm and right after reading one
+  B = 128 step's logits, as SGLang's CPU forward does before every hook step (:func:`cache_effect`).
 
 Why the targets are held to the host time: the targets are for what the hook adds to the scheduler
 thread of a served model, and on a GPU server its tensor work is kernels the scheduler thread
@@ -96,6 +99,7 @@ PROMPT_TOKENS = (2, 3, 5, 6, 7, 9, 10, 11)  # shorter than a block (a first roun
 NEW_TOKENS = 4
 TIMING = ROOT / "benchmarks" / "hook_timing.py"
 MODES = ("pass-through", "dwise")  # measured in this order
+ARRIVALS = FINISHES = 15  # per step at B = 128 in the full run (cache_effect's steady step)
 DUMP_TIMEOUT_S = 60.0
 # the hook's time per step by part, and SGLang's own for comparison (hook_timing's labels)
 HOOK_PARTS = ("fetch_waiting_reqs", "register", "process_dllm_batches", "run", "counted_forward", "row_signals",
@@ -127,10 +131,11 @@ class Plan:
 
     slots: int
     phases: tuple
+    cache_pairs: int  # cache_effect's timed steps, each warm and swept
 
 
-FULL = Plan(TARGET_B, (Phase(16, 10.0), Phase(K * TARGET_B + TARGET_B // 2, 30.0)))
-SMOKE = Plan(4, (Phase(K * 4 + 2, 5.0),))
+FULL = Plan(TARGET_B, (Phase(16, 10.0), Phase(K * TARGET_B + TARGET_B // 2, 30.0)), 100)
+SMOKE = Plan(4, (Phase(K * 4 + 2, 5.0),), 10)
 
 
 @dataclass
@@ -281,17 +286,84 @@ def row(rows: int, mode: str, s: dict) -> str:
             f"{per_arrival}")
 
 
-def figures(slots: int, dwise: dict) -> list[Figure]:
+@dataclass
+class CacheEffect:
+    """Two of the hook's per-step calls timed in this process, warm and after a sweep of the caches
+    like the one SGLang's CPU forward makes before every hook step (:func:`cache_effect`): µs, medians."""
+
+    admission_warm: float
+    admission_swept: float
+    policy_warm: float
+    policy_swept: float
+    sweep_mb: float
+
+
+def cache_effect(bundle: Path, pairs: int) -> CacheEffect:
+    """What the caches cost the hook on this CPU. Before every hook step SGLang's forward, on the
+    scheduler's core, computes a softmax over a step's logits (B rows x block x vocabulary, fp32:
+    311 MB at B = 128), which leaves none of the hook's code or data in any cache level; on a
+    GPU server that work runs on the GPU. Here two of the hook's own per-step calls (the admission
+    model on :data:`ARRIVALS` requests; a policy round at B = 128 and :data:`K`: those arrivals,
+    ``schedule``, ``complete_slots`` with :data:`FINISHES` finishes, k·B + B/2 requests in flight) are
+    timed ``pairs`` times each right after the same call (warm) and right after reading a buffer of
+    that size (swept)."""
+    from dwise_predict.bundles.load import load_bundle
+    from dwise_predict.serving.policy import DwisePolicy
+
+    loaded = load_bundle(bundle)
+    sweep = np.ones(TARGET_B * tiny_sdar.BLOCK * tiny_sdar.VOCAB, dtype=np.float32)
+    rng = np.random.default_rng(0)
+    features = np.column_stack([rng.integers(1, 400, ARRIVALS), rng.integers(0, 8, ARRIVALS),
+                                rng.integers(8, 2048, ARRIVALS)]).astype(np.float32)
+    policy = DwisePolicy(TARGET_B, K)
+    ids = itertools.count()
+
+    def admission() -> float:
+        start = time.perf_counter()
+        loaded.admission(features)
+        return time.perf_counter() - start
+
+    def policy_round() -> float:
+        arrived = [next(ids) for _ in range(ARRIVALS)]
+        start = time.perf_counter()
+        policy.add_many(arrived, [1] * ARRIVALS, rng.random(ARRIVALS) * 30.0, [64.0] * ARRIVALS)
+        plan = policy.schedule()
+        finished = np.zeros(len(plan.run), dtype=bool)
+        finished[:FINISHES] = True
+        policy.complete_slots(plan.run, plan.prompt, finished)
+        return time.perf_counter() - start
+
+    in_flight = [next(ids) for _ in range(K * TARGET_B + TARGET_B // 2)]  # as many as the full run's last phase
+    policy.add_many(in_flight, [1] * len(in_flight), rng.random(len(in_flight)) * 30.0, [64.0] * len(in_flight))
+    times: dict = {}
+    for step in range(pairs + 5):  # the first 5 are not timed
+        for name, call in (("admission", admission), ("policy", policy_round)):
+            call()
+            warm = call()  # right after the same call
+            sweep.sum()
+            swept = call()
+            if step >= 5:
+                times.setdefault((name, False), []).append(warm)
+                times.setdefault((name, True), []).append(swept)
+    median = {key: float(np.median(values)) * 1e6 for key, values in times.items()}
+    return CacheEffect(median["admission", False], median["admission", True], median["policy", False],
+                       median["policy", True], sweep.nbytes / 1e6)
+
+
+def figures(slots: int, dwise: dict, cache: CacheEffect) -> list[Figure]:
     """The hook's figures against their targets (printed by ``targets.report``, after :func:`verdicts`):
     its host time (the module docstring says why) and per arrival; its total, tensor work included,
-    beside them without a target."""
+    and what the caches swept by the forward cost its calls (:func:`cache_effect`), beside them without a target."""
     at = f"B = {slots}" + ("" if slots == TARGET_B else f"; the targets are for B = {TARGET_B}")
+    swept = (cache.admission_swept + cache.policy_swept) / (cache.admission_warm + cache.policy_warm)
     return [Figure(name, dwise[key], "µs", target, context=at)
             for name, key, target in (("hook host p50", "host_p50", TARGET_P50_US),
                                       ("hook host p99", "host_p99", TARGET_P99_US),
                                       ("hook per arrival", "per_arrival", TARGET_ARRIVAL_US),
                                       ("hook p50 with its tensor work", "hook_p50", None),
-                                      ("hook p99 with its tensor work", "hook_p99", None))]
+                                      ("hook p99 with its tensor work", "hook_p99", None))] + [
+        Figure("hook calls, swept caches / warm", swept, "x",
+               context=f"admission and a policy round at B = {TARGET_B}, {cache.sweep_mb:.0f} MB swept")]
 
 
 def verdicts(slots: int, dwise: dict, passthrough: dict) -> list[str]:
@@ -331,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
         model, bundle = (args.model, args.bundle) if args.model else build(work)
         note(f"model {model}, bundle {bundle}")
         runs = run_all(plan, model, bundle, work)
+        note("the caches' cost (both servers stopped)")
+        cache = cache_effect(bundle, plan.cache_pairs)
     results = {(phase.rows, mode): summarize(dump, windows[i])
                for mode, (dump, windows) in runs.items() for i, phase in enumerate(plan.phases)}
     print(f"the DWISE hook in SGLang {live_server.SGLANG_VERSION}'s real server on this CPU ({os.cpu_count()} cores): "
@@ -346,8 +420,13 @@ def main(argv: list[str] | None = None) -> None:
     largest = plan.phases[-1].rows
     for line in verdicts(plan.slots, results[largest, "dwise"], results[largest, "pass-through"]):
         print(line)
+    print(f"the caches: in this process, {ARRIVALS} requests' admission estimates take {cache.admission_warm:.0f} µs "
+          f"warm and {cache.admission_swept:.0f} µs right after reading {cache.sweep_mb:.0f} MB (one step's logits at "
+          f"B = {TARGET_B}, as SGLang's CPU forward sweeps the caches before every hook step; on a GPU server the "
+          f"GPU computes them), a policy round at B = {TARGET_B} ({ARRIVALS} arrivals, schedule, {FINISHES} finishes) "
+          f"{cache.policy_warm:.0f} and {cache.policy_swept:.0f} µs")
     print(f"wall time {time.monotonic() - STARTED:.0f} s")
-    report("hook_overhead", figures(plan.slots, results[largest, "dwise"]), args, slots=plan.slots, k=K,
+    report("hook_overhead", figures(plan.slots, results[largest, "dwise"], cache), args, slots=plan.slots, k=K,
            sglang=live_server.SGLANG_VERSION, load_at_start=load)
 
 

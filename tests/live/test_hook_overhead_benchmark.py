@@ -75,3 +75,18 @@ def test_it_compares_the_loop_periods_and_says_where_the_hook_time_goes(printed)
     assert parts and "register" in parts[1] and "row_signals" in parts[1] and "refine" in parts[1], printed
     assert re.search(r"^SGLang's own time, mean µs per step, dwise \| pass-through: ModelRunner.forward \d+ \| \d+",
                      printed, re.MULTILINE), printed
+
+
+def test_it_says_what_the_caches_the_forward_sweeps_cost_two_of_the_hooks_calls(printed):
+    line = re.search(rf"^the caches: in this process, 15 requests' admission estimates take ({NUMBER}) µs warm and "
+                     rf"({NUMBER}) µs right after reading 311 MB \(one step's logits at B = 128, .*\), a policy round "
+                     rf"at B = 128 \(15 arrivals, schedule, 15 finishes\) ({NUMBER}) and ({NUMBER}) µs$", printed, re.MULTILINE)
+    assert line, printed
+    assert all(float(value) > 0 for value in line.groups()), line.groups()
+    ratio = re.search(rf"^figure hook calls, swept caches / warm \(admission and a policy round at B = 128, 311 MB "
+                      rf"swept\): ({NUMBER})x \(no target\)$", printed, re.MULTILINE)
+    admission_warm, admission_swept, policy_warm, policy_swept = map(float, line.groups())
+    # the printed figure is the ratio of the printed times (each rounded to a microsecond)
+    assert ratio and float(ratio[1]) == pytest.approx((admission_swept + policy_swept) / (admission_warm + policy_warm),
+                                                      rel=0.02), printed
+
