@@ -80,7 +80,8 @@ def test_it_compares_the_loop_periods_and_says_where_the_hook_time_goes(printed)
 def test_it_says_what_the_caches_the_forward_sweeps_cost_two_of_the_hooks_calls(printed):
     line = re.search(rf"^the caches: in this process, 15 requests' admission estimates take ({NUMBER}) µs warm and "
                      rf"({NUMBER}) µs right after reading 311 MB \(one step's logits at B = 128, .*\), a policy round "
-                     rf"at B = 128 \(15 arrivals, schedule, 15 finishes\) ({NUMBER}) and ({NUMBER}) µs$", printed, re.MULTILINE)
+                     rf"at B = 128 \(15 arrivals, schedule, 15 finishes\) ({NUMBER}) and ({NUMBER}) µs$",
+                     printed, re.MULTILINE)
     assert line, printed
     assert all(float(value) > 0 for value in line.groups()), line.groups()
     ratio = re.search(rf"^figure hook calls, swept caches / warm \(admission and a policy round at B = 128, 311 MB "
